@@ -1,0 +1,108 @@
+"""The ``hpcml`` command: a thin shell over the Python API.
+
+Bad input ends in one line on stderr (``hpcml: error: ...``) and exit status 2, with no
+traceback; under MPI only rank 0 prints a validation error, which every rank raised alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from hpcml import env
+from hpcml.errors import ConfigError, HpcmlError
+from hpcml.grid.layout import AXES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hpcml", description="Machine learning at supercomputer scale.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("info", help="MPI, parallel HDF5, torch backends, devices and launch environment")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("grid", help="print a process-grid layout, or build and check it under mpiexec")
+    p.add_argument("--world", type=int, help="world size (default: the launcher's, or MPI's with --check)")
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=int, default=None if axis == "dp" else 1,
+                       help=f"degree of {axis} (-1: infer{'; default: the rest' if axis == 'dp' else ''})")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the groups")
+    p.add_argument("--check", action="store_true",
+                   help="build the real grid (MPI and torch.distributed) and check every group communicates")
+    p.add_argument("--backend", help="torch.distributed backend for --check (default: by device)")
+    p.add_argument("--interface", help="network interface rank 0 advertises for --check, e.g. hsn0")
+    return parser
+
+
+def _degrees(args: argparse.Namespace) -> dict[str, int]:
+    return {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from hpcml import info
+
+    data = info.collect()
+    print(json.dumps(data) if args.json else info.format_text(data))
+    return 0
+
+
+def _cmd_grid(args: argparse.Namespace) -> int:
+    from hpcml.grid.layout import Layout
+
+    if not args.check:
+        world = args.world if args.world is not None else env.detect().world_size
+        layout = Layout.from_degrees(world, _degrees(args))
+        if env.detect().rank == 0:
+            print(json.dumps(layout.to_dict()) if args.json else _layout_text(layout))
+        return 0
+
+    from hpcml.grid import ProcessGrid, install_abort_handler
+    from hpcml.grid.check import check_grid
+
+    install_abort_handler()
+    grid = ProcessGrid(**_degrees(args))
+    if args.world is not None and args.world != grid.world_size:
+        raise ConfigError(f"--world {args.world} != MPI world size {grid.world_size}")
+    grid.init_torch(backend=args.backend, interface=args.interface)
+    results = check_grid(grid)
+    if grid.rank == 0:
+        print(json.dumps(grid.layout.to_dict()) if args.json else grid.describe())
+        print(f"check passed: {len(results)} groups on each rank agree in layout, MPI and torch", file=sys.stderr)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def _layout_text(layout) -> str:
+    lines = [f"world {layout.world_size} = {layout.describe_degrees()}  (rank order innermost first: "
+             f"{', '.join(reversed(layout.axis_names))})"]
+    for axis in layout.axis_names:
+        lines.append(f"  {axis} groups: {layout.groups(axis)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command == "grid" and extra[0].startswith("--"):
+            parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(AXES)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return {"info": _cmd_info, "grid": _cmd_grid}[args.command](args)
+    except HpcmlError as e:
+        if not isinstance(e, ConfigError) or env.detect().rank == 0:
+            print(f"hpcml: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

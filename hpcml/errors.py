@@ -1,0 +1,28 @@
+"""One exception hierarchy for hpcml.
+
+Every error is an :class:`HpcmlError` *and* the built-in a caller would already catch
+(``ValueError`` for bad input, ``RuntimeError`` for a failed operation), so code that
+knows nothing of hpcml still handles it.
+"""
+
+from __future__ import annotations
+
+
+class HpcmlError(Exception):
+    """Root of all hpcml errors."""
+
+
+class ConfigError(HpcmlError, ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class GridError(ConfigError):
+    """A process-grid layout does not fit the world size or names an unknown axis."""
+
+
+class LaunchError(HpcmlError, RuntimeError):
+    """The launch environment or distributed bootstrap failed."""
+
+
+class MissingFeatureError(HpcmlError, RuntimeError):
+    """A dependency lacks a feature hpcml needs (e.g. h5py built without MPI)."""

@@ -1,0 +1,190 @@
+"""The process grid on an MPI communicator: sub-communicators per axis, node map, abort.
+
+Every argument is validated (by :class:`~hpcml.grid.layout.Layout`) on every rank before
+the first collective, so a bad layout raises everywhere and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hpcml import log
+from hpcml.errors import GridError
+from hpcml.grid.layout import AXES, Layout
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from hpcml.grid.torch_dist import TorchDist
+
+logger = log.get_logger(__name__)
+
+#: Combined axes built by default: dp x cp is the gradient-reduction group.
+DEFAULT_COMBOS: tuple[tuple[str, ...], ...] = (("dp", "cp"),)
+
+
+def world_comm() -> MPI.Comm:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def install_abort_handler(comm: MPI.Comm | None = None) -> None:
+    """On an unhandled exception print it, then ``Abort`` the communicator.
+
+    Without this a rank that raises exits alone while the others wait in their next
+    collective for ever (mpi4py's ``python -m mpi4py`` does the same).
+    """
+    comm = comm if comm is not None else world_comm()
+    previous = sys.excepthook
+
+    def _hook(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        sys.stderr.flush()
+        if comm.Get_size() > 1:
+            comm.Abort(1)
+
+    sys.excepthook = _hook
+
+
+def _combo_key(axes: str | Sequence[str]) -> tuple[str, ...]:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for n in names:
+        if n not in AXES:
+            raise GridError(f"unknown axis {n!r}: expected one of {', '.join(AXES)}")
+    return tuple(a for a in AXES if a in names)
+
+
+class ProcessGrid:
+    """Named parallel axes over the ranks of an MPI communicator.
+
+    ``ProcessGrid(tp=2, pp=2)`` on 8 ranks gives dp 2 and one sub-communicator per axis
+    (``grid.comm_for("tp")``) and per combination in ``combos``. ``node_name`` overrides
+    ``MPI.Get_processor_name()`` (to test multi-node layouts on one machine).
+    """
+
+    def __init__(self, layout: Layout | None = None, *, comm: MPI.Comm | None = None,
+                 combos: Iterable[Sequence[str]] = DEFAULT_COMBOS, node_name: str | None = None,
+                 **degrees: int) -> None:
+        from mpi4py import MPI
+
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.world_size = self.comm.Get_size()
+        if layout is None:
+            layout = Layout.from_degrees(self.world_size, degrees)
+        elif degrees:
+            raise GridError(f"give either a layout or degrees, not both (got {sorted(degrees)})")
+        if layout.world_size != self.world_size:
+            raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
+        self.layout = layout
+        self.coords = layout.coords(self.rank)
+        wanted = [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
+        log.configure(self.rank)
+        # -- collectives start here; everything above raised on every rank alike --------------
+        self.node_names: list[str] = self.comm.allgather(node_name or MPI.Get_processor_name())
+        self._comms: dict[tuple[str, ...], MPI.Comm] = {}
+        for key in dict.fromkeys(wanted):
+            self._comms[key] = self.comm.Split(color=layout.group_index(self.rank, key), key=self.rank)
+        self.torch: TorchDist | None = None
+        self._warn_spanning_tp()
+
+    # -- node map -----------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[str]:
+        """Distinct node names in order of first rank."""
+        return list(dict.fromkeys(self.node_names))
+
+    def node_of(self, rank: int) -> int:
+        return self.nodes.index(self.node_names[rank])
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    def local_ranks(self) -> list[int]:
+        """Ranks on this rank's node."""
+        return [r for r, n in enumerate(self.node_names) if n == self.node_names[self.rank]]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks().index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.local_ranks())
+
+    def _warn_spanning_tp(self) -> None:
+        spanning = [g for g in self.layout.groups("tp") if len({self.node_names[r] for r in g}) > 1]
+        if spanning and self.rank == 0:
+            logger.warning("%d of %d tp groups span nodes (e.g. ranks %s): tensor-parallel traffic will "
+                           "cross the network; put tp within a node", len(spanning),
+                           len(self.layout.groups("tp")), spanning[0])
+
+    # -- groups -------------------------------------------------------------------------------
+    def comm_for(self, axes: str | Sequence[str]) -> MPI.Comm:
+        """The sub-communicator of this rank's group over ``axes`` (built at construction)."""
+        key = _combo_key(axes)
+        if key not in self._comms:
+            raise GridError(f"no communicator for axes {key}: pass combos=[{key}] to ProcessGrid")
+        return self._comms[key]
+
+    def group(self, axes: str | Sequence[str]) -> list[int]:
+        """World ranks of this rank's group over ``axes``."""
+        return self.layout.group_of(self.rank, axes)
+
+    def comm_ranks(self, axes: str | Sequence[str]) -> list[int]:
+        """World ranks of the MPI sub-communicator, as MPI itself maps them."""
+        sub = self.comm_for(axes)
+        return list(sub.Get_group().Translate_ranks(list(range(sub.Get_size())), self.comm.Get_group()))
+
+    def axis_size(self, axis: str) -> int:
+        return getattr(self.layout, axis)
+
+    # -- torch ----------------------------------------------------------------------------------
+    def init_torch(self, **kwargs: Any) -> TorchDist:
+        """Bootstrap torch.distributed from this grid (see :func:`hpcml.grid.torch_dist.init`)."""
+        from hpcml.grid import torch_dist
+
+        if self.torch is None:
+            self.torch = torch_dist.init(self, **kwargs)
+        return self.torch
+
+    # -- display --------------------------------------------------------------------------------
+    def describe(self, max_rows: int = 32) -> str:
+        """A readable table: the layout, one row per rank (first ``max_rows``), the groups."""
+        lay = self.layout
+        device = self.torch.device_names if self.torch is not None else None
+        backend = self.torch.backend if self.torch is not None else "none (MPI only)"
+        lines = [f"ProcessGrid: {lay.world_size} ranks = {lay.describe_degrees()} on {len(self.nodes)} node(s); "
+                 f"torch backend {backend}"]
+        head = ["rank", "node", "local"] + list(lay.axis_names) + (["device"] if device else [])
+        rows = []
+        for r in range(min(lay.world_size, max_rows)):
+            c = lay.coords(r)
+            row = [str(r), self.node_names[r], str(self.node_names[:r].count(self.node_names[r]))]
+            row += [str(c[a]) for a in lay.axis_names] + ([device[r]] if device else [])
+            rows.append(row)
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+        fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+        lines += [fmt(head)] + [fmt(row) for row in rows]
+        if lay.world_size > max_rows:
+            lines.append(f"... {lay.world_size - max_rows} more ranks")
+        lines.append("groups:")
+        for key in self._comms:
+            groups = lay.groups(key)
+            shown = str(groups if len(groups) <= 8 else groups[:8])[:-1] + (", ...]" if len(groups) > 8 else "]")
+            lines.append(f"  {' x '.join(key)}: {shown}")
+        return "\n".join(lines)
+
+    def free(self) -> None:
+        """Release the sub-communicators (collective)."""
+        for sub in self._comms.values():
+            sub.Free()
+        self._comms.clear()
+
+    def __repr__(self) -> str:
+        return f"ProcessGrid({self.layout!r}, rank={self.rank})"

@@ -1,0 +1,151 @@
+"""torch.distributed bootstrapped from MPI, without torchrun.
+
+Rank and world size come from MPI. Rank 0 picks its address (on a chosen network
+interface, e.g. Frontier's ``hsn0``) and a free port and broadcasts them by MPI; every rank
+then joins the TCP rendezvous. Backend: gloo on CPU, nccl on NVIDIA (RCCL on ROCm builds),
+xccl on Intel GPUs; the device is ``local_rank % device_count`` and is passed as
+``device_id`` so NCCL binds eagerly (without it FSDP2 has deadlocked on Aurora).
+
+Environment overrides: ``HPCML_MASTER_ADDR``, ``HPCML_MASTER_PORT``, ``HPCML_SOCKET_IFNAME``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpcml import env, log
+from hpcml.errors import LaunchError
+
+if TYPE_CHECKING:
+    from hpcml.grid.mpi import ProcessGrid
+
+logger = log.get_logger(__name__)
+
+_SIOCGIFADDR = 0x8915
+
+
+@dataclass(kw_only=True)
+class TorchDist:
+    """What the bootstrap set up: backend, this rank's device, the mesh, every rank's device."""
+
+    backend: str
+    device: torch.device
+    mesh: DeviceMesh
+    device_names: list[str]
+    master_addr: str
+    master_port: int
+
+
+def interface_address(ifname: str) -> str:
+    """IPv4 address of network interface ``ifname`` (Linux), e.g. ``hsn0`` -> ``10.x.y.z``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            names = ", ".join(n for _, n in socket.if_nameindex())
+            raise LaunchError(f"network interface {ifname!r} has no IPv4 address ({e.strerror}); "
+                              f"interfaces here: {names}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def free_port(addr: str) -> int:
+    """A TCP port that is free on ``addr`` now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> tuple[str, str]:
+    """``(backend, device_type)`` for the accelerators torch sees here."""
+    if torch.cuda.is_available():  # ROCm builds answer here too and map nccl onto RCCL
+        return "nccl", "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xccl", "xpu"
+    return "gloo", "cpu"
+
+
+def _pick_address(grid: ProcessGrid, interface: str | None) -> tuple[str, int]:
+    """Run on rank 0 only: address and port for the rendezvous."""
+    addr = os.environ.get("HPCML_MASTER_ADDR")
+    if addr is None:
+        if interface:
+            addr = interface_address(interface)
+        elif len(grid.nodes) == 1:
+            addr = "127.0.0.1"  # one node: stay on loopback
+        else:
+            addr = socket.gethostbyname(socket.gethostname())
+    port = int(os.environ.get("HPCML_MASTER_PORT", 0)) or free_port(addr)
+    return addr, port
+
+
+def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None = None,
+         timeout_s: float = 600.0, check: bool = True) -> TorchDist:
+    """Initialise torch.distributed on ``grid`` and build a DeviceMesh with the same axes.
+
+    ``interface`` (or ``HPCML_SOCKET_IFNAME``) picks the network interface whose address
+    rank 0 advertises; with gloo it also becomes ``GLOO_SOCKET_IFNAME`` unless that is set.
+    ``check`` verifies that every mesh axis holds the same ranks as the MPI sub-communicator
+    and the layout (local work, no collective).
+    """
+    auto_backend, device_type = default_backend()
+    backend = backend or auto_backend
+    if backend == "gloo":
+        device_type = "cpu"
+    interface = interface or os.environ.get("HPCML_SOCKET_IFNAME") or None
+    if interface and backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        module = getattr(torch, device_type)
+        device = torch.device(device_type, env.device_index(grid.local_rank, module.device_count()))
+        module.set_device(device)
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (grid.rank, grid.world_size):
+            raise LaunchError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
+                              f"{dist.get_world_size()}, but MPI says rank {grid.rank} of {grid.world_size}")
+        addr, port = "", 0
+    else:
+        try:
+            picked: tuple[str, int] | BaseException = _pick_address(grid, interface) if grid.rank == 0 else ("", 0)
+        except (LaunchError, OSError) as e:  # tell every rank, do not leave them waiting
+            picked = LaunchError(str(e))
+        picked = grid.comm.bcast(picked, root=0)
+        if isinstance(picked, BaseException):
+            raise picked
+        addr, port = picked
+        host = f"[{addr}]" if ":" in addr else addr
+        logger.info("torch.distributed: %s rendezvous at %s:%d, %d ranks", backend, addr, port, grid.world_size)
+        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=grid.rank,
+                                world_size=grid.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type != "cpu" else None)
+    mesh = init_device_mesh(device_type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
+    device_names = grid.comm.allgather(str(device))
+    result = TorchDist(backend=backend, device=device, mesh=mesh, device_names=device_names,
+                       master_addr=addr, master_port=port)
+    if check:
+        check_mesh(grid, mesh)
+    return result
+
+
+def check_mesh(grid: ProcessGrid, mesh: DeviceMesh) -> None:
+    """Raise unless each mesh axis, each MPI sub-communicator and the layout name the same ranks."""
+    for axis in grid.layout.axis_names:
+        want = grid.group(axis)
+        got_torch = dist.get_process_group_ranks(mesh.get_group(axis))
+        got_mpi = grid.comm_ranks(axis)
+        if not (want == sorted(got_torch) == got_mpi):
+            raise LaunchError(f"rank {grid.rank}: {axis} group disagrees: layout {want}, "
+                              f"torch mesh {got_torch}, MPI {got_mpi}")

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One-command, idempotent environment set-up for hpcml.
+#
+# On a Debian-like machine (as root) it installs the system MPI and parallel HDF5,
+# then builds mpi4py and h5py from source against them in .venv. On an HPC site,
+# load the modules first and point MPICC / HDF5_DIR at them; apt is skipped when
+# mpicc is already on PATH and HDF5_DIR is set.
+#
+#   Frontier:  module load PrgEnv-gnu cray-mpich cray-hdf5-parallel
+#              MPICC=cc HDF5_DIR=$HDF5_ROOT HPCML_SKIP_APT=1 make setup
+#
+# Variables: VENV, PYTHON, MPICC, HDF5_DIR, HPCML_SKIP_APT=1, HPCML_TORCH_SPEC (pip
+# arguments for torch), HPCML_VENV_ARGS (e.g. --system-site-packages to see a site torch).
+set -euo pipefail
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${HPCML_TORCH_SPEC:-torch==2.13.0}
+MPICC=${MPICC:-mpicc}
+APT_PACKAGES=(mpich libmpich-dev libhdf5-mpich-dev)
+
+log() { printf '[setup %5ss] %s\n' "$SECONDS" "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+multiarch() {
+    gcc -print-multiarch 2>/dev/null || dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo "$(uname -m)-linux-gnu"
+}
+
+install_system_packages() {
+    if [ "${HPCML_SKIP_APT:-0}" = 1 ]; then
+        log "HPCML_SKIP_APT=1: using MPI and HDF5 from the environment (modules)"
+        return
+    fi
+    if ! command -v dpkg >/dev/null 2>&1; then
+        command -v "$MPICC" >/dev/null 2>&1 || die "no dpkg and no '$MPICC' on PATH: load your site's MPI module or set MPICC"
+        log "not a Debian-like system: using MPI from PATH ($MPICC)"
+        return
+    fi
+    local missing=()
+    for p in "${APT_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        log "system packages present: ${APT_PACKAGES[*]}"
+        return
+    fi
+    [ "$(id -u)" = 0 ] || die "missing system packages ${missing[*]}: run 'sudo apt-get install ${missing[*]}' or 'sudo make setup'"
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# pip warns once per package about local index folders it cannot read; keep real errors.
+quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+main() {
+    install_system_packages
+    local hdf5_dir=${HDF5_DIR:-/usr/lib/$(multiarch)/hdf5/mpich}
+    [ -d "$hdf5_dir" ] || die "HDF5_DIR=$hdf5_dir does not exist: set HDF5_DIR to your parallel HDF5 install (e.g. \$HDF5_ROOT)"
+    command -v "$MPICC" >/dev/null 2>&1 || die "MPI compiler wrapper '$MPICC' not found on PATH"
+
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV with $($PYTHON --version)"
+        # shellcheck disable=SC2086  # HPCML_VENV_ARGS may hold several words
+        "$PYTHON" -m venv ${HPCML_VENV_ARGS:-} "$VENV"
+    fi
+    local py="$VENV/bin/python"
+    local pip=(quiet_pip "$py" -m pip install --disable-pip-version-check -q)
+
+    log "installing $TORCH_SPEC and build tools"
+    local torch_args
+    read -ra torch_args <<< "$TORCH_SPEC"  # may carry pip options, e.g. an --index-url
+    "${pip[@]}" "${torch_args[@]}"
+    "${pip[@]}" numpy Cython pkgconfig "setuptools>=64" wheel
+
+    if ! "$py" -c "import mpi4py" 2>/dev/null; then
+        log "building mpi4py from source against $MPICC"
+        MPICC="$MPICC" "${pip[@]}" --no-binary=mpi4py "mpi4py>=4.0,<5"
+    fi
+    if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
+        log "building h5py from source against parallel HDF5 in $hdf5_dir"
+        "$py" -m pip uninstall -y -q h5py 2>/dev/null || true
+        CC="$MPICC" HDF5_MPI=ON HDF5_DIR="$hdf5_dir" \
+            "${pip[@]}" --no-binary=h5py --no-build-isolation "h5py>=3.11,<4"
+    fi
+
+    log "installing hpcml (editable) with parsl, pyzmq and test tools"
+    "${pip[@]}" --no-build-isolation -e ".[dev]"
+    log "done"
+}
+
+main "$@"

@@ -1,0 +1,26 @@
+"""MPI test plumbing: world fixtures, and abort-the-job on a failure on any rank."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from mpi4py import MPI
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        comm = MPI.COMM_WORLD
+        sys.stderr.write(f"\n[rank {comm.rank}] FAILED {item.nodeid} ({report.when})\n{report.longreprtext}\n"
+                         f"[rank {comm.rank}] aborting the MPI job so no rank hangs\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def comm() -> MPI.Comm:
+    return MPI.COMM_WORLD
+

@@ -1,0 +1,128 @@
+"""ProcessGrid on real MPI (2 and 4 ranks): sub-communicators, node map, torch bootstrap."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from mpi4py import MPI
+
+from hpcml.errors import GridError
+from hpcml.grid import Layout, ProcessGrid
+from hpcml.grid.check import check_grid
+from tests.mpi.helpers import needs_world
+
+WORLD = MPI.COMM_WORLD.Get_size()
+
+
+def layouts_for(world: int) -> list[dict]:
+    found = [{}, {"tp": world}, {"pp": world}, {"cp": world}]
+    if world == 4:
+        found += [{"tp": 2}, {"tp": 2, "pp": 2}, {"cp": 2, "tp": 2}, {"cp": 2}, {"pp": 2, "cp": 2}]
+    return found
+
+
+@pytest.mark.parametrize("degrees", layouts_for(WORLD), ids=str)
+def test_subcommunicators_match_layout(comm, degrees):
+    grid = ProcessGrid(**degrees)
+    try:
+        for axes in [(a,) for a in grid.layout.axis_names] + [("dp", "cp")]:
+            assert grid.comm_ranks(axes) == grid.group(axes)
+            assert grid.comm_for(axes).Get_size() == len(grid.group(axes))
+        # the rank's position in its tp communicator is its tp coordinate
+        assert grid.comm_for("tp").Get_rank() == grid.coords["tp"]
+        assert grid.comm_for("pp").Get_rank() == grid.coords["pp"]
+        # every rank's view of the partition, gathered, is the layout's partition
+        tp_groups = {tuple(g) for g in comm.allgather(grid.group("tp"))}
+        assert sorted(tp_groups) == sorted(tuple(g) for g in grid.layout.groups("tp"))
+        results = check_grid(grid)
+        assert all(r.mpi == r.expected for r in results)
+    finally:
+        grid.free()
+
+
+def test_node_map_single_node(comm):
+    grid = ProcessGrid()
+    assert grid.nodes == [MPI.Get_processor_name()]
+    assert (grid.local_rank, grid.local_size, grid.node) == (comm.rank, WORLD, 0)
+    grid.free()
+
+
+@needs_world(4)
+def test_node_map_and_tp_spanning_warning(comm):
+    # two ranks per (pretend) node: tp=2 stays inside nodes, tp=4 spans them.
+    fake = f"node{comm.rank // 2}"
+    inside = ProcessGrid(tp=2, node_name=fake)
+    assert inside.nodes == ["node0", "node1"]
+    assert (inside.node, inside.local_rank, inside.local_size) == (comm.rank // 2, comm.rank % 2, 2)
+    spanning_records = []
+    handler = logging.Handler()
+    handler.emit = spanning_records.append
+    logging.getLogger("hpcml").addHandler(handler)
+    try:
+        spanning = ProcessGrid(tp=4, node_name=fake)
+    finally:
+        logging.getLogger("hpcml").removeHandler(handler)
+    messages = [r.getMessage() for r in spanning_records if "span nodes" in r.getMessage()]
+    assert messages == (["1 of 1 tp groups span nodes (e.g. ranks [0, 1, 2, 3]): tensor-parallel traffic will "
+                         "cross the network; put tp within a node"] if comm.rank == 0 else [])
+    inside.free()
+    spanning.free()
+
+
+def test_bad_layout_raises_on_every_rank_before_any_collective(comm):
+    with pytest.raises(GridError) as info:
+        ProcessGrid(tp=3, dp=1)
+    message = str(info.value)
+    # the job is still healthy: every rank raised the same error and can still communicate
+    assert comm.allgather(message) == [message] * WORLD
+    assert message == f"tp(3) * dp(1) * pp(1) = 3 != world size {WORLD}"
+    with pytest.raises(GridError, match="layout is for world size 16"):
+        ProcessGrid(Layout(world_size=16))
+
+
+def test_describe_table(comm):
+    grid = ProcessGrid(tp=2 if WORLD % 2 == 0 else 1)
+    text = grid.describe()
+    lines = text.splitlines()
+    assert lines[0].startswith(f"ProcessGrid: {WORLD} ranks = pp(1) x dp({WORLD // 2}) x cp(1) x tp(2) on 1 node(s)")
+    assert lines[1].split() == ["rank", "node", "local", "pp", "dp", "cp", "tp"]
+    assert lines[2 + WORLD - 1].split()[3:] == ["0", str(WORLD // 2 - 1), "0", "1"]
+    assert "  tp: [[0, 1]" in text and "  dp x cp: " in text
+    grid.free()
+
+
+@pytest.fixture(scope="module")
+def torch_grid():
+    grid = ProcessGrid(tp=2) if WORLD % 2 == 0 else ProcessGrid()
+    grid.init_torch()
+    yield grid
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_torch_bootstrap_from_mpi(comm, torch_grid):
+    import torch
+    import torch.distributed as dist
+
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert (dist.get_rank(), dist.get_world_size()) == (comm.rank, WORLD)
+    assert torch_grid.torch.master_addr == "127.0.0.1"  # one node: loopback
+    assert comm.allgather(torch_grid.torch.master_port) == [torch_grid.torch.master_port] * WORLD
+    mesh = torch_grid.torch.mesh
+    assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
+    assert mesh.mesh.flatten().tolist() == list(range(WORLD))
+    for axis in mesh.mesh_dim_names:
+        assert sorted(dist.get_process_group_ranks(mesh.get_group(axis))) == torch_grid.group(axis)
+    t = torch.tensor([float(comm.rank)])
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    assert t.item() == float(sum(torch_grid.group("tp")))
+    results = check_grid(torch_grid)
+    assert [r.torch for r in results if len(r.axes) == 1] == [r.expected for r in results if len(r.axes) == 1]
+
+
+def test_describe_shows_devices_after_torch(torch_grid):
+    lines = torch_grid.describe().splitlines()
+    assert "torch backend gloo" in lines[0]
+    assert lines[1].split()[-1] == "device" and lines[2].split()[-1] == "cpu"

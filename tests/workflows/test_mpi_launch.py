@@ -1,0 +1,79 @@
+"""End to end under mpiexec: the `hpcml grid --check` command, clean failures, no hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ENV = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL", "SLURM_", "OMPI_"))}
+
+
+def mpiexec(n: int, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["mpiexec", "-n", str(n), *cmd], capture_output=True, text=True, env=ENV,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_grid_check_on_4_ranks():
+    out = mpiexec(4, str(BIN / "hpcml"), "grid", "--tp", "2", "--check")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ProcessGrid: 4 ranks = pp(1) x dp(2) x cp(1) x tp(2) on 1 node(s); torch backend gloo")
+    assert [line.split()[3:] for line in lines[2:6]] == [
+        ["0", "0", "0", "0", "cpu"], ["0", "0", "0", "1", "cpu"], ["0", "1", "0", "0", "cpu"], ["0", "1", "0", "1", "cpu"]]
+    assert "  tp: [[0, 1], [2, 3]]" in lines and "  dp: [[0, 2], [1, 3]]" in lines
+    assert "check passed: 5 groups on each rank agree in layout, MPI and torch" in out.stderr
+
+
+def test_grid_check_bad_input_one_line_every_rank_exits():
+    out = mpiexec(4, str(BIN / "hpcml"), "grid", "--tp", "3", "--check")
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == ["hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 4"]
+
+
+def test_raising_rank_aborts_the_job():
+    script = textwrap.dedent("""
+        from mpi4py import MPI
+        from hpcml.grid import install_abort_handler
+        install_abort_handler()
+        if MPI.COMM_WORLD.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        MPI.COMM_WORLD.Barrier()   # the others would wait here for ever without the abort
+    """)
+    t0 = time.monotonic()
+    out = mpiexec(3, sys.executable, "-c", script, timeout=60)
+    assert out.returncode != 0
+    assert "RuntimeError: rank 1 broke" in out.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_failing_mpi_test_aborts_the_pytest_job(tmp_path):
+    # A test that fails on rank 1 only, followed by a collective: the job must end, not hang.
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        def test_fails_on_rank_1():
+            assert MPI.COMM_WORLD.rank != 1, "deliberate failure on rank 1"
+        def test_collective_after():
+            MPI.COMM_WORLD.Barrier()
+    """))
+    (tmp_path / "conftest.py").write_text((ROOT / "tests/mpi/conftest.py").read_text())
+    out = mpiexec(2, sys.executable, str(ROOT / "tests/mpi_pytest.py"), str(probe), "-q", "--rootdir", str(tmp_path),
+                  timeout=120)
+    assert out.returncode != 0
+    assert "[rank 1] FAILED" in out.stderr and "deliberate failure on rank 1" in out.stderr
+
+
+@pytest.mark.parametrize("n", [2])
+def test_empty_mpi_test_run_is_not_a_failure(tmp_path, n):
+    (tmp_path / "test_nothing.py").write_text("")
+    out = mpiexec(n, sys.executable, str(ROOT / "tests/mpi_pytest.py"), str(tmp_path), "-q", "--rootdir", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no tests ran" in out.stdout
