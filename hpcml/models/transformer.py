@@ -1,0 +1,265 @@
+"""A Llama-style decoder-only transformer, laid out for torch-native parallelism.
+
+Module names follow torchtitan's Llama (``tok_embeddings``, ``layers.<i>.attention.wq``,
+``feed_forward.w1/w2/w3``, ``norm``, ``output``) so tensor-parallel plans address them by
+name, and ``layers`` is a ModuleDict so a pipeline stage that drops other stages' layers
+keeps the fully qualified names of the unparallelised model (checkpoints rely on that).
+Every stage-specific part (embedding, final norm, output) may be ``None``.
+
+The model knows nothing of ranks: parallelism sets two attributes from outside --
+``Attention.cp_group`` (Ulysses all-to-all) and ``Transformer.cp_rank/cp_size`` (which
+slice of the sequence this rank holds, for rotary positions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpcml.errors import ConfigError
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Shape of the decoder. ``repr()`` rebuilds it."""
+
+    vocab_size: int = 256
+    """Tokens the model predicts; the embedding is padded to ``vocab_multiple``."""
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None: as many as ``n_heads``."""
+    ffn_hidden: int | None = None
+    """SwiGLU hidden width; None: 8/3 * dim rounded up to ``ffn_multiple``."""
+    ffn_multiple: int = 64
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    vocab_multiple: int = 64
+    """Pad the vocabulary to a multiple of this (layout-independent, so every layout trains the same model)."""
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple", "vocab_multiple"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for rotary")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_hidden or _round_up(int(8 * self.dim / 3), self.ffn_multiple)
+
+    @property
+    def padded_vocab(self) -> int:
+        return _round_up(self.vocab_size, self.vocab_multiple)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameter count (embedding and output included unless ``embeddings=False``)."""
+        hd = self.head_dim
+        attn = self.dim * hd * (2 * self.n_heads + 2 * self.kv_heads)
+        mlp = 3 * self.dim * self.hidden
+        per_layer = attn + mlp + 2 * self.dim
+        emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + self.dim + (emb if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul parameters + causal attention scores (PaLM's count)."""
+        matmul = self.num_params(embeddings=False) - self.n_layers * 2 * self.dim - self.dim
+        matmul += self.padded_vocab * self.dim  # the output projection is a matmul, the embedding lookup is not
+        return 6 * matmul + 6 * self.n_layers * self.dim * seq_len  # 12*l*h*s/2 for a causal mask
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> TransformerConfig:
+        """A named size: ``tiny`` (tests), ``small`` (~125M), Megatron-LM Table 1, Llama 13B/30B/65B."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown transformer preset {name!r}: expected one of {', '.join(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+def _megatron(h: int, heads: int, layers: int) -> TransformerConfig:
+    # Megatron-LM (Narayanan et al. 2021) Table 1: vocab 51200, seq 2048, GELU 4h; a SwiGLU of 8h/3 has the same 12lh^2.
+    return TransformerConfig(vocab_size=51200, dim=h, n_heads=heads, n_layers=layers, max_seq_len=2048,
+                             ffn_multiple=128, vocab_multiple=128)
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
+                              max_seq_len=64),
+    "small": TransformerConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024,
+                               tie_embeddings=True, ffn_multiple=256),
+    "megatron-1.7b": _megatron(2304, 24, 24),
+    "megatron-3.6b": _megatron(3072, 32, 30),
+    "megatron-7.5b": _megatron(4096, 32, 36),
+    "megatron-18b": _megatron(6144, 48, 40),
+    "megatron-39b": _megatron(8192, 64, 48),
+    "megatron-76b": _megatron(10240, 80, 60),
+    "megatron-145b": _megatron(12288, 96, 80),
+    "megatron-310b": _megatron(16384, 128, 96),
+    "megatron-530b": _megatron(20480, 128, 105),
+    "megatron-1t": _megatron(25600, 160, 128),
+    "llama-13b": TransformerConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
+                                   max_seq_len=2048),
+    "llama-30b": TransformerConfig(vocab_size=32000, dim=6656, n_layers=60, n_heads=52, ffn_hidden=17920,
+                                   max_seq_len=2048),
+    "llama-65b": TransformerConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, ffn_hidden=22016,
+                                   max_seq_len=2048),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, D] by the angles of its positions (cos/sin [S, D/2])."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.cp_group = None
+        """Process group of Ulysses sequence parallelism (set by hpcml.parallel), or None."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # heads are inferred from the (possibly tensor-parallel, column-sharded) projections
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp_group is not None:
+            from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
+
+            q, k, v = (seq_to_heads(t, self.cp_group) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+        if self.cp_group is not None:
+            out = heads_to_seq(out, self.cp_group)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.activation_checkpointing = False
+        """Recompute this block's activations in backward (set by hpcml.parallel); keeps parameter names."""
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    """Decoder: tokens [B, S] -> logits [B, S, padded_vocab] (or hidden states between pipeline stages)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.padded_vocab, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.cp_rank, self.cp_size = 0, 1
+        self.sp_size = 1
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for matrices, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        s = h.shape[1] * self.sp_size  # positions of this rank's (cp) slice; sequence-parallel holds 1/sp of them
+        start = self.cp_rank * s  # Ulysses: this rank holds positions [start, start + s)
+        if start + s > self.rope_cos.shape[0]:
+            raise ConfigError(f"sequence length {s * self.cp_size} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; works on vocabulary-sharded DTensor logits inside ``loss_parallel()``."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

@@ -1,0 +1,54 @@
+"""Data parallelism over the dp (x cp) ranks: FSDP2 sharding, or replication with one
+bucketed gradient all-reduce (DDP)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+    """``fully_shard`` each transformer block, then the rest of the model (torchtitan's wrapping).
+
+    Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
+    ``reshard_after_forward=False`` keeps each block's parameters gathered until backward
+    (ZeRO-2-like). The root keeps its parameters gathered after forward: they are needed
+    first in backward anyway.
+    """
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+class GradAllReduce:
+    """Average gradients over a process group with one flat all-reduce (DDP without hooks).
+
+    Gradients are accumulated locally over all micro-batches and reduced once, after the
+    last: one collective per step instead of one per parameter, which matters where every
+    collective costs milliseconds. Tensor-parallel DTensor gradients reduce their local shards.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group, group_size: int) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.group_size = group, group_size
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if self.group_size == 1:
+            return
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.group_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

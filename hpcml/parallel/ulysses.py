@@ -1,0 +1,55 @@
+"""Ulysses sequence parallelism: an all-to-all around attention (torch has none).
+
+Each of the P ranks of a cp group holds a contiguous slice of the sequence. Before
+attention, an all-to-all turns q, k, v from [B, S/P, H, D] into [B, S, H/P, D] -- the whole
+sequence for a slice of the heads -- so attention itself is the ordinary one; after it the
+inverse all-to-all returns [B, S/P, H, D]. Per rank and layer this moves 4 * B*S*H*D/P
+elements (q, k, v, output) times (P-1)/P over the network, against Megatron-SP's 4 B*S*h.
+Grouped-query attention needs the kv heads divisible by P too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, concatenate the received along ``gather_dim``."""
+    p = dist.get_world_size(group)
+    send = torch.cat([c.contiguous().flatten() for c in x.chunk(p, dim=scatter_dim)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    shape = list(x.shape)
+    shape[scatter_dim] //= p
+    parts = recv.chunk(p)
+    return torch.cat([part.view(shape) for part in parts], dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S/P, H, D] -> [B, S, H/P, D] over ``group`` (differentiable)."""
+    return _AllToAll.apply(x, 2, 1, group)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S, H/P, D] -> [B, S/P, H, D] over ``group`` (differentiable)."""
+    return _AllToAll.apply(x, 1, 2, group)
+
+
+def bytes_per_layer(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, p: int, elem_bytes: int = 4) -> int:
+    """Bytes one rank sends per layer forward: q, k, v in and the output back, each (P-1)/P of its local part."""
+    local = batch * (seq // p) * head_dim
+    elements = local * (heads + 2 * kv_heads + heads)
+    return elements * (p - 1) // p * elem_bytes

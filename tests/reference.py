@@ -1,0 +1,39 @@
+"""A plain single-process PyTorch training loop: the reference every parallel layout must match.
+
+It shares only the model, the data and the learning-rate rule with hpcml's Trainer; the
+loop, gradient accumulation and clipping (torch.nn.utils.clip_grad_norm_) are torch's own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hpcml.models.transformer import Transformer, TransformerConfig, cross_entropy
+from hpcml.train import SyntheticTokens, TrainConfig, make_optimizer
+
+
+@functools.lru_cache(maxsize=8)
+def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(losses, gradient norms before clipping, final parameters by name)."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg)
+    opt, sched = make_optimizer(model.parameters(), cfg)
+    data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    n_micro = cfg.global_batch // cfg.micro_batch
+    losses, norms = [], []
+    for step in range(cfg.steps):
+        tokens = data.global_batch(step, cfg.global_batch)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        total = 0.0
+        for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
+            loss = cross_entropy(model(xm), ym)
+            (loss / n_micro).backward()
+            total += loss.item()
+        losses.append(total / n_micro)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
