@@ -4,10 +4,15 @@ pipeline-split parameters, with a single all-reduce."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch.Tensor:
@@ -16,21 +21,23 @@ def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch
     Summed over every rank of the world, the shares give the squared norm of the full
     gradient: each local gradient block counts once, divided by the number of ranks that
     hold an identical copy of it -- ``world / pp`` for a plain (replicated) tensor, divided
-    further by the number of distinct shards of a DTensor (FSDP and tp ``Shard``
-    placements). Pipeline stages hold disjoint parameters, so they simply add.
+    further by the number of distinct shards of a DTensor (FSDP and tp placements).
+    Pipeline stages hold disjoint parameters, so they simply add.
     """
-    total = torch.zeros((), dtype=torch.float64)
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        if p.grad is None:
-            continue
         g = p.grad
+        if g is None:
+            continue
         distinct = 1
         if isinstance(g, DTensor):
             # any non-replicated placement splits the tensor (_StridedShard of FSDP over tp is no Shard subclass)
             distinct = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            g = g.to_local()
-        copies = world_size // pp // distinct
-        total += g.detach().double().pow(2).sum().cpu() / copies
+        by_copies[world_size // pp // distinct].append(_local(g).detach())
+    total = torch.zeros((), dtype=torch.float64)
+    for copies, grads in by_copies.items():
+        norms = torch._foreach_norm(grads)  # fused, fp32, no copies of the gradients
+        total += torch.stack(norms).double().pow(2).sum().cpu() / copies
     return total
 
 
@@ -39,7 +46,5 @@ def scale_grads(params: list[nn.Parameter], total_norm: float, max_norm: float) 
     """Scale gradients so the global norm is at most ``max_norm``; returns the factor applied."""
     coef = min(1.0, max_norm / (total_norm + 1e-6))
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], coef)
     return coef

@@ -45,13 +45,14 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
+        # The sub-block input enters as one replicated DTensor, so the input gradients of
+        # q, k, v (and of w1, w3) add up as partial sums and are all-reduced once, not once
+        # per projection; with sequence parallelism that one reduction is a reduce-scatter.
+        block_plan.update({
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        })
         if sp:
-            block_plan.update({
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, mesh, block_plan)
     model.sp_size = mesh.size() if sp else 1  # hidden states hold S / tp positions between regions
