@@ -123,3 +123,17 @@ def test_bad_plans_raise_on_every_rank_before_collectives(comm, degrees, model, 
     assert got == expected
     assert comm.allgather(got) == [got] * WORLD  # every rank raised the same, and the job still communicates
     assert not dist.is_initialized() or dist.get_world_size() == WORLD
+
+
+def test_bf16_autocast_and_hooks(comm):
+    """bf16 autocast trains close to fp32; hooks see every step's metrics, in order, on every rank."""
+    ref_losses, _, _ = reference_run(MODEL, TRAIN)
+    seen: list[int] = []
+    trainer = build_llm_trainer(MODEL, TrainConfig(**{**TRAIN.__dict__, "bf16": True}), ParallelConfig(fsdp=True),
+                                dp=WORLD)
+    trainer.hooks.append(lambda tr, m: seen.append(m["step"]))
+    losses = [m["loss"] for m in trainer.fit()]
+    assert seen == [1, 2, 3, 4, 5] and trainer.step == 5
+    assert losses == pytest.approx(ref_losses, rel=2e-2)  # bf16 matmuls: close, not equal
+    assert losses != pytest.approx(ref_losses, rel=1e-7)  # and autocast really ran in bf16
+    assert comm.allgather(losses) == [losses] * WORLD
