@@ -2,7 +2,7 @@
 global-norm clipping, metrics (loss, tokens/s, model FLOP/s, MFU, memory), run directory.
 
 Per step it costs one all-reduce beyond what the parallel engines do themselves: the
-squared gradient norm and the loss travel together in one 2-element tensor.
+squared gradient norm, the loss and a stop request travel together in one 3-element tensor.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ class Trainer:
     flops_per_token: float | None = None
     hooks: list[Callable[[Trainer, dict], None]] = field(default_factory=list)
     step: int = 0
+    stop_requested: bool = False
+    """Set (e.g. by a signal handler) on any rank to save and stop after the current step on all."""
 
     def __post_init__(self) -> None:
         grid = self.model.grid
@@ -164,13 +166,14 @@ class Trainer:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
         loss = self.model.forward_backward(x, y, cfg.micro_batches(lay), autocast)
         self.model.sync_grads()
-        share = torch.zeros(2, dtype=torch.float64)
+        share = torch.zeros(3, dtype=torch.float64)
         share[0] = self.model.local_sq_grad_norm()
         if loss is not None:  # last pipeline stage: every (dp, cp, tp) rank holds one share of the mean
             share[1] = loss / (lay.dp * lay.cp * lay.tp)
+        share[2] = float(self.stop_requested)  # a stop asked on any rank reaches all in the same collective
         share = share.to(device)
         dist.all_reduce(share)
-        sq_norm, global_loss = share.tolist()
+        sq_norm, global_loss, stop = share.tolist()
         grad_norm = math.sqrt(sq_norm)
         if cfg.grad_clip > 0:
             from hpcml.parallel.clip import scale_grads
@@ -185,7 +188,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         tokens = cfg.global_batch * cfg.seq_len
         metrics: dict[str, Any] = {"step": self.step + 1, "loss": global_loss, "grad_norm": grad_norm, "lr": lr,
-                                   "step_s": dt, "tokens_per_s": tokens / dt}
+                                   "step_s": dt, "tokens_per_s": tokens / dt, "stop": stop > 0}
         if self.flops_per_token:
             per_device = self.flops_per_token * tokens / dt / lay.world_size
             metrics["model_tflops_per_device"] = per_device / 1e12
@@ -203,6 +206,9 @@ class Trainer:
             self._report(metrics, end)
             for hook in self.hooks:
                 hook(self, metrics)
+            if metrics["stop"]:
+                logger.warning("stopping after step %d as asked (signal)", self.step)
+                break
         if self._metrics_file:
             self._metrics_file.flush()
         return self.history

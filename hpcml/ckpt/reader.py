@@ -1,0 +1,153 @@
+"""Load: each rank reads, through ``index.h5``'s virtual datasets, exactly the hyperslabs
+its own pieces cover, whatever layout saved them. No collective, no pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import torch
+
+from hpcml import log
+from hpcml.ckpt import format as fmt
+from hpcml.ckpt.state import local_piece
+from hpcml.ckpt.writer import CheckpointError
+
+logger = log.get_logger(__name__)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: ``path`` itself if it holds ``index.h5``, else the one ``path/latest`` names."""
+    p = Path(path)
+    if (p / fmt.INDEX).is_file():
+        return p
+    latest = p / fmt.LATEST
+    if latest.is_file():
+        target = p / latest.read_text().strip()
+        if (target / fmt.INDEX).is_file():
+            return target
+        raise CheckpointError(f"{latest} names {target.name}, which has no {fmt.INDEX}")
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    raise CheckpointError(f"no checkpoint at {p}: expected {fmt.INDEX} or a '{fmt.LATEST}' file")
+
+
+@dataclass
+class LoadReport:
+    path: Path
+    step: int
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    """HDF5 chunk bytes the reads touched (HDF5 reads whole storage chunks)."""
+    extra: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+def _open_index(ckpt: Path) -> h5py.File:
+    try:
+        f = h5py.File(ckpt / fmt.INDEX, "r")
+    except OSError as e:
+        raise CheckpointError(f"cannot open {ckpt / fmt.INDEX}: {e}") from None
+    for s in json.loads(f.attrs["shards"]):
+        shard = ckpt / s["file"]
+        size = shard.stat().st_size if shard.exists() else None
+        if size != s["bytes"]:
+            f.close()
+            raise CheckpointError(f"shard {shard} is {'missing' if size is None else f'{size} bytes'}, "
+                                  f"expected {s['bytes']} bytes: truncated or replaced")
+    return f
+
+
+def _touched_bytes(chunks: list[dict], offset: tuple[int, ...], shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of the HDF5 storage chunks a read of the box (offset, shape) touches."""
+    total = 0
+    for c in chunks:
+        lo = [max(a, b) for a, b in zip(offset, c["offset"])]
+        hi = [min(a + s, b + t) for a, s, b, t in zip(offset, shape, c["offset"], c["shape"])]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        n = 1
+        for low, h, o, sc, cs in zip(lo, hi, c["offset"], c["storage_chunk"], c["shape"]):
+            first, last = (low - o) // sc, (h - 1 - o) // sc
+            n *= min(cs, (last - first + 1) * sc)
+        total += n * itemsize
+    return total
+
+
+def read_tensor(index: h5py.File, name: str) -> torch.Tensor:
+    """One whole global tensor from an open index (for tools: export, consolidate, verify)."""
+    ds = index[name]
+    t = fmt.from_numpy(ds[()], ds.attrs["dtype"])
+    return t.reshape(()) if len(ds.attrs["global_shape"]) == 0 else t
+
+
+@torch.no_grad()
+def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> LoadReport:
+    """Fill ``tensors`` (name -> DTensor or tensor, any layout) in place from a checkpoint.
+
+    ``strict``: raise naming every missing, unexpected or mis-shaped tensor; otherwise load
+    what fits and return the report. Nothing is unpickled: tensors are HDF5 datasets,
+    everything else JSON attributes.
+    """
+    ckpt = resolve(path)
+    with _open_index(ckpt) as index:
+        report = LoadReport(ckpt, int(index.attrs["step"]), extra=json.loads(index.attrs["extra"]),
+                            layout=json.loads(index.attrs["layout"]))
+        stored = set()
+        index.visititems(lambda n, o: stored.add(n) if isinstance(o, h5py.Dataset) else None)
+        report.missing = sorted(n for n in tensors if n not in stored)
+        report.unexpected = sorted(n for n in stored if n not in tensors
+                                   and not n.startswith("rank_state/") and n.split("/")[0] in
+                                   {k.split("/")[0] for k in tensors})
+        plan = []
+        for name, t in tensors.items():
+            if name in report.missing:
+                continue
+            ds = index[name]
+            gshape = tuple(int(x) for x in ds.attrs["global_shape"])
+            if gshape != tuple(t.shape):
+                report.mismatched.append(f"{name}: checkpoint {list(gshape)}, model {list(t.shape)}")
+                continue
+            plan.append((name, t, ds))
+        problems = [f"missing {report.missing}" if report.missing else "",
+                    f"unexpected {report.unexpected}" if report.unexpected else "",
+                    f"mis-shaped {report.mismatched}" if report.mismatched else ""]
+        if strict and any(problems):
+            raise CheckpointError(f"{ckpt} does not fit the model: " + "; ".join(p for p in problems if p))
+        for name, t, ds in plan:
+            local, _, offset = local_piece(t)
+            if local.numel() == 0:
+                continue
+            box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape)) if local.dim() else (slice(0, 1),)
+            try:
+                data = ds[box]
+            except OSError as e:  # fletcher32 mismatch or unreadable source
+                files = sorted({c["file"] for c in json.loads(ds.attrs["chunks"])})
+                raise CheckpointError(f"reading {name} from {ckpt} ({', '.join(files)}) failed: {e}") from None
+            value = fmt.from_numpy(data, ds.attrs["dtype"]).reshape(local.shape)
+            local.copy_(value.to(local.device))
+            report.bytes_needed += data.nbytes
+            report.bytes_read += _touched_bytes(json.loads(ds.attrs["chunks"]),
+                                                offset if local.dim() else (0,),
+                                                tuple(local.shape) if local.dim() else (1,), data.itemsize)
+    return report
+
+
+def read_extra(path: str | os.PathLike) -> tuple[Path, int, dict]:
+    """(checkpoint directory, step, JSON extra state) without touching any tensor."""
+    ckpt = resolve(path)
+    with h5py.File(ckpt / fmt.INDEX, "r") as index:
+        return ckpt, int(index.attrs["step"]), json.loads(index.attrs["extra"])
+
+
+__all__ = ["LoadReport", "load", "read_extra", "read_tensor", "resolve"]

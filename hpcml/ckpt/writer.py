@@ -1,0 +1,200 @@
+"""Save: every rank writes its own pieces to ``rank_NNNNN.h5``; rank 0 writes ``index.h5``,
+whose virtual datasets present each global tensor whole; the directory is committed by rename.
+
+Crash safety: everything goes to ``step_N.tmp/``; shards and index are fsynced, the
+directory is renamed to ``step_N/`` and only then is ``latest`` replaced (write + rename).
+A save killed at any moment leaves ``latest`` on the previous complete checkpoint.
+Three collectives per save: an allgather of what each rank holds, a gather of the shard
+checksums, a broadcast of the outcome (so a failure raises on every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from hpcml import __version__, log
+from hpcml.ckpt import format as fmt
+from hpcml.ckpt.plan import ChunkMeta, assign_owners
+from hpcml.ckpt.state import local_piece, placement_str
+from hpcml.errors import HpcmlError
+
+logger = log.get_logger(__name__)
+
+
+class CheckpointError(HpcmlError, RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path
+    bytes_written: int
+    seconds: float
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_crc32(path: Path, block: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _pieces(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkMeta], dict[tuple, np.ndarray], dict[str, str]]:
+    metas, arrays, placements = [], {}, {}
+    for name, t in tensors.items():
+        local, gshape, offset = local_piece(t)
+        placements[name] = placement_str(t)
+        if local.numel() == 0:
+            continue
+        if local.dim() == 0:  # scalars are stored as shape (1,) with an attribute saying so
+            local, gshape, offset = local.reshape(1), (1,), (0,)
+        arr = fmt.to_numpy(local)
+        m = ChunkMeta(name, gshape, offset, tuple(local.shape), fmt.storage(local.dtype)[1], arr.nbytes)
+        metas.append(m)
+        arrays[m.key] = arr
+    return metas, arrays, placements
+
+
+def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray]) -> dict[tuple, tuple]:
+    """Write this rank's owned chunks; returns the HDF5 chunk shape of each (for read accounting)."""
+    storage = {}
+    with h5py.File(path, "w", libver="latest") as f:
+        for c in chunks:
+            arr = arrays[c.key]
+            ds = f.create_dataset(c.dataset, data=arr, chunks=True, fletcher32=True)  # checksummed per HDF5 chunk
+            ds.attrs["offset"] = np.asarray(c.offset, dtype=np.int64)
+            storage[c.key] = ds.chunks
+    fsync_path(path)
+    return storage
+
+
+def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], storage: dict[tuple, tuple],
+                 attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str]) -> None:
+    by_name: dict[str, list[ChunkMeta]] = {}
+    seen: set[tuple] = set()
+    for chunks in per_rank:
+        for c in chunks:
+            if c.key not in seen:
+                seen.add(c.key)
+                by_name.setdefault(c.name, []).append(c)
+    with h5py.File(path, "w", libver="latest") as f:
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        for name in sorted(by_name):
+            chunks = by_name[name]
+            first = chunks[0]
+            np_dtype = fmt.storage(getattr(torch, first.dtype))[0]
+            layout = h5py.VirtualLayout(shape=first.global_shape, dtype=np_dtype)
+            for c in chunks:
+                src = h5py.VirtualSource(f"./{fmt.shard_name(owner[c.key])}", c.dataset, shape=c.shape, dtype=np_dtype)
+                layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = src
+            ds = f.create_virtual_dataset(name, layout)
+            ds.attrs["dtype"] = first.dtype
+            ds.attrs["global_shape"] = np.asarray([] if name in scalars else first.global_shape, dtype=np.int64)
+            ds.attrs["partition"] = placements.get(name, "")
+            ds.attrs["chunks"] = fmt.dumps([{"offset": list(c.offset), "shape": list(c.shape),
+                                             "file": fmt.shard_name(owner[c.key]),
+                                             "storage_chunk": list(storage.get(c.key) or c.shape)} for c in chunks])
+            for k, v in tensor_attrs.get(name, {}).items():
+                ds.attrs[k] = v
+    fsync_path(path)
+
+
+def _commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
+    fsync_path(tmp)
+    if final.exists():  # re-saving a step: move the old one aside first, delete after the new one is in place
+        old = root / (final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    fsync_path(root)
+    latest_tmp = root / (fmt.LATEST + ".tmp")
+    latest_tmp.write_text(final.name + "\n")
+    fsync_path(latest_tmp)
+    latest_tmp.rename(root / fmt.LATEST)
+    fsync_path(root)
+    if keep:
+        steps = sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != final)
+        for old in steps[: max(0, len(steps) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
+         extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
+         tensor_attrs: dict[str, dict] | None = None) -> SaveResult:
+    """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
+    checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
+    positions, ...). ``keep`` prunes to the newest K checkpoints. Collective over ``comm``.
+    """
+    from mpi4py import MPI
+
+    comm = comm or MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    t0 = time.perf_counter()
+    root = Path(root)
+    final = root / fmt.step_dir(step)
+    tmp = root / (final.name + ".tmp")
+    metas, arrays, placements = _pieces(tensors)
+    scalars = {n for n, t in tensors.items() if t.dim() == 0}
+    if rank == 0:  # before the allgather: nobody writes into tmp until rank 0 has cleared a stale one
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_rank, all_scalars = zip(*comm.allgather((metas, scalars)))
+    owner = assign_owners(list(per_rank))
+    mine = [c for c in metas if owner[c.key] == rank]
+    status: tuple = ("ok", 0, 0, {})
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        if mine:
+            shard = tmp / fmt.shard_name(rank)
+            storage = _write_shard(shard, mine, arrays)
+            status = ("ok", shard.stat().st_size, file_crc32(shard), storage)
+    except Exception as e:  # noqa: BLE001 -- reported on every rank below
+        status = ("error", f"rank {rank}: {type(e).__name__}: {e}", 0, {})
+    statuses = comm.gather(status, root=0)
+    outcome: str | None = None
+    if rank == 0:
+        errors = [s[1] for s in statuses if s[0] == "error"]
+        if errors:
+            outcome = "; ".join(errors)
+        else:
+            try:
+                storage = {k: v for s in statuses for k, v in s[3].items()}
+                shards = [{"file": fmt.shard_name(r), "bytes": s[1], "crc32": s[2]}
+                          for r, s in enumerate(statuses) if s[1]]
+                attrs = {"format_version": fmt.FORMAT_VERSION, "hpcml_version": __version__, "step": step,
+                         "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}),
+                         "extra": fmt.dumps(extra or {}), "shards": fmt.dumps(shards), "created": time.time()}
+                _write_index(tmp / fmt.INDEX, list(per_rank), owner, storage, attrs, tensor_attrs or {}, placements,
+                             set().union(*all_scalars))
+                _commit(root, tmp, final, keep)
+            except Exception as e:  # noqa: BLE001
+                outcome = f"rank 0: {type(e).__name__}: {e}"
+    outcome = comm.bcast(outcome, root=0)
+    if outcome is not None:
+        raise CheckpointError(f"saving {final} failed: {outcome}")
+    written = sum(c.nbytes for c in mine)
+    dt = time.perf_counter() - t0
+    logger.info("saved %s (%.1f MB from this rank) in %.2f s", final, written / 1e6, dt)
+    return SaveResult(final, written, dt)

@@ -1,0 +1,71 @@
+"""The Trainer's checkpoints: what a resume needs, saved every N steps and on the
+scheduler's warning signal, restored on any layout."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from hpcml import ckpt, log
+from hpcml.train.trainer import Trainer
+
+logger = log.get_logger(__name__)
+
+
+def _tensors(trainer: Trainer, create: bool = False) -> dict[str, torch.Tensor]:
+    tensors = ckpt.training_tensors(trainer.model.named_parameters(), trainer.optimizer, create=create)
+    tensors[f"rank_state/rank_{trainer.grid.rank:05d}/torch_rng"] = torch.get_rng_state()
+    return tensors
+
+
+def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None) -> ckpt.SaveResult:
+    """Model, optimizer, schedule, step, data position and per-rank RNG as ``root/step_N``."""
+    extra = {"step": trainer.step, "data": {"next_step": trainer.step},
+             "scheduler": trainer.scheduler.state_dict(),
+             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups],
+             "train_config": asdict(trainer.config)}
+    return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, extra=extra,
+                     layout=trainer.grid.layout.degrees, keep=keep)
+
+
+def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckpt.LoadReport:
+    """Restore what :func:`save_trainer` wrote, whatever layout wrote it. The per-rank RNG
+    state comes back when this rank's was saved (same world size), else it stays as seeded."""
+    tensors = _tensors(trainer, create=True)
+    rng_name = f"rank_state/rank_{trainer.grid.rank:05d}/torch_rng"
+    rng = tensors.pop(rng_name)
+    report = ckpt.load(path, tensors, strict=strict)
+    extra = report.extra
+    trainer.step = int(extra["step"])
+    for group, saved in zip(trainer.optimizer.param_groups, extra["param_groups"]):
+        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+    trainer.scheduler.load_state_dict(extra["scheduler"])
+    if not ckpt.load(report.path, {rng_name: rng}, strict=False).missing:
+        torch.set_rng_state(rng)
+    logger.info("resumed step %d from %s (saved on %s), read %.2fx the bytes needed", trainer.step, report.path,
+                report.layout, report.read_amplification)
+    return report
+
+
+class CheckpointHook:
+    """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop)."""
+
+    def __init__(self, root: str | Path, every: int, keep: int | None = 3,
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+        self.root, self.every, self.keep = Path(root), every, keep
+        self.saved: list[Path] = []
+        self._trainer: Trainer | None = None
+        for s in signals:
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._trainer is not None:
+            self._trainer.stop_requested = True
+
+    def __call__(self, trainer: Trainer, metrics: dict) -> None:
+        self._trainer = trainer
+        if metrics.get("stop") or (self.every and trainer.step % self.every == 0):
+            self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
