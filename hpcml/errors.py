@@ -26,3 +26,7 @@ class LaunchError(HpcmlError, RuntimeError):
 
 class MissingFeatureError(HpcmlError, RuntimeError):
     """A dependency lacks a feature hpcml needs (e.g. h5py built without MPI)."""
+
+
+class CheckpointError(HpcmlError, RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""

@@ -2,6 +2,8 @@
 
     mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 20 --seed 0 --run-dir runs/x
     python workflows/llm_pretrain.py --steps 20 --seed 0          # one process, same losses
+    mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 10 --ckpt-dir ck --ckpt-every 5
+    mpiexec -n 2 python workflows/llm_pretrain.py --steps 20 --ckpt-dir ck --resume   # any layout resumes
 
 The same seed gives the same losses on every layout (to floating-point tolerance): every
 rank builds the same initial weights and takes its slice of the same global batch.
@@ -14,12 +16,14 @@ import json
 import sys
 from dataclasses import replace
 
-from hpcml.errors import HpcmlError
+from hpcml.ckpt import resolve
+from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
 from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES
 from hpcml.train import TrainConfig
+from hpcml.train.checkpointing import CheckpointHook, load_trainer
 from hpcml.train.recipe import build_llm_trainer
 
 
@@ -45,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--run-dir", default=None, help="where metrics.jsonl and config.json go")
+    p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (and on SIGTERM / SIGUSR1)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only on signals)")
+    p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
+    p.add_argument("--resume", action="store_true", help="resume from CKPT_DIR/latest (any layout saved it)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -66,7 +74,17 @@ def main(argv=None) -> int:
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp}
         if args.dp is not None:
             degrees["dp"] = args.dp
+        if args.resume and not args.ckpt_dir:
+            raise ConfigError("--resume needs --ckpt-dir")
+        if args.ckpt_every < 0 or args.keep < 1:
+            raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
+        if args.resume:
+            resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
         trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
+        if args.ckpt_dir:
+            trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep))
+            if args.resume:
+                load_trainer(trainer, args.ckpt_dir)
     except HpcmlError as e:  # raised alike on every rank, before any collective
         from hpcml import env
 
@@ -76,7 +94,8 @@ def main(argv=None) -> int:
     history = trainer.fit()
     trainer.close()
     if trainer.grid.rank == 0:
-        print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history]}))
+        print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
+                          "steps": [m["step"] for m in history]}))
     import torch.distributed as dist
 
     dist.destroy_process_group()

@@ -14,7 +14,7 @@ import torch
 from hpcml import log
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.state import local_piece
-from hpcml.ckpt.writer import CheckpointError
+from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
 
@@ -91,14 +91,31 @@ def read_tensor(index: h5py.File, name: str) -> torch.Tensor:
     return t.reshape(()) if len(ds.attrs["global_shape"]) == 0 else t
 
 
-@torch.no_grad()
-def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> LoadReport:
+def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True, comm=None) -> LoadReport:
     """Fill ``tensors`` (name -> DTensor or tensor, any layout) in place from a checkpoint.
 
     ``strict``: raise naming every missing, unexpected or mis-shaped tensor; otherwise load
     what fits and return the report. Nothing is unpickled: tensors are HDF5 datasets,
-    everything else JSON attributes.
+    everything else JSON attributes. With ``comm`` (collective: two small allgathers) the
+    names every rank asks for together decide what is unexpected -- a pipeline stage
+    holds only some -- and an error on any rank is raised on all of them, so none hangs.
     """
+    if comm is None:
+        return _load(path, tensors, strict=strict, wanted=set(tensors))
+    wanted = set().union(*comm.allgather(sorted(tensors)))
+    report, error = None, None
+    try:
+        report = _load(path, tensors, strict=strict, wanted=wanted)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return report
+
+
+@torch.no_grad()
+def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool, wanted: set[str]) -> LoadReport:
     ckpt = resolve(path)
     with _open_index(ckpt) as index:
         report = LoadReport(ckpt, int(index.attrs["step"]), extra=json.loads(index.attrs["extra"]),
@@ -106,9 +123,8 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
         stored = set()
         index.visititems(lambda n, o: stored.add(n) if isinstance(o, h5py.Dataset) else None)
         report.missing = sorted(n for n in tensors if n not in stored)
-        report.unexpected = sorted(n for n in stored if n not in tensors
-                                   and not n.startswith("rank_state/") and n.split("/")[0] in
-                                   {k.split("/")[0] for k in tensors})
+        report.unexpected = sorted(n for n in stored if n not in wanted and not n.startswith("rank_state/")
+                                   and n.split("/")[0] in {k.split("/")[0] for k in wanted})
         plan = []
         for name, t in tensors.items():
             if name in report.missing:

@@ -37,7 +37,7 @@ def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckp
     tensors = _tensors(trainer, create=True)
     rng_name = f"rank_state/rank_{trainer.grid.rank:05d}/torch_rng"
     rng = tensors.pop(rng_name)
-    report = ckpt.load(path, tensors, strict=strict)
+    report = ckpt.load(path, tensors, strict=strict, comm=trainer.grid.comm)
     extra = report.extra
     trainer.step = int(extra["step"])
     for group, saved in zip(trainer.optimizer.param_groups, extra["param_groups"]):

@@ -1,0 +1,141 @@
+"""Checkpoints as a user meets them: a job stopped by the scheduler's signal resumes with the
+same losses -- bitwise on the same layout, to 1e-4 on another layout and rank count --,
+a save killed at any moment never breaks `latest`, and plain h5py reads the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.workflows.test_llm_pretrain import ARGS, SCRIPT, losses
+from tests.workflows.test_mpi_launch import ENV, ROOT, mpiexec
+
+STEPS = ["--steps", "8", "--seed", "0", "--no-progress"]
+
+
+def result(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """An 8-step tp2 x pp2 run stopped by SIGUSR1 (as a scheduler warns before walltime) after step >= 2."""
+    base = tmp_path_factory.mktemp("resume")
+    ck, run = base / "ck", base / "run"
+    uninterrupted = result(mpiexec(4, sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS, timeout=300))
+    proc = subprocess.Popen(["mpiexec", "-n", "4", sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS,
+                             "--ckpt-dir", str(ck), "--run-dir", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    subprocess.run(["pkill", "-USR1", "-f", f"^{sys.executable} {SCRIPT} .*{ck}"], check=False)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    first = json.loads(out.strip().splitlines()[-1])
+    return uninterrupted["losses"], first, ck
+
+
+def test_signal_saves_and_stops(stopped):
+    full, first, ck = stopped
+    k = first["steps"][-1]
+    assert 2 <= k < 8, f"stopped after step {k}"
+    assert (ck / "latest").read_text().strip() == f"step_{k:08d}"
+    assert first["losses"] == full[:k]
+
+
+def test_resume_same_layout_is_bitwise(stopped):
+    full, first, ck = stopped
+    k = first["steps"][-1]
+    out = result(mpiexec(4, sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS, "--ckpt-dir", str(ck),
+                         "--resume", timeout=300))
+    assert out["steps"] == list(range(k + 1, 9))
+    assert out["losses"] == full[k:]  # bitwise: same layout, same reduction order
+
+
+@pytest.mark.parametrize("n,flags", [(2, ["--fsdp"]), (1, []), (4, ["--cp", "2"])], ids=["fsdp2", "one-process", "cp2xdp2"])
+def test_resume_other_layout_and_rank_count(stopped, tmp_path, n, flags):
+    full, first, ck = stopped
+    k = first["steps"][-1]
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)  # keep the shared checkpoint untouched
+    cmd = [sys.executable, SCRIPT, *flags, *STEPS, "--ckpt-dir", str(copy), "--resume"]
+    out = result(mpiexec(n, *cmd, timeout=300) if n > 1 else
+                 subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300))
+    assert out["steps"] == list(range(k + 1, 9))
+    assert out["losses"] == pytest.approx(full[k:], rel=1e-4)
+
+
+def test_resume_without_checkpoint_is_one_line(tmp_path):
+    out = mpiexec(2, sys.executable, SCRIPT, *ARGS, "--ckpt-dir", str(tmp_path / "none"), "--resume", timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"llm_pretrain: error: no checkpoint at {tmp_path / 'none'}: the path does not exist"]
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch
+    from hpcml import ckpt
+    root = sys.argv[1]
+    torch.manual_seed(0)
+    state = {f"model/w{i}": torch.randn(512, 1024) for i in range(6)}   # 12 MB a save
+    for step in range(1, 10_000):
+        for t in state.values():
+            t.fill_(float(step))
+        ckpt.save(root, step, state, keep=2, extra={"step": step})
+        print(step, flush=True)
+""")
+
+
+def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
+    from hpcml import ckpt  # imported here: the saver runs in its own process
+
+    rng = random.Random(1234)
+    root = tmp_path / "ck"
+    (tmp_path / "saver.py").write_text(SAVER)
+    checked = 0
+    for trial in range(12):
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), str(root)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
+        time.sleep(1.2 + rng.random() * 1.5)  # past start-up, then anywhere inside a save
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if not (root / "latest").exists():
+            continue
+        path, step, extra = ckpt.read_extra(root)
+        target = {f"model/w{i}": __import__("torch").zeros(512, 1024) for i in range(6)}
+        report = ckpt.load(root, target)
+        assert report.step == step == extra["step"]
+        assert all(bool((t == float(step)).all()) for t in target.values())  # a whole, consistent save
+        checked += 1
+    assert checked >= 8
+
+
+def test_index_readable_by_plain_h5py_without_hpcml(stopped):
+    _, first, ck = stopped
+    script = textwrap.dedent(f"""
+        import sys, h5py, numpy as np
+        step = open("{ck}/latest").read().strip()
+        with h5py.File("{ck}/" + step + "/index.h5", "r") as f:
+            w = f["model/layers.0.attention.wq.weight"][()]
+            e = f["model/tok_embeddings.weight"][:4, :8]
+            m = f["optim/output.weight/exp_avg_sq"][()]
+            assert w.shape == (64, 64) and np.isfinite(w).all() and w.std() > 0
+            assert e.shape == (4, 8) and (m >= 0).all() and f.attrs["format_version"] == "1.0"
+        assert not any(name.startswith("hpcml") for name in sys.modules)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, cwd="/")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
