@@ -38,7 +38,59 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="build the real grid (MPI and torch.distributed) and check every group communicates")
     p.add_argument("--backend", help="torch.distributed backend for --check (default: by device)")
     p.add_argument("--interface", help="network interface rank 0 advertises for --check, e.g. hsn0")
+    ck = sub.add_parser("ckpt", help="list, inspect, verify, export or consolidate HDF5 checkpoints")
+    cks = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
+    p = cks.add_parser("ls", help="checkpoints under a directory")
+    p.add_argument("dir")
+    p = cks.add_parser("inspect", help="tensors, shapes, dtypes, saved layout, sizes")
+    p.add_argument("ckpt", help="a step_N directory, or a directory with 'latest'")
+    p.add_argument("--json", action="store_true")
+    p = cks.add_parser("verify", help="checksums, and every element of every tensor covered exactly once")
+    p.add_argument("ckpt")
+    p = cks.add_parser("export", help="consolidated model weights for inference")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    p = cks.add_parser("consolidate", help="one self-contained HDF5 file, no virtual datasets")
+    p.add_argument("ckpt")
+    p.add_argument("out")
     return parser
+
+
+def _cmd_ckpt(args: argparse.Namespace) -> int:
+    from hpcml.ckpt import tools
+
+    c = args.ckpt_command
+    if c == "ls":
+        for row in tools.list_checkpoints(args.dir):
+            flags = ("latest " if row["latest"] else "") + ("" if row["complete"] else "INCOMPLETE")
+            print(f"{row['path']}  step {row['step']}  {row['bytes'] / 1e6:.1f} MB  {flags}".rstrip())
+    elif c == "inspect":
+        info = tools.inspect(args.ckpt)
+        if args.json:
+            print(json.dumps(info))
+        else:
+            print(f"{info['path']}: step {info['step']}, format {info['format_version']}, hpcml {info['hpcml_version']}, "
+                  f"saved by {info['world_size']} ranks on {info['layout']}, {info['total_bytes'] / 1e6:.1f} MB "
+                  f"in {len(info['shards'])} shards")
+            width = max(len(n) for n in info["tensors"]) if info["tensors"] else 4
+            for name, t in info["tensors"].items():
+                print(f"  {name:<{width}}  {str(t['shape']):<14} {t['dtype']:<9} {t['bytes']:>10} B  "
+                      f"{t['pieces']} piece(s)  {t['partition']}")
+    elif c == "verify":
+        problems = tools.verify(args.ckpt)
+        for p in problems:
+            print(f"hpcml ckpt verify: {p}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"{args.ckpt}: ok")
+    elif c == "export":
+        n = tools.export(args.ckpt, args.out, args.format)
+        print(f"wrote {args.out} ({n / 1e6:.1f} MB, {args.format})")
+    elif c == "consolidate":
+        n = tools.consolidate(args.ckpt, args.out)
+        print(f"wrote {args.out} ({n / 1e6:.1f} MB)")
+    return 0
 
 
 def _degrees(args: argparse.Namespace) -> dict[str, int]:
@@ -97,10 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(AXES)}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"info": _cmd_info, "grid": _cmd_grid}[args.command](args)
+        return {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt}[args.command](args)
     except HpcmlError as e:
         if not isinstance(e, ConfigError) or env.detect().rank == 0:
             print(f"hpcml: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. an output path that cannot be written
+        print(f"hpcml: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
 
 

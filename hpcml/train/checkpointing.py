@@ -27,8 +27,11 @@ def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None) ->
              "scheduler": trainer.scheduler.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups],
              "train_config": asdict(trainer.config)}
+    cfg = trainer.model.parts[0].config
+    vocab = {f"model/{n}": {"logical_shape": [cfg.vocab_size, cfg.dim]} for n in ("tok_embeddings.weight", "output.weight")}
+    attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
     return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, extra=extra,
-                     layout=trainer.grid.layout.degrees, keep=keep)
+                     layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=attrs)
 
 
 def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckpt.LoadReport:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from tests.workflows.test_llm_pretrain import ARGS, SCRIPT, losses
@@ -139,3 +140,50 @@ def test_index_readable_by_plain_h5py_without_hpcml(stopped):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, cwd="/")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def hpcml_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "hpcml"), "ckpt", *args],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+
+
+def test_ckpt_command_line(stopped, tmp_path):
+    _, first, ck = stopped
+    k = first["steps"][-1]
+    out = hpcml_cli("ls", str(ck))
+    assert out.returncode == 0 and out.stdout.split()[:3] == [str(ck / f"step_{k:08d}"), "step", str(k)]
+    assert out.stdout.rstrip().endswith("latest")
+    info = json.loads(hpcml_cli("inspect", str(ck), "--json").stdout)
+    assert info["step"] == k and info["layout"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 2} and info["world_size"] == 4
+    assert info["tensors"]["model/layers.0.attention.wo.weight"]["shape"] == [64, 64]
+    assert info["tensors"]["model/tok_embeddings.weight"]["logical_shape"] == [256, 64]
+    assert hpcml_cli("verify", str(ck)).stdout.strip() == f"{ck}: ok"
+    # export: consolidated weights under their plain names, equal to the index's
+    import h5py
+    from safetensors.torch import load_file
+
+    assert hpcml_cli("export", str(ck), str(tmp_path / "w.safetensors")).returncode == 0
+    weights = load_file(str(tmp_path / "w.safetensors"))
+    with h5py.File(ck / f"step_{k:08d}" / "index.h5", "r") as f:
+        assert np.array_equal(weights["layers.1.feed_forward.w2.weight"].numpy(),
+                              f["model/layers.1.feed_forward.w2.weight"][()])
+    assert len(weights) == 2 + 4 * 9 + 1
+    assert hpcml_cli("consolidate", str(ck), str(tmp_path / "one.h5")).returncode == 0
+    with h5py.File(tmp_path / "one.h5", "r") as g, h5py.File(ck / f"step_{k:08d}" / "index.h5", "r") as f:
+        assert not g["model/output.weight"].is_virtual and f["model/output.weight"].is_virtual
+        assert np.array_equal(g["optim/output.weight/exp_avg"][()], f["optim/output.weight/exp_avg"][()])
+
+
+def test_ckpt_command_line_bad_input(stopped, tmp_path):
+    _, first, ck = stopped
+    out = hpcml_cli("inspect", str(tmp_path / "nope"))
+    assert out.returncode == 2 and out.stderr == f"hpcml: error: no checkpoint at {tmp_path / 'nope'}: the path does not exist\n"
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(ck), str(broken)], check=True)
+    step = (broken / "latest").read_text().strip()
+    shard = broken / step / "rank_00002.h5"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    out = hpcml_cli("verify", str(broken))
+    assert out.returncode == 1 and f"{shard}: CRC32 mismatch" in out.stderr
