@@ -53,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only on signals)")
     p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from CKPT_DIR/latest (any layout saved it)")
+    p.add_argument("--async-save", action="store_true", help="periodic saves overlap training (writer process)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
         trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
         if args.ckpt_dir:
-            trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep))
+            trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep,
+                                                async_save=args.async_save))
             if args.resume:
                 load_trainer(trainer, args.ckpt_dir)
     except HpcmlError as e:  # raised alike on every rank, before any collective
@@ -92,6 +94,9 @@ def main(argv=None) -> int:
             print(f"llm_pretrain: error: {e}", file=sys.stderr)
         return 2
     history = trainer.fit()
+    for hook in trainer.hooks:
+        if isinstance(hook, CheckpointHook):
+            hook.close()  # exit waits for a save in flight
     trainer.close()
     if trainer.grid.rank == 0:
         print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],

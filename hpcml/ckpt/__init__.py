@@ -3,8 +3,8 @@ global tensor whole -- save distributed, load on any layout, read by any HDF5 to
 
 from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, resolve
 from hpcml.ckpt.state import training_tensors
-from hpcml.ckpt.writer import SaveResult, save
+from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
 from hpcml.errors import CheckpointError
 
-__all__ = ["CheckpointError", "LoadReport", "SaveResult", "load", "read_extra", "read_tensor", "resolve", "save",
+__all__ = ["AsyncSaver", "CheckpointError", "LoadReport", "SaveResult", "load", "read_extra", "read_tensor", "resolve", "save",
            "training_tensors"]

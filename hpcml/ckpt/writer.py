@@ -10,6 +10,7 @@ checksums, a broadcast of the outcome (so a failure raises on every rank).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -53,8 +54,8 @@ def file_crc32(path: Path, block: int = 1 << 24) -> int:
     return crc
 
 
-def _pieces(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkMeta], dict[tuple, np.ndarray], dict[str, str]]:
-    metas, arrays, placements = [], {}, {}
+def _pieces(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkMeta], dict[tuple, torch.Tensor], dict[str, str]]:
+    metas, locals_, placements = [], {}, {}
     for name, t in tensors.items():
         local, gshape, offset = local_piece(t)
         placements[name] = placement_str(t)
@@ -62,11 +63,11 @@ def _pieces(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkMeta], dict[tup
             continue
         if local.dim() == 0:  # scalars are stored as shape (1,) with an attribute saying so
             local, gshape, offset = local.reshape(1), (1,), (0,)
-        arr = fmt.to_numpy(local)
-        m = ChunkMeta(name, gshape, offset, tuple(local.shape), fmt.storage(local.dtype)[1], arr.nbytes)
+        m = ChunkMeta(name, gshape, offset, tuple(local.shape), fmt.storage(local.dtype)[1],
+                      local.numel() * local.element_size())
         metas.append(m)
-        arrays[m.key] = arr
-    return metas, arrays, placements
+        locals_[m.key] = local
+    return metas, locals_, placements
 
 
 def storage_chunk(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
@@ -154,22 +155,36 @@ def _commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
-         extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
-         tensor_attrs: dict[str, dict] | None = None) -> SaveResult:
-    """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
-    checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
-    positions, ...). ``keep`` prunes to the newest K checkpoints. Collective over ``comm``.
-    """
-    from mpi4py import MPI
+@dataclass
+class _Pending:
+    """A save between its plan (collective) and its commit (collective)."""
 
-    comm = comm or MPI.COMM_WORLD
+    rank: int
+    comm: object
+    root: Path
+    final: Path
+    tmp: Path
+    step: int
+    per_rank: list
+    owner: dict
+    mine: list
+    arrays: dict
+    placements: dict
+    scalars: set
+    attrs: dict
+    tensor_attrs: dict
+    keep: int | None
+    t0: float
+
+
+def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _Pending:
+    """Snapshot this rank's pieces to host memory and agree on who writes what (one allgather)."""
     rank = comm.Get_rank()
     t0 = time.perf_counter()
     root = Path(root)
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
-    metas, arrays, placements = _pieces(tensors)
+    metas, locals_, placements = _pieces(tensors)
     scalars = {n for n, t in tensors.items() if t.dim() == 0}
     if rank == 0:  # before the allgather: nobody writes into tmp until rank 0 has cleared a stale one
         root.mkdir(parents=True, exist_ok=True)
@@ -177,15 +192,32 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
     per_rank, all_scalars = zip(*comm.allgather((metas, scalars)))
     owner = assign_owners(list(per_rank))
     mine = [c for c in metas if owner[c.key] == rank]
-    status: tuple = ("ok", 0, 0, {})
+    attrs = {"format_version": fmt.FORMAT_VERSION, "hpcml_version": __version__, "step": step,
+             "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}), "extra": fmt.dumps(extra or {})}
+    # host arrays of only what this rank writes (a device-to-host copy on GPUs; a view on CPU,
+    # which an async writer process sees as it was at the fork)
+    return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine,
+                    {c.key: fmt.to_numpy(locals_[c.key]) for c in mine}, placements, set().union(*all_scalars), attrs,
+                    tensor_attrs or {}, keep, t0)
+
+
+def _write_local(p: _Pending) -> tuple:
+    """This rank's shard; the status that :func:`_finish` gathers. Touches no MPI (runs in a writer process)."""
+    rank = p.rank
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        if mine:
-            shard = tmp / fmt.shard_name(rank)
-            storage = _write_shard(shard, mine, arrays)
-            status = ("ok", shard.stat().st_size, file_crc32(shard), storage)
-    except Exception as e:  # noqa: BLE001 -- reported on every rank below
-        status = ("error", f"rank {rank}: {type(e).__name__}: {e}", 0, {})
+        p.tmp.mkdir(parents=True, exist_ok=True)
+        if p.mine:
+            shard = p.tmp / fmt.shard_name(rank)
+            storage = _write_shard(shard, p.mine, p.arrays)
+            return ("ok", shard.stat().st_size, file_crc32(shard), storage)
+    except Exception as e:  # noqa: BLE001 -- reported on every rank by _finish
+        return ("error", f"rank {rank}: {type(e).__name__}: {e}", 0, {})
+    return ("ok", 0, 0, {})
+
+
+def _finish(p: _Pending, status: tuple) -> SaveResult:
+    """Gather shard statuses, rank 0 writes the index and commits, everyone learns the outcome."""
+    comm, rank = p.comm, p.rank
     statuses = comm.gather(status, root=0)
     outcome: str | None = None
     if rank == 0:
@@ -197,18 +229,83 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
                 storage = {k: v for s in statuses for k, v in s[3].items()}
                 shards = [{"file": fmt.shard_name(r), "bytes": s[1], "crc32": s[2]}
                           for r, s in enumerate(statuses) if s[1]]
-                attrs = {"format_version": fmt.FORMAT_VERSION, "hpcml_version": __version__, "step": step,
-                         "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}),
-                         "extra": fmt.dumps(extra or {}), "shards": fmt.dumps(shards), "created": time.time()}
-                _write_index(tmp / fmt.INDEX, list(per_rank), owner, storage, attrs, tensor_attrs or {}, placements,
-                             set().union(*all_scalars))
-                _commit(root, tmp, final, keep)
+                attrs = {**p.attrs, "shards": fmt.dumps(shards), "created": time.time()}
+                _write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, storage, attrs, p.tensor_attrs, p.placements,
+                             p.scalars)
+                _commit(p.root, p.tmp, p.final, p.keep)
             except Exception as e:  # noqa: BLE001
                 outcome = f"rank 0: {type(e).__name__}: {e}"
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
-        raise CheckpointError(f"saving {final} failed: {outcome}")
-    written = sum(c.nbytes for c in mine)
-    dt = time.perf_counter() - t0
-    logger.info("saved %s (%.1f MB from this rank) in %.2f s", final, written / 1e6, dt)
-    return SaveResult(final, written, dt)
+        raise CheckpointError(f"saving {p.final} failed: {outcome}")
+    written = sum(c.nbytes for c in p.mine)
+    dt = time.perf_counter() - p.t0
+    logger.info("saved %s (%.1f MB from this rank) in %.2f s", p.final, written / 1e6, dt)
+    return SaveResult(p.final, written, dt)
+
+
+def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
+         extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
+         tensor_attrs: dict[str, dict] | None = None) -> SaveResult:
+    """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
+    checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
+    positions, ...). ``keep`` prunes to the newest K checkpoints. Collective over ``comm``.
+    """
+    from mpi4py import MPI
+
+    pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs)
+    return _finish(pending, _write_local(pending))
+
+
+class AsyncSaver:
+    """Saves whose file writing overlaps training: one in flight at a time.
+
+    ``save()`` blocks only for the plan (one allgather), the host snapshot and a ``fork``;
+    a writer process writes this rank's shard -- a separate process, because h5py holds one
+    global lock and threads would not overlap its writes -- while training goes on. The
+    next ``save()``, and ``wait()`` (call it before exit), collect the writer and commit
+    (collective), so bounded host memory holds one snapshot at most.
+    """
+
+    def __init__(self, comm=None) -> None:
+        from mpi4py import MPI
+
+        self.comm = comm or MPI.COMM_WORLD
+        self._inflight: tuple[_Pending, int, int] | None = None
+
+    def save(self, root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *,
+             extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
+             tensor_attrs: dict[str, dict] | None = None) -> float:
+        """Start a save; returns the seconds training was blocked (previous save's commit included)."""
+        t0 = time.perf_counter()
+        self.wait()
+        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs)
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer: no MPI, no torch, only h5py on the snapshot
+            os.close(read_fd)
+            try:
+                status = _write_local(pending)
+                storage = [[[k[0], list(k[1]), list(k[2])], list(v) if v else None] for k, v in status[3].items()]
+                os.write(write_fd, fmt.dumps([status[0], status[1], status[2], storage]).encode())
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        self._inflight = (pending, pid, read_fd)
+        return time.perf_counter() - t0
+
+    def wait(self) -> SaveResult | None:
+        """Collect the save in flight, if any, and commit it (collective)."""
+        if self._inflight is None:
+            return None
+        pending, pid, read_fd = self._inflight
+        self._inflight = None
+        with os.fdopen(read_fd, "rb") as f:
+            raw = f.read()
+        _, code = os.waitpid(pid, 0)
+        if raw:
+            kind, a, b, storage = json.loads(raw)
+            status = (kind, a, b, {(k[0], tuple(k[1]), tuple(k[2])): tuple(v) if v else None for k, v in storage})
+        else:
+            status = ("error", f"rank {pending.rank}: writer process died (wait status {code})", 0, {})
+        return _finish(pending, status)

@@ -21,8 +21,11 @@ def _tensors(trainer: Trainer, create: bool = False) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None) -> ckpt.SaveResult:
-    """Model, optimizer, schedule, step, data position and per-rank RNG as ``root/step_N``."""
+def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None,
+                 saver: ckpt.AsyncSaver | None = None) -> ckpt.SaveResult | float:
+    """Model, optimizer, schedule, step, data position and per-rank RNG as ``root/step_N``.
+    With an :class:`~hpcml.ckpt.AsyncSaver` the writing overlaps training: returns the
+    seconds training was blocked."""
     extra = {"step": trainer.step, "data": {"next_step": trainer.step},
              "scheduler": trainer.scheduler.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups],
@@ -30,8 +33,10 @@ def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None) ->
     cfg = trainer.model.parts[0].config
     vocab = {f"model/{n}": {"logical_shape": [cfg.vocab_size, cfg.dim]} for n in ("tok_embeddings.weight", "output.weight")}
     attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
-    return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, extra=extra,
-                     layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=attrs)
+    kwargs = dict(extra=extra, layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=attrs)
+    if saver is not None:
+        return saver.save(root, trainer.step, _tensors(trainer), **kwargs)
+    return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, **kwargs)
 
 
 def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckpt.LoadReport:
@@ -54,12 +59,19 @@ def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckp
 
 
 class CheckpointHook:
-    """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop)."""
+    """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop).
 
-    def __init__(self, root: str | Path, every: int, keep: int | None = 3,
+    ``async_save``: periodic saves overlap training (a writer process per rank); a save on
+    a signal is synchronous, since the job is about to end. Call :meth:`close` before exit.
+    """
+
+    def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
                  signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
         self.root, self.every, self.keep = Path(root), every, keep
+        self.async_save = async_save
+        self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
+        self.blocked_s: list[float] = []
         self._trainer: Trainer | None = None
         for s in signals:
             signal.signal(s, self._on_signal)
@@ -70,5 +82,19 @@ class CheckpointHook:
 
     def __call__(self, trainer: Trainer, metrics: dict) -> None:
         self._trainer = trainer
-        if metrics.get("stop") or (self.every and trainer.step % self.every == 0):
+        if metrics.get("stop"):
+            self.close()
             self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
+        elif self.every and trainer.step % self.every == 0:
+            if not self.async_save:
+                self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
+                return
+            if self.saver is None:
+                self.saver = ckpt.AsyncSaver(trainer.grid.comm)
+            self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver))
+            self.saved.append(self.root / f"step_{trainer.step:08d}")
+
+    def close(self) -> None:
+        """Wait for a save in flight and commit it (collective)."""
+        if self.saver is not None:
+            self.saver.wait()

@@ -142,3 +142,28 @@ def test_corrupt_and_truncated_shards_are_named(comm, shared_dir):
     with pytest.raises(CheckpointError) as info:
         ckpt.load(root, target, comm=comm)
     assert f"shard {path / 'rank_00000.h5'} is" in str(info.value) and "truncated" in str(info.value)
+
+
+def test_async_save_snapshots_then_overlaps(comm, shared_dir):
+    """The checkpoint holds the values at save() time even though training changes them at once
+    (torch DCP's async_save once wrote post-update values, pytorch#144657)."""
+    root = shared_dir / "async"
+    saver = ckpt.AsyncSaver(comm)
+    w = torch.full((WORLD * 256, 512), float(comm.rank))
+    rows = slice(comm.rank * 256, (comm.rank + 1) * 256)
+    mine = w[rows]
+    blocked = saver.save(root, 1, {f"model/shard{comm.rank}": mine})
+    mine.add_(100.0)  # the next optimizer step, while the writer runs
+    assert saver.wait().path == root / "step_00000001"
+    assert saver.wait() is None  # nothing in flight any more
+    back = {f"model/shard{r}": torch.zeros(256, 512) for r in range(WORLD)}
+    ckpt.load(root, back, comm=comm)
+    assert [float(back[f"model/shard{r}"].mean()) for r in range(WORLD)] == [float(r) for r in range(WORLD)]
+    assert blocked < 30.0
+    # a second save while one is in flight waits for the first, and both commit
+    saver.save(root, 2, {f"model/shard{comm.rank}": mine})
+    saver.save(root, 3, {f"model/shard{comm.rank}": mine * 2}, keep=2)
+    saver.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    ckpt.load(root, back, comm=comm)
+    assert float(back["model/shard0"].mean()) == 200.0

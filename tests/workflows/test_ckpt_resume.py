@@ -187,3 +187,15 @@ def test_ckpt_command_line_bad_input(stopped, tmp_path):
     shard.write_bytes(bytes(data))
     out = hpcml_cli("verify", str(broken))
     assert out.returncode == 1 and f"{shard}: CRC32 mismatch" in out.stderr
+
+
+def test_async_periodic_saves_resume_bitwise(stopped, tmp_path):
+    full, _, _ = stopped
+    ck = tmp_path / "ck"
+    args = [sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS, "--ckpt-dir", str(ck)]
+    out = result(mpiexec(4, *args, "--ckpt-every", "3", "--async-save", timeout=300))
+    assert out["losses"] == full  # saving in the background does not disturb training
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000003", "step_00000006"]
+    assert hpcml_cli("verify", str(ck)).returncode == 0
+    resumed = result(mpiexec(4, *args, "--resume", timeout=300))
+    assert resumed["steps"] == [7, 8] and resumed["losses"] == full[6:]
