@@ -183,10 +183,10 @@ def test_ckpt_command_line_bad_input(stopped, tmp_path):
     step = (broken / "latest").read_text().strip()
     shard = broken / step / "rank_00002.h5"
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2] ^= 0xFF  # bit rot in the middle of a shard
     shard.write_bytes(bytes(data))
     out = hpcml_cli("verify", str(broken))
-    assert out.returncode == 1 and f"{shard}: CRC32 mismatch" in out.stderr
+    assert out.returncode == 1 and "rank_00002.h5" in out.stderr and "unreadable" in out.stderr
 
 
 def test_async_periodic_saves_resume_bitwise(stopped, tmp_path):

@@ -1,0 +1,142 @@
+"""hpcml HDF5 checkpoints vs torch.distributed.checkpoint (DCP) vs the disk, in one run.
+
+    mpiexec -n 2 python benchmarks/ckpt_vs_dcp.py --json            # 2 GiB of state by default
+    mpiexec -n 2 python benchmarks/ckpt_vs_dcp.py --gib 0.25 --json
+
+The state is what FSDP leaves on each rank: a model's parameters and AdamW's two moments
+as DTensors sharded on dim 0 over all ranks (1/3 parameters, 2/3 optimizer state). Both
+libraries save it, then load it into the same sharding, and hpcml also loads it resharded
+(dim 1). Async: blocking time of hpcml's AsyncSaver vs the synchronous save. The limit:
+``dd bs=16M conv=fsync`` of the same number of bytes per rank, all ranks at once. Page
+caches are dropped before loads where the kernel allows it (``caches_dropped`` says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=2.0, help="total state over all ranks, GiB")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from mpi4py import MPI
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hpcml import ckpt
+    from hpcml.grid import ProcessGrid
+
+    comm = MPI.COMM_WORLD
+    world, rank = comm.Get_size(), comm.Get_rank()
+    grid = ProcessGrid(dp=world)
+    grid.init_torch()
+    mesh = grid.torch.mesh["dp"]
+    base = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-bench-", dir=args.dir) if rank == 0 else None))
+
+    cols = 4096
+    rows_total = int(args.gib * 2**30 / 4 / cols / 3)  # per parameter, 3 tensors each (param, exp_avg, exp_avg_sq)
+    n_params = 8
+    rows = max(world * 2, rows_total // n_params // (world * 2) * (world * 2))
+    torch.manual_seed(0)
+
+    def make(placement):
+        state = {}
+        for i in range(n_params):
+            for kind in ("model/w{}", "optim/w{}/exp_avg", "optim/w{}/exp_avg_sq"):
+                full = torch.randn(rows, cols) if rank == 0 else torch.empty(rows, cols)
+                state[kind.format(i)] = distribute_tensor(full, mesh, [placement], src_data_rank=0)
+        return state
+
+    state = make(Shard(0))
+    state_bytes = sum(t.numel() * 4 for t in state.values())
+    local_bytes = state_bytes // world
+
+    def timed(fn):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        comm.Barrier()
+        return time.perf_counter() - t0, out
+
+    # the physical limit: every rank writes its share with dd + fsync at once
+    dd_file = base / f"dd_{rank}"
+    dd_s, _ = timed(lambda: subprocess.run(["dd", "if=/dev/zero", f"of={dd_file}", "bs=16M",
+                                            f"count={max(1, local_bytes // 2**24)}", "conv=fsync"],
+                                           capture_output=True, check=True))
+    dd_bytes = max(1, local_bytes // 2**24) * 2**24 * world
+    dd_file.unlink()
+
+    hp_save_s, _ = timed(lambda: ckpt.save(base / "hpcml", 1, state, comm=comm))
+    dcp_save_s, _ = timed(lambda: dcp.save(state, checkpoint_id=str(base / "dcp")))
+
+    same = {k: torch.zeros_like(v) for k, v in state.items()}
+    dropped = comm.allreduce(int(drop_caches()), op=MPI.MIN) == 1
+    hp_load_s, report = timed(lambda: ckpt.load(base / "hpcml", same, comm=comm))
+    ok_same = all(torch.equal(same[k].to_local(), state[k].to_local()) for k in state)
+    same2 = {k: torch.zeros_like(v) for k, v in state.items()}
+    drop_caches()
+    dcp_load_s, _ = timed(lambda: dcp.load(same2, checkpoint_id=str(base / "dcp")))
+    ok_dcp = all(torch.equal(same2[k].to_local(), state[k].to_local()) for k in state)
+    del same2
+
+    resharded = {k: distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(1)]) for k in state}
+    drop_caches()
+    reshard_s, rreport = timed(lambda: ckpt.load(base / "hpcml", resharded, comm=comm))
+    ok_reshard = all(torch.equal(resharded[k].full_tensor(), state[k].full_tensor()) for k in list(state)[:3])
+    del resharded, same
+
+    saver = ckpt.AsyncSaver(comm)
+    async_block_s, _ = timed(lambda: saver.save(base / "hpcml_async", 1, state))
+    # training would run here; the writer process works meanwhile
+    async_total_s, _ = timed(lambda: saver.wait())
+    async_total_s += async_block_s
+
+    all_ok = comm.allreduce(int(ok_same and ok_dcp and ok_reshard), op=MPI.MIN) == 1
+    amp = comm.allreduce(report.read_amplification, op=MPI.MAX)
+    ramp = comm.allreduce(rreport.read_amplification, op=MPI.MAX)
+    if rank == 0:
+        gb = state_bytes / 1e9
+        out = {
+            "benchmark": "ckpt_vs_dcp", "ranks": world, "state_bytes": state_bytes, "tensors": len(state),
+            "tensor_shape": [rows, cols], "caches_dropped": dropped, "values_equal": all_ok,
+            "disk_write_gbps": dd_bytes / 1e9 / dd_s,
+            "hpcml_save_s": hp_save_s, "hpcml_save_gbps": gb / hp_save_s,
+            "dcp_save_s": dcp_save_s, "dcp_save_gbps": gb / dcp_save_s,
+            "hpcml_load_gbps": gb / hp_load_s, "dcp_load_gbps": gb / dcp_load_s,
+            "same_layout_load_s": hp_load_s, "dcp_load_s": dcp_load_s, "reshard_load_s": reshard_s,
+            "sync_save_s": hp_save_s, "async_block_s": async_block_s, "async_total_s": async_total_s,
+            "read_amplification_same": amp, "read_amplification_reshard": ramp,
+            "ratios": {"save_vs_dcp": dcp_save_s / hp_save_s, "save_vs_disk": (gb / hp_save_s) / (dd_bytes / 1e9 / dd_s),
+                       "load_vs_dcp": dcp_load_s / hp_load_s, "reshard_vs_same_layout": reshard_s / hp_load_s,
+                       "async_block_vs_sync": async_block_s / hp_save_s},
+        }
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        shutil.rmtree(base, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
