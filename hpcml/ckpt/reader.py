@@ -58,6 +58,11 @@ def _open_index(ckpt: Path) -> h5py.File:
         f = h5py.File(ckpt / fmt.INDEX, "r")
     except OSError as e:
         raise CheckpointError(f"cannot open {ckpt / fmt.INDEX}: {e}") from None
+    version = str(f.attrs.get("format_version", "?"))
+    if version.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]:
+        f.close()
+        raise CheckpointError(f"{ckpt / fmt.INDEX} has format version {version}; this hpcml reads "
+                              f"{fmt.FORMAT_VERSION.split('.')[0]}.x")
     for s in json.loads(f.attrs["shards"]):
         shard = ckpt / s["file"]
         size = shard.stat().st_size if shard.exists() else None
