@@ -6,7 +6,7 @@
 The state is what FSDP leaves on each rank: a model's parameters and AdamW's two moments
 as DTensors sharded on dim 0 over all ranks (1/3 parameters, 2/3 optimizer state). Both
 libraries save it, then load it into the same sharding, and hpcml also loads it resharded
-(dim 1). Async: blocking time of hpcml's AsyncSaver vs the synchronous save. The limit:
+(dim 1), and hpcml's collective single-file (MPI-IO) save. Async: blocking time of hpcml's AsyncSaver vs the synchronous save. The limit:
 ``dd bs=16M conv=fsync`` of the same number of bytes per rank, all ranks at once. Page
 caches are dropped before loads where the kernel allows it (``caches_dropped`` says).
 """
@@ -91,6 +91,7 @@ def main() -> None:
 
     hp_save_s, _ = timed(lambda: ckpt.save(base / "hpcml", 1, state, comm=comm))
     dcp_save_s, _ = timed(lambda: dcp.save(state, checkpoint_id=str(base / "dcp")))
+    single_save_s, _ = timed(lambda: ckpt.save(base / "hpcml_single", 1, state, comm=comm, single_file=True))
 
     same = {k: torch.zeros_like(v) for k, v in state.items()}
     dropped = comm.allreduce(int(drop_caches()), op=MPI.MIN) == 1
@@ -125,6 +126,7 @@ def main() -> None:
             "disk_write_gbps": dd_bytes / 1e9 / dd_s,
             "hpcml_save_s": hp_save_s, "hpcml_save_gbps": gb / hp_save_s,
             "dcp_save_s": dcp_save_s, "dcp_save_gbps": gb / dcp_save_s,
+            "hpcml_single_file_save_gbps": gb / single_save_s,
             "hpcml_load_gbps": gb / hp_load_s, "dcp_load_gbps": gb / dcp_load_s,
             "same_layout_load_s": hp_load_s, "dcp_load_s": dcp_load_s, "reshard_load_s": reshard_s,
             "sync_save_s": hp_save_s, "async_block_s": async_block_s, "async_total_s": async_total_s,

@@ -96,7 +96,8 @@ def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.nda
 
 
 def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], storage: dict[tuple, tuple],
-                 attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str]) -> None:
+                 attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str],
+                 single_file: bool = False) -> None:
     by_name: dict[str, list[ChunkMeta]] = {}
     seen: set[tuple] = set()
     for chunks in per_rank:
@@ -104,6 +105,12 @@ def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple,
             if c.key not in seen:
                 seen.add(c.key)
                 by_name.setdefault(c.name, []).append(c)
+    if single_file:  # one whole dataset per tensor in SINGLE_FILE: one piece covering it
+        by_name = {n: [ChunkMeta(n, cs[0].global_shape, (0,) * len(cs[0].global_shape), cs[0].global_shape,
+                                 cs[0].dtype, 0)] for n, cs in by_name.items()}
+
+    def source(c: ChunkMeta) -> tuple[str, str]:
+        return (SINGLE_FILE, c.name) if single_file else (fmt.shard_name(owner[c.key]), c.dataset)
     with h5py.File(path, "w", libver="latest") as f:
         for k, v in attrs.items():
             f.attrs[k] = v
@@ -113,18 +120,41 @@ def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple,
             np_dtype = fmt.storage(getattr(torch, first.dtype))[0]
             layout = h5py.VirtualLayout(shape=first.global_shape, dtype=np_dtype)
             for c in chunks:
-                src = h5py.VirtualSource(f"./{fmt.shard_name(owner[c.key])}", c.dataset, shape=c.shape, dtype=np_dtype)
+                src = h5py.VirtualSource(f"./{source(c)[0]}", source(c)[1], shape=c.shape, dtype=np_dtype)
                 layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = src
             ds = f.create_virtual_dataset(name, layout)
             ds.attrs["dtype"] = first.dtype
             ds.attrs["global_shape"] = np.asarray([] if name in scalars else first.global_shape, dtype=np.int64)
             ds.attrs["partition"] = placements.get(name, "")
             ds.attrs["chunks"] = fmt.dumps([{"offset": list(c.offset), "shape": list(c.shape),
-                                             "file": fmt.shard_name(owner[c.key]),
-                                             "storage_chunk": list(storage.get(c.key) or c.shape)} for c in chunks])
+                                             "file": source(c)[0],
+                                             # contiguous (single-file) data is read element-exact
+                                             "storage_chunk": [1] * len(c.shape) if single_file
+                                             else list(storage.get(c.key) or c.shape)} for c in chunks])
             for k, v in tensor_attrs.get(name, {}).items():
                 ds.attrs[k] = v
     fsync_path(path)
+
+
+SINGLE_FILE = "shared.h5"
+
+
+def _write_single(p: _Pending) -> tuple:
+    """Collective single-file mode: all ranks write their hyperslabs of full-size datasets
+    into one file through h5py's ``mpio`` driver (contiguous, no per-chunk checksums)."""
+    tensors = {c.name: c for chunks in p.per_rank for c in chunks}
+    p.tmp.mkdir(parents=True, exist_ok=True)
+    path = p.tmp / SINGLE_FILE
+    with h5py.File(path, "w", driver="mpio", comm=p.comm, libver="latest") as f:
+        for name in sorted(tensors):  # dataset creation is collective: same order everywhere
+            c = tensors[name]
+            f.create_dataset(name, shape=c.global_shape, dtype=fmt.storage(getattr(torch, c.dtype))[0])
+        for c in p.mine:
+            f[c.name][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = p.arrays[c.key]
+    if p.rank == 0:
+        fsync_path(path)
+        return ("ok", path.stat().st_size, SINGLE_FILE, {})
+    return ("ok", 0, SINGLE_FILE, {})
 
 
 def _commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
@@ -169,6 +199,7 @@ class _Pending:
     tensor_attrs: dict
     keep: int | None
     t0: float
+    single_file: bool = False
 
 
 def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _Pending:
@@ -203,10 +234,10 @@ def _write_local(p: _Pending) -> tuple:
         if p.mine:
             shard = p.tmp / fmt.shard_name(rank)
             storage = _write_shard(shard, p.mine, p.arrays)
-            return ("ok", shard.stat().st_size, 0, storage)
+            return ("ok", shard.stat().st_size, shard.name, storage)
     except Exception as e:  # noqa: BLE001 -- reported on every rank by _finish
-        return ("error", f"rank {rank}: {type(e).__name__}: {e}", 0, {})
-    return ("ok", 0, 0, {})
+        return ("error", f"rank {rank}: {type(e).__name__}: {e}", "", {})
+    return ("ok", 0, "", {})
 
 
 def _finish(p: _Pending, status: tuple) -> SaveResult:
@@ -221,11 +252,10 @@ def _finish(p: _Pending, status: tuple) -> SaveResult:
         else:
             try:
                 storage = {k: v for s in statuses for k, v in s[3].items()}
-                shards = [{"file": fmt.shard_name(r), "bytes": s[1]}
-                          for r, s in enumerate(statuses) if s[1]]
+                shards = [{"file": s[2], "bytes": s[1]} for s in statuses if s[1]]
                 attrs = {**p.attrs, "shards": fmt.dumps(shards), "created": time.time()}
                 _write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, storage, attrs, p.tensor_attrs, p.placements,
-                             p.scalars)
+                             p.scalars, single_file=p.single_file)
                 _commit(p.root, p.tmp, p.final, p.keep)
             except Exception as e:  # noqa: BLE001
                 outcome = f"rank 0: {type(e).__name__}: {e}"
@@ -240,14 +270,23 @@ def _finish(p: _Pending, status: tuple) -> SaveResult:
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
          extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
-         tensor_attrs: dict[str, dict] | None = None) -> SaveResult:
+         tensor_attrs: dict[str, dict] | None = None, single_file: bool = False) -> SaveResult:
     """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
     checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
-    positions, ...). ``keep`` prunes to the newest K checkpoints. Collective over ``comm``.
+    positions, ...). ``keep`` prunes to the newest K checkpoints. ``single_file``: all
+    ranks write one ``shared.h5`` collectively (MPI-IO) instead of a file each; the index
+    and the reader are the same. Collective over ``comm``.
     """
     from mpi4py import MPI
 
     pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs)
+    pending.single_file = single_file
+    if single_file:
+        import h5py as _h5py
+
+        if not _h5py.get_config().mpi:
+            raise CheckpointError("single_file=True needs h5py built with MPI (parallel HDF5); rebuild with HDF5_MPI=ON")
+        return _finish(pending, _write_single(pending))
     return _finish(pending, _write_local(pending))
 
 
@@ -301,5 +340,5 @@ class AsyncSaver:
             kind, a, b, storage = json.loads(raw)
             status = (kind, a, b, {(k[0], tuple(k[1]), tuple(k[2])): tuple(v) if v else None for k, v in storage})
         else:
-            status = ("error", f"rank {pending.rank}: writer process died (wait status {code})", 0, {})
+            status = ("error", f"rank {pending.rank}: writer process died (wait status {code})", "", {})
         return _finish(pending, status)

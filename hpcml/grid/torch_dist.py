@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 logger = log.get_logger(__name__)
 
 _SIOCGIFADDR = 0x8915
+_MESHES: dict[tuple, DeviceMesh] = {}
 
 
 @dataclass(kw_only=True)
@@ -131,7 +132,10 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
         dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=grid.rank,
                                 world_size=grid.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
-    mesh = init_device_mesh(device_type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
+    key = (device_type, grid.layout.mesh_shape, grid.layout.axis_names, id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESHES:  # a mesh's sub-groups cost collectives: build each layout's once per process group
+        _MESHES[key] = init_device_mesh(device_type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
+    mesh = _MESHES[key]
     device_names = grid.comm.allgather(str(device))
     result = TorchDist(backend=backend, device=device, mesh=mesh, device_names=device_names,
                        master_addr=addr, master_port=port)

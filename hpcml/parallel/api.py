@@ -34,7 +34,10 @@ def dp_mesh(mesh: DeviceMesh, layout) -> DeviceMesh | None:
         return mesh["dp"]
     if layout.dp == 1:
         return mesh["cp"]
-    return mesh["dp", "cp"]._flatten("dp_cp")
+    try:
+        return mesh["dp_cp"]  # flattened before on this (cached) mesh
+    except KeyError:
+        return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 @dataclass(kw_only=True)

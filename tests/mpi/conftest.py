@@ -24,3 +24,13 @@ def pytest_runtest_makereport(item, call):
 def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_bootstrap():
+    """torch.distributed, bootstrapped from MPI once per launch before any test (tests reuse it;
+    none destroys it: torch's DTensor caches outlive a destroyed process group)."""
+    from hpcml.grid import ProcessGrid
+
+    grid = ProcessGrid()
+    return grid.init_torch()

@@ -167,3 +167,28 @@ def test_async_save_snapshots_then_overlaps(comm, shared_dir):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     ckpt.load(root, back, comm=comm)
     assert float(back["model/shard0"].mean()) == 200.0
+
+
+def test_collective_single_file_mode(comm, shared_dir):
+    """All ranks write one shared.h5 through MPI-IO; the same reader loads it on another layout."""
+    root = shared_dir / "single"
+    degrees = {"tp": 2} if WORLD % 2 == 0 else {}
+    trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(fsdp=WORLD > 2), **degrees)
+    trainer.fit(1)
+    tensors = {n: t for n, t in _tensors(trainer).items() if not n.startswith("rank_state/")}
+    result = ckpt.save(root, 1, tensors, comm=comm, single_file=True, layout=trainer.grid.layout.degrees)
+    assert sorted(p.name for p in result.path.iterdir()) == ["index.h5", "shared.h5"]
+    fresh = build_llm_trainer(MODEL, TrainConfig(**{**TRAIN.__dict__, "seed": 4}), ParallelConfig(), dp=WORLD)
+    target = ckpt.training_tensors(fresh.model.named_parameters(), fresh.optimizer, create=True)
+    report = ckpt.load(root, target, comm=comm)
+    assert report.read_amplification == 1.0
+    with h5py.File(result.path / "index.h5", "r") as index:
+        for name, t in target.items():
+            assert torch.equal(_global(t), ckpt.read_tensor(index, name)), name
+        assert index["model/output.weight"].is_virtual  # a virtual view onto shared.h5
+    # what the saver held is what was written
+    with h5py.File(result.path / "shared.h5", "r") as f:
+        for name, t in tensors.items():
+            local, _, offset = ckpt.state.local_piece(t)
+            box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape)) if local.dim() else (slice(0, 1),)
+            assert torch.equal(torch.from_numpy(f[name][box]).reshape(local.shape), local), name

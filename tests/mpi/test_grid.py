@@ -95,21 +95,19 @@ def test_describe_table(comm):
 @pytest.fixture(scope="module")
 def torch_grid():
     grid = ProcessGrid(tp=2) if WORLD % 2 == 0 else ProcessGrid()
-    grid.init_torch()
-    yield grid
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    grid.init_torch()  # reuses the session's process group, builds this layout's mesh
+    return grid
 
 
-def test_torch_bootstrap_from_mpi(comm, torch_grid):
+def test_torch_bootstrap_from_mpi(comm, torch_grid, torch_bootstrap):
     import torch
     import torch.distributed as dist
 
     assert dist.is_initialized() and dist.get_backend() == "gloo"
     assert (dist.get_rank(), dist.get_world_size()) == (comm.rank, WORLD)
-    assert torch_grid.torch.master_addr == "127.0.0.1"  # one node: loopback
-    assert comm.allgather(torch_grid.torch.master_port) == [torch_grid.torch.master_port] * WORLD
+    assert torch_bootstrap.master_addr == "127.0.0.1"  # one node: loopback
+    assert torch_bootstrap.master_port > 0
+    assert comm.allgather(torch_bootstrap.master_port) == [torch_bootstrap.master_port] * WORLD
     mesh = torch_grid.torch.mesh
     assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert mesh.mesh.flatten().tolist() == list(range(WORLD))
