@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -154,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(e, ConfigError) or env.detect().rank == 0:
             print(f"hpcml: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `hpcml ckpt inspect ck | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:  # e.g. an output path that cannot be written
         print(f"hpcml: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ the first collective, so a bad layout raises everywhere and nothing hangs.
 from __future__ import annotations
 
 import sys
-import traceback
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ def install_abort_handler(comm: MPI.Comm | None = None) -> None:
         previous(exc_type, exc, tb)
         sys.stderr.flush()
         if comm.Get_size() > 1:
+            time.sleep(0.5)  # let the launcher forward the traceback before Abort tears the job down
             comm.Abort(1)
 
     sys.excepthook = _hook

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -17,6 +18,7 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.write(f"\n[rank {comm.rank}] FAILED {item.nodeid} ({report.when})\n{report.longreprtext}\n"
                          f"[rank {comm.rank}] aborting the MPI job so no rank hangs\n")
         sys.stderr.flush()
+        time.sleep(0.5)  # let mpiexec forward the report before Abort tears the job down
         comm.Abort(1)
 
 
