@@ -8,7 +8,10 @@ import re
 import numpy as np
 import torch
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
+"""What this hpcml writes when a checkpoint holds a fused tensor (``fused_widths``, new in 1.1)."""
+BASE_FORMAT_VERSION = "1.0"
+"""What it writes otherwise: such a checkpoint is exactly a 1.0 one. Readers accept any 1.x."""
 INDEX = "index.h5"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")

@@ -13,7 +13,8 @@ import torch
 
 from hpcml import log
 from hpcml.ckpt import format as fmt
-from hpcml.ckpt.state import local_piece
+from hpcml.ckpt.plan import check_fused, fused_boxes, fused_spec
+from hpcml.ckpt.state import fused_shards, local_piece
 from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
@@ -96,7 +97,8 @@ def read_tensor(index: h5py.File, name: str) -> torch.Tensor:
     return t.reshape(()) if len(ds.attrs["global_shape"]) == 0 else t
 
 
-def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True, comm=None) -> LoadReport:
+def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True, comm=None,
+         tensor_attrs: dict[str, dict] | None = None) -> LoadReport:
     """Fill ``tensors`` (name -> DTensor or tensor, any layout) in place from a checkpoint.
 
     ``strict``: raise naming every missing, unexpected or mis-shaped tensor; otherwise load
@@ -104,13 +106,19 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
     everything else JSON attributes. With ``comm`` (collective: two small allgathers) the
     names every rank asks for together decide what is unexpected -- a pipeline stage
     holds only some -- and an error on any rank is raised on all of them, so none hangs.
+
+    Fused tensors (stored with ``fused_widths``) are read sub-parameter by sub-parameter
+    into this rank's ``[wq_r; wk_r; wv_r]`` when the target is tensor-parallel on the fused
+    dim, and whole into a plain tensor. ``tensor_attrs`` (the mapping given to
+    :func:`~hpcml.ckpt.save`) is what the model expects: a ``fused_widths``/``fused_dim``
+    there that differs from the checkpoint's (or that the checkpoint lacks) is a mismatch.
     """
     if comm is None:
-        return _load(path, tensors, strict=strict, wanted=set(tensors))
+        return _load(path, tensors, strict=strict, wanted=set(tensors), tensor_attrs=tensor_attrs)
     wanted = set().union(*comm.allgather(sorted(tensors)))
     report, error = None, None
     try:
-        report = _load(path, tensors, strict=strict, wanted=wanted)
+        report = _load(path, tensors, strict=strict, wanted=wanted, tensor_attrs=tensor_attrs)
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in comm.allgather(error) if e]
@@ -119,8 +127,24 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
     return report
 
 
+def _fused_plan(name: str, t: torch.Tensor, ds: h5py.Dataset, declared: dict | None,
+                gshape: tuple[int, ...]) -> tuple[tuple[list[int], int, int] | None, str | None]:
+    """((widths, dim, tp shards) or None for an ordinary tensor, why it cannot load or None)."""
+    stored, want = fused_spec(ds.attrs), fused_spec(declared)
+    if want is not None and (stored is None or stored != want):
+        have = f"fused_widths {stored[0]} on dim {stored[1]}" if stored else "no fused_widths"
+        return None, f"{name}: checkpoint {have}, model fused_widths {want[0]} on dim {want[1]}"
+    if stored is None:
+        return None, None
+    widths, dim = stored
+    n = fused_shards(t, dim) if isinstance(dim, int) and 0 <= dim < len(gshape) else 1
+    why = check_fused(name, widths, dim, gshape, n)
+    return (widths, dim, n), why
+
+
 @torch.no_grad()
-def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool, wanted: set[str]) -> LoadReport:
+def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool, wanted: set[str],
+          tensor_attrs: dict[str, dict] | None = None) -> LoadReport:
     ckpt = resolve(path)
     with _open_index(ckpt) as index:
         report = LoadReport(ckpt, int(index.attrs["step"]), extra=json.loads(index.attrs["extra"]),
@@ -130,7 +154,7 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
         report.missing = sorted(n for n in tensors if n not in stored)
         report.unexpected = sorted(n for n in stored if n not in wanted and not n.startswith("rank_state/")
                                    and n.split("/")[0] in {k.split("/")[0] for k in wanted})
-        plan = []
+        plan, misfused = [], []
         for name, t in tensors.items():
             if name in report.missing:
                 continue
@@ -139,28 +163,42 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
             if gshape != tuple(t.shape):
                 report.mismatched.append(f"{name}: checkpoint {list(gshape)}, model {list(t.shape)}")
                 continue
-            plan.append((name, t, ds))
+            fused, why = _fused_plan(name, t, ds, (tensor_attrs or {}).get(name), gshape)
+            if why:
+                misfused.append(why)
+                continue
+            plan.append((name, t, ds, fused))
         problems = [f"missing {report.missing}" if report.missing else "",
                     f"unexpected {report.unexpected}" if report.unexpected else "",
-                    f"mis-shaped {report.mismatched}" if report.mismatched else ""]
+                    f"mis-shaped {report.mismatched}" if report.mismatched else "",
+                    f"fused layout does not fit {misfused}" if misfused else ""]
+        report.mismatched += misfused
         if strict and any(problems):
             raise CheckpointError(f"{ckpt} does not fit the model: " + "; ".join(p for p in problems if p))
-        for name, t, ds in plan:
+        for name, t, ds, fused in plan:
             local, _, offset = local_piece(t)
             if local.numel() == 0:
                 continue
-            box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape)) if local.dim() else (slice(0, 1),)
-            try:
-                data = ds[box]
-            except OSError as e:  # fletcher32 mismatch or unreadable source
-                files = sorted({c["file"] for c in json.loads(ds.attrs["chunks"])})
-                raise CheckpointError(f"reading {name} from {ckpt} ({', '.join(files)}) failed: {e}") from None
-            value = fmt.from_numpy(data, ds.attrs["dtype"]).reshape(local.shape)
-            local.copy_(value.to(local.device))
-            report.bytes_needed += data.nbytes
-            report.bytes_read += _touched_bytes(json.loads(ds.attrs["chunks"]),
-                                                offset if local.dim() else (0,),
-                                                tuple(local.shape) if local.dim() else (1,), data.itemsize)
+            if not local.dim():
+                offset, parts = (0,), [(local.reshape(1), (0,))]
+            elif fused is None:
+                parts = [(local, offset)]
+            else:  # each sub-parameter's rows for this rank: logical offsets, as the writer stored them
+                widths, dim, n = fused
+                parts = [(local.narrow(dim, lo, shp[dim]), off)
+                         for lo, off, shp in fused_boxes(widths, dim, n, offset, tuple(local.shape))]
+            chunks = json.loads(ds.attrs["chunks"])
+            for dest, off in parts:
+                box = tuple(slice(o, o + s) for o, s in zip(off, dest.shape))
+                try:
+                    data = ds[box]
+                except OSError as e:  # fletcher32 mismatch or unreadable source
+                    files = sorted({c["file"] for c in chunks})
+                    raise CheckpointError(f"reading {name} from {ckpt} ({', '.join(files)}) failed: {e}") from None
+                value = fmt.from_numpy(data, ds.attrs["dtype"]).reshape(dest.shape)
+                dest.copy_(value.to(dest.device))
+                report.bytes_needed += data.nbytes
+                report.bytes_read += _touched_bytes(chunks, off, tuple(dest.shape), data.itemsize)
     return report
 
 

@@ -7,11 +7,17 @@ parameters and ``optim/<fqn>/<state>`` for optimizer state (``exp_avg``, ``exp_a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+#: Mesh dimensions whose ``Shard(fused_dim)`` of a fused tensor (QKV, gate/up) holds every
+#: sub-parameter's own slice, ``[wq_r; wk_r; wv_r]`` (tensor parallelism). A shard on any
+#: other mesh dimension (FSDP's ``dp``, ``dp_cp``) or a ``_StridedShard`` cuts the rows as
+#: they are. On a mesh without dimension names every ``Shard(fused_dim)`` counts.
+FUSED_AXES = ("tp",)
 
 
 def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -24,6 +30,34 @@ def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[i
         assert tuple(local.shape) == tuple(shape), (tuple(local.shape), shape)
         return local, tuple(t.shape), tuple(offset)
     return t, tuple(t.shape), (0,) * t.dim()
+
+
+def fused_shards(t: torch.Tensor, dim: int) -> int:
+    """How many tensor-parallel shards interleave the sub-parameters of fused tensor ``t``
+    along ``dim`` (1 for a plain tensor, a replicated or an FSDP-only DTensor); see :data:`FUSED_AXES`."""
+    if not isinstance(t, DTensor):
+        return 1
+    names = t.device_mesh.mesh_dim_names
+    n = 1
+    for i, p in enumerate(t.placements):
+        if type(p) is Shard and p.dim % max(t.dim(), 1) == dim and (names is None or names[i] in FUSED_AXES):
+            n *= t.device_mesh.size(i)
+    return n
+
+
+def fused_attrs(fused: dict[str, Sequence[int]], dim: int = 0,
+                states: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> dict[str, dict]:
+    """``tensor_attrs`` declaring fused parameters (fqn -> sub-parameter widths along ``dim``)
+    and their optimizer state of the same shape, for :func:`hpcml.ckpt.save` and :func:`hpcml.ckpt.load`::
+
+        fused_attrs({"layers.0.attention.wqkv.weight": [8 * hd, 2 * hd, 2 * hd]})
+    """
+    out = {}
+    for fqn, widths in fused.items():
+        a = {"fused_widths": [int(w) for w in widths], "fused_dim": int(dim)}
+        out[f"model/{fqn}"] = a
+        out.update({f"optim/{fqn}/{s}": dict(a) for s in states})
+    return out
 
 
 def placement_str(t: torch.Tensor) -> str:

@@ -11,7 +11,7 @@ import h5py
 import torch
 
 from hpcml.ckpt import format as fmt
-from hpcml.ckpt.plan import check_coverage
+from hpcml.ckpt.plan import check_coverage, check_fused, fused_spec
 from hpcml.ckpt.reader import read_tensor, resolve
 from hpcml.errors import CheckpointError
 
@@ -59,6 +59,9 @@ def inspect(path: str | os.PathLike) -> dict:
                              "pieces": len(chunks), "partition": str(ds.attrs["partition"])}
             if "logical_shape" in ds.attrs:
                 tensors[name]["logical_shape"] = [int(x) for x in ds.attrs["logical_shape"]]
+            spec = fused_spec(ds.attrs)
+            if spec is not None:
+                tensors[name]["fused_widths"], tensors[name]["fused_dim"] = spec
         return {"path": str(ckpt), "step": int(f.attrs["step"]), "format_version": str(f.attrs["format_version"]),
                 "hpcml_version": str(f.attrs["hpcml_version"]), "world_size": int(f.attrs["world_size"]),
                 "layout": json.loads(f.attrs["layout"]), "shards": json.loads(f.attrs["shards"]),
@@ -68,7 +71,8 @@ def inspect(path: str | os.PathLike) -> dict:
 
 def verify(path: str | os.PathLike) -> list[str]:
     """Problems found (empty: sound): shard sizes, each tensor's elements covered exactly
-    once by its pieces, and every element read back through its Fletcher-32 checksum."""
+    once by its pieces, a fused tensor's widths summing to its size, and every element read
+    back through its Fletcher-32 checksum."""
     ckpt, f = _open(path)
     problems = []
     with f:
@@ -84,6 +88,9 @@ def verify(path: str | os.PathLike) -> list[str]:
             why = check_coverage(tuple(ds.shape), [(tuple(c["offset"]), tuple(c["shape"])) for c in chunks])
             if why:
                 problems.append(f"{name}: {why}")
+            spec = fused_spec(ds.attrs)
+            if spec is not None and (why := check_fused(name, spec[0], spec[1], tuple(ds.shape), 1)):
+                problems.append(why)
             try:
                 ds[()]
             except OSError as e:

@@ -26,8 +26,8 @@ import torch
 
 from hpcml import __version__, log
 from hpcml.ckpt import format as fmt
-from hpcml.ckpt.plan import ChunkMeta, assign_owners
-from hpcml.ckpt.state import local_piece, placement_str
+from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
+from hpcml.ckpt.state import fused_shards, local_piece, placement_str
 from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
@@ -48,19 +48,35 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _pieces(tensors: dict[str, torch.Tensor]) -> tuple[list[ChunkMeta], dict[tuple, torch.Tensor], dict[str, str]]:
+def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | None = None,
+            ) -> tuple[list[ChunkMeta], dict[tuple, torch.Tensor], dict[str, str]]:
+    """This rank's chunks. A fused tensor (``fused_widths`` in its ``tensor_attrs``) held as
+    tensor-parallel shards ``[wq_r; wk_r; wv_r]`` becomes one chunk per sub-parameter slice,
+    each at its offset in the logical ``[wq; wk; wv]`` (:func:`hpcml.ckpt.plan.fused_runs`).
+    Raises CheckpointError when a declaration does not fit its tensor."""
     metas, locals_, placements = [], {}, {}
     for name, t in tensors.items():
         local, gshape, offset = local_piece(t)
         placements[name] = placement_str(t)
+        spec = fused_spec((tensor_attrs or {}).get(name))
+        parts = [(local, offset)]
+        if spec is not None:
+            widths, dim = spec
+            n = fused_shards(t, dim) if isinstance(dim, int) and 0 <= dim < len(gshape) else 1
+            why = check_fused(name, widths, dim, gshape, n)
+            if why:
+                raise CheckpointError(why)
+            parts = [(local.narrow(dim, lo, shp[dim]), off)
+                     for lo, off, shp in fused_boxes(widths, dim, n, offset, tuple(local.shape))]
         if local.numel() == 0:
             continue
-        if local.dim() == 0:  # scalars are stored as shape (1,) with an attribute saying so
-            local, gshape, offset = local.reshape(1), (1,), (0,)
-        m = ChunkMeta(name, gshape, offset, tuple(local.shape), fmt.storage(local.dtype)[1],
-                      local.numel() * local.element_size())
-        metas.append(m)
-        locals_[m.key] = local
+        for piece, off in parts:
+            if piece.dim() == 0:  # scalars are stored as shape (1,) with an attribute saying so
+                piece, gshape, off = piece.reshape(1), (1,), (0,)
+            m = ChunkMeta(name, gshape, off, tuple(piece.shape), fmt.storage(piece.dtype)[1],
+                          piece.numel() * piece.element_size())
+            metas.append(m)
+            locals_[m.key] = piece
     return metas, locals_, placements
 
 
@@ -202,6 +218,15 @@ class _Pending:
     single_file: bool = False
 
 
+def _normalized(attrs: dict) -> dict:
+    """Tensor attributes as written: a fused declaration with ``fused_dim`` made explicit."""
+    spec = fused_spec(attrs)
+    out = {k: v for k, v in attrs.items() if k not in ("fused_widths", "fused_dim")}
+    if spec is not None:
+        out["fused_widths"], out["fused_dim"] = spec
+    return out
+
+
 def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _Pending:
     """Snapshot this rank's pieces to host memory and agree on who writes what (one allgather)."""
     rank = comm.Get_rank()
@@ -209,21 +234,31 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _P
     root = Path(root)
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
-    metas, locals_, placements = _pieces(tensors)
+    try:  # a declaration that does not fit is reported on every rank, not only where the tensor lives
+        metas, locals_, placements = _pieces(tensors, tensor_attrs)
+        error = None
+    except CheckpointError as e:
+        metas, locals_, placements, error = [], {}, {}, str(e)
     scalars = {n for n, t in tensors.items() if t.dim() == 0}
     if rank == 0:  # before the allgather: nobody writes into tmp until rank 0 has cleared a stale one
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    per_rank, all_scalars = zip(*comm.allgather((metas, scalars)))
+    per_rank, all_scalars, errors = zip(*comm.allgather((metas, scalars, error)))
+    errors = [e for e in errors if e]
+    if errors:
+        raise CheckpointError(f"saving {final} failed: {errors[0]}")
     owner = assign_owners(list(per_rank))
     mine = [c for c in metas if owner[c.key] == rank]
-    attrs = {"format_version": fmt.FORMAT_VERSION, "hpcml_version": __version__, "step": step,
-             "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}), "extra": fmt.dumps(extra or {})}
+    tensor_attrs = {n: _normalized(a) for n, a in (tensor_attrs or {}).items()}
+    fused = any("fused_widths" in tensor_attrs.get(c.name, {}) for cs in per_rank for c in cs)
+    attrs = {"format_version": fmt.FORMAT_VERSION if fused else fmt.BASE_FORMAT_VERSION, "hpcml_version": __version__,
+             "step": step, "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}),
+             "extra": fmt.dumps(extra or {})}
     # host arrays of only what this rank writes (a device-to-host copy on GPUs; a view on CPU,
     # which an async writer process sees as it was at the fork)
     return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine,
                     {c.key: fmt.to_numpy(locals_[c.key]) for c in mine}, placements, set().union(*all_scalars), attrs,
-                    tensor_attrs or {}, keep, t0)
+                    tensor_attrs, keep, t0)
 
 
 def _write_local(p: _Pending) -> tuple:

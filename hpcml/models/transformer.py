@@ -49,6 +49,10 @@ class TransformerConfig:
     vocab_multiple: int = 64
     """Pad the vocabulary to a multiple of this (layout-independent, so every layout trains the same model)."""
     init_std: float = 0.02
+    fused_qkv: bool = False
+    """One ``attention.wqkv`` projection, ``cat([wq, wk, wv])``, instead of three (same function and parameters)."""
+    fused_mlp: bool = False
+    """One ``feed_forward.w13`` projection, ``cat([w1, w3])`` (gate, up), instead of two."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple", "vocab_multiple"):
@@ -72,6 +76,16 @@ class TransformerConfig:
     @property
     def hidden(self) -> int:
         return self.ffn_hidden or _round_up(int(8 * self.dim / 3), self.ffn_multiple)
+
+    @property
+    def fused_widths(self) -> dict[str, list[int]]:
+        """Sub-parameter widths of each fused weight, by name within a block (for checkpoints and tp)."""
+        hd, out = self.head_dim, {}
+        if self.fused_qkv:
+            out["attention.wqkv.weight"] = [self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+        if self.fused_mlp:
+            out["feed_forward.w13.weight"] = [self.hidden, self.hidden]
+        return out
 
     @property
     def padded_vocab(self) -> int:
@@ -160,9 +174,13 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+        self.n_heads, self.kv_heads = cfg.n_heads, cfg.kv_heads
+        if cfg.fused_qkv:  # tensor-parallel rank r holds [wq_r; wk_r; wv_r] (hpcml.parallel.tp)
+            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         self.cp_group = None
         """Process group of Ulysses sequence parallelism (set by hpcml.parallel), or None."""
@@ -170,9 +188,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # heads are inferred from the (possibly tensor-parallel, column-sharded) projections
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "wqkv"):  # this rank's [q; k; v] columns in the ratio n_heads : kv : kv
+            qkv = self.wqkv(x)
+            kv = qkv.shape[-1] * self.kv_heads // (self.n_heads + 2 * self.kv_heads)
+            q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp_group is not None:
             from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
@@ -188,11 +210,18 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        if cfg.fused_mlp:  # tensor-parallel rank r holds [w1_r; w3_r] (hpcml.parallel.tp)
+            self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)
+            self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+        else:  # (registration order w1, w2, w3 fixes the initialisation's random draws)
+            self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+            self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+            self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "w13"):
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

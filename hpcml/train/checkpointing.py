@@ -21,6 +21,16 @@ def _tensors(trainer: Trainer, create: bool = False) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _attrs(trainer: Trainer) -> dict[str, dict]:
+    """Tensor attributes: the vocabulary-padded tensors' logical shape, fused weights' widths."""
+    cfg = trainer.model.parts[0].config
+    vocab = {f"model/{n}": {"logical_shape": [cfg.vocab_size, cfg.dim]} for n in ("tok_embeddings.weight", "output.weight")}
+    attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
+    attrs.update(ckpt.state.fused_attrs({f"layers.{i}.{name}": widths for i in range(cfg.n_layers)
+                                         for name, widths in cfg.fused_widths.items()}))
+    return attrs
+
+
 def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None,
                  saver: ckpt.AsyncSaver | None = None) -> ckpt.SaveResult | float:
     """Model, optimizer, schedule, step, data position and per-rank RNG as ``root/step_N``.
@@ -30,10 +40,7 @@ def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None,
              "scheduler": trainer.scheduler.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups],
              "train_config": asdict(trainer.config)}
-    cfg = trainer.model.parts[0].config
-    vocab = {f"model/{n}": {"logical_shape": [cfg.vocab_size, cfg.dim]} for n in ("tok_embeddings.weight", "output.weight")}
-    attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
-    kwargs = dict(extra=extra, layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=attrs)
+    kwargs = dict(extra=extra, layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=_attrs(trainer))
     if saver is not None:
         return saver.save(root, trainer.step, _tensors(trainer), **kwargs)
     return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, **kwargs)
@@ -45,7 +52,7 @@ def load_trainer(trainer: Trainer, path: str | Path, strict: bool = True) -> ckp
     tensors = _tensors(trainer, create=True)
     rng_name = f"rank_state/rank_{trainer.grid.rank:05d}/torch_rng"
     rng = tensors.pop(rng_name)
-    report = ckpt.load(path, tensors, strict=strict, comm=trainer.grid.comm)
+    report = ckpt.load(path, tensors, strict=strict, comm=trainer.grid.comm, tensor_attrs=_attrs(trainer))
     extra = report.extra
     trainer.step = int(extra["step"])
     for group, saved in zip(trainer.optimizer.param_groups, extra["param_groups"]):

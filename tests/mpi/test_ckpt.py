@@ -1,8 +1,10 @@
 """Checkpoints on real MPI: save under each training layout, load under others, bitwise;
-strict-mode errors and corruption raised on every rank; bf16 round trip."""
+strict-mode errors and corruption raised on every rank; bf16 round trip; fused QKV
+sub-parameters re-split under a tp change."""
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -11,15 +13,20 @@ import h5py
 import pytest
 import torch
 from mpi4py import MPI
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from hpcml import ckpt
+from hpcml.ckpt import tools
+from hpcml.ckpt.state import fused_attrs
 from hpcml.errors import CheckpointError
+from hpcml.grid import ProcessGrid
 from hpcml.models.transformer import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import _tensors, load_trainer, save_trainer
 from hpcml.train.recipe import build_llm_trainer
+from tests.mpi.helpers import needs_world
 from tests.mpi.test_parallel_train import LAYOUTS
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -112,6 +119,7 @@ def test_bf16_round_trip_and_storage(comm, shared_dir):
     assert torch.equal(back["model/w"].view(torch.int16), value.view(torch.int16))
     with h5py.File(ckpt.resolve(root) / "index.h5", "r") as f:
         assert f["model/w"].dtype == "uint16" and f["model/w"].attrs["dtype"] == "bfloat16"
+        assert f.attrs["format_version"] == "1.0"  # no fused tensor: exactly a 1.0 checkpoint
 
 
 def test_corrupt_and_truncated_shards_are_named(comm, shared_dir):
@@ -192,3 +200,167 @@ def test_collective_single_file_mode(comm, shared_dir):
             local, _, offset = ckpt.state.local_piece(t)
             box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape)) if local.dim() else (slice(0, 1),)
             assert torch.equal(torch.from_numpy(f[name][box]).reshape(local.shape), local), name
+
+
+# --- fused sub-parameters: a GQA QKV projection, q = 8 heads, k = v = 2 heads of hd = 32 ---
+# (dim 64 float32: every sub-parameter slice at tp 1, 2, 4 is whole 16-row storage chunks)
+DIM, WIDTHS = 64, [8 * 32, 2 * 32, 2 * 32]
+FUSED = fused_attrs({"qkv.weight": WIDTHS})
+NAMES = ["model/qkv.weight", "optim/qkv.weight/exp_avg", "optim/qkv.weight/exp_avg_sq"]
+
+
+def _logical() -> dict[str, torch.Tensor]:
+    """The true fused tensors cat([wq, wk, wv]) (weight and both AdamW moments), the same on every rank."""
+    g = torch.Generator().manual_seed(11)
+    return {n: torch.randn(sum(WIDTHS), DIM, generator=g) for n in NAMES}
+
+
+def _tp_shard(logical: torch.Tensor, r: int, n: int, widths: list[int] = WIDTHS) -> torch.Tensor:
+    """What tp rank r of n holds of a fused column-parallel weight: [wq_r; wk_r; wv_r]."""
+    return torch.cat([w.chunk(n)[r] for w in logical.split(widths)])
+
+
+def _fused_module(tp: int | None) -> tuple[dict[str, torch.Tensor], int, int]:
+    """A Linear(DIM -> q+k+v) with zeroed AdamW state: on tp ranks of a tp x dp grid its
+    weight is DTensor Shard(0) built from [wq_r; wk_r; wv_r]; ``None``: a plain module.
+    Returns (checkpoint tensors, tp rank, tp size)."""
+    model = nn.ModuleDict({"qkv": nn.Linear(DIM, sum(WIDTHS), bias=False)})
+    r, n = 0, 1
+    if tp is not None:
+        mesh = ProcessGrid(tp=tp).init_torch().mesh["tp"]
+        r, n = mesh.get_local_rank(), tp
+        local = torch.zeros(sum(WIDTHS) // tp, DIM)
+        model.qkv.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    return ckpt.training_tensors(model.named_parameters(), optimizer, create=True), r, n
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+SAVE_TPS = [WORLD] + ([2] if WORLD == 4 else [])  # tp = world, and tp2 x dp2 (dp replicas written once)
+
+
+@needs_world(2, 4)
+@pytest.mark.parametrize("save_tp", SAVE_TPS, ids=[f"save-tp{t}" for t in SAVE_TPS])
+def test_fused_qkv_stored_logical_and_resplit_on_any_tp(comm, shared_dir, save_tp):
+    root = shared_dir / f"fused-tp{save_tp}"
+    logical = _logical()
+    src, r, n = _fused_module(save_tp)
+    with torch.no_grad():
+        for name in NAMES:
+            _local(src[name]).copy_(_tp_shard(logical[name], r, n))
+        src["optim/qkv.weight/step"].fill_(3.0)
+    result = ckpt.save(root, 5, src, comm=comm, tensor_attrs=FUSED)
+    if comm.rank == 0:
+        # plain h5py sees the true fused tensors, whatever tp saved them
+        with h5py.File(result.path / "index.h5", "r") as f:
+            assert f.attrs["format_version"] == "1.1"
+            for name in NAMES:
+                assert (f[name][()] == logical[name].numpy()).all(), name
+                assert f[name].attrs["fused_widths"].tolist() == WIDTHS and f[name].attrs["fused_dim"] == 0
+                # one piece per sub-parameter slice, each written once (by one of its dp replicas)
+                assert len(json.loads(f[name].attrs["chunks"])) == 3 * save_tp, name
+            assert f["model/qkv.weight"][WIDTHS[0]:WIDTHS[0] + WIDTHS[1]].tobytes() == \
+                logical["model/qkv.weight"].split(WIDTHS)[1].numpy().tobytes()  # wk, by slicing on widths
+        assert tools.verify(result.path) == []
+        assert tools.inspect(result.path)["tensors"]["model/qkv.weight"]["fused_widths"] == WIDTHS
+        # tp = 1 on one rank alone: the plain module gets the logical tensors
+        plain, _, _ = _fused_module(None)
+        report = ckpt.load(root, plain, tensor_attrs=FUSED)
+        assert report.read_amplification == 1.0
+        for name in NAMES:
+            assert torch.equal(plain[name], logical[name]), name
+    if save_tp == WORLD and h5py.get_config().mpi:  # the collective single-file mode writes the same logical rows
+        single = ckpt.save(shared_dir / f"fused-single-tp{save_tp}", 5, src, comm=comm, tensor_attrs=FUSED,
+                           single_file=True)
+        if comm.rank == 0:
+            with h5py.File(single.path / "index.h5", "r") as f:
+                assert all((f[name][()] == logical[name].numpy()).all() for name in NAMES)
+    # every other target layout: tp = 1 on every rank, tp 2, tp 4
+    for tp in [None] + [t for t in (2, 4) if WORLD % t == 0]:
+        dst, r, n = _fused_module(tp)
+        report = ckpt.load(root, dst, comm=comm, tensor_attrs=FUSED if tp != 2 else None)  # None: as stored
+        assert report.read_amplification <= 1.1, (tp, report.read_amplification)
+        for name in NAMES:
+            assert torch.equal(_local(dst[name]), _tp_shard(logical[name], r, n)), (tp, name)
+        assert float(dst["optim/qkv.weight/step"]) == 3.0
+
+
+@needs_world(2, 4)
+def test_fused_declarations_that_do_not_fit_fail_on_every_rank(comm, shared_dir):
+    root = shared_dir / "fused-bad"
+    logical = _logical()
+    src, r, n = _fused_module(WORLD)
+    with torch.no_grad():
+        for name in NAMES:
+            _local(src[name]).copy_(_tp_shard(logical[name], r, n))
+    ckpt.save(root, 1, src, comm=comm, tensor_attrs=FUSED)
+    # the model declares other widths: strict load fails everywhere, naming the tensor
+    dst, _, _ = _fused_module(WORLD)
+    other = fused_attrs({"qkv.weight": [128, 128, 128]})
+    with pytest.raises(CheckpointError) as info:
+        ckpt.load(root, dst, comm=comm, tensor_attrs=other)
+    msg = str(info.value)
+    assert ("model/qkv.weight: checkpoint fused_widths [256, 64, 64] on dim 0, "
+            "model fused_widths [128, 128, 128] on dim 0") in msg
+    assert comm.allgather(msg) == [msg] * WORLD
+    report = ckpt.load(root, dst, comm=comm, tensor_attrs=other, strict=False)  # loads the rest, reports these
+    assert sorted(m.split(":")[0] for m in report.mismatched) == sorted(NAMES)
+    # a save whose declaration does not fit raises on every rank, also where the tensor is not held
+    bad = {"model/qkv.weight": {"fused_widths": [256, 64, 60]}}
+    mine = {"model/qkv.weight": src["model/qkv.weight"]} if comm.rank == 0 else {f"model/other{comm.rank}": torch.ones(2)}
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save(root, 2, mine, comm=comm, tensor_attrs=bad)
+    msg = str(info.value)
+    assert "fused tensor model/qkv.weight: fused_widths [256, 64, 60] sum to 380, but its size on fused_dim 0 is 384" in msg
+    assert comm.allgather(msg) == [msg] * WORLD
+    # uneven sub-parameter shards are refused
+    uneven = fused_attrs({"qkv.weight": [256 + 1, 64, 64 - 1]})
+    with pytest.raises(CheckpointError, match=f"not all divisible by its {WORLD} tensor-parallel shards"):
+        ckpt.save(root, 3, src, comm=comm, tensor_attrs=uneven)
+    assert not (root / "step_00000002").exists() and not (root / "step_00000003").exists()
+
+
+FUSED_MODEL = TransformerConfig.preset("tiny", fused_qkv=True, fused_mlp=True)  # GQA: q 64, k = v 32 rows; w13 [128, 128]
+FUSED_TRAIN = TrainConfig(**{**TRAIN.__dict__, "steps": 2, "global_batch": 4})
+FUSED_CASES = {2: [("tp2", {"tp": 2}, {}, ("dp2", {"dp": 2}, {}))],
+               4: [("tp2xfsdp2", {"tp": 2}, {"fsdp": True}, ("tp4", {"tp": 4}, {}))]}.get(WORLD, [])
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_dir, case):
+    """The reference transformer with fused wqkv and w13: tensor parallel trains like one
+    process, the checkpoint holds the logical weights, and another layout resumes from it."""
+    from tests.reference import reference_run
+
+    name, degrees, pkw, (_, odeg, opkw) = case
+    ref_losses, _, ref_params = reference_run(FUSED_MODEL, FUSED_TRAIN)
+    trainer = build_llm_trainer(FUSED_MODEL, FUSED_TRAIN, ParallelConfig(**pkw), **degrees)
+    assert [m["loss"] for m in trainer.fit()] == pytest.approx(ref_losses, rel=1e-4)
+    result = save_trainer(trainer, shared_dir / f"fused-model-{name}")
+    fused = [n for n in _tensors(trainer) if ("wqkv" in n or "w13" in n) and not n.endswith("/step")]
+    assert len(fused) == 3 * 2 * FUSED_MODEL.n_layers
+    with h5py.File(result.path / "index.h5", "r") as index:
+        for pname in ("layers.0.attention.wqkv.weight", "layers.3.feed_forward.w13.weight"):
+            logical = ckpt.read_tensor(index, f"model/{pname}")  # the unparallelised model's weight
+            assert float((logical - ref_params[pname]).norm() / ref_params[pname].norm()) < 1e-4, pname
+        tp_rank, tp = trainer.grid.coords["tp"], trainer.grid.layout.tp
+        for tname in fused:  # what this rank holds is [w_a rows of rank r; w_b rows of rank r; ...] of the logical
+            t = _tensors(trainer)[tname]
+            mine = _tp_shard(ckpt.read_tensor(index, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
+            local, _, offset = ckpt.state.local_piece(t)
+            assert torch.equal(mine[offset[0] - tp_rank * mine.shape[0]:][:local.shape[0]], local), tname
+    fresh = build_llm_trainer(FUSED_MODEL, TrainConfig(**{**FUSED_TRAIN.__dict__, "seed": 9}), ParallelConfig(**opkw),
+                              **odeg)
+    report = load_trainer(fresh, result.path)
+    assert report.read_amplification <= 1.25, report.read_amplification  # tiny tensors, 1 KiB storage chunks
+    with h5py.File(result.path / "index.h5", "r") as index:
+        tp_rank, tp = fresh.grid.coords["tp"], fresh.grid.layout.tp
+        for tname in fused:
+            want = _tp_shard(ckpt.read_tensor(index, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
+            assert torch.equal(_tensors(fresh)[tname].to_local() if tp > 1 else _global(_tensors(fresh)[tname]),
+                               want), tname
+    fresh.data = trainer.data
+    assert fresh.train_step()["loss"] == pytest.approx(trainer.train_step()["loss"], rel=1e-4)

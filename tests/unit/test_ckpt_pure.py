@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hpcml.ckpt import format as fmt
-from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage
-from hpcml.ckpt.writer import storage_chunk
+from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage, check_fused, fused_boxes, fused_runs, fused_spec
+from hpcml.ckpt.writer import _normalized, _pieces, storage_chunk
 
 
 def meta(name, offset, shape, nbytes):
@@ -55,3 +55,93 @@ def test_bf16_is_stored_as_its_bit_pattern():
 def test_names():
     assert fmt.step_dir(1000) == "step_00001000" and fmt.shard_name(3) == "rank_00003.h5"
     assert fmt.STEP_RE.match("step_00001000") and not fmt.STEP_RE.match("step_00001000.tmp")
+
+
+# --- fused sub-parameters (QKV with GQA widths 8:2:2 heads, hd = 2: q = 16, k = v = 4 rows) ---
+QKV = [16, 4, 4]
+COLS = 3
+
+
+def _held(rank: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(DTensor-global offset, shape) of tp rank ``rank`` of ``n``: rows [r*24/n, (r+1)*24/n)."""
+    return (rank * 24 // n, 0), (24 // n, COLS)
+
+
+def _boxes(n: int) -> list[list[tuple[int, tuple, tuple]]]:
+    return [fused_boxes(QKV, 0, n, *_held(r, n)) for r in range(n)]
+
+
+def test_fused_chunks_each_tp_rank_writes():
+    # tp1: the whole logical tensor, one chunk, as for any other tensor
+    assert _boxes(1) == [[(0, (0, 0), (24, COLS))]]
+    # tp2: rank r holds [wq_r; wk_r; wv_r] and writes each at its logical offset
+    assert _boxes(2) == [[(0, (0, 0), (8, COLS)), (8, (16, 0), (2, COLS)), (10, (20, 0), (2, COLS))],
+                         [(0, (8, 0), (8, COLS)), (8, (18, 0), (2, COLS)), (10, (22, 0), (2, COLS))]]
+    # the chunks of all ranks tile the logical tensor exactly once (what `hpcml ckpt verify` checks)
+    for n in (1, 2, 4):
+        assert check_coverage((24, COLS), [(off, shp) for boxes in _boxes(n) for _, off, shp in boxes]) is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_fused_hyperslabs_each_target_rank_reads(n):
+    q, k, v = QKV
+    for r, boxes in enumerate(_boxes(n)):
+        expect = [(0, r * q // n, q // n), (q // n, q + r * k // n, k // n), (q // n + k // n, q + k + r * v // n, v // n)]
+        if n == 1:  # q, k, v adjacent in both layouts: one read
+            expect = [(0, 0, 24)]
+        assert [(lo, off[0], shp[0]) for lo, off, shp in boxes] == expect
+        assert all(off[1] == 0 and shp[1] == COLS for _, off, shp in boxes)
+    # the reassembly: logical rows read into the local block give [wq_r; wk_r; wv_r]
+    logical = torch.arange(24 * COLS).reshape(24, COLS)
+    wq, wk, wv = logical.split(QKV)
+    for r, boxes in enumerate(_boxes(n)):
+        local = torch.empty(24 // n, COLS, dtype=logical.dtype)
+        for lo, off, shp in boxes:
+            local[lo:lo + shp[0]] = logical[off[0]:off[0] + shp[0]]
+        assert torch.equal(local, torch.cat([wq.chunk(n)[r], wk.chunk(n)[r], wv.chunk(n)[r]]))
+
+
+def test_fused_runs_of_a_partial_block_and_other_dim():
+    # an FSDP shard of a tp2 shard: physical rows [4, 10) of rank 0's block [wq_0 (8); wk_0 (2); wv_0 (2)]
+    assert fused_runs(QKV, 2, 4, 6) == [(0, 4, 4), (4, 16, 2)]
+    # across two blocks: rows [10, 14) = wv_0's last 2, then wq_1's first 2
+    assert fused_runs(QKV, 2, 10, 4) == [(0, 20, 2), (2, 8, 2)]
+    # fused along dim 1 (e.g. a column-fused weight): the other dims keep their offset
+    assert fused_boxes([4, 2], 1, 2, (5, 3), (7, 3)) == [(0, (5, 2), (7, 2)), (2, (5, 5), (7, 1))]
+
+
+def test_fused_pieces_of_a_plain_tensor_are_the_tensor():
+    w = torch.arange(24.0 * COLS).reshape(24, COLS)
+    metas, locals_, _ = _pieces({"model/wqkv": w}, {"model/wqkv": {"fused_widths": QKV}})
+    assert [(m.offset, m.shape) for m in metas] == [((0, 0), (24, COLS))]
+    assert torch.equal(locals_[metas[0].key], w)
+
+
+def test_fused_declarations_are_checked():
+    assert check_fused("model/wqkv", QKV, 0, (24, COLS), 4) is None
+    assert check_fused("model/wqkv", QKV, 0, (20, COLS), 1) == (
+        "fused tensor model/wqkv: fused_widths [16, 4, 4] sum to 24, but its size on fused_dim 0 is 20 (shape [20, 3])")
+    assert check_fused("model/wqkv", [16, 6, 6], 0, (28, COLS), 4) == (
+        "fused tensor model/wqkv: fused_widths [16, 6, 6] are not all divisible by its 4 tensor-parallel shards "
+        "on dim 0; uneven sub-parameter shards are not supported")
+    assert check_fused("model/wqkv", QKV, 2, (24, COLS), 1) == (
+        "fused tensor model/wqkv: fused_dim 2 is not a dimension of its shape [24, 3]")
+    assert check_fused("model/wqkv", [16, 0, 8], 0, (24, COLS), 1) == (
+        "fused tensor model/wqkv: fused_widths [16, 0, 8] must be a non-empty list of positive integers")
+    from hpcml.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^fused tensor model/wqkv: fused_widths \[16, 4, 2\] sum to 22"):
+        _pieces({"model/wqkv": torch.zeros(24, COLS)}, {"model/wqkv": {"fused_widths": [16, 4, 2]}})
+
+
+def test_fused_attributes_as_stored_and_read():
+    assert fused_spec({"logical_shape": [4, 4]}) is None and fused_spec(None) is None
+    assert fused_spec({"fused_widths": np.asarray(QKV, dtype=np.int64)}) == (QKV, 0)  # h5py hands back arrays
+    assert fused_spec({"fused_widths": QKV, "fused_dim": np.int64(1)}) == (QKV, 1)
+    assert _normalized({"fused_widths": (16, 4, 4), "x": 1}) == {"x": 1, "fused_widths": QKV, "fused_dim": 0}
+    assert _normalized({"logical_shape": [4, 4]}) == {"logical_shape": [4, 4]}
+    from hpcml.ckpt.state import fused_attrs
+
+    assert fused_attrs({"l.0.wqkv.weight": QKV}) == {
+        f"{p}": {"fused_widths": QKV, "fused_dim": 0}
+        for p in ("model/l.0.wqkv.weight", "optim/l.0.wqkv.weight/exp_avg", "optim/l.0.wqkv.weight/exp_avg_sq")}
