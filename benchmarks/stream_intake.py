@@ -1,0 +1,194 @@
+"""Streaming intake vs raw ZeroMQ vs the file path, and online vs offline training, in one run.
+
+    python benchmarks/stream_intake.py --json                  # 1 MiB messages, then both workflows
+    python benchmarks/stream_intake.py --json --nx 1024 --no-workflow
+
+Intake: one producer process (a simulation rank: hpcml.stream.Producer, HMAC, copy) sends
+``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
+thread (validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
+trainer would. Limit: raw ZeroMQ PUSH -> PULL of the same message size and count between
+the same two processes, nothing else. File path: the same samples written to one HDF5
+file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
+offline pipeline pays per byte. Workflow: ``workflows/heat_surrogate.py`` online and
+offline at equal gradient steps: held-out error and the trainer's idle fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str) -> None:
+    """Child process: send n messages (raw zmq or hpcml Producer)."""
+    import zmq
+
+    field = np.random.default_rng(0).random((nx, ny), dtype=np.float32)
+    if kind == "raw":
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, 4)
+        s.connect(endpoint)
+        for i in range(n):
+            s.send(field.copy(), copy=False)
+        s.send(b"")
+        s.close(linger=-1)
+        ctx.term()  # before `field` is freed: zero-copy frames are still being sent
+        return
+    from hpcml.stream import Producer, read_secret
+
+    p = Producer(endpoint=endpoint, secret=read_secret(key_file), campaign="bench", sim_id=0, attempt=0, rank=0,
+                 nranks=1, params={"a": 1.0}, global_shape=(nx, ny), offset=(0, 0), local_shape=(nx, ny), copy=False)
+    for i in range(n):  # as a kernel does: a fresh float32 copy of its state per output
+        p.send(i, float(i), {"T": field.copy()})
+    p.close()
+
+
+def spawn(kind: str, endpoint: str, args, key_file: str) -> subprocess.Popen:
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.stream_intake import _producer; "
+            f"_producer({kind!r}, {endpoint!r}, {args.messages}, {args.nx}, {args.ny}, {key_file!r})")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def raw_zmq(args, key_file) -> float:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 8)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    proc = spawn("raw", f"tcp://127.0.0.1:{port}", args, key_file)
+    nbytes, t0 = 0, None
+    while True:
+        m = s.recv(copy=False)
+        if t0 is None:
+            t0 = time.perf_counter()
+            nbytes -= len(m.buffer)  # count from the first arrival: the same for both paths
+        if not len(m.buffer):
+            break
+        nbytes += len(m.buffer)
+    dt = time.perf_counter() - t0
+    proc.wait()
+    s.close()
+    return nbytes / 1e6 / dt
+
+
+def hpcml_stream(args, key_file) -> tuple[float, float, dict]:
+    import threading
+
+    from hpcml.stream import Buffer, BufferConfig, read_secret
+    from hpcml.stream.server import ServerConfig, StreamServer
+
+    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
+    srv = StreamServer(campaign="bench", secret=read_secret(key_file), rank=0, n_trainers=1, buffer=buf,
+                       config=ServerConfig(param_names=("a",), field_names=("T",))).start()
+    got = []
+
+    def consume():
+        while len(got) < args.messages:
+            b = buf.get(1, timeout=0.1)
+            if b:
+                got.append(time.perf_counter())
+    th = threading.Thread(target=consume)
+    th.start()
+    proc = spawn("hpcml", srv.endpoint, args, key_file)
+    th.join()
+    proc.wait()
+    stats = srv.stats()
+    srv.stop()
+    msg = args.nx * args.ny * 4
+    dt = got[-1] - got[0]
+    return msg * (len(got) - 1) / 1e6 / dt, (len(got) - 1) / dt, stats
+
+
+def file_path(args, tmp: Path) -> tuple[float, float, float]:
+    import h5py
+
+    from hpcml.stream import Buffer, BufferConfig
+    from hpcml.stream.files import FileSource
+
+    field = np.random.default_rng(0).random((args.nx, args.ny), dtype=np.float32)
+    path = tmp / "sim_00000.h5"
+    t0 = time.perf_counter()
+    with h5py.File(path, "w") as f:  # the kernels' layout (docs/kernels.md), written step by step
+        ds = f.create_dataset("fields/T", (args.messages, args.nx, args.ny), np.float32)
+        for i in range(args.messages):
+            ds[i] = field
+        f["step"] = np.arange(args.messages)
+        f["time"] = np.arange(args.messages, dtype=np.float64)
+        f.attrs["params"] = json.dumps({"a": 1.0})
+        f.attrs["sim_id"] = 0
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    write_s = time.perf_counter() - t0
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+    buf = Buffer(BufferConfig(policy="fifo", capacity=args.messages, watermark=1))
+    t0 = time.perf_counter()
+    FileSource([path], rank=0, n_trainers=1, buffer=buf, field_names=("T",), param_names=("a",))._run()
+    read_s = time.perf_counter() - t0
+    assert len(buf) == args.messages
+    nbytes = args.messages * field.nbytes
+    return nbytes / 1e6 / (write_s + read_s), nbytes / 1e6 / write_s, nbytes / 1e6 / read_s
+
+
+def workflow(args, mode: str, tmp: Path) -> dict:
+    run = tmp / f"wf_{mode}"
+    cmd = [sys.executable, str(ROOT / "workflows" / "heat_surrogate.py"), "--mode", mode, "--run-dir", str(run),
+           "--sims", str(args.sims), "--steps", str(args.steps), "--no-report", "--quiet"]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((run / "summary.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nx", type=int, default=512)
+    p.add_argument("--ny", type=int, default=512)
+    p.add_argument("--messages", type=int, default=400)
+    p.add_argument("--repeat", type=int, default=3, help="intake measurements (best of)")
+    p.add_argument("--sims", type=int, default=16)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--no-workflow", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    from hpcml.stream import new_secret
+
+    with tempfile.TemporaryDirectory(prefix="hpcml-stream-bench-") as d:
+        tmp = Path(d)
+        key = str(tmp / "k")
+        new_secret(key)
+        raw = max(raw_zmq(args, key) for _ in range(args.repeat))
+        runs = [hpcml_stream(args, key) for _ in range(args.repeat)]
+        mb, sps, stats = max(runs, key=lambda r: r[0])
+        fmb, fw, fr = file_path(args, tmp)
+        out = {"benchmark": "stream_intake", "msg_bytes": args.nx * args.ny * 4, "messages": args.messages,
+               "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "file_path_mb_s": fmb,
+               "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
+               "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_file_path": mb / fmb}}
+        if not args.no_workflow:
+            on, off = workflow(args, "online", tmp), workflow(args, "offline", tmp)
+            out.update({"trainer_idle_fraction": on["trainer_idle_fraction"], "online_val_rel_l2": on["val_rel_l2"],
+                        "offline_val_rel_l2": off["val_rel_l2"], "gradient_steps": [on["gradient_steps"],
+                                                                                     off["gradient_steps"]],
+                        "online_wall_s": on["wall_s"], "offline_wall_s": off["wall_s"],
+                        "online_samples_ingested": on["samples_ingested"],
+                        "online_duplicate_samples": on["duplicate_samples"]})
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

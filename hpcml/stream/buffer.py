@@ -1,0 +1,200 @@
+"""Training buffers between the stream and the optimizer: FIFO, FIRO and reservoir.
+
+- ``fifo``: batches are the oldest samples, each used once. Full: ``put`` refuses, so the
+  server stops reading and the simulations block (backpressure).
+- ``firo`` (first in, random out): batches are drawn at random and removed, so a batch
+  mixes simulations and times; full: backpressure as for FIFO.
+- ``reservoir``: batches are drawn at random and kept (samples are reused); full: a new
+  sample evicts a random one, so the stream never blocks and the buffer follows the
+  newest data.
+
+While the stream is live a batch is served only when the buffer holds at least
+``watermark`` samples (diversity before the first step; FIFO/FIRO keep that many as a
+mixing pool). After the end of the stream FIFO and FIRO drain what is left.
+Statistics: how often each sample was used (reuse) and its age in ingested samples when used.
+Thread-safe: the server thread puts, the training thread gets.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcml.errors import ConfigError
+
+POLICIES = ("fifo", "firo", "reservoir")
+
+
+@dataclass
+class Sample:
+    """One whole (assembled) output step of one simulation."""
+
+    sim: int
+    step: int
+    t: float
+    params: np.ndarray
+    """float32 [n_params], in the campaign's parameter order."""
+    fields: np.ndarray
+    """float32 [n_fields, nx, ny]."""
+    seq: int = 0
+    """Ingestion order on this rank (age = samples ingested since)."""
+    reuse: int = 0
+
+
+@dataclass(kw_only=True)
+class BufferConfig:
+    """Policy, size and start threshold of a training buffer. ``repr()`` rebuilds it."""
+
+    policy: str = "firo"
+    """"fifo", "firo" or "reservoir" (see the module docstring)."""
+    capacity: int = 256
+    """Samples held at most: the memory bound (capacity x sample bytes)."""
+    watermark: int = 32
+    """Samples the buffer must hold before a batch is served while the stream is live."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"buffer policy {self.policy!r} unknown: expected one of {', '.join(POLICIES)}")
+        if self.capacity < 1 or not 0 <= self.watermark <= self.capacity:
+            raise ConfigError(f"buffer needs capacity >= 1 and 0 <= watermark <= capacity, got capacity "
+                              f"{self.capacity}, watermark {self.watermark}")
+
+
+@dataclass
+class BufferStats:
+    ingested: int = 0
+    served: int = 0
+    evicted: int = 0
+    evicted_unused: int = 0
+    batches: int = 0
+    age_sum: float = 0.0
+    reuse_hist: dict[int, int] = field(default_factory=dict)
+    """Times-used -> samples, counted when a sample leaves the buffer (consumed or evicted)."""
+
+    def as_dict(self) -> dict:
+        return {"ingested": self.ingested, "served": self.served, "evicted": self.evicted,
+                "evicted_unused": self.evicted_unused, "batches": self.batches,
+                "mean_age": self.age_sum / self.served if self.served else 0.0,
+                "reuse_hist": {str(k): v for k, v in sorted(self.reuse_hist.items())}}
+
+
+class Buffer:
+    """A bounded sample store with one of the three policies."""
+
+    def __init__(self, config: BufferConfig) -> None:
+        self.config = config
+        self._items: list[Sample] = []
+        self._rng = np.random.default_rng(config.seed)
+        self._cond = threading.Condition()
+        self._seq = 0
+        self.ended = False
+        self.stats = BufferStats()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def unused(self) -> int:
+        """Samples held that no batch has used yet."""
+        with self._cond:
+            return sum(s.reuse == 0 for s in self._items)
+
+    def _retire(self, s: Sample) -> None:
+        self.stats.reuse_hist[s.reuse] = self.stats.reuse_hist.get(s.reuse, 0) + 1
+
+    def put(self, sample: Sample, timeout: float | None = None) -> bool:
+        """Insert; FIFO/FIRO wait up to ``timeout`` for room and return False if none came."""
+        cfg = self.config
+        with self._cond:
+            if cfg.policy != "reservoir":
+                if not self._cond.wait_for(lambda: len(self._items) < cfg.capacity, timeout):
+                    return False
+            sample.seq = self._seq
+            self._seq += 1
+            self.stats.ingested += 1
+            if len(self._items) >= cfg.capacity:  # reservoir: evict a random sample
+                j = int(self._rng.integers(len(self._items)))
+                old = self._items[j]
+                self.stats.evicted += 1
+                self.stats.evicted_unused += old.reuse == 0
+                self._retire(old)
+                self._items[j] = sample
+            else:
+                self._items.append(sample)
+            self._cond.notify_all()
+            return True
+
+    def end(self) -> None:
+        """No more samples will come: FIFO/FIRO drain below the watermark."""
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def can_serve(self, n: int) -> bool:
+        need = n if self.ended else max(n, self.config.watermark)
+        return len(self._items) >= need and len(self._items) > 0
+
+    def exhausted(self, n: int) -> bool:
+        """The stream has ended and no further batch of ``n`` can be served."""
+        with self._cond:
+            return self.ended and not self.can_serve(n)
+
+    def get(self, n: int, timeout: float = 0.0) -> list[Sample] | None:
+        """A batch of ``n`` samples per the policy, waiting up to ``timeout``; None if none is ready."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.can_serve(n) or self.ended, timeout) or not self.can_serve(n):
+                return None
+            policy = self.config.policy
+            if policy == "fifo":
+                batch, self._items = self._items[:n], self._items[n:]
+            else:
+                idx = self._rng.choice(len(self._items), size=n, replace=False)
+                batch = [self._items[i] for i in idx]
+                if policy == "firo":
+                    keep = np.ones(len(self._items), bool)
+                    keep[idx] = False
+                    self._items = [s for s, k in zip(self._items, keep) if k]
+            for s in batch:
+                s.reuse += 1
+                self.stats.age_sum += self._seq - 1 - s.seq
+                if policy != "reservoir":
+                    self._retire(s)
+            self.stats.served += n
+            self.stats.batches += 1
+            self._cond.notify_all()  # room for the server
+            return batch
+
+    # -- checkpointing: plain arrays and JSON, never pickle ---------------------------------
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, JSON) of the buffer's contents and counters."""
+        with self._cond:
+            items = list(self._items)
+            meta = {"seq": self._seq, "ended": self.ended, "stats": self.stats.as_dict(),
+                    "rng": self._rng.bit_generator.state, "config": vars(self.config)}
+        if not items:
+            return {}, meta
+        arrays = {"keys": np.array([[s.sim, s.step, s.seq, s.reuse] for s in items], dtype=np.int64),
+                  "t": np.array([s.t for s in items], dtype=np.float64),
+                  "params": np.stack([s.params for s in items]).astype(np.float32),
+                  "fields": np.stack([s.fields for s in items]).astype(np.float32)}
+        return arrays, meta
+
+    def load_state(self, arrays: dict[str, np.ndarray], meta: dict, keep=lambda sim: True) -> None:
+        """Restore what :meth:`state` gave (several ranks' states may be merged: ``keep``
+        selects the simulations this rank now owns)."""
+        with self._cond:
+            self._seq = max(self._seq, int(meta.get("seq", 0)))
+            if meta.get("rng") and not self._items:
+                self._rng.bit_generator.state = meta["rng"]
+            s = meta.get("stats", {})
+            self.stats.ingested += int(s.get("ingested", 0))
+            self.stats.served += int(s.get("served", 0))
+            self.stats.batches += int(s.get("batches", 0))
+            if "keys" in arrays:
+                for i, (sim, step, seq, reuse) in enumerate(arrays["keys"].tolist()):
+                    if keep(sim) and len(self._items) < self.config.capacity:
+                        self._items.append(Sample(sim, step, float(arrays["t"][i]), arrays["params"][i].copy(),
+                                                  arrays["fields"][i].copy(), seq, reuse))
+            self._cond.notify_all()

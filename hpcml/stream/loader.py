@@ -1,0 +1,68 @@
+"""What the training loop iterates: batches from this rank's buffer, agreed over data-parallel ranks.
+
+Before each step the dp ranks agree with one small all-reduce (``[ready, not exhausted]``,
+MIN): a step happens only when every rank has a batch, so no rank enters the gradient
+all-reduce alone; the stream ends for all as soon as one rank's buffer is exhausted (its
+simulations are done and drained), so nobody waits for ever. A batch taken while others
+were not ready is held for the next round, never lost.
+
+Time accounting, after the first batch (i.e. once the buffer passed its watermark):
+``starved_s`` -- this rank had no batch ready (the stream did not keep up): the trainer-idle
+time; ``agree_s`` -- in the agreement all-reduce (its latency plus waiting for slower ranks
+to finish their step, which is load imbalance, not starvation).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpcml.stream.buffer import Sample
+from hpcml.stream.server import StreamServer
+
+
+class StreamLoader:
+    """``next_batch()`` -> list of ``batch_size`` samples, or None once the stream has ended (collective)."""
+
+    def __init__(self, server: StreamServer, comm, batch_size: int, poll_s: float = 0.05) -> None:
+        self.server, self.comm, self.batch_size, self.poll_s = server, comm, batch_size, poll_s
+        self._held: list[Sample] | None = None
+        self.starved_s = 0.0
+        self.agree_s = 0.0
+        self.t_first_batch: float | None = None
+        self.rounds = 0
+
+    def next_batch(self) -> list[Sample] | None:
+        from mpi4py import MPI
+
+        buf = self.server.buffer
+        flags = np.zeros(2, np.int32)
+        starved = agree = 0.0
+        while True:
+            t0 = time.perf_counter()
+            if self._held is None:
+                self._held = buf.get(self.batch_size, timeout=self.poll_s)
+            ready = self._held is not None
+            flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)))
+            t1 = time.perf_counter()
+            self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
+            starved += t1 - t0
+            agree += time.perf_counter() - t1
+            self.rounds += 1
+            if flags[1] == 0:  # some rank's stream is over: everyone stops
+                batch = None
+                break
+            if flags[0] == 1:
+                batch, self._held = self._held, None
+                break
+        if self.t_first_batch is None:
+            self.t_first_batch = time.perf_counter()
+        else:
+            self.starved_s += starved
+            self.agree_s += agree
+        return batch
+
+    def unused(self) -> int:
+        """Samples ingested here that no step used (still in the buffer, or taken but not trained on)."""
+        return self.server.buffer.unused() + (len(self._held) if self._held else 0)

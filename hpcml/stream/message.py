@@ -1,0 +1,152 @@
+"""The wire format of streamed simulation data: JSON header + raw arrays + HMAC, never pickle.
+
+A message is a ZeroMQ multipart message::
+
+    [b"hpcml-stream/1", header (UTF-8 JSON), payload_0, ..., payload_{k-1}, mac (32 bytes)]
+
+``mac`` is a Poly1305 tag over every frame before it, each prefixed by its length, so
+frames cannot be moved between messages or re-split. Its one-time key is
+HMAC-SHA256(secret, header), and every header carries a fresh random 128-bit ``nonce``,
+so no key is ever used twice -- the construction of NaCl's secretbox and of
+ChaCha20-Poly1305, with HMAC as the key derivation. Poly1305 (OpenSSL) runs at ~11 GB/s
+here against ~1.7 GB/s for HMAC-SHA256 over the payload: authentication stays far below
+the cost of moving the bytes. Payloads
+are the C-order bytes of one field of one rank's subdomain, dtype float32 or float64 as
+the header says. A receiver checks the MAC first and then every number in the header
+against the payload sizes before it touches the arrays: anything malformed or
+unauthenticated raises :class:`MessageError`, which the server counts and drops.
+
+Kinds: ``data`` (one rank's subdomain of one output step), ``end`` (a simulation rank is
+done: how many messages it sent), ``campaign_done`` (the launcher says which simulations
+completed and which failed for good, so trainers know when the stream has ended).
+Importing this module must stay cheap (no torch): simulations import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from hpcml.errors import HpcmlError
+
+MAGIC = b"hpcml-stream/1"
+MAC_BYTES = 16
+_DTYPES = {"float32": np.float32, "float64": np.float64}
+_MAX_HEADER = 64 * 1024
+_MAX_FIELDS = 16
+KINDS = ("data", "end", "campaign_done")
+
+
+class MessageError(HpcmlError, ValueError):
+    """A message failed authentication or validation; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def mac(secret: bytes, frames) -> bytes:
+    """Poly1305 tag over length-prefixed frames under the one-time key HMAC(secret, header frame)."""
+    key = hmac.new(secret, bytes(frames[1]), hashlib.sha256).digest()
+    p = Poly1305(key)
+    for f in frames:
+        mv = memoryview(f).cast("B")
+        p.update(struct.pack("<Q", mv.nbytes))
+        p.update(mv)
+    return p.finalize()
+
+
+def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = ()) -> list:
+    """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied."""
+    bufs = [np.ascontiguousarray(p) for p in payloads]
+    header = {**header, "nonce": os.urandom(16).hex()}
+    frames = [MAGIC, json.dumps(header, separators=(",", ":")).encode()] + [memoryview(b).cast("B") for b in bufs]
+    frames.append(mac(secret, frames))
+    return frames
+
+
+@dataclass
+class Message:
+    """A validated message: the header and, for ``data``, the named local arrays (views of the frames)."""
+
+    header: dict
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.header["kind"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def _need(cond: bool, reason: str, detail: str) -> None:
+    if not cond:
+        raise MessageError(reason, detail)
+
+
+def _ints(h: dict, key: str, n: int | None, lo: int = 0) -> list[int]:
+    v = h.get(key)
+    if n is None:
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, "bad_header", f"{key}={v!r}")
+        return [v]
+    _need(isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) and x >= lo
+                                                      for x in v), "bad_header", f"{key}={v!r}")
+    return v
+
+
+def decode(secret: bytes, frames: list, campaign: str) -> Message:
+    """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign``."""
+    raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+    _need(len(raw) >= 3, "malformed", f"{len(raw)} frames, expected >= 3")
+    _need(bytes(raw[0]) == MAGIC, "malformed", "wrong magic")
+    _need(memoryview(raw[-1]).nbytes == MAC_BYTES, "malformed", "no MAC frame")
+    _need(memoryview(raw[1]).nbytes <= _MAX_HEADER, "malformed", "header too large")
+    _need(hmac.compare_digest(mac(secret, raw[:-1]), bytes(raw[-1])), "unauthenticated", "MAC mismatch")
+    try:
+        h = json.loads(bytes(raw[1]))
+    except ValueError as e:
+        raise MessageError("bad_header", f"not JSON: {e}") from None
+    _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header", f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
+    _need(h.get("campaign") == campaign, "wrong_campaign", f"campaign={h.get('campaign')!r}")
+    payloads = raw[2:-1]
+    if h["kind"] == "campaign_done":
+        for key in ("completed", "failed"):
+            _need(isinstance(h.get(key), list) and all(isinstance(x, int) for x in h[key]), "bad_header", key)
+        return Message(h)
+    sim, attempt, rank, nranks = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank", "nranks"))
+    _need(nranks >= 1 and rank < nranks, "bad_header", f"rank {rank} of {nranks}")
+    if h["kind"] == "end":
+        _ints(h, "n_sent", None)
+        _need(not payloads, "malformed", "end message with payload")
+        return Message(h)
+    _ints(h, "step", None)
+    _need(isinstance(h.get("t"), (int, float)), "bad_header", f"t={h.get('t')!r}")
+    gshape = _ints(h, "global_shape", 2, lo=1)
+    offset = _ints(h, "offset", 2)
+    shape = _ints(h, "shape", 2, lo=1)
+    _need(all(o + s <= g for o, s, g in zip(offset, shape, gshape)), "bad_header",
+          f"box {offset}+{shape} outside {gshape}")
+    params = h.get("params")
+    _need(isinstance(params, dict) and all(isinstance(v, (int, float)) for v in params.values()), "bad_header",
+          "params must map names to numbers")
+    fields = h.get("fields")
+    _need(isinstance(fields, list) and 1 <= len(fields) <= _MAX_FIELDS and len(fields) == len(payloads),
+          "malformed", f"{len(payloads)} payloads for fields {fields!r}")
+    arrays = {}
+    for (name, dtype), buf in zip(fields, payloads):
+        _need(isinstance(name, str) and dtype in _DTYPES, "bad_header", f"field {name!r} dtype {dtype!r}")
+        np_t = _DTYPES[dtype]
+        expect = shape[0] * shape[1] * np.dtype(np_t).itemsize
+        _need(memoryview(buf).nbytes == expect, "truncated", f"field {name}: {memoryview(buf).nbytes} bytes, "
+              f"expected {expect}")
+        arrays[name] = np.frombuffer(buf, dtype=np_t).reshape(shape)
+    return Message(h, arrays)

@@ -1,0 +1,328 @@
+"""Online training of a heat-equation surrogate from an ensemble of MPI simulations.
+
+    python workflows/heat_surrogate.py --site local --sims 16 --mode online --run-dir runs/demo
+    python workflows/heat_surrogate.py --site local --sims 16 --mode offline --run-dir runs/offline
+
+Online: a Parsl campaign runs ``--sims`` heat simulations (``kernels.heat2d``, MPI,
+``--sim-ranks`` each) whose output streams over ZeroMQ into a data-parallel training job
+(``--train-ranks``) of an MLP surrogate (parameters, t) -> temperature field, which
+checkpoints as it goes. Offline: the same simulations write HDF5 first, then the same
+trainer trains from the files, for the same number of gradient steps. Both validate on
+held-out simulations and write ``summary.json`` and ``report.png`` into the run directory.
+
+The driver (this script without ``--role``) launches everything; ``--role train`` is the
+training job it starts under the site's MPI launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMS = ("alpha", "t_left", "t_right", "t_bottom", "t_top")
+BOUNDS = {"alpha": (0.5, 1.5), "t_left": (0.0, 1.0), "t_right": (0.0, 1.0), "t_bottom": (0.0, 1.0), "t_top": (0.0, 1.0)}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--site", default="local", help="site config (site_configs/<name>.py)")
+    a("--sims", type=int, default=16, help="training simulations")
+    a("--val-sims", type=int, default=2, help="held-out simulations for validation (never trained on)")
+    a("--mode", choices=("online", "offline"), default="online")
+    a("--run-dir", default="runs/demo")
+    a("--nx", type=int, default=32)
+    a("--ny", type=int, default=32)
+    a("--sim-steps", type=int, default=800, help="time steps per simulation")
+    a("--every", type=int, default=40, help="output every K time steps")
+    a("--sim-ranks", type=int, default=2)
+    a("--train-ranks", type=int, default=2)
+    a("--max-concurrent", type=int, default=4, help="simulations running at once")
+    a("--retries", type=int, default=2, help="Parsl retries per simulation")
+    a("--steps", type=int, default=1500, help="gradient steps")
+    a("--batch", type=int, default=8, help="samples per step per trainer rank")
+    a("--lr", type=float, default=2e-3)
+    a("--buffer", choices=("fifo", "firo", "reservoir"), default="reservoir")
+    a("--capacity", type=int, default=256, help="buffer capacity per trainer rank (samples)")
+    a("--watermark", type=int, default=16, help="samples in the buffer before training starts")
+    a("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
+    a("--host", default="127.0.0.1", help="interface address the trainers' stream servers bind")
+    a("--seed", type=int, default=0)
+    a("--crash-sim", default=None, help="reliability test: SIM:STEP kills simulation SIM at STEP on attempt 0")
+    a("--crash-trainer-at", type=int, default=None,
+      help="reliability test: the first training job kills itself (SIGKILL) after this gradient step")
+    a("--no-report", action="store_true", help="skip report.png")
+    a("--quiet", action="store_true", help="no progress display")
+    # the training job's own flags (set by the driver)
+    a("--role", choices=("driver", "train"), default="driver", help=argparse.SUPPRESS)
+    a("--campaign", default=None, help=argparse.SUPPRESS)
+    a("--resume", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("sims", "val_sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "max_concurrent",
+                 "steps", "batch", "capacity"):
+        if getattr(args, name) < (0 if name == "val_sims" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.sim_steps < args.every:
+        p.error(f"--sim-steps {args.sim_steps} < --every {args.every}: the simulations would output nothing")
+    return args
+
+
+def dt_for(args) -> float:
+    """One time step for every simulation: stable for the largest diffusivity in the design."""
+    dx = 1.0 / (max(args.nx, args.ny) + 1)
+    return 0.2 * dx * dx / BOUNDS["alpha"][1]
+
+
+def t_max(args) -> float:
+    return args.sim_steps * dt_for(args)
+
+
+# ------------------------------------------------------------------------------------- driver
+def sim_argv(args, run_dir: Path, out: Path | None) -> list[str]:
+    argv = [sys.executable, "-m", "kernels.heat2d", "--nx", str(args.nx), "--ny", str(args.ny), "--steps",
+            str(args.sim_steps), "--every", str(args.every), "--dt", repr(dt_for(args)), "--t-init", "0"]
+    return argv + (["--out", str(out)] if out else ["--stream"])
+
+
+def driver(args) -> dict:
+    from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design, load_site
+    from hpcml.stream import new_secret
+
+    t0 = time.perf_counter()
+    site = load_site(args.site)
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed"):
+        (run_dir / stale).unlink(missing_ok=True)
+    for sub in ("data", "val"):
+        (run_dir / sub).mkdir(exist_ok=True)
+    secret_file = run_dir / "stream.key"
+    new_secret(secret_file)
+    campaign_id = f"heat-{uuid.uuid4().hex[:8]}"
+    points = design("lhs", BOUNDS, args.sims + args.val_sims, seed=args.seed)
+    crash = tuple(int(x) for x in args.crash_sim.split(":")) if args.crash_sim else None
+    sims, val = [], []
+    for i, params in enumerate(points):
+        held_out = i >= args.sims
+        out = run_dir / ("val" if held_out else "data") / f"sim_{i:05d}.h5"
+        online = args.mode == "online" and not held_out
+        argv = sim_argv(args, run_dir, None if online else out)
+        if crash and crash[0] == i:
+            argv += ["--crash-at-step", str(crash[1])]
+        (val if held_out else sims).append(SimSpec(sim_id=i, params=params, argv=argv, ranks=args.sim_ranks))
+    stream_env = {"HPCML_STREAM_ENDPOINTS_FILE": str(run_dir / "endpoints.json"),
+                  "HPCML_STREAM_SECRET_FILE": str(secret_file),
+                  "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    train_argv = [sys.executable, str(Path(__file__).resolve()), "--role", "train", "--campaign", campaign_id,
+                  *_forward(args)]
+    training = TrainingJob(argv=train_argv, ranks=args.train_ranks, env=stream_env, max_restarts=1,
+                           restart_argv=train_argv + ["--resume"])
+    campaign = Campaign(site=site, run_dir=run_dir, max_concurrent=args.max_concurrent, retries=args.retries,
+                        env=stream_env, progress=not args.quiet)
+    if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
+        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json")
+    else:
+        result = campaign.run(sims + val)
+        trained = campaign.run([], training=training)
+        result = dataclasses.replace(result, training_returncode=trained.training_returncode)
+    train = json.loads((run_dir / "train_summary.json").read_text())
+    summary = {"mode": args.mode, "sims_completed": len([s for s in result.completed if s < args.sims]),
+               "sims_failed": len([s for s in result.failed if s < args.sims]),
+               "val_sims": args.val_sims, "sim_attempts": sum(result.attempts.values()),
+               "sims_retried": len(result.retried), **train, "wall_s": time.perf_counter() - t0}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    keys = ("mode", "sims_completed", "samples_ingested", "duplicate_samples", "intake_mb_s", "gradient_steps",
+            "trainer_idle_fraction", "val_rel_l2", "wall_s")
+    print("summary: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
+                                  for k in keys))
+    print(f"wrote {run_dir / 'summary.json'}" + ("" if args.no_report else f" and {run_dir / 'report.png'}"))
+    return summary
+
+
+def _forward(args) -> list[str]:
+    """The driver's flags the training job needs too."""
+    out = []
+    for k in ("mode", "run_dir", "nx", "ny", "sim_steps", "every", "sims", "val_sims", "steps", "batch", "lr",
+              "buffer", "capacity", "watermark", "ckpt_every", "host", "seed", "crash_trainer_at"):
+        v = getattr(args, k)
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", str(Path(v).resolve()) if k == "run_dir" else str(v)]
+    return out + (["--no-report"] if args.no_report else []) + (["--quiet"] if args.quiet else [])
+
+
+# ----------------------------------------------------------------------------- training job
+def train(args) -> None:
+    import numpy as np
+    import torch
+
+    from hpcml import ckpt
+    from hpcml.grid import ProcessGrid, install_abort_handler
+    from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
+    from hpcml.stream import Buffer, BufferConfig, StreamLoader, read_endpoints, read_secret, write_endpoints
+    from hpcml.stream.files import FileSource, read_samples
+    from hpcml.stream.server import ServerConfig, StreamServer
+    from hpcml.stream.state import load_stream_states, stream_tensors
+    from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
+
+    install_abort_handler()
+    torch.set_num_threads(1)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    comm, rank, world = grid.comm, grid.rank, grid.layout.world_size
+    run_dir = Path(args.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    scales = FieldScales(param_lo=tuple(BOUNDS[n][0] for n in PARAMS), param_hi=tuple(BOUNDS[n][1] for n in PARAMS),
+                         t_max=t_max(args), field_offset=0.5, field_scale=0.5)
+    model = MLPSurrogate(MLPSurrogateConfig(n_params=len(PARAMS), nx=args.nx, ny=args.ny, hidden=256, depth=3))
+    trainer = FieldTrainer(model, grid, FieldTrainConfig(steps=args.steps, batch=args.batch, lr=args.lr,
+                                                         seed=args.seed, run_dir=str(run_dir),
+                                                         progress=not args.quiet, log_every=25), scales)
+    buffer = Buffer(BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark,
+                                 seed=args.seed + rank))
+    resume_from = ckpt_dir if args.resume and (ckpt_dir / "latest").exists() else None
+    if args.mode == "online":
+        port = 0
+        if resume_from and (run_dir / "endpoints.json").exists():  # come back on the same address: sims reconnect
+            _, old = read_endpoints(run_dir / "endpoints.json")
+            port = int(old[rank].rsplit(":", 1)[1]) if len(old) == world else 0
+        source = StreamServer(campaign=args.campaign, secret=read_secret(run_dir / "stream.key"), rank=rank,
+                              n_trainers=world, buffer=buffer,
+                              config=ServerConfig(host=args.host, port=port, param_names=PARAMS, field_names=("T",),
+                                                  end_grace_s=10.0, streamed=tuple(range(args.sims)),
+                                                  done_file=os.environ.get("HPCML_SIMS_DONE_FILE")))
+    else:
+        source = FileSource(sorted((run_dir / "data").glob("sim_*.h5")), rank=rank, n_trainers=world, buffer=buffer,
+                            field_names=("T",), param_names=PARAMS)
+    if resume_from:
+        report = ckpt.load(resume_from, trainer.tensors(create=True), comm=comm)
+        trainer.restore(report.extra)
+        if args.mode == "online":
+            source.load_state(load_stream_states(report.path))
+        if rank == 0:
+            print(f"[train] resumed at step {trainer.step} from {report.path} (saved on {report.layout}); "
+                  f"buffer {len(buffer)} samples, {len(source.seen)} seen", flush=True)
+    source.start()
+    endpoints = comm.gather(getattr(source, "endpoint", None))
+    if rank == 0 and args.mode == "online":
+        write_endpoints(run_dir / "endpoints.json", args.campaign, endpoints)
+
+    def save() -> None:
+        tensors = trainer.tensors()
+        if args.mode == "online":
+            tensors.update(stream_tensors(source, rank))
+        ckpt.save(ckpt_dir, trainer.step, tensors, comm=comm, extra=trainer.extra(), layout=grid.layout.degrees,
+                  keep=2)
+
+    stop = {"flag": False}
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # the scheduler's warning: save, then stop
+        signal.signal(sig, lambda *_: stop.update(flag=True))
+    loader = StreamLoader(source, comm, args.batch)
+    t_train = time.perf_counter()
+    occupancy = []
+    while trainer.step < args.steps:
+        batch = loader.next_batch()
+        if batch is None:
+            break
+        m = trainer.train_step(batch, extra={"buffer_len": len(buffer)})
+        occupancy.append(len(buffer))
+        if args.crash_trainer_at == trainer.step and rank == 0 and not (run_dir / ".trainer_crashed").exists():
+            (run_dir / ".trainer_crashed").write_text(str(trainer.step))
+            print(f"[train] reliability test: killing the training job after step {trainer.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.ckpt_every and trainer.step % args.ckpt_every == 0:
+            save()
+        if comm.allreduce(stop["flag"], op=_lor()):
+            save()
+            print("[train] stopped by signal after saving", flush=True)
+            return
+    train_s = time.perf_counter() - t_train
+    # keep the stream flowing until every simulation is done, so none blocks on a gone trainer
+    drained = 0
+    while not buffer.ended:
+        if args.buffer == "reservoir":  # never blocks the stream: just wait for its end
+            time.sleep(0.05)
+        else:
+            drained += len(buffer.get(1, timeout=0.05) or [])
+    save()
+    stats = comm.gather({**source.stats(), "unused": loader.unused() + drained,
+                         "starved_s": loader.starved_s, "agree_s": loader.agree_s,
+                         "since_first_batch_s": time.perf_counter() - loader.t_first_batch if loader.t_first_batch
+                         else 0.0, "train_s": train_s})
+    source.stop()
+    if rank != 0:
+        return
+    val_files = sorted((run_dir / "val").glob("sim_*.h5"))
+    vals = [s for f in val_files for s in read_samples(f, ("T",), PARAMS)]
+    val = trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
+                         np.stack([s.fields[0] for s in vals])) if vals else float("nan")
+    busy = sum(s["since_first_batch_s"] for s in stats)
+    out = {"samples_ingested": sum(s["samples"] for s in stats),
+           "duplicate_samples": sum(s.get("duplicates", 0) for s in stats),
+           "dropped_messages": {k: sum(s["dropped"].get(k, 0) for s in stats) for s in stats for k in s["dropped"]},
+           "intake_mb_s": sum(s["intake_mb_s"] for s in stats),
+           "bytes_ingested": sum(s["bytes"] for s in stats),
+           "samples_unused": sum(s["unused"] for s in stats),
+           "gradient_steps": trainer.step, "final_loss": trainer.history[-1]["loss"] if trainer.history else None,
+           "trainer_idle_fraction": sum(s["starved_s"] for s in stats) / busy if busy else 0.0,
+           "agreement_fraction": sum(s["agree_s"] for s in stats) / busy if busy else 0.0,
+           "train_s": max(s["train_s"] for s in stats), "val_rel_l2": val, "val_samples": len(vals),
+           "buffer": {"policy": args.buffer, "capacity": args.capacity, "watermark": args.watermark,
+                      "per_rank": [s["buffer"] for s in stats]},
+           "train_ranks": world}
+    (run_dir / "train_summary.json").write_text(json.dumps(out, indent=1))
+    if not args.no_report and vals:
+        write_report(run_dir, trainer, vals, occupancy, out)
+
+
+def _lor():
+    from mpi4py import MPI
+    return MPI.LOR
+
+
+def write_report(run_dir: Path, trainer, vals, occupancy, summary) -> None:
+    """report.png: loss curve, buffer occupancy, a predicted vs true held-out field."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    hist = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    s = max(vals, key=lambda v: v.t)
+    pred = trainer.predict(s.params[None], np.array([s.t]))[0]
+    fig, ax = plt.subplots(1, 5, figsize=(22, 4))
+    ax[0].semilogy([h["step"] for h in hist], [h["loss"] for h in hist])
+    ax[0].set(title=f"training loss ({summary.get('gradient_steps')} steps)", xlabel="step", ylabel="MSE (normalised)")
+    ax[1].plot([h["step"] for h in hist if "buffer_len" in h], [h["buffer_len"] for h in hist if "buffer_len" in h])
+    ax[1].set(title="buffer occupancy (rank 0)", xlabel="step", ylabel="samples")
+    vmin, vmax = float(s.fields[0].min()), float(s.fields[0].max())
+    for a, img, title in ((ax[2], s.fields[0], "true (held-out sim)"), (ax[3], pred, "predicted"),
+                          (ax[4], pred - s.fields[0], "error")):
+        im = a.imshow(img.T, origin="lower", cmap="inferno" if a is not ax[4] else "coolwarm",
+                      **({"vmin": vmin, "vmax": vmax} if a is not ax[4] else {}))
+        a.set_title(title)
+        fig.colorbar(im, ax=a)
+    fig.suptitle(f"heat surrogate, {summary.get('train_ranks')} trainer ranks: val rel. L2 {summary['val_rel_l2']:.3f}")
+    fig.tight_layout()
+    fig.savefig(run_dir / "report.png", dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.role == "train":
+        train(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
