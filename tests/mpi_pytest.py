@@ -15,6 +15,8 @@ from mpi4py import MPI
 import pytest
 
 rank = MPI.COMM_WORLD.Get_rank()
+# the real stderr, for reports that must get out while pytest captures fd 2 (conftest.py)
+os.environ["HPCML_TEST_STDERR_FD"] = str(os.dup(2))
 args = sys.argv[1:] + ["-p", "no:cacheprovider", "-o", "timeout_method=thread"]
 if rank != 0:
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -101,8 +102,9 @@ def driver(args) -> dict:
     site = load_site(args.site)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed"):
-        (run_dir / stale).unlink(missing_ok=True)
+    for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed", "metrics.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)  # a new run in an old directory starts afresh
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     for sub in ("data", "val"):
         (run_dir / sub).mkdir(exist_ok=True)
     secret_file = run_dir / "stream.key"
@@ -135,12 +137,16 @@ def driver(args) -> dict:
         trained = campaign.run([], training=training)
         result = dataclasses.replace(result, training_returncode=trained.training_returncode)
     train = json.loads((run_dir / "train_summary.json").read_text())
-    summary = {"mode": args.mode, "sims_completed": len([s for s in result.completed if s < args.sims]),
+    completed = [s for s in result.completed if s < args.sims]
+    expected = len(completed) * (args.sim_steps // args.every)  # every output of every completed simulation
+    train["samples_missing"] = max(0, expected - train["samples_ingested"])
+    summary = {"mode": args.mode, "sims_completed": len(completed),
                "sims_failed": len([s for s in result.failed if s < args.sims]),
                "val_sims": args.val_sims, "sim_attempts": sum(result.attempts.values()),
                "sims_retried": len(result.retried), **train, "wall_s": time.perf_counter() - t0}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    keys = ("mode", "sims_completed", "samples_ingested", "duplicate_samples", "intake_mb_s", "gradient_steps",
+    keys = ("mode", "sims_completed", "samples_ingested", "duplicate_samples", "samples_missing", "intake_mb_s",
+            "gradient_steps",
             "trainer_idle_fraction", "val_rel_l2", "wall_s")
     print("summary: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                                   for k in keys))
@@ -176,7 +182,7 @@ def train(args) -> None:
     install_abort_handler()
     torch.set_num_threads(1)
     grid = ProcessGrid(dp=-1)
-    grid.init_torch()
+    grid.init_torch(backend="gloo")  # the field surrogate is small and trains on the host CPU cores
     comm, rank, world = grid.comm, grid.rank, grid.layout.world_size
     run_dir = Path(args.run_dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -234,12 +240,12 @@ def train(args) -> None:
             break
         m = trainer.train_step(batch, extra={"buffer_len": len(buffer)})
         occupancy.append(len(buffer))
+        if args.ckpt_every and trainer.step % args.ckpt_every == 0:
+            save()
         if args.crash_trainer_at == trainer.step and rank == 0 and not (run_dir / ".trainer_crashed").exists():
             (run_dir / ".trainer_crashed").write_text(str(trainer.step))
             print(f"[train] reliability test: killing the training job after step {trainer.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if args.ckpt_every and trainer.step % args.ckpt_every == 0:
-            save()
         if comm.allreduce(stop["flag"], op=_lor()):
             save()
             print("[train] stopped by signal after saving", flush=True)
@@ -271,7 +277,7 @@ def train(args) -> None:
            "intake_mb_s": sum(s["intake_mb_s"] for s in stats),
            "bytes_ingested": sum(s["bytes"] for s in stats),
            "samples_unused": sum(s["unused"] for s in stats),
-           "gradient_steps": trainer.step, "final_loss": trainer.history[-1]["loss"] if trainer.history else None,
+           "samples_trained": trainer.step * args.batch * world, "gradient_steps": trainer.step, "final_loss": trainer.history[-1]["loss"] if trainer.history else None,
            "trainer_idle_fraction": sum(s["starved_s"] for s in stats) / busy if busy else 0.0,
            "agreement_fraction": sum(s["agree_s"] for s in stats) / busy if busy else 0.0,
            "train_s": max(s["train_s"] for s in stats), "val_rel_l2": val, "val_samples": len(vals),

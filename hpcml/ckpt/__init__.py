@@ -1,10 +1,33 @@
 """HDF5 checkpoints: per-rank shards plus an index of virtual datasets that presents every
-global tensor whole -- save distributed, load on any layout, read by any HDF5 tool."""
+global tensor whole -- save distributed, load on any layout, read by any HDF5 tool.
 
-from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, resolve
-from hpcml.ckpt.state import training_tensors
-from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
-from hpcml.errors import CheckpointError
+Names are imported on first use, so the async writer process (``hpcml.ckpt.async_writer``,
+numpy and h5py only) starts without importing torch.
+"""
 
-__all__ = ["AsyncSaver", "CheckpointError", "LoadReport", "SaveResult", "load", "read_extra", "read_tensor", "resolve", "save",
-           "training_tensors"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {"LoadReport": "reader", "load": "reader", "read_extra": "reader", "read_tensor": "reader",
+            "resolve": "reader", "training_tensors": "state", "AsyncSaver": "writer", "SaveResult": "writer",
+            "save": "writer", "CheckpointError": None}
+_SUBMODULES = {"async_writer", "format", "plan", "reader", "shard", "state", "tools", "writer"}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, resolve
+    from hpcml.ckpt.state import training_tensors
+    from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
+    from hpcml.errors import CheckpointError
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = _EXPORTS[name]
+        return getattr(importlib.import_module(f"hpcml.ckpt.{module}" if module else "hpcml.errors"), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hpcml.ckpt.{name}")
+    raise AttributeError(f"module 'hpcml.ckpt' has no attribute {name!r}")

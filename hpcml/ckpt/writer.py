@@ -13,7 +13,6 @@ checksums, a broadcast of the outcome (so a failure raises on every rank).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -26,7 +25,9 @@ import torch
 
 from hpcml import __version__, log
 from hpcml.ckpt import format as fmt
+from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
+from hpcml.ckpt.shard import fsync_path, write_shard
 from hpcml.ckpt.state import fused_shards, local_piece, placement_str
 from hpcml.errors import CheckpointError
 
@@ -38,14 +39,6 @@ class SaveResult:
     path: Path
     bytes_written: int
     seconds: float
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | None = None,
@@ -80,35 +73,9 @@ def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | No
     return metas, locals_, placements
 
 
-def storage_chunk(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
-    """HDF5 chunk shape: halve the longest dimension until a chunk holds at most
-    max(1 KiB, min(1 MiB, size / 64)). Small square-ish chunks let a rank of another
-    layout read a row or column block of a tensor touching little beyond it."""
-    if not shape:
-        return None
-    nbytes = itemsize
-    for d in shape:
-        nbytes *= d
-    target = max(1024, min(1 << 20, nbytes // 64))
-    chunk = list(shape)
-    while itemsize * int(torch.tensor(chunk).prod()) > target and max(chunk) > 1:
-        i = max(range(len(chunk)), key=lambda k: chunk[k])
-        chunk[i] = (chunk[i] + 1) // 2
-    return tuple(chunk)
-
-
 def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray]) -> dict[tuple, tuple]:
     """Write this rank's owned chunks; returns the HDF5 chunk shape of each (for read accounting)."""
-    storage = {}
-    with h5py.File(path, "w", libver="latest") as f:
-        for c in chunks:
-            arr = arrays[c.key]
-            ds = f.create_dataset(c.dataset, data=arr, chunks=storage_chunk(arr.shape, arr.itemsize),
-                                  fletcher32=True)  # checksummed per HDF5 chunk, verified on every read
-            ds.attrs["offset"] = np.asarray(c.offset, dtype=np.int64)
-            storage[c.key] = ds.chunks
-    fsync_path(path)
-    return storage
+    return dict(zip((c.key for c in chunks), write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks])))
 
 
 def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], storage: dict[tuple, tuple],
@@ -227,8 +194,9 @@ def _normalized(attrs: dict) -> dict:
     return out
 
 
-def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _Pending:
-    """Snapshot this rank's pieces to host memory and agree on who writes what (one allgather)."""
+def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapshot: bool = True) -> _Pending:
+    """Agree on who writes what (one allgather); with ``snapshot``, this rank's pieces as host
+    arrays (a view on CPU), else the tensors themselves (the async saver stages them)."""
     rank = comm.Get_rank()
     t0 = time.perf_counter()
     root = Path(root)
@@ -254,11 +222,10 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs) -> _P
     attrs = {"format_version": fmt.FORMAT_VERSION if fused else fmt.BASE_FORMAT_VERSION, "hpcml_version": __version__,
              "step": step, "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}),
              "extra": fmt.dumps(extra or {})}
-    # host arrays of only what this rank writes (a device-to-host copy on GPUs; a view on CPU,
-    # which an async writer process sees as it was at the fork)
-    return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine,
-                    {c.key: fmt.to_numpy(locals_[c.key]) for c in mine}, placements, set().union(*all_scalars), attrs,
-                    tensor_attrs, keep, t0)
+    # only what this rank writes (a device-to-host copy on GPUs; a view on CPU)
+    arrays = {c.key: fmt.to_numpy(locals_[c.key]) if snapshot else locals_[c.key].detach() for c in mine}
+    return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine, arrays, placements,
+                    set().union(*all_scalars), attrs, tensor_attrs, keep, t0)
 
 
 def _write_local(p: _Pending) -> tuple:
@@ -328,18 +295,20 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
 class AsyncSaver:
     """Saves whose file writing overlaps training: one in flight at a time.
 
-    ``save()`` blocks only for the plan (one allgather), the host snapshot and a ``fork``;
-    a writer process writes this rank's shard -- a separate process, because h5py holds one
-    global lock and threads would not overlap its writes -- while training goes on. The
-    next ``save()``, and ``wait()`` (call it before exit), collect the writer and commit
-    (collective), so bounded host memory holds one snapshot at most.
+    ``save()`` blocks only for the plan (one allgather) and one copy of this rank's pieces
+    into a reused staging buffer; a long-lived writer process per rank
+    (:mod:`hpcml.ckpt.async_writer`) writes the shard from it while training goes on. The
+    next ``save()``, and ``wait()`` (call it before exit), collect the writer's status and
+    commit (collective), so host memory holds one staging buffer of this rank's shard at most.
+    ``close()`` also stops the writer process.
     """
 
     def __init__(self, comm=None) -> None:
         from mpi4py import MPI
 
         self.comm = comm or MPI.COMM_WORLD
-        self._inflight: tuple[_Pending, int, int] | None = None
+        self._writer = ShardWriter()
+        self._inflight: _Pending | None = None
 
     def save(self, root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *,
              extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
@@ -347,33 +316,63 @@ class AsyncSaver:
         """Start a save; returns the seconds training was blocked (previous save's commit included)."""
         t0 = time.perf_counter()
         self.wait()
-        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs)
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the writer: no MPI, no torch, only h5py on the snapshot
-            os.close(read_fd)
-            try:
-                status = _write_local(pending)
-                storage = [[[k[0], list(k[1]), list(k[2])], list(v) if v else None] for k, v in status[3].items()]
-                os.write(write_fd, fmt.dumps([status[0], status[1], status[2], storage]).encode())
-            finally:
-                os._exit(0)
-        os.close(write_fd)
-        self._inflight = (pending, pid, read_fd)
+        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False)
+        if pending.mine:
+            items = self._stage(pending)
+            pending.arrays = {}  # the staging buffer holds the snapshot now
+            self._writer.submit(pending.tmp / fmt.shard_name(pending.rank), items)
+        self._inflight = pending
         return time.perf_counter() - t0
+
+    def reserve(self, tensors: dict[str, torch.Tensor], *, tensor_attrs: dict[str, dict] | None = None) -> int:
+        """Optional, collective (one allgather): size this rank's staging buffer for saves of
+        ``tensors`` and allocate it in the background, so the first save blocks only for its
+        copy. Returns the bytes reserved on this rank."""
+        try:
+            metas, error = _pieces(tensors, tensor_attrs)[0], None
+        except CheckpointError as e:
+            metas, error = [], str(e)
+        per_rank, errors = zip(*self.comm.allgather((metas, error)))
+        errors = [e for e in errors if e]
+        if errors:
+            raise CheckpointError(f"reserving the async save buffer failed: {errors[0]}")
+        owner, rank = assign_owners(list(per_rank)), self.comm.Get_rank()
+        need = staging_layout([c.nbytes for c in metas if owner[c.key] == rank])[1]
+        self._writer.reserve(need)
+        return need
+
+    def _stage(self, p: _Pending) -> list[dict]:
+        """Copy this rank's pieces into the staging buffer (torch's copy: parallel on CPU,
+        straight from device memory on a GPU); the writer's job description."""
+        tensors = [p.arrays[c.key] for c in p.mine]
+        offsets, total = staging_layout([t.numel() * t.element_size() for t in tensors])
+        buf = self._writer.staging(total)
+        items = []
+        for c, t, at in zip(p.mine, tensors, offsets):
+            if t.numel():
+                torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape).copy_(t)
+            items.append({"dataset": c.dataset, "offset": list(c.offset), "shape": list(t.shape),
+                          "dtype": np.dtype(fmt.storage(t.dtype)[0]).str, "at": at})
+        return items
 
     def wait(self) -> SaveResult | None:
         """Collect the save in flight, if any, and commit it (collective)."""
         if self._inflight is None:
             return None
-        pending, pid, read_fd = self._inflight
-        self._inflight = None
-        with os.fdopen(read_fd, "rb") as f:
-            raw = f.read()
-        _, code = os.waitpid(pid, 0)
-        if raw:
-            kind, a, b, storage = json.loads(raw)
-            status = (kind, a, b, {(k[0], tuple(k[1]), tuple(k[2])): tuple(v) if v else None for k, v in storage})
-        else:
-            status = ("error", f"rank {pending.rank}: writer process died (wait status {code})", "", {})
+        pending, self._inflight = self._inflight, None
+        status: tuple = ("ok", 0, "", {})
+        if pending.mine:
+            r = self._writer.result()
+            if r["ok"]:
+                status = ("ok", r["bytes"], fmt.shard_name(pending.rank),
+                          {c.key: tuple(ch) if ch else None for c, ch in zip(pending.mine, r["chunks"])})
+            else:
+                status = ("error", f"rank {pending.rank}: {r['error']}", "", {})
         return _finish(pending, status)
+
+    def close(self) -> None:
+        """Commit the save in flight (collective) and stop the writer process."""
+        try:
+            self.wait()
+        finally:
+            self._writer.close()

@@ -138,9 +138,15 @@ class StreamServer:
             if self._pending is not None and not self._deliver():
                 continue
             if poller.poll(50):
-                frames = self._sock.recv_multipart(copy=False)
-                with self._lock:
-                    self._handle(frames)
+                for _ in range(16):  # drain what is queued before polling again
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    with self._lock:
+                        self._handle(frames)
+                    if self._pending is not None and not self._deliver():
+                        break  # buffer full: stop reading (backpressure)
             self._check_end()
 
     def _deliver(self) -> bool:

@@ -92,16 +92,19 @@ class CheckpointHook:
         if metrics.get("stop"):
             self.close()
             self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
-        elif self.every and trainer.step % self.every == 0:
+        elif self.async_save and self.saver is None:
+            # at the first step: start the writer and fill its staging buffer in the background,
+            # so the first save blocks only for its copy (collective: every rank runs hooks)
+            self.saver = ckpt.AsyncSaver(trainer.grid.comm)
+            self.saver.reserve(_tensors(trainer), tensor_attrs=_attrs(trainer))
+        if not metrics.get("stop") and self.every and trainer.step % self.every == 0:
             if not self.async_save:
                 self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
                 return
-            if self.saver is None:
-                self.saver = ckpt.AsyncSaver(trainer.grid.comm)
             self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver))
             self.saved.append(self.root / f"step_{trainer.step:08d}")
 
     def close(self) -> None:
         """Wait for a save in flight and commit it (collective)."""
         if self.saver is not None:
-            self.saver.wait()
+            self.saver.close()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +23,30 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.flush()
         time.sleep(0.5)  # let mpiexec forward the report before Abort tears the job down
         comm.Abort(1)
+
+
+@pytest.fixture(autouse=True)
+def stacks_before_timeout(request):
+    """A hung test prints every rank's Python stacks (stderr, headed by its rank) shortly
+    before pytest-timeout ends the job: pytest-timeout's own dump goes to stdout, which only
+    rank 0 keeps."""
+    timeout = float(request.config.getini("timeout") or 0)
+    if timeout <= 10:
+        yield
+        return
+
+    def dump():
+        time.sleep(0.5 * MPI.COMM_WORLD.rank)  # one rank's stacks after another, not interleaved
+        err = os.fdopen(int(os.environ.get("HPCML_TEST_STDERR_FD", 2)), "w", closefd=False)
+        err.write(f"\n[rank {MPI.COMM_WORLD.rank}] Timeout (> {timeout - 5:.0f} s) in {request.node.nodeid}\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+
+    timer = threading.Timer(timeout - 5, dump)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import torch
 
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage, check_fused, fused_boxes, fused_runs, fused_spec
-from hpcml.ckpt.writer import _normalized, _pieces, storage_chunk
+from hpcml.ckpt.shard import storage_chunk
+from hpcml.ckpt.writer import _normalized, _pieces
 
 
 def meta(name, offset, shape, nbytes):

@@ -1,0 +1,200 @@
+"""The async checkpoint writer: one long-lived process per rank that writes shards from a
+shared staging buffer while training goes on.
+
+Why a process: h5py holds one global lock, so a writer thread would not overlap training's
+own h5py use, and HDF5 compression/checksums would contend for the GIL. Why not ``fork``
+per save: forking a multi-GiB, multi-threaded process (gloo, OpenMP, CUDA) copies its
+page tables on every save, charges copy-on-write faults to the training steps that follow,
+and runs h5py in a child of a threaded parent. Instead the rank copies its pieces into a
+``memfd`` staging buffer (the only blocking part: one memcpy, or the device-to-host copy on
+a GPU), hands the descriptor to this process over a Unix socket, and goes on. Host memory
+is bounded by one staging buffer of this rank's shard size, reused across saves.
+
+The process runs ``python -m hpcml.ckpt.async_writer FD``: numpy and h5py only, no torch,
+no MPI. It exits when the socket closes (the rank exited or died).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from hpcml.ckpt.shard import write_shard
+
+ALIGN = 64  # staging offsets: cache-line aligned
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise EOFError("writer socket closed")
+        buf += part
+    return bytes(buf)
+
+
+def send(sock: socket.socket, obj: dict, fds: tuple[int, ...] = ()) -> None:
+    """A length-prefixed JSON message (never pickle), with file descriptors on its header."""
+    payload = json.dumps(obj).encode()
+    head = struct.pack("!Q", len(payload))
+    if fds:
+        socket.send_fds(sock, [head], list(fds))
+    else:
+        sock.sendall(head)
+    sock.sendall(payload)
+
+
+def recv(sock: socket.socket, maxfds: int = 0) -> tuple[dict, list[int]]:
+    if maxfds:
+        head, fds, _, _ = socket.recv_fds(sock, 8, maxfds)
+    else:
+        head, fds = sock.recv(8), []
+    if not head:
+        raise EOFError("writer socket closed")
+    head += _exact(sock, 8 - len(head))
+    return json.loads(_exact(sock, struct.unpack("!Q", head)[0])), fds
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Aligned offsets of consecutive pieces in the staging buffer, and its total size."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    return offsets, end
+
+
+class ShardWriter:
+    """The rank's side: a staging buffer that grows to the largest save, and the process."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._fd: int | None = None
+        self.buffer: mmap.mmap | None = None
+        self.size = 0
+        self.busy = False
+        self._reserving: threading.Thread | None = None
+
+    def staging(self, nbytes: int) -> mmap.mmap:
+        """A writable buffer of at least ``nbytes``, reused while big enough."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        if nbytes > self.size or self.buffer is None:
+            self._allocate(nbytes)
+        return self.buffer
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the buffer in a background thread (first-touch page faults cost ~0.2-1 s
+        per GiB), and start the process, so that the first save blocks only for its copy."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        if self._reserving is None and (nbytes > self.size or self.buffer is None):
+            self._reserving = threading.Thread(target=self._allocate, args=(nbytes,), name="hpcml-ckpt-staging",
+                                               daemon=True)
+            self._reserving.start()
+
+    def _allocate(self, nbytes: int) -> None:
+        self._free_buffer()
+        fd = os.memfd_create("hpcml-ckpt-staging", os.MFD_CLOEXEC)
+        size = max(nbytes, ALIGN)
+        os.ftruncate(fd, size)
+        self.buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # faults taken here
+        self._fd, self.size = fd, size
+
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_"))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "hpcml.ckpt.async_writer", str(child.fileno())],
+                                      pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        child.close()
+        self._sock = parent
+
+    def submit(self, path: Path, items: list[dict]) -> None:
+        """Write ``items`` (dataset, offset, shape, dtype, at: staging offset) into ``path``."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items}, (self._fd,))
+        self.busy = True
+
+    def result(self) -> dict:
+        """The status of the submitted write: ``{"ok": True, "bytes", "chunks"}`` or ``{"ok": False, "error"}``."""
+        self.busy = False
+        try:
+            status, _ = recv(self._sock)
+            return status
+        except (EOFError, OSError) as e:
+            code = self._proc.wait() if self._proc is not None else None
+            self._proc = None
+            return {"ok": False, "error": f"writer process died (exit status {code}): {e}"}
+
+    def close(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        if self._sock is not None:
+            self._sock.close()  # the writer sees EOF and exits
+            self._sock = None
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None
+        self._free_buffer()
+
+    def _free_buffer(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.size = 0
+
+
+def _write(job: dict, fd: int) -> dict:
+    path = Path(job["path"])
+    mm = mmap.mmap(fd, job["size"], prot=mmap.PROT_READ)
+    try:
+        items = [(it["dataset"], tuple(it["offset"]),
+                  np.ndarray(tuple(it["shape"]), np.dtype(it["dtype"]), buffer=mm, offset=it["at"]))
+                 for it in job["items"]]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chunks = write_shard(path, items)
+        del items  # the views must go before the map closes
+        return {"ok": True, "bytes": path.stat().st_size, "chunks": [list(c) if c else None for c in chunks]}
+    finally:
+        mm.close()
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    while True:
+        try:
+            job, fds = recv(sock, maxfds=1)
+        except EOFError:
+            return 0
+        try:
+            status = _write(job, fds[0])
+        except Exception as e:  # noqa: BLE001 -- reported to the rank, which reports it on every rank
+            status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            send(sock, status)
+        except OSError:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""The async checkpoint writer process: staging buffer, job protocol, a writer that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcml.ckpt.async_writer import ALIGN, ShardWriter, layout
+
+
+def _stage(w: ShardWriter, arrays: dict[str, np.ndarray]) -> list[dict]:
+    offsets, total = layout([a.nbytes for a in arrays.values()])
+    buf = w.staging(total)
+    items = []
+    for (name, a), at in zip(arrays.items(), offsets):
+        np.ndarray(a.shape, a.dtype, buffer=buf, offset=at)[...] = a
+        items.append({"dataset": f"{name}/@0_0", "offset": [0, 0], "shape": list(a.shape), "dtype": a.dtype.str,
+                      "at": at})
+    return items
+
+
+def test_layout_is_aligned_and_packed():
+    offsets, total = layout([1, 64, 65, 0, 3])
+    assert offsets == [0, 64, 128, 256, 256] and total == 320
+    assert all(o % ALIGN == 0 for o in offsets)
+
+
+def test_writer_writes_the_snapshot_not_later_values(tmp_path):
+    w = ShardWriter()
+    try:
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        b = (np.arange(6, dtype=np.uint16) * 1000).reshape(2, 3)  # bf16 bit patterns are stored as uint16
+        items = _stage(w, {"model/a": a, "model/b": b})
+        size = w.size
+        w.submit(tmp_path / "rank_00000.h5", items)
+        a += 100  # training changes its tensors at once: the staging copy is what gets written
+        status = w.result()
+        assert status["ok"], status
+        assert status["chunks"][0] is not None and len(status["chunks"]) == 2
+        with h5py.File(tmp_path / "rank_00000.h5", "r") as f:
+            assert np.array_equal(f["model/a/@0_0"][...], np.arange(12, dtype=np.float32).reshape(3, 4))
+            assert np.array_equal(f["model/b/@0_0"][...], b) and f["model/b/@0_0"].dtype == np.uint16
+            assert list(f["model/a/@0_0"].attrs["offset"]) == [0, 0] and f["model/a/@0_0"].fletcher32
+        # a second save of the same size reuses the buffer and the process
+        pid = w._proc.pid
+        w.submit(tmp_path / "rank_00001.h5", _stage(w, {"model/a": a}))
+        assert w.result()["ok"] and w.size == size and w._proc.pid == pid
+        with h5py.File(tmp_path / "rank_00001.h5", "r") as f:
+            assert float(f["model/a/@0_0"][0, 0]) == 100.0
+    finally:
+        w.close()
+    assert w._proc is None and w.buffer is None
+
+
+def test_writer_error_is_reported_not_raised(tmp_path):
+    w = ShardWriter()
+    try:
+        (tmp_path / "not_a_dir").write_text("x")
+        w.submit(tmp_path / "not_a_dir" / "rank_00000.h5", _stage(w, {"model/a": np.ones((2, 2), np.float32)}))
+        status = w.result()
+        assert not status["ok"] and "not_a_dir" in status["error"]
+        # the process survives a failed job
+        w.submit(tmp_path / "ok.h5", _stage(w, {"model/a": np.ones((2, 2), np.float32)}))
+        assert w.result()["ok"]
+    finally:
+        w.close()
+
+
+def test_a_killed_writer_is_an_error_and_the_next_save_starts_a_new_one(tmp_path):
+    w = ShardWriter()
+    try:
+        w.submit(tmp_path / "a.h5", _stage(w, {"model/a": np.ones((4, 4), np.float32)}))
+        assert w.result()["ok"]
+        old = w._proc.pid
+        os.kill(old, signal.SIGKILL)
+        w._proc.wait()
+        w.submit(tmp_path / "b.h5", _stage(w, {"model/a": np.ones((4, 4), np.float32)}))  # restarts it
+        assert w.result()["ok"] and w._proc.pid != old
+        os.kill(w._proc.pid, signal.SIGKILL)  # dies while the job is in flight
+        w.busy = True
+        status = w.result()
+        assert not status["ok"] and "writer process died" in status["error"] and "-9" in status["error"]
+    finally:
+        w.close()
+
+
+def test_writer_process_imports_no_torch():
+    code = "import sys, hpcml.ckpt.async_writer; print('torch' in sys.modules, 'mpi4py' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("n", [0, 1, ALIGN + 1])
+def test_staging_grows_only_when_needed(n):
+    w = ShardWriter()
+    try:
+        w.staging(1000)
+        assert w.size == 1000
+        w.staging(n)
+        assert w.size == 1000
+        w.staging(5000)
+        assert w.size == 5000 and len(w.buffer) == 5000
+    finally:
+        w.close()
