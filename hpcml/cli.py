@@ -76,8 +76,9 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
                   f"in {len(info['shards'])} shards")
             width = max(len(n) for n in info["tensors"]) if info["tensors"] else 4
             for name, t in info["tensors"].items():
+                extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim") if k in t)
                 print(f"  {name:<{width}}  {str(t['shape']):<14} {t['dtype']:<9} {t['bytes']:>10} B  "
-                      f"{t['pieces']} piece(s)  {t['partition']}")
+                      f"{t['pieces']} piece(s)  {t['partition']}{extra}")
     elif c == "verify":
         problems = tools.verify(args.ckpt)
         for p in problems:

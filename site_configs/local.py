@@ -61,6 +61,8 @@ def sim_resource_spec(ranks: int) -> dict:
     return {}
 
 
-def train_launch(nodes: int, argv: list[str]) -> str:
-    """``mpiexec -n <nodes * RANKS_PER_NODE> <argv>``."""
-    return site.shell_join(f"mpiexec -n {site.check_count('nodes', nodes) * RANKS_PER_NODE}", argv)
+def train_launch(nodes: int, argv: list[str], ranks: int | None = None) -> str:
+    """``mpiexec -n <ranks, or nodes * RANKS_PER_NODE> <argv>`` (one machine: a rank count
+    is the natural unit, e.g. ``TrainingJob(ranks=4)``)."""
+    n = site.check_count("ranks", ranks) if ranks is not None else site.check_count("nodes", nodes) * RANKS_PER_NODE
+    return site.shell_join(f"mpiexec -n {n}", argv)

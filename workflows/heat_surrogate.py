@@ -57,6 +57,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--watermark", type=int, default=16, help="samples in the buffer before training starts")
     a("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     a("--host", default="127.0.0.1", help="interface address the trainers' stream servers bind")
+    a("--nodes", type=int, default=None, help="batch sites: nodes of the simulations' Parsl block")
+    a("--walltime", default=None, help="batch sites: walltime of the block, e.g. 02:00:00")
+    a("--account", default=None, help="batch sites: project/account to charge")
+    a("--queue", default=None, help="batch sites: queue or partition")
     a("--seed", type=int, default=0)
     a("--crash-sim", default=None, help="reliability test: SIM:STEP kills simulation SIM at STEP on attempt 0")
     a("--crash-trainer-at", type=int, default=None,
@@ -128,8 +132,9 @@ def driver(args) -> dict:
                   *_forward(args)]
     training = TrainingJob(argv=train_argv, ranks=args.train_ranks, env=stream_env, max_restarts=1,
                            restart_argv=train_argv + ["--resume"])
-    campaign = Campaign(site=site, run_dir=run_dir, max_concurrent=args.max_concurrent, retries=args.retries,
-                        env=stream_env, progress=not args.quiet)
+    site_options = {k: getattr(args, k) for k in ("nodes", "walltime", "account", "queue") if getattr(args, k)}
+    campaign = Campaign(site=site, site_options=site_options, run_dir=run_dir, max_concurrent=args.max_concurrent,
+                        retries=args.retries, env=stream_env, progress=not args.quiet)
     if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
         result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json")
     else:

@@ -37,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp", action="store_true", help="shard parameters over dp (FSDP2); default replicates (DDP)")
     p.add_argument("--zero2", action="store_true", help="with --fsdp: keep parameters gathered after forward")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
+    p.add_argument("--fused-qkv", action="store_true", help="one wqkv weight per layer (checkpointed in logical order)")
+    p.add_argument("--fused-mlp", action="store_true", help="one w13 (gate/up) weight per layer")
     p.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -65,6 +67,8 @@ def main(argv=None) -> int:
         model_cfg: TransformerConfig = TransformerConfig.preset(args.model)
         if args.seq_len > model_cfg.max_seq_len:
             model_cfg = replace(model_cfg, max_seq_len=args.seq_len)
+        if args.fused_qkv or args.fused_mlp:
+            model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing)

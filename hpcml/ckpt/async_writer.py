@@ -16,6 +16,7 @@ no MPI. It exits when the socket closes (the rank exited or died).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -96,12 +97,14 @@ class ShardWriter:
         return self.buffer
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate the buffer in a background thread (first-touch page faults cost ~0.2-1 s
-        per GiB), and start the process, so that the first save blocks only for its copy."""
+        """Start the process and allocate the buffer now, its pages filled by a background
+        thread (first-touch page faults cost 0.2-1 s per GiB), so that the first save blocks
+        only for its copy."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         if self._reserving is None and (nbytes > self.size or self.buffer is None):
-            self._reserving = threading.Thread(target=self._allocate, args=(nbytes,), name="hpcml-ckpt-staging",
+            self._allocate(nbytes)
+            self._reserving = threading.Thread(target=_populate, args=(self.buffer,), name="hpcml-ckpt-staging",
                                                daemon=True)
             self._reserving.start()
 
@@ -110,7 +113,7 @@ class ShardWriter:
         fd = os.memfd_create("hpcml-ckpt-staging", os.MFD_CLOEXEC)
         size = max(nbytes, ALIGN)
         os.ftruncate(fd, size)
-        self.buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # faults taken here
+        self.buffer = mmap.mmap(fd, size)
         self._fd, self.size = fd, size
 
     def _start(self) -> None:
@@ -159,6 +162,22 @@ class ShardWriter:
             os.close(self._fd)
             self._fd = None
         self.size = 0
+
+
+def _populate(buf: mmap.mmap) -> None:
+    """Fault in every page of ``buf`` with madvise(MADV_POPULATE_WRITE) (Linux >= 5.14),
+    through ctypes so the GIL is released meanwhile (mmap's own MAP_POPULATE holds it);
+    without it, the first save's copy takes the faults."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        view = ctypes.c_char.from_buffer(buf)
+        try:
+            libc.madvise(ctypes.addressof(view), len(buf), getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        finally:
+            del view  # the export must go before the map can close
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 def _write(job: dict, fd: int) -> dict:

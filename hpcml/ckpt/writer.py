@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,10 @@ def _normalized(attrs: dict) -> dict:
     return out
 
 
+def _local_error(rank: int, e: Exception) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"rank {rank}: {type(e).__name__}: {e}"
+
+
 def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapshot: bool = True) -> _Pending:
     """Agree on who writes what (one allgather); with ``snapshot``, this rank's pieces as host
     arrays (a view on CPU), else the tensors themselves (the async saver stages them)."""
@@ -202,15 +207,17 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snaps
     root = Path(root)
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
-    try:  # a declaration that does not fit is reported on every rank, not only where the tensor lives
+    # whatever fails before the allgather (a declaration that does not fit, a directory that
+    # cannot be made) is reported on every rank, so no rank waits in it for ever
+    try:
         metas, locals_, placements = _pieces(tensors, tensor_attrs)
+        scalars = {n for n, t in tensors.items() if t.dim() == 0}
+        if rank == 0:  # nobody writes into tmp until rank 0 has cleared a stale one
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         error = None
-    except CheckpointError as e:
-        metas, locals_, placements, error = [], {}, {}, str(e)
-    scalars = {n for n, t in tensors.items() if t.dim() == 0}
-    if rank == 0:  # before the allgather: nobody writes into tmp until rank 0 has cleared a stale one
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001
+        metas, locals_, placements, scalars, error = [], {}, {}, set(), _local_error(rank, e)
     per_rank, all_scalars, errors = zip(*comm.allgather((metas, scalars, error)))
     errors = [e for e in errors if e]
     if errors:
@@ -295,12 +302,16 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
 class AsyncSaver:
     """Saves whose file writing overlaps training: one in flight at a time.
 
-    ``save()`` blocks only for the plan (one allgather) and one copy of this rank's pieces
-    into a reused staging buffer; a long-lived writer process per rank
-    (:mod:`hpcml.ckpt.async_writer`) writes the shard from it while training goes on. The
-    next ``save()``, and ``wait()`` (call it before exit), collect the writer's status and
-    commit (collective), so host memory holds one staging buffer of this rank's shard at most.
-    ``close()`` also stops the writer process.
+    ``save()`` blocks for the plan (one allgather) and one copy of this rank's pieces into a
+    reused staging buffer; a long-lived writer process per rank
+    (:mod:`hpcml.ckpt.async_writer`) writes the shard from it while training goes on. With
+    ``overlap=True`` even the copy runs in a background thread (torch's copy releases the
+    GIL), alongside the next forward and backward: the caller then calls
+    :meth:`wait_staged` before anything changes the saved tensors -- the next optimizer
+    step (``CheckpointHook`` registers that as an optimizer step pre-hook). The next
+    ``save()``, and ``wait()`` (call it before exit), collect the writer's status and
+    commit (collective), so host memory holds one staging buffer of this rank's shard at
+    most. ``close()`` also stops the writer process.
     """
 
     def __init__(self, comm=None) -> None:
@@ -309,20 +320,60 @@ class AsyncSaver:
         self.comm = comm or MPI.COMM_WORLD
         self._writer = ShardWriter()
         self._inflight: _Pending | None = None
+        self._staging: threading.Thread | None = None
+        self._staging_error: BaseException | None = None
 
     def save(self, root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *,
              extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
-             tensor_attrs: dict[str, dict] | None = None) -> float:
-        """Start a save; returns the seconds training was blocked (previous save's commit included)."""
+             tensor_attrs: dict[str, dict] | None = None, overlap: bool = False) -> float:
+        """Start a save; returns the seconds training was blocked (previous save's commit
+        included). ``overlap``: copy in the background; call :meth:`wait_staged` before the
+        tensors change."""
         t0 = time.perf_counter()
         self.wait()
         pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False)
-        if pending.mine:
-            items = self._stage(pending)
-            pending.arrays = {}  # the staging buffer holds the snapshot now
-            self._writer.submit(pending.tmp / fmt.shard_name(pending.rank), items)
         self._inflight = pending
+        if pending.mine:
+            try:
+                items, buf = self._plan_staging(pending)
+            except Exception as e:  # noqa: BLE001 -- reported on every rank at the commit
+                self._staging_error = e
+                return time.perf_counter() - t0
+            if overlap:
+                self._staging = threading.Thread(target=self._stage, args=(pending, items, buf),
+                                                 name="hpcml-ckpt-stage", daemon=True)
+                self._staging.start()
+            else:
+                self._stage(pending, items, buf)
         return time.perf_counter() - t0
+
+    def wait_staged(self) -> None:
+        """Return once the save in flight has its snapshot (the tensors may change after)."""
+        if self._staging is not None:
+            self._staging.join()
+            self._staging = None
+
+    def _plan_staging(self, p: _Pending) -> tuple[list[dict], object]:
+        tensors = [p.arrays[c.key] for c in p.mine]
+        offsets, total = staging_layout([t.numel() * t.element_size() for t in tensors])
+        buf = self._writer.staging(total)
+        items = [{"dataset": c.dataset, "offset": list(c.offset), "shape": list(t.shape),
+                  "dtype": np.dtype(fmt.storage(t.dtype)[0]).str, "at": at}
+                 for c, t, at in zip(p.mine, tensors, offsets)]
+        return items, buf
+
+    def _stage(self, p: _Pending, items: list[dict], buf) -> None:
+        """Copy this rank's pieces into the staging buffer (torch's copy: parallel on CPU,
+        straight from device memory on a GPU), then hand the job to the writer."""
+        try:
+            for c, it in zip(p.mine, items):
+                t = p.arrays[c.key]
+                if t.numel():
+                    torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=it["at"]).view(t.shape).copy_(t)
+            p.arrays = {}  # the staging buffer holds the snapshot now
+            self._writer.submit(p.tmp / fmt.shard_name(p.rank), items)
+        except BaseException as e:  # noqa: BLE001 -- reported on every rank at the commit
+            self._staging_error = e
 
     def reserve(self, tensors: dict[str, torch.Tensor], *, tensor_attrs: dict[str, dict] | None = None) -> int:
         """Optional, collective (one allgather): size this rank's staging buffer for saves of
@@ -330,8 +381,8 @@ class AsyncSaver:
         copy. Returns the bytes reserved on this rank."""
         try:
             metas, error = _pieces(tensors, tensor_attrs)[0], None
-        except CheckpointError as e:
-            metas, error = [], str(e)
+        except Exception as e:  # noqa: BLE001 -- reported on every rank, before the collective
+            metas, error = [], _local_error(self.comm.Get_rank(), e)
         per_rank, errors = zip(*self.comm.allgather((metas, error)))
         errors = [e for e in errors if e]
         if errors:
@@ -341,27 +392,17 @@ class AsyncSaver:
         self._writer.reserve(need)
         return need
 
-    def _stage(self, p: _Pending) -> list[dict]:
-        """Copy this rank's pieces into the staging buffer (torch's copy: parallel on CPU,
-        straight from device memory on a GPU); the writer's job description."""
-        tensors = [p.arrays[c.key] for c in p.mine]
-        offsets, total = staging_layout([t.numel() * t.element_size() for t in tensors])
-        buf = self._writer.staging(total)
-        items = []
-        for c, t, at in zip(p.mine, tensors, offsets):
-            if t.numel():
-                torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape).copy_(t)
-            items.append({"dataset": c.dataset, "offset": list(c.offset), "shape": list(t.shape),
-                          "dtype": np.dtype(fmt.storage(t.dtype)[0]).str, "at": at})
-        return items
-
     def wait(self) -> SaveResult | None:
         """Collect the save in flight, if any, and commit it (collective)."""
         if self._inflight is None:
             return None
+        self.wait_staged()
         pending, self._inflight = self._inflight, None
         status: tuple = ("ok", 0, "", {})
-        if pending.mine:
+        if self._staging_error is not None:
+            e, self._staging_error = self._staging_error, None
+            status = ("error", f"rank {pending.rank}: staging failed: {type(e).__name__}: {e}", "", {})
+        elif pending.mine:
             r = self._writer.result()
             if r["ok"]:
                 status = ("ok", r["bytes"], fmt.shard_name(pending.rank),

@@ -32,17 +32,17 @@ def _attrs(trainer: Trainer) -> dict[str, dict]:
 
 
 def save_trainer(trainer: Trainer, root: str | Path, keep: int | None = None,
-                 saver: ckpt.AsyncSaver | None = None) -> ckpt.SaveResult | float:
+                 saver: ckpt.AsyncSaver | None = None, overlap: bool = False) -> ckpt.SaveResult | float:
     """Model, optimizer, schedule, step, data position and per-rank RNG as ``root/step_N``.
     With an :class:`~hpcml.ckpt.AsyncSaver` the writing overlaps training: returns the
-    seconds training was blocked."""
+    seconds training was blocked (``overlap``: the copy too, see ``AsyncSaver.save``)."""
     extra = {"step": trainer.step, "data": {"next_step": trainer.step},
              "scheduler": trainer.scheduler.state_dict(),
              "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups],
              "train_config": asdict(trainer.config)}
     kwargs = dict(extra=extra, layout=trainer.grid.layout.degrees, keep=keep, tensor_attrs=_attrs(trainer))
     if saver is not None:
-        return saver.save(root, trainer.step, _tensors(trainer), **kwargs)
+        return saver.save(root, trainer.step, _tensors(trainer), overlap=overlap, **kwargs)
     return ckpt.save(root, trainer.step, _tensors(trainer), comm=trainer.grid.comm, **kwargs)
 
 
@@ -97,11 +97,14 @@ class CheckpointHook:
             # so the first save blocks only for its copy (collective: every rank runs hooks)
             self.saver = ckpt.AsyncSaver(trainer.grid.comm)
             self.saver.reserve(_tensors(trainer), tensor_attrs=_attrs(trainer))
+            # the snapshot copy runs alongside the next forward and backward; the next
+            # optimizer step, the first thing to change the saved tensors, waits for it
+            trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
         if not metrics.get("stop") and self.every and trainer.step % self.every == 0:
             if not self.async_save:
                 self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
                 return
-            self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver))
+            self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver, overlap=True))
             self.saved.append(self.root / f"step_{trainer.step:08d}")
 
     def close(self) -> None:

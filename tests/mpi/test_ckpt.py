@@ -107,6 +107,26 @@ def test_strict_errors_on_every_rank(comm, shared_dir):
     assert report.unexpected == ["model/b"] and torch.equal(target["model/a"], tensors["model/a"])
 
 
+def test_errors_on_one_rank_before_the_plan_fail_every_rank(comm, shared_dir):
+    """A save whose root cannot be made (only rank 0 makes it), or with a dtype only one rank
+    holds that cannot be stored, fails on every rank with one message; nothing hangs and the
+    file in the way is untouched."""
+    blocker = shared_dir / "a_file"
+    if comm.rank == 0:
+        blocker.write_text("keep me")
+    comm.Barrier()
+    for saver in (lambda r, s, t: ckpt.save(r, s, t, comm=comm), ckpt.AsyncSaver(comm).save):
+        with pytest.raises(CheckpointError) as info:
+            saver(blocker, 1, {"model/a": torch.ones(2)})
+        msg = str(info.value)
+        assert "rank 0: FileExistsError" in msg and comm.allgather(msg) == [msg] * WORLD
+    odd = {"model/a": torch.ones(2)} | ({"model/z": torch.ones(2, dtype=torch.complex64)} if comm.rank == WORLD - 1 else {})
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save(shared_dir / "odd", 1, odd, comm=comm)
+    assert "complex64" in str(info.value) and comm.allgather(str(info.value)) == [str(info.value)] * WORLD
+    assert blocker.read_text() == "keep me" and not (shared_dir / "odd" / "latest").exists()
+
+
 def test_bf16_round_trip_and_storage(comm, shared_dir):
     root = shared_dir / "bf16"
     torch.manual_seed(1)
@@ -175,6 +195,14 @@ def test_async_save_snapshots_then_overlaps(comm, shared_dir):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     ckpt.load(root, back, comm=comm)
     assert float(back["model/shard0"].mean()) == 200.0
+    # overlap: the copy runs in the background; after wait_staged() the tensors may change
+    saver.save(root, 4, {f"model/shard{comm.rank}": mine}, overlap=True)
+    saver.wait_staged()
+    mine.add_(1000.0)
+    saver.close()
+    ckpt.load(root, back, comm=comm)
+    assert [float(back[f"model/shard{r}"].mean()) for r in range(WORLD)] == [100.0 + r for r in range(WORLD)]
+    assert (root / "latest").read_text().strip() == "step_00000004"
 
 
 def test_collective_single_file_mode(comm, shared_dir):

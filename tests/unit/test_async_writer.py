@@ -108,3 +108,20 @@ def test_staging_grows_only_when_needed(n):
         assert w.size == 5000 and len(w.buffer) == 5000
     finally:
         w.close()
+
+
+def test_reserve_allocates_once_and_staging_reuses_it(tmp_path):
+    w = ShardWriter()
+    try:
+        w.reserve(3 << 20)
+        buf = w.staging(1 << 20)  # joins the background fill; big enough: the same buffer
+        assert w.size == 3 << 20 and buf is w.buffer and w._reserving is None
+        assert w._proc is not None and w._proc.poll() is None  # the process was started ahead
+        w.reserve(2 << 20)  # already big enough: nothing new
+        assert w.staging(3 << 20) is buf
+        w.submit(tmp_path / "r.h5", _stage(w, {"model/a": np.full((8, 8), 7, np.float32)}))
+        assert w.result()["ok"]
+        with h5py.File(tmp_path / "r.h5", "r") as f:
+            assert float(f["model/a/@0_0"][...].sum()) == 7 * 64
+    finally:
+        w.close()

@@ -403,3 +403,12 @@ def test_local_config_runs_two_mpi_simulations(tmp_path):
     finally:
         parsl.dfk().cleanup()
         parsl.clear()
+
+
+def test_local_training_takes_a_rank_count():
+    """On one machine the trainer's size is a rank count; the Campaign passes TrainingJob.ranks."""
+    local = site.load_site("local")
+    assert local.train_launch(1, ["python", "t.py"], ranks=4) == "mpiexec -n 4 python t.py"
+    assert local.train_launch(2, ["python", "t.py"]) == "mpiexec -n 4 python t.py"
+    with pytest.raises(ValueError, match="ranks"):
+        local.train_launch(1, ["python"], ranks=0)
