@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from CKPT_DIR/latest (any layout saved it)")
     p.add_argument("--async-save", action="store_true", help="periodic saves overlap training (writer process)")
+    p.add_argument("--async-overlap", action="store_true",
+                   help="with --async-save: the snapshot copy runs beside the next forward/backward too")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
         if args.ckpt_dir:
             trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep,
-                                                async_save=args.async_save))
+                                                async_save=args.async_save, overlap=args.async_overlap))
             if args.resume:
                 load_trainer(trainer, args.ckpt_dir)
     except HpcmlError as e:  # raised alike on every rank, before any collective

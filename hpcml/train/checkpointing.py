@@ -69,13 +69,16 @@ class CheckpointHook:
     """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop).
 
     ``async_save``: periodic saves overlap training (a writer process per rank); a save on
-    a signal is synchronous, since the job is about to end. Call :meth:`close` before exit.
+    a signal is synchronous, since the job is about to end. ``overlap`` (with
+    ``async_save``): the snapshot copy also runs beside the next forward and backward, the
+    next optimizer step waiting for it -- a gain only where the copy does not take the
+    compute's cores (measured in docs/benchmarks.md). Call :meth:`close` before exit.
     """
 
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
-                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1), overlap: bool = False) -> None:
         self.root, self.every, self.keep = Path(root), every, keep
-        self.async_save = async_save
+        self.async_save, self.overlap = async_save, overlap
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
@@ -97,14 +100,14 @@ class CheckpointHook:
             # so the first save blocks only for its copy (collective: every rank runs hooks)
             self.saver = ckpt.AsyncSaver(trainer.grid.comm)
             self.saver.reserve(_tensors(trainer), tensor_attrs=_attrs(trainer))
-            # the snapshot copy runs alongside the next forward and backward; the next
-            # optimizer step, the first thing to change the saved tensors, waits for it
-            trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
+            if self.overlap:  # the next optimizer step, the first thing to change the saved tensors, waits
+                trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
         if not metrics.get("stop") and self.every and trainer.step % self.every == 0:
             if not self.async_save:
                 self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
                 return
-            self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver, overlap=True))
+            self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver,
+                                                overlap=self.overlap))
             self.saved.append(self.root / f"step_{trainer.step:08d}")
 
     def close(self) -> None:

@@ -193,7 +193,9 @@ def test_async_periodic_saves_resume_bitwise(stopped, tmp_path):
     full, _, _ = stopped
     ck = tmp_path / "ck"
     args = [sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS, "--ckpt-dir", str(ck)]
-    out = result(mpiexec(4, *args, "--ckpt-every", "3", "--async-save", timeout=300))
+    # --async-overlap: the snapshot copy runs beside the next step's forward/backward, the
+    # optimizer step waiting for it; a late copy would save post-update values and break the resume
+    out = result(mpiexec(4, *args, "--ckpt-every", "3", "--async-save", "--async-overlap", timeout=300))
     assert out["losses"] == full  # saving in the background does not disturb training
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000003", "step_00000006"]
     assert hpcml_cli("verify", str(ck)).returncode == 0
