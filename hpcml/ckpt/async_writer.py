@@ -85,7 +85,6 @@ class ShardWriter:
         self._fd: int | None = None
         self.buffer: mmap.mmap | None = None
         self.size = 0
-        self.busy = False
         self._reserving: threading.Thread | None = None
 
     def staging(self, nbytes: int) -> mmap.mmap:
@@ -130,11 +129,9 @@ class ShardWriter:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items}, (self._fd,))
-        self.busy = True
 
     def result(self) -> dict:
         """The status of the submitted write: ``{"ok": True, "bytes", "chunks"}`` or ``{"ok": False, "error"}``."""
-        self.busy = False
         try:
             status, _ = recv(self._sock)
             return status

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -195,8 +196,20 @@ def _normalized(attrs: dict) -> dict:
     return out
 
 
-def _local_error(rank: int, e: Exception) -> str:
-    return str(e) if isinstance(e, CheckpointError) else f"rank {rank}: {type(e).__name__}: {e}"
+def _agree(comm, local: Callable[[], Any], what: str, share: Callable[[Any], Any] = lambda r: r) -> tuple[Any, list]:
+    """This rank's part of a plan, then one allgather of ``share(part)``: every rank gets
+    every part, or every rank raises the first failure -- whatever fails before a collective
+    (a declaration that does not fit, a directory that cannot be made) must not leave the
+    other ranks waiting in it for ever."""
+    try:
+        mine, error = local(), None
+    except Exception as e:  # noqa: BLE001 -- reported on every rank
+        mine, error = None, str(e) if isinstance(e, CheckpointError) else f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
+    parts, errors = zip(*comm.allgather((None if error else share(mine), error)))
+    errors = [e for e in errors if e]
+    if errors:
+        raise CheckpointError(f"{what} failed: {errors[0]}")
+    return mine, list(parts)
 
 
 def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapshot: bool = True) -> _Pending:
@@ -207,21 +220,17 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snaps
     root = Path(root)
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
-    # whatever fails before the allgather (a declaration that does not fit, a directory that
-    # cannot be made) is reported on every rank, so no rank waits in it for ever
-    try:
-        metas, locals_, placements = _pieces(tensors, tensor_attrs)
-        scalars = {n for n, t in tensors.items() if t.dim() == 0}
+
+    def plan():
+        pieces = _pieces(tensors, tensor_attrs)
         if rank == 0:  # nobody writes into tmp until rank 0 has cleared a stale one
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        error = None
-    except Exception as e:  # noqa: BLE001
-        metas, locals_, placements, scalars, error = [], {}, {}, set(), _local_error(rank, e)
-    per_rank, all_scalars, errors = zip(*comm.allgather((metas, scalars, error)))
-    errors = [e for e in errors if e]
-    if errors:
-        raise CheckpointError(f"saving {final} failed: {errors[0]}")
+        return pieces, {n for n, t in tensors.items() if t.dim() == 0}
+
+    ((metas, locals_, placements), _), parts = _agree(comm, plan, f"saving {final}",
+                                                      share=lambda r: (r[0][0], r[1]))
+    per_rank, all_scalars = zip(*parts)
     owner = assign_owners(list(per_rank))
     mine = [c for c in metas if owner[c.key] == rank]
     tensor_attrs = {n: _normalized(a) for n, a in (tensor_attrs or {}).items()}
@@ -379,15 +388,9 @@ class AsyncSaver:
         """Optional, collective (one allgather): size this rank's staging buffer for saves of
         ``tensors`` and allocate it in the background, so the first save blocks only for its
         copy. Returns the bytes reserved on this rank."""
-        try:
-            metas, error = _pieces(tensors, tensor_attrs)[0], None
-        except Exception as e:  # noqa: BLE001 -- reported on every rank, before the collective
-            metas, error = [], _local_error(self.comm.Get_rank(), e)
-        per_rank, errors = zip(*self.comm.allgather((metas, error)))
-        errors = [e for e in errors if e]
-        if errors:
-            raise CheckpointError(f"reserving the async save buffer failed: {errors[0]}")
-        owner, rank = assign_owners(list(per_rank)), self.comm.Get_rank()
+        metas, per_rank = _agree(self.comm, lambda: _pieces(tensors, tensor_attrs)[0],
+                                 "reserving the async save buffer")
+        owner, rank = assign_owners(per_rank), self.comm.Get_rank()
         need = staging_layout([c.nbytes for c in metas if owner[c.key] == rank])[1]
         self._writer.reserve(need)
         return need

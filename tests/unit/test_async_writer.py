@@ -83,7 +83,6 @@ def test_a_killed_writer_is_an_error_and_the_next_save_starts_a_new_one(tmp_path
         w.submit(tmp_path / "b.h5", _stage(w, {"model/a": np.ones((4, 4), np.float32)}))  # restarts it
         assert w.result()["ok"] and w._proc.pid != old
         os.kill(w._proc.pid, signal.SIGKILL)  # dies while the job is in flight
-        w.busy = True
         status = w.result()
         assert not status["ok"] and "writer process died" in status["error"] and "-9" in status["error"]
     finally:
