@@ -39,6 +39,24 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="build the real grid (MPI and torch.distributed) and check every group communicates")
     p.add_argument("--backend", help="torch.distributed backend for --check (default: by device)")
     p.add_argument("--interface", help="network interface rank 0 advertises for --check, e.g. hsn0")
+    p = sub.add_parser("job", help="the batch script of a training run or campaign on a site (walltime "
+                                   "signal, requeue); --submit submits it")
+    p.add_argument("--site", required=True, help="site name (hpcml.ensemble.list_sites())")
+    p.add_argument("--nodes", required=True, help="node count N, or MIN-MAX on Slurm (restart on fewer nodes)")
+    p.add_argument("--walltime", required=True, help="HH:MM:SS")
+    p.add_argument("--account", help="allocation to charge")
+    p.add_argument("--queue", help="queue, partition or QOS (default: the site's for this many nodes)")
+    p.add_argument("--ranks", type=int, help="training ranks (default: one per device of every node)")
+    p.add_argument("--driver", action="store_true",
+                   help="CMD is a campaign driver: run it as is on the first node; it launches its own steps")
+    p.add_argument("--name", default="hpcml", help="job name (and output file name)")
+    p.add_argument("--warn", type=int, dest="warn_s", help="seconds before the walltime that SIGUSR1 arrives "
+                   "(default: a tenth of the walltime, 60..600)")
+    p.add_argument("--no-requeue", action="store_true", help="do not requeue a job that exits 75 (not finished)")
+    p.add_argument("--max-requeues", type=int, default=10)
+    p.add_argument("--script", help="write the script here (with --submit: default NAME.sbatch|.pbs|.lsf)")
+    p.add_argument("--submit", action="store_true", help="submit it and print the job id")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     ck = sub.add_parser("ckpt", help="list, inspect, verify, export or consolidate HDF5 checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     p = cks.add_parser("ls", help="checkpoints under a directory")
@@ -95,6 +113,33 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_job(args: argparse.Namespace) -> int:
+    from hpcml.ensemble import jobscript
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ConfigError("hpcml job needs the command after --, e.g. hpcml job ... -- python train.py")
+    spec = jobscript.job_spec(site=args.site, command=cmd, nodes=args.nodes, walltime=args.walltime,
+                              account=args.account, queue=args.queue, ranks=args.ranks, driver=args.driver,
+                              name=args.name, warn_s=args.warn_s, requeue=not args.no_requeue,
+                              max_requeues=args.max_requeues, script_path=args.script)
+    if args.submit:
+        path = args.script or f"{args.name}{jobscript.SUFFIX[spec.site.scheduler]}"
+        job_id = jobscript.submit(spec, path)
+        print(job_id)
+        print(f"hpcml job: submitted {path} as job {job_id}", file=sys.stderr)
+        return 0
+    text = jobscript.render(spec)
+    if args.script:
+        with open(args.script, "w") as f:
+            f.write(text)
+        os.chmod(args.script, 0o755)
+        print(f"hpcml job: wrote {args.script}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def _degrees(args: argparse.Namespace) -> dict[str, int]:
     return {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
 
@@ -146,12 +191,14 @@ def _layout_text(layout) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "job" and not args.cmd:  # `hpcml job ... -- cmd`: argparse left the command
+        args.cmd, extra = extra, []
     if extra:
         if args.command == "grid" and extra[0].startswith("--"):
             parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(AXES)}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt}[args.command](args)
+        return {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt, "job": _cmd_job}[args.command](args)
     except HpcmlError as e:
         if not isinstance(e, ConfigError) or env.detect().rank == 0:
             print(f"hpcml: error: {e}", file=sys.stderr)

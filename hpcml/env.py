@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 
 from hpcml.errors import LaunchError
 
+#: Exit status of a run that saved and stopped before its end (EX_TEMPFAIL): "not finished,
+#: resume me". Batch scripts of ``hpcml job`` requeue a job that exits with it.
+NOT_FINISHED = 75
+
 #: Environment variables that restrict the devices a process sees, by vendor.
 DEVICE_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 
@@ -47,7 +51,8 @@ class LaunchEnv:
     local_rank: int = 0
     local_size: int = 1
     node: str = field(default_factory=socket.gethostname)
-    """Host name of this process's node."""
+    """This process's node: the launcher's name for it where it gives one (Slurm), else the
+    host name. Two Slurm nodes may share a host (``slurm-local``): the name tells them apart."""
     job_id: str | None = None
     visible_devices: dict[str, str] = field(default_factory=dict)
     """Device-visibility variables that are set, e.g. {"CUDA_VISIBLE_DEVICES": "0"}."""
@@ -85,13 +90,65 @@ def _slurm_local_size(environ: Mapping[str, str]) -> int | None:
     return counts[node_id] if node_id < len(counts) else None
 
 
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list in full: ``nid[001-003,007],login1`` -> 4 names, in order."""
+    names: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            raise LaunchError(f"host list {hostlist!r} has an unmatched ']'")
+        if ch == "," and depth == 0:
+            if i > start:
+                names += _expand_one(hostlist, hostlist[start:i])
+            start = i + 1
+    if depth:
+        raise LaunchError(f"host list {hostlist!r} has an unmatched '['")
+    return names
+
+
+def _expand_one(hostlist: str, item: str) -> list[str]:
+    m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\](.*)", item)
+    if m is None:
+        if "[" in item or "]" in item:
+            raise LaunchError(f"host list {hostlist!r}: cannot read {item!r}")
+        return [item]
+    prefix, ranges, rest = m.groups()
+    out = []
+    for part in ranges.split(","):
+        r = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if r is None or (r[2] is not None and int(r[2]) < int(r[1])):
+            raise LaunchError(f"host list {hostlist!r}: bad range {part!r}")
+        width = len(r[1])
+        for n in range(int(r[1]), int(r[2] or r[1]) + 1):
+            out += [f"{prefix}{n:0{width}d}{tail}" for tail in _expand_one(hostlist, rest)]
+    return out
+
+
+def _slurm_node(environ: Mapping[str, str]) -> str | None:
+    """This process's Slurm node name, or None outside a Slurm job.
+
+    ``SLURMD_NODENAME`` is wrong under MPICH's ``mpiexec`` in a batch job: Hydra copies the
+    batch shell's value to every rank, while ``SLURM_NODEID`` and ``SLURM_STEP_NODELIST``
+    stay those of the step that runs each node's proxy. So the node list indexed by the node
+    id comes first.
+    """
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    node_id = _int(environ, "SLURM_NODEID")
+    if nodelist and node_id is not None:
+        names = expand_hostlist(nodelist)
+        if 0 <= node_id < len(names):
+            return names[node_id]
+    return environ.get("SLURMD_NODENAME") or None
+
+
 def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launch environment (``os.environ`` unless another mapping is given)."""
     environ = os.environ if environ is None else environ
     scheduler = next((name for name, var in _SCHEDULERS if var in environ), "none")
     job_id = next((environ[var] for _, var in _SCHEDULERS if var in environ), None)
     visible = {v: environ[v] for v in DEVICE_VISIBILITY_VARS if v in environ}
-    node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = (_slurm_node(environ) if scheduler == "slurm" else None) or socket.gethostname()
     for launcher, rank_v, size_v, lrank_v, lsize_v, _node_v in _LAUNCHERS:
         rank = _int(environ, rank_v)
         if rank is None:
@@ -114,6 +171,20 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                          local_rank=local_rank, local_size=local_size, node=node, job_id=job_id,
                          visible_devices=visible)
     return LaunchEnv(scheduler=scheduler, node=node, job_id=job_id, visible_devices=visible)
+
+
+def job_deadline(environ: Mapping[str, str] | None = None) -> float | None:
+    """Epoch seconds at which this batch job's walltime ends, when the job says:
+    ``HPCML_JOB_DEADLINE`` (set by ``hpcml job`` scripts) or ``SLURM_JOB_END_TIME`` (Slurm >= 23.02)."""
+    environ = os.environ if environ is None else environ
+    for name in ("HPCML_JOB_DEADLINE", "SLURM_JOB_END_TIME"):
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise LaunchError(f"{name}={value!r} is not epoch seconds") from None
+    return None
 
 
 def device_index(local_rank: int, device_count: int) -> int:

@@ -16,6 +16,11 @@ training job it starts under the site's MPI launcher.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first thing: a walltime warning from now on is a stop request, not a kill
+    from hpcml import stop
+
+    stop.install()
+
 import argparse
 import dataclasses
 import json
@@ -27,6 +32,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from hpcml.env import NOT_FINISHED
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = ("alpha", "t_left", "t_right", "t_bottom", "t_top")
@@ -46,7 +53,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--sim-steps", type=int, default=800, help="time steps per simulation")
     a("--every", type=int, default=40, help="output every K time steps")
     a("--sim-ranks", type=int, default=2)
-    a("--train-ranks", type=int, default=2)
+    a("--train-ranks", type=int, default=None, help="trainer ranks (default: one per device of --train-nodes; "
+                                                    "2 locally)")
+    a("--train-nodes", type=int, default=1, help="nodes of the training job (one allocation: the job's first)")
     a("--max-concurrent", type=int, default=4, help="simulations running at once")
     a("--retries", type=int, default=2, help="Parsl retries per simulation")
     a("--steps", type=int, default=1500, help="gradient steps")
@@ -56,7 +65,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--capacity", type=int, default=256, help="buffer capacity per trainer rank (samples)")
     a("--watermark", type=int, default=16, help="samples in the buffer before training starts")
     a("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
-    a("--host", default="127.0.0.1", help="interface address the trainers' stream servers bind")
+    a("--host", default=None, help="address the trainers' stream servers bind (default: the site's stream "
+                                  "interface, else loopback)")
+    a("--resume", action="store_true", help="continue the campaign in --run-dir (a requeued batch job): "
+                                            "completed simulations are not run again, the trainer resumes")
     a("--nodes", type=int, default=None, help="batch sites: nodes of the simulations' Parsl block")
     a("--walltime", default=None, help="batch sites: walltime of the block, e.g. 02:00:00")
     a("--account", default=None, help="batch sites: project/account to charge")
@@ -70,11 +82,11 @@ def parse(argv=None) -> argparse.Namespace:
     # the training job's own flags (set by the driver)
     a("--role", choices=("driver", "train"), default="driver", help=argparse.SUPPRESS)
     a("--campaign", default=None, help=argparse.SUPPRESS)
-    a("--resume", action="store_true", help=argparse.SUPPRESS)
+    a("--stream-interface", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("sims", "val_sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "max_concurrent",
-                 "steps", "batch", "capacity"):
-        if getattr(args, name) < (0 if name == "val_sims" else 1):
+    for name in ("sims", "val_sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "train_nodes",
+                 "max_concurrent", "steps", "batch", "capacity"):
+        if getattr(args, name) is not None and getattr(args, name) < (0 if name == "val_sims" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.sim_steps < args.every:
         p.error(f"--sim-steps {args.sim_steps} < --every {args.every}: the simulations would output nothing")
@@ -106,14 +118,21 @@ def driver(args) -> dict:
     site = load_site(args.site)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed", "metrics.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)  # a new run in an old directory starts afresh
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    secret_file, id_file = run_dir / "stream.key", run_dir / "campaign_id"
+    resume = args.resume and id_file.exists() and secret_file.exists()
+    if resume:  # the same campaign: its id, key, checkpoints, metrics and provenance carry on
+        campaign_id = id_file.read_text().strip()
+        (run_dir / "summary.json").unlink(missing_ok=True)
+    else:
+        for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed", "metrics.jsonl",
+                      "provenance.jsonl"):
+            (run_dir / stale).unlink(missing_ok=True)  # a new run in an old directory starts afresh
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        new_secret(secret_file)
+        campaign_id = f"heat-{uuid.uuid4().hex[:8]}"
+        id_file.write_text(campaign_id + "\n")
     for sub in ("data", "val"):
         (run_dir / sub).mkdir(exist_ok=True)
-    secret_file = run_dir / "stream.key"
-    new_secret(secret_file)
-    campaign_id = f"heat-{uuid.uuid4().hex[:8]}"
     points = design("lhs", BOUNDS, args.sims + args.val_sims, seed=args.seed)
     crash = tuple(int(x) for x in args.crash_sim.split(":")) if args.crash_sim else None
     sims, val = [], []
@@ -129,23 +148,28 @@ def driver(args) -> dict:
                   "HPCML_STREAM_SECRET_FILE": str(secret_file),
                   "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     train_argv = [sys.executable, str(Path(__file__).resolve()), "--role", "train", "--campaign", campaign_id,
-                  *_forward(args)]
-    training = TrainingJob(argv=train_argv, ranks=args.train_ranks, env=stream_env, max_restarts=1,
-                           restart_argv=train_argv + ["--resume"])
+                  *_forward(args, site)]
+    ranks = args.train_ranks if args.train_ranks is not None or site.has_gpus else site.train_ranks(args.train_nodes)
+    training = TrainingJob(argv=train_argv + (["--resume"] if resume else []), ranks=ranks, nodes=args.train_nodes,
+                           env=stream_env, max_restarts=1, restart_argv=train_argv + ["--resume"])
     site_options = {k: getattr(args, k) for k in ("nodes", "walltime", "account", "queue") if getattr(args, k)}
     campaign = Campaign(site=site, site_options=site_options, run_dir=run_dir, max_concurrent=args.max_concurrent,
                         retries=args.retries, env=stream_env, progress=not args.quiet)
     if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
-        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json")
+        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json", resume=resume)
     else:
-        result = campaign.run(sims + val)
-        trained = campaign.run([], training=training)
-        result = dataclasses.replace(result, training_returncode=trained.training_returncode)
+        result = campaign.run(sims + val, resume=resume)
+        if not result.interrupted:
+            trained = campaign.run([], training=training, resume=resume)
+            result = dataclasses.replace(result, training_returncode=trained.training_returncode,
+                                         interrupted=trained.interrupted)
+    if result.interrupted:
+        return _interrupted(args, run_dir, result, t0)
     train = json.loads((run_dir / "train_summary.json").read_text())
     completed = [s for s in result.completed if s < args.sims]
     expected = len(completed) * (args.sim_steps // args.every)  # every output of every completed simulation
     train["samples_missing"] = max(0, expected - train["samples_ingested"])
-    summary = {"mode": args.mode, "sims_completed": len(completed),
+    summary = {"status": "ok", "mode": args.mode, "sims_completed": len(completed), "sims_resumed": len(result.skipped),
                "sims_failed": len([s for s in result.failed if s < args.sims]),
                "val_sims": args.val_sims, "sim_attempts": sum(result.attempts.values()),
                "sims_retried": len(result.retried), **train, "wall_s": time.perf_counter() - t0}
@@ -159,7 +183,18 @@ def driver(args) -> dict:
     return summary
 
 
-def _forward(args) -> list[str]:
+def _interrupted(args, run_dir: Path, result, t0: float) -> dict:
+    """The walltime warning stopped the campaign after the trainer saved: say so and exit 75."""
+    summary = {"status": "interrupted", "mode": args.mode, "sims_completed": len(result.completed),
+               "sims_cancelled": len(result.cancelled), "sims_resumed": len(result.skipped),
+               "wall_s": time.perf_counter() - t0}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"interrupted (walltime warning): {len(result.completed)} of {result.total} simulations done, trainer "
+          f"checkpoint saved; run again with --resume (exit {NOT_FINISHED})", file=sys.stderr)
+    sys.exit(NOT_FINISHED)
+
+
+def _forward(args, site) -> list[str]:
     """The driver's flags the training job needs too."""
     out = []
     for k in ("mode", "run_dir", "nx", "ny", "sim_steps", "every", "sims", "val_sims", "steps", "batch", "lr",
@@ -167,6 +202,8 @@ def _forward(args) -> list[str]:
         v = getattr(args, k)
         if v is not None:
             out += [f"--{k.replace('_', '-')}", str(Path(v).resolve()) if k == "run_dir" else str(v)]
+    if args.host is None and site.stream_interface:
+        out += ["--stream-interface", site.stream_interface]
     return out + (["--no-report"] if args.no_report else []) + (["--quiet"] if args.quiet else [])
 
 
@@ -174,9 +211,11 @@ def _forward(args) -> list[str]:
 def train(args) -> None:
     import numpy as np
     import torch
+    from mpi4py import MPI
 
-    from hpcml import ckpt
+    from hpcml import ckpt, stop
     from hpcml.grid import ProcessGrid, install_abort_handler
+    from hpcml.grid.torch_dist import interface_address
     from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
     from hpcml.stream import Buffer, BufferConfig, StreamLoader, read_endpoints, read_secret, write_endpoints
     from hpcml.stream.files import FileSource, read_samples
@@ -185,9 +224,10 @@ def train(args) -> None:
     from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
 
     install_abort_handler()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the simulations share these cores
     grid = ProcessGrid(dp=-1)
-    grid.init_torch(backend="gloo")  # the field surrogate is small and trains on the host CPU cores
+    grid.init_torch()  # one rank per GPU with the device's backend (NCCL/RCCL/XCCL); gloo on CPU
+    host = args.host or (interface_address(args.stream_interface) if args.stream_interface else "127.0.0.1")
     comm, rank, world = grid.comm, grid.rank, grid.layout.world_size
     run_dir = Path(args.run_dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -207,7 +247,7 @@ def train(args) -> None:
             port = int(old[rank].rsplit(":", 1)[1]) if len(old) == world else 0
         source = StreamServer(campaign=args.campaign, secret=read_secret(run_dir / "stream.key"), rank=rank,
                               n_trainers=world, buffer=buffer,
-                              config=ServerConfig(host=args.host, port=port, param_names=PARAMS, field_names=("T",),
+                              config=ServerConfig(host=host, port=port, param_names=PARAMS, field_names=("T",),
                                                   end_grace_s=10.0, streamed=tuple(range(args.sims)),
                                                   done_file=os.environ.get("HPCML_SIMS_DONE_FILE")))
     else:
@@ -220,7 +260,7 @@ def train(args) -> None:
             source.load_state(load_stream_states(report.path))
         if rank == 0:
             print(f"[train] resumed at step {trainer.step} from {report.path} (saved on {report.layout}); "
-                  f"buffer {len(buffer)} samples, {len(source.seen)} seen", flush=True)
+                  f"buffer {len(buffer)} samples, {len(getattr(source, 'seen', ()))} seen", flush=True)
     source.start()
     endpoints = comm.gather(getattr(source, "endpoint", None))
     if rank == 0 and args.mode == "online":
@@ -233,10 +273,18 @@ def train(args) -> None:
         ckpt.save(ckpt_dir, trainer.step, tensors, comm=comm, extra=trainer.extra(), layout=grid.layout.degrees,
                   keep=2)
 
-    stop = {"flag": False}
-    for sig in (signal.SIGTERM, signal.SIGUSR1):  # the scheduler's warning: save, then stop
-        signal.signal(sig, lambda *_: stop.update(flag=True))
-    loader = StreamLoader(source, comm, args.batch)
+    stopping = lambda: stop.requested() is not None  # noqa: E731  (the driver's SIGUSR1: save, then stop)
+    loader = StreamLoader(source, comm, args.batch, should_stop=stopping)
+
+    def stop_now() -> None:  # every rank, together: keep what arrived, save, exit "not finished"
+        if isinstance(source, StreamServer):
+            source.quiesce()
+        save()
+        source.stop()
+        if rank == 0:
+            print(f"[train] stopped by signal at step {trainer.step} after saving", flush=True)
+        sys.exit(NOT_FINISHED)
+
     t_train = time.perf_counter()
     occupancy = []
     while trainer.step < args.steps:
@@ -251,14 +299,20 @@ def train(args) -> None:
             (run_dir / ".trainer_crashed").write_text(str(trainer.step))
             print(f"[train] reliability test: killing the training job after step {trainer.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if comm.allreduce(stop["flag"], op=_lor()):
-            save()
-            print("[train] stopped by signal after saving", flush=True)
-            return
+    if loader.stopped:
+        stop_now()
     train_s = time.perf_counter() - t_train
-    # keep the stream flowing until every simulation is done, so none blocks on a gone trainer
+    # keep the stream flowing until every simulation is done, so none blocks on a gone trainer;
+    # the ranks agree every round (all ended, or a stop on any), so they leave together
     drained = 0
-    while not buffer.ended:
+    flags = np.zeros(2, np.int32)
+    while True:
+        flags[:] = (int(buffer.ended), int(not stopping()))
+        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)  # [all ended, none asked to stop]
+        if not flags[1]:
+            stop_now()
+        if flags[0]:
+            break
         if args.buffer == "reservoir":  # never blocks the stream: just wait for its end
             time.sleep(0.05)
         else:
@@ -292,11 +346,6 @@ def train(args) -> None:
     (run_dir / "train_summary.json").write_text(json.dumps(out, indent=1))
     if not args.no_report and vals:
         write_report(run_dir, trainer, vals, occupancy, out)
-
-
-def _lor():
-    from mpi4py import MPI
-    return MPI.LOR
 
 
 def write_report(run_dir: Path, trainer, vals, occupancy, summary) -> None:

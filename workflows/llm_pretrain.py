@@ -4,6 +4,10 @@
     python workflows/llm_pretrain.py --steps 20 --seed 0          # one process, same losses
     mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 10 --ckpt-dir ck --ckpt-every 5
     mpiexec -n 2 python workflows/llm_pretrain.py --steps 20 --ckpt-dir ck --resume   # any layout resumes
+    hpcml job --site frontier --nodes 1-2 --walltime 02:00:00 -- python workflows/llm_pretrain.py \
+        --tp 8 --ckpt-dir ck --ckpt-every 50 --auto-resume    # requeued on the walltime or a lost node
+
+Exit status: 0 done; 2 bad input; 75 stopped by SIGTERM/SIGUSR1 after saving (not finished).
 
 The same seed gives the same losses on every layout (to floating-point tolerance): every
 rank builds the same initial weights and takes its slice of the same global batch.
@@ -11,12 +15,20 @@ rank builds the same initial weights and takes its slice of the same global batc
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import: a walltime warning now is a stop request, not a kill
+    from hpcml import stop
+
+    stop.install()
+
 import argparse
 import json
 import sys
 from dataclasses import replace
 
+from pathlib import Path
+
 from hpcml.ckpt import resolve
+from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
 from hpcml.models.transformer import PRESETS, TransformerConfig
@@ -55,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only on signals)")
     p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from CKPT_DIR/latest (any layout saved it)")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="resume from CKPT_DIR/latest when there is one, else start at step 0 (a batch job "
+                        "that is requeued after the walltime or a lost node runs the same command again)")
     p.add_argument("--async-save", action="store_true", help="periodic saves overlap training (writer process)")
     p.add_argument("--async-overlap", action="store_true",
                    help="with --async-save: the snapshot copy runs beside the next forward/backward too")
@@ -81,8 +96,10 @@ def main(argv=None) -> int:
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp}
         if args.dp is not None:
             degrees["dp"] = args.dp
-        if args.resume and not args.ckpt_dir:
-            raise ConfigError("--resume needs --ckpt-dir")
+        if (args.resume or args.auto_resume) and not args.ckpt_dir:
+            raise ConfigError(f"--{'resume' if args.resume else 'auto-resume'} needs --ckpt-dir")
+        if args.auto_resume and args.ckpt_dir and (Path(args.ckpt_dir) / "latest").exists():
+            args.resume = True
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         if args.resume:
@@ -104,13 +121,18 @@ def main(argv=None) -> int:
         if isinstance(hook, CheckpointHook):
             hook.close()  # exit waits for a save in flight
     trainer.close()
+    unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning) after saving
     if trainer.grid.rank == 0:
         print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
                           "steps": [m["step"] for m in history]}))
+        if unfinished:
+            saved = "checkpoint saved" if args.ckpt_dir else "nothing saved (no --ckpt-dir)"
+            print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, {saved}: "
+                  f"exit {NOT_FINISHED} (not finished; rerun with --resume or --auto-resume)", file=sys.stderr)
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    return 0
+    return NOT_FINISHED if unfinished else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Parsl glue: parameter designs, site configs, and the Campaign that runs MPI simulations
-alongside an MPI training job, with retries and provenance. Imports no torch and no
-particular simulation."""
+"""Parsl glue: parameter designs, typed sites, batch job scripts, the Parsl apps of a
+campaign and the Campaign that runs MPI simulations alongside an MPI training job, with
+retries, provenance, the walltime and requeue. Imports no torch and no particular simulation."""
 
-from hpcml.ensemble.campaign import Campaign, CampaignResult, SimSpec, TrainingJob
+from hpcml.ensemble.campaign import Campaign
 from hpcml.ensemble.design import design, grid, latin_hypercube, sobol
-from hpcml.ensemble.site import SiteHardware, list_sites, load_site
+from hpcml.ensemble.hardware import SiteHardware
+from hpcml.ensemble.site import Site, list_sites, load_site
+from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 
-__all__ = ["Campaign", "CampaignResult", "SimSpec", "SiteHardware", "TrainingJob", "design", "grid",
+__all__ = ["Campaign", "CampaignResult", "SimSpec", "Site", "SiteHardware", "TrainingJob", "design", "grid",
            "latin_hypercube", "list_sites", "load_site", "sobol"]

@@ -32,6 +32,30 @@ def _check_axes(names: Iterable[str]) -> tuple[str, ...]:
     return names
 
 
+def fitting_degrees(world_size: int, wanted: dict[str, int]) -> list[dict[str, int]]:
+    """The largest model-parallel degrees (each at most the wanted one, dp left to take the
+    rest) whose product divides ``world_size``: what a job that lost ranks can still run."""
+    axes = [a for a in reversed(AXES) if a != "dp" and wanted.get(a, 1) > 1]
+    options: list[dict[str, int]] = [{}]
+    for a in axes:
+        options = [{**o, a: d} for o in options for d in range(1, wanted[a] + 1) if wanted[a] % d == 0]
+    fits = [o for o in options if world_size % math.prod(o.values(), start=1) == 0]
+    dominated = lambda o: any(p != o and all(p[a] >= o[a] for a in axes) for p in fits)  # noqa: E731
+    best = [o for o in fits if not dominated(o)]
+    return sorted(best, key=lambda o: (-math.prod(o.values(), start=1), [-o[a] for a in axes]))
+
+
+def _what_fits(world_size: int, given: dict[str, int | None]) -> str:
+    """``; 2 ranks fit tp(2), or pp(2) (dp takes the rest), or run on a multiple of 4 ranks``."""
+    wanted = {a: d for a, d in given.items() if a != "dp" and isinstance(d, int) and d > 1}
+    need = math.prod(wanted.values(), start=1)
+    if need == 1 or world_size < 1:
+        return ""
+    fits = [" * ".join(f"{a}({d})" for a, d in o.items() if d > 1) for o in fitting_degrees(world_size, wanted)]
+    fit = f"only dp({world_size})" if fits == [""] else f"{', or '.join(fits)} (dp takes the rest)"
+    return f"; {world_size} ranks fit {fit}, or run on a multiple of {need} ranks"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Degrees of the parallel axes over ``world_size`` ranks.
@@ -71,7 +95,7 @@ class Layout:
         if inferred:
             if self.world_size % known:
                 raise GridError(f"cannot infer {inferred[0]}: {self._product_str(given, skip=inferred[0])} = {known} "
-                                f"does not divide world size {self.world_size}")
+                                f"does not divide world size {self.world_size}{_what_fits(self.world_size, given)}")
             given[inferred[0]] = self.world_size // known
         total = math.prod(given.values())
         if total != self.world_size:

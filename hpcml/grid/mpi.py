@@ -6,12 +6,14 @@ the first collective, so a bad layout raises everywhere and nothing hangs.
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hpcml import log
+from hpcml import env, log
 from hpcml.errors import GridError
 from hpcml.grid.layout import AXES, Layout
 
@@ -63,8 +65,9 @@ class ProcessGrid:
     """Named parallel axes over the ranks of an MPI communicator.
 
     ``ProcessGrid(tp=2, pp=2)`` on 8 ranks gives dp 2 and one sub-communicator per axis
-    (``grid.comm_for("tp")``) and per combination in ``combos``. ``node_name`` overrides
-    ``MPI.Get_processor_name()`` (to test multi-node layouts on one machine).
+    (``grid.comm_for("tp")``) and per combination in ``combos``. A rank's node is the
+    launcher's name for it (:func:`hpcml.env.detect`: Slurm's node, else the host name), so
+    two Slurm nodes on one host are two nodes; ``node_name`` overrides it (tests).
     """
 
     def __init__(self, layout: Layout | None = None, *, comm: MPI.Comm | None = None,
@@ -86,7 +89,13 @@ class ProcessGrid:
         wanted = [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
         log.configure(self.rank)
         # -- collectives start here; everything above raised on every rank alike --------------
-        self.node_names: list[str] = self.comm.allgather(node_name or MPI.Get_processor_name())
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        me = (node_name or env.detect().node, socket.gethostname(), cpus)
+        gathered = self.comm.allgather(me)
+        self.node_names: list[str] = [g[0] for g in gathered]
+        mine = set(cpus)
+        #: CPUs this rank may run on, and how many ranks of this host share any of them.
+        self.cpus, self.cpu_sharers = len(cpus), sum(1 for g in gathered if g[1] == me[1] and mine & set(g[2]))
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
         for key in dict.fromkeys(wanted):
             self._comms[key] = self.comm.Split(color=layout.group_index(self.rank, key), key=self.rank)
@@ -117,6 +126,18 @@ class ProcessGrid:
     @property
     def local_size(self) -> int:
         return len(self.local_ranks())
+
+    @property
+    def threads_per_rank(self) -> int:
+        """CPU threads a rank should use: its CPUs over the ranks of this host that share them.
+
+        Slurm's ``srun`` tells a process nothing of its neighbours (MPICH's ``mpiexec`` sets
+        ``MPI_LOCALNRANKS``, which torch's OpenMP reads), so without this every rank starts
+        a thread per core and 4 ranks on 2 cores ran 5x slower. Counted by host, not by
+        node name (two Slurm nodes may share a host), and by overlapping affinity (ranks
+        bound to their own cores, ``srun -c7``, keep them all).
+        """
+        return max(1, self.cpus // max(1, self.cpu_sharers))
 
     def _warn_spanning_tp(self) -> None:
         spanning = [g for g in self.layout.groups("tp") if len({self.node_names[r] for r in g}) > 1]

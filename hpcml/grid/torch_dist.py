@@ -102,6 +102,8 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     backend = backend or auto_backend
     if backend == "gloo":
         device_type = "cpu"
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice wins; else share this host's cores
+        torch.set_num_threads(grid.threads_per_rank)
     interface = interface or os.environ.get("HPCML_SOCKET_IFNAME") or None
     if interface and backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)

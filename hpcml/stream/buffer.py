@@ -104,17 +104,18 @@ class Buffer:
     def _retire(self, s: Sample) -> None:
         self.stats.reuse_hist[s.reuse] = self.stats.reuse_hist.get(s.reuse, 0) + 1
 
-    def put(self, sample: Sample, timeout: float | None = None) -> bool:
-        """Insert; FIFO/FIRO wait up to ``timeout`` for room and return False if none came."""
+    def put(self, sample: Sample, timeout: float | None = None, *, force: bool = False) -> bool:
+        """Insert; FIFO/FIRO wait up to ``timeout`` for room and return False if none came.
+        ``force``: insert past the capacity (a stop that must keep what is already received)."""
         cfg = self.config
         with self._cond:
-            if cfg.policy != "reservoir":
+            if cfg.policy != "reservoir" and not force:
                 if not self._cond.wait_for(lambda: len(self._items) < cfg.capacity, timeout):
                     return False
             sample.seq = self._seq
             self._seq += 1
             self.stats.ingested += 1
-            if len(self._items) >= cfg.capacity:  # reservoir: evict a random sample
+            if len(self._items) >= cfg.capacity and not force:  # reservoir: evict a random sample
                 j = int(self._rng.integers(len(self._items)))
                 old = self._items[j]
                 self.stats.evicted += 1
@@ -183,7 +184,8 @@ class Buffer:
 
     def load_state(self, arrays: dict[str, np.ndarray], meta: dict, keep=lambda sim: True) -> None:
         """Restore what :meth:`state` gave (several ranks' states may be merged: ``keep``
-        selects the simulations this rank now owns)."""
+        selects the simulations this rank now owns). Every saved sample comes back, even past
+        the capacity (fewer trainer ranks than saved them): a restore never drops data."""
         with self._cond:
             self._seq = max(self._seq, int(meta.get("seq", 0)))
             if meta.get("rng") and not self._items:
@@ -194,7 +196,7 @@ class Buffer:
             self.stats.batches += int(s.get("batches", 0))
             if "keys" in arrays:
                 for i, (sim, step, seq, reuse) in enumerate(arrays["keys"].tolist()):
-                    if keep(sim) and len(self._items) < self.config.capacity:
+                    if keep(sim):
                         self._items.append(Sample(sim, step, float(arrays["t"][i]), arrays["params"][i].copy(),
                                                   arrays["fields"][i].copy(), seq, reuse))
             self._cond.notify_all()

@@ -1,7 +1,7 @@
 """What the training loop iterates: batches from this rank's buffer, agreed over data-parallel ranks.
 
-Before each step the dp ranks agree with one small all-reduce (``[ready, not exhausted]``,
-MIN): a step happens only when every rank has a batch, so no rank enters the gradient
+Before each step the dp ranks agree with one small all-reduce (``[ready, not exhausted,
+not stopping]``, MIN): a step happens only when every rank has a batch, so no rank enters the gradient
 all-reduce alone; the stream ends for all as soon as one rank's buffer is exhausted (its
 simulations are done and drained), so nobody waits for ever. A batch taken while others
 were not ready is held for the next round, never lost.
@@ -15,6 +15,7 @@ to finish their step, which is load imbalance, not starvation).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,10 +24,14 @@ from hpcml.stream.server import StreamServer
 
 
 class StreamLoader:
-    """``next_batch()`` -> list of ``batch_size`` samples, or None once the stream has ended (collective)."""
+    """``next_batch()`` -> list of ``batch_size`` samples, or None once the stream has ended
+    or a stop was asked on any rank (collective; ``stopped`` tells which)."""
 
-    def __init__(self, server: StreamServer, comm, batch_size: int, poll_s: float = 0.05) -> None:
+    def __init__(self, server: StreamServer, comm, batch_size: int, poll_s: float = 0.05,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.server, self.comm, self.batch_size, self.poll_s = server, comm, batch_size, poll_s
+        self.should_stop = should_stop
+        self.stopped = False
         self._held: list[Sample] | None = None
         self.starved_s = 0.0
         self.agree_s = 0.0
@@ -37,20 +42,21 @@ class StreamLoader:
         from mpi4py import MPI
 
         buf = self.server.buffer
-        flags = np.zeros(2, np.int32)
+        flags = np.zeros(3, np.int32)
         starved = agree = 0.0
         while True:
             t0 = time.perf_counter()
             if self._held is None:
                 self._held = buf.get(self.batch_size, timeout=self.poll_s)
             ready = self._held is not None
-            flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)))
+            flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)), int(not self.should_stop()))
             t1 = time.perf_counter()
             self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
             starved += t1 - t0
             agree += time.perf_counter() - t1
             self.rounds += 1
-            if flags[1] == 0:  # some rank's stream is over: everyone stops
+            if flags[1] == 0 or flags[2] == 0:  # some rank's stream is over, or asked to stop: everyone stops
+                self.stopped = flags[2] == 0
                 batch = None
                 break
             if flags[0] == 1:

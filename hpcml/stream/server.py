@@ -102,6 +102,8 @@ class StreamServer:
         self.endpoint = f"{addr}:{port}"
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._overflow = threading.Event()
+        self._last_recv = time.monotonic()
         self._thread: threading.Thread | None = None
         self._partials: dict[tuple[int, int, int], _Partial] = {}
         self._pending: Sample | None = None
@@ -143,6 +145,7 @@ class StreamServer:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    self._last_recv = time.monotonic()
                     with self._lock:
                         self._handle(frames)
                     if self._pending is not None and not self._deliver():
@@ -152,12 +155,27 @@ class StreamServer:
     def _deliver(self) -> bool:
         """Move the completed sample into the buffer; False while the buffer is full."""
         with self._lock:
-            if self.buffer.put(self._pending, timeout=0):
+            if self.buffer.put(self._pending, timeout=0, force=self._overflow.is_set()):
                 self._pending = None
                 return True
         with self.buffer._cond:  # wait for room without holding the server lock (a checkpoint may want it)
             self.buffer._cond.wait(0.05)
         return False
+
+    def quiesce(self, quiet_s: float = 1.0, timeout_s: float = 30.0) -> None:
+        """Before a last save on a stop: take in everything already sent until the socket has
+        been quiet for ``quiet_s`` (at most ``timeout_s``), into the buffer past its capacity.
+
+        A simulation that finished has handed all its messages to ZeroMQ, but they may still
+        sit in this socket's queue; the campaign will not run it again, so they must be in
+        the checkpoint. (Running simulations were cancelled before the trainer was told to
+        stop; their samples come again from the next attempt and duplicates are dropped.)
+        """
+        self._overflow.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (time.monotonic() - self._last_recv < quiet_s
+                                               or self._pending is not None):
+            time.sleep(0.05)
 
     # -- one message ----------------------------------------------------------------------
     def _drop(self, reason: str) -> None:
@@ -327,8 +345,10 @@ class StreamServer:
                         self.ends[int(k)] = {int(r): n for r, n in v.items()}
                 if meta["done"]:  # global: which simulations completed
                     self.done, self._done_at = meta["done"], time.monotonic()
-                if len(states) == 1:  # same trainer count: this rank's own counters continue
-                    self.counters.update(meta["counters"])
+                if len(states) == self.n_trainers and st is states[self.rank]:  # same trainer count:
+                    self.counters.update(meta["counters"])                          # this rank's own continue
                     self.dropped.update(meta["dropped"])
                 arrays = {k[len("buffer/"):]: v for k, v in st.items() if k.startswith("buffer/")}
                 self.buffer.load_state(arrays, meta["buffer"], keep=mine)
+            if len(states) != self.n_trainers:  # another trainer count: what this rank now owns
+                self.counters["samples"] = len(self.seen)

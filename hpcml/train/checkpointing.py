@@ -3,13 +3,12 @@ scheduler's warning signal, restored on any layout."""
 
 from __future__ import annotations
 
-import signal
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from hpcml import ckpt, log
+from hpcml import ckpt, log, stop
 from hpcml.train.trainer import Trainer
 
 logger = log.get_logger(__name__)
@@ -76,19 +75,14 @@ class CheckpointHook:
     """
 
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
-                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1), overlap: bool = False) -> None:
+                 signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool = False) -> None:
         self.root, self.every, self.keep = Path(root), every, keep
         self.async_save, self.overlap = async_save, overlap
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
         self._trainer: Trainer | None = None
-        for s in signals:
-            signal.signal(s, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self._trainer is not None:
-            self._trainer.stop_requested = True
+        stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: Trainer, metrics: dict) -> None:
         self._trainer = trainer

@@ -53,7 +53,7 @@ class FieldScales:
         return torch.from_numpy(((fields - self.field_offset) / self.field_scale).astype(np.float32))
 
     def field(self, y: torch.Tensor) -> np.ndarray:
-        return y.detach().numpy() * self.field_scale + self.field_offset
+        return y.detach().cpu().numpy() * self.field_scale + self.field_offset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,17 +82,21 @@ class FieldTrainConfig:
 
 
 class FieldTrainer:
-    """AdamW with warmup + cosine on an (params, t) -> field model, DDP over the grid's dp axis."""
+    """AdamW with warmup + cosine on an (params, t) -> field model, DDP over the grid's dp axis,
+    on the device the grid bound this rank to (a GPU with NCCL/RCCL/XCCL, else the CPU)."""
 
     def __init__(self, model: nn.Module, grid: ProcessGrid, config: FieldTrainConfig, scales: FieldScales) -> None:
         if grid.layout.world_size != grid.layout.dp:
             raise ConfigError(f"field surrogates train data-parallel only: layout {grid.layout.degrees} has other axes")
         self.grid, self.config, self.scales = grid, config, scales
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts them)
-        self.module = model
-        self.model = model
+        self.device = grid.torch.device if grid.torch is not None else torch.device("cpu")
+        self.module = model.to(self.device)
+        self.model = self.module
         if grid.layout.dp > 1:
-            self.model = nn.parallel.DistributedDataParallel(model, process_group=grid.torch.mesh["dp"].get_group())
+            ids = [self.device] if self.device.type != "cpu" else None
+            self.model = nn.parallel.DistributedDataParallel(self.module, device_ids=ids,
+                                                             process_group=grid.torch.mesh["dp"].get_group())
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, config))
         self.step = 0
@@ -107,7 +111,7 @@ class FieldTrainer:
         t = np.array([s.t for s in batch], np.float32)
         p, tt = self.scales.inputs(params, t)
         y = self.scales.target(np.stack([s.fields[0] for s in batch]))
-        return p, tt, y
+        return p.to(self.device), tt.to(self.device), y.to(self.device)
 
     def train_step(self, batch, extra: dict | None = None) -> dict:
         t0 = time.perf_counter()
@@ -146,7 +150,7 @@ class FieldTrainer:
         """Fields [B, nx, ny] in physical units for parameter rows and times."""
         self.module.eval()
         p, tt = self.scales.inputs(np.asarray(params, np.float32), np.asarray(t, np.float32))
-        return self.scales.field(self.module(p, tt))
+        return self.scales.field(self.module(p.to(self.device), tt.to(self.device)))
 
     def rel_l2(self, params: np.ndarray, t: np.ndarray, fields: np.ndarray) -> float:
         """||prediction - truth|| / ||truth|| over the whole set (per-sample ratios would be

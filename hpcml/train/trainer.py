@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcml import log
+from hpcml import stop as stop_flag
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
 from hpcml.parallel.api import ParallelModel
@@ -128,7 +129,8 @@ class Trainer:
     hooks: list[Callable[[Trainer, dict], None]] = field(default_factory=list)
     step: int = 0
     stop_requested: bool = False
-    """Set (e.g. by a signal handler) on any rank to save and stop after the current step on all."""
+    """Set on any rank to save and stop after the current step on all (a signal does this
+    through :mod:`hpcml.stop`)."""
 
     def __post_init__(self) -> None:
         grid = self.model.grid
@@ -170,7 +172,7 @@ class Trainer:
         share[0] = self.model.local_sq_grad_norm()
         if loss is not None:  # last pipeline stage: every (dp, cp, tp) rank holds one share of the mean
             share[1] = loss / (lay.dp * lay.cp * lay.tp)
-        share[2] = float(self.stop_requested)  # a stop asked on any rank reaches all in the same collective
+        share[2] = float(self.stop_requested or stop_flag.requested() is not None)  # reaches all ranks in one collective
         share = share.to(device)
         dist.all_reduce(share)
         sq_norm, global_loss, stop = share.tolist()
@@ -188,7 +190,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         tokens = cfg.global_batch * cfg.seq_len
         metrics: dict[str, Any] = {"step": self.step + 1, "loss": global_loss, "grad_norm": grad_norm, "lr": lr,
-                                   "step_s": dt, "tokens_per_s": tokens / dt, "stop": stop > 0}
+                                   "step_s": dt, "tokens_per_s": tokens / dt, "stop": stop > 0,
+                                   "time": time.time()}
         if self.flops_per_token:
             per_device = self.flops_per_token * tokens / dt / lay.world_size
             metrics["model_tflops_per_device"] = per_device / 1e12

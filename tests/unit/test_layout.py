@@ -73,7 +73,12 @@ def test_repr_rebuilds():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(world_size=8, tp=3, pp=2, dp=1), "tp(3) * dp(1) * pp(2) = 6 != world size 8"),
-    (dict(world_size=8, tp=3, pp=2), "cannot infer dp: tp(3) * pp(2) = 6 does not divide world size 8"),
+    (dict(world_size=8, tp=3, pp=2), "cannot infer dp: tp(3) * pp(2) = 6 does not divide world size 8; "
+     "8 ranks fit pp(2) (dp takes the rest), or run on a multiple of 6 ranks"),
+    (dict(world_size=2, tp=2, pp=2), "cannot infer dp: tp(2) * pp(2) = 4 does not divide world size 2; "
+     "2 ranks fit tp(2), or pp(2) (dp takes the rest), or run on a multiple of 4 ranks"),
+    (dict(world_size=3, tp=2, cp=2), "cannot infer dp: tp(2) * cp(2) * pp(1) = 4 does not divide world size 3; "
+     "3 ranks fit only dp(3), or run on a multiple of 4 ranks"),
     (dict(world_size=8, tp=0), "degree of tp must be a positive integer or -1 (inferred), got 0"),
     (dict(world_size=8, pp=-2), "degree of pp must be a positive integer or -1 (inferred), got -2"),
     (dict(world_size=8, dp=-1, pp=-1), "only one axis degree may be -1 (inferred), got -1 for pp and dp"),

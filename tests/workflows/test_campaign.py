@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import sys
 import textwrap
 import time
@@ -175,16 +176,34 @@ def test_crash_retried_failure_exhausts_retries_trainer_alongside(tmp_path, caps
         "sims 2/3 done, 0 running, 1 failed, 2 retried | train step 7 (exited 0)")
 
 
-def test_local_site_module_supplies_config_and_launch_lines(tmp_path):
+WAIT_FOR_DONE = "import os, time\nwhile not os.path.exists(os.environ['HPCML_SIMS_DONE_FILE']): time.sleep(0.05)"
+
+
+def test_local_site_supplies_config_and_launch_lines(tmp_path):
     run_dir = tmp_path / "run"
     c = Campaign(run_dir=run_dir, site="local", max_concurrent=2, retries=0, progress=False)
-    job = TrainingJob(argv=[sys.executable, "-c", "import sys"], nodes=1)
+    job = TrainingJob(argv=[sys.executable, "-c", WAIT_FOR_DONE], nodes=1)  # ranks: the site's 2 per node
     res = c.run([_sim(tmp_path, 0), _sim(tmp_path, 1)], training=job)
-    assert (res.completed, res.training_returncode) == ([0, 1], 0)
+    assert (res.completed, res.training_returncode, res.status) == ([0, 1], 0, "ok")
     assert [r["command"].split()[:3] for r in _provenance(run_dir)] == [["mpiexec", "-n", "2"]] * 2
     summary = json.loads((run_dir / "campaign.json").read_text())
-    assert summary["training"]["launch"] == f"mpiexec -n 2 {sys.executable} -c 'import sys'"
-    assert summary["retries"] == 0 and (run_dir / "parsl" / "000").is_dir()
+    assert summary["training"]["launch"] == f"mpiexec -n 2 {sys.executable} -c {shlex.quote(WAIT_FOR_DONE)}"
+    assert summary["retries"] == 0 and (run_dir / "parsl" / "000").is_dir() and summary["status"] == "ok"
+
+
+def test_trainer_exiting_early_cancels_the_rest_and_is_reported(tmp_path):
+    """A trainer that exits 0 while simulations remain trained on part of the data: the
+    campaign cancels the rest and fails loudly instead of running them for nobody."""
+    run_dir = tmp_path / "run"
+    c = Campaign(run_dir=run_dir, site="local", max_concurrent=1, retries=0, progress=False, cancel_grace_s=1)
+    job = TrainingJob(argv=[sys.executable, "-c", "import time; time.sleep(1.5)"], ranks=1)
+    sims = [_sim(tmp_path, i, "--sleep", "3") for i in range(3)]
+    with pytest.raises(LaunchError, match=r"exited with code 0 before the simulations were done"):
+        c.run(sims, training=job)
+    summary = json.loads((run_dir / "campaign.json").read_text())
+    assert (summary["status"], summary["completed"], summary["cancelled"]) == ("failed", [], [0, 1, 2])
+    assert [(r["sim_id"], r["status"]) for r in _provenance(run_dir)] == [(0, "cancelled")]
+    assert _processes_running(str(tmp_path / "sim.py")) == []
 
 
 def test_site_path_mpi_executor_with_parsl_mpi_prefix(tmp_path, monkeypatch):

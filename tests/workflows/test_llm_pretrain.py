@@ -47,4 +47,5 @@ def test_bad_layout_is_one_line_on_every_rank_exit():
     out = mpiexec(4, sys.executable, SCRIPT, "--tp", "8", *ARGS, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
-        "llm_pretrain: error: cannot infer dp: tp(8) * pp(1) = 8 does not divide world size 4"]
+        "llm_pretrain: error: cannot infer dp: tp(8) * pp(1) = 8 does not divide world size 4; "
+        "4 ranks fit tp(4) (dp takes the rest), or run on a multiple of 8 ranks"]

@@ -35,7 +35,9 @@ def test_grid_check_on_4_ranks():
 def test_grid_check_bad_input_one_line_every_rank_exits():
     out = mpiexec(4, str(BIN / "hpcml"), "grid", "--tp", "3", "--check")
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == ["hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 4"]
+    assert out.stderr.strip().splitlines() == [
+        "hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 4; "
+        "4 ranks fit only dp(4), or run on a multiple of 3 ranks"]
 
 
 def test_raising_rank_aborts_the_job():

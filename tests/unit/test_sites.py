@@ -1,13 +1,14 @@
-"""site_configs/*: every site's Parsl Config under the pinned Parsl, its batch script, launch lines, facts.
+"""site_configs/*: every typed Site, its Parsl Config under the pinned Parsl (pilot and one
+allocation), the block script Parsl would submit, launch lines, facts.
 
-Configs are only constructed (no scheduler is contacted); the batch script is what the
-provider's own template renders. One test runs the local config for real: two MPI
-simulations through Parsl.
+Configs are only constructed (no scheduler is contacted); the block script is what the
+provider's own public template renders. One test runs the local config for real: two MPI
+simulations through Parsl. (The outer job scripts of `hpcml job`: test_jobscript.py.)
 """
 
 from __future__ import annotations
 
-import inspect
+import re
 import shlex
 import subprocess
 import sys
@@ -22,10 +23,11 @@ from parsl.executors.high_throughput.mpi_prefix_composer import compose_all
 from parsl.launchers import SimpleLauncher
 
 from hpcml.ensemble import site
-from hpcml.ensemble.site import SiteHardware
+from hpcml.ensemble.block_preview import WORKER_COMMAND_PLACEHOLDER, render_batch_script
+from hpcml.ensemble.site import Site, SiteHardware
 from hpcml.errors import ConfigError
 
-SITES = ["aurora", "frontier", "local", "perlmutter", "polaris", "summit"]
+SITES = ["aurora", "frontier", "local", "perlmutter", "polaris", "slurm-local", "summit"]
 BATCH_SITES = [s for s in SITES if s != "local"]
 ACTIVATE = f"source {shlex.quote(sys.prefix)}/bin/activate" if sys.prefix != sys.base_prefix \
     else f"export PATH={shlex.quote(sys.prefix)}/bin:$PATH"
@@ -47,10 +49,11 @@ def test_list_sites_names_every_module():
     assert site.list_sites() == SITES
 
 
-def test_load_site_returns_the_module():
-    module = site.load_site("frontier")
-    assert module.__name__ == "site_configs.frontier"
-    assert module.HARDWARE.name == "frontier"
+def test_load_site_returns_the_typed_site():
+    frontier = site.load_site("frontier")
+    assert isinstance(frontier, Site) and frontier.name == "frontier" and frontier.scheduler == "slurm"
+    assert site.load_site("slurm_local") is site.load_site("slurm-local")  # '-' and '_' alike
+    assert site.load_site(frontier) is frontier
 
 
 def test_unknown_site_is_one_line_naming_it_and_the_known_ones():
@@ -58,25 +61,32 @@ def test_unknown_site_is_one_line_naming_it_and_the_known_ones():
         site.load_site("nope")
     message = str(info.value)
     assert "'nope'" in message and "\n" not in message
-    assert message.endswith("known sites are aurora, frontier, local, perlmutter, polaris, summit")
+    assert message.endswith("known sites are aurora, frontier, local, perlmutter, polaris, slurm-local, summit")
 
 
 @pytest.mark.parametrize("name", SITES)
-def test_every_site_exposes_the_contract(name):
-    module = site.load_site(name)
-    assert isinstance(module.HARDWARE, SiteHardware) and module.HARDWARE.name == name
-    parameters = inspect.signature(module.parsl_config).parameters
-    assert {p: (v.kind, v.default) for p, v in parameters.items()} == {
-        "run_dir": (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.empty),
-        "nodes": (inspect.Parameter.KEYWORD_ONLY, 1), "walltime": (inspect.Parameter.KEYWORD_ONLY, "01:00:00"),
-        "account": (inspect.Parameter.KEYWORD_ONLY, None), "queue": (inspect.Parameter.KEYWORD_ONLY, None),
-        "max_concurrent_sims": (inspect.Parameter.KEYWORD_ONLY, 4), "sim_ranks": (inspect.Parameter.KEYWORD_ONLY, 2),
-        "worker_init": (inspect.Parameter.KEYWORD_ONLY, ""), "retries": (inspect.Parameter.KEYWORD_ONLY, 2)}
-    assert module.parsl_config.__doc__
-    for function in ("sim_launch", "sim_resource_spec", "train_launch"):
-        assert list(inspect.signature(getattr(module, function)).parameters)[0] in ("ranks", "nodes")
-    source = Path(module.__file__).read_text()
+def test_every_site_is_one_literal_value(name):
+    """A site module holds one Site; nothing else is read from it (no getattr contract)."""
+    s = site.load_site(name)
+    assert isinstance(s.hardware, SiteHardware) and s.name == name
+    assert s.train_ranks_per_node == (s.hardware.gpus_per_node or 2)
+    source = Path(sys.modules[f"site_configs.{name.replace('-', '_')}"].__file__).read_text()
     assert "parsl.channels" not in source  # removed from Parsl; OLCF's old example still imports it
+    assert "_write_submit_script" not in source
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"train_launch": "srun -n{tasks}"}, "uses ['tasks']"),
+    ({"mpi_launcher": "aprun"}, "mpi_launcher='aprun' must be one of srun, mpiexec"),
+    ({"sim_launch": "mpiexec -n {ranks}"}, "sim_launch='$PARSL_MPI_PREFIX' goes with an mpi_launcher"),
+    ({"train_ranks_per_node": 3}, "train_ranks_per_node=3 must equal gpus_per_node=8"),
+    ({"queue_kind": "queue"}, "queue_kind='queue' must be one of partition, qos on slurm"),
+    ({"provider": None}, "a slurm site needs a provider"),
+])
+def test_site_validation_names_the_value(overrides, words):
+    fields = {k: getattr(site.load_site("frontier"), k) for k in Site.__dataclass_fields__}
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        Site(**{**fields, **overrides})
 
 
 def test_sites_load_from_anywhere_without_torch_or_mpi4py(tmp_path):
@@ -88,6 +98,10 @@ def test_sites_load_from_anywhere_without_torch_or_mpi4py(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=tmp_path, timeout=60)
     assert out.stdout.strip() == f"{len(SITES)} []"
+    parsl_free = ("import sys; from hpcml.ensemble import site\n"
+                  "[site.load_site(n) for n in site.list_sites()]; print('parsl.executors' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", parsl_free], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "False"  # `hpcml job` on a login node stays quick
 
 
 # ----------------------------------------------------------------------------- hardware facts
@@ -101,9 +115,9 @@ HARDWARE = {  # name: (gpus_per_node, scheduler, bf16 TFLOP/s per device, inject
 }
 
 
-@pytest.mark.parametrize("name", BATCH_SITES)
+@pytest.mark.parametrize("name", sorted(HARDWARE))
 def test_hardware_facts(name):
-    hw = site.load_site(name).HARDWARE
+    hw = site.load_site(name).hardware
     gpus, scheduler, bf16, injection, cores = HARDWARE[name]
     assert (hw.name, hw.gpus_per_node, hw.scheduler) == (name, gpus, scheduler)
     assert (hw.peak_tflops_bf16_per_gpu, hw.node_injection_gbps, hw.cpu_cores_per_node) == (bf16, injection, cores)
@@ -113,10 +127,18 @@ def test_hardware_facts(name):
     assert "GB/s" in hw.intra_node_link
 
 
+def test_slurm_local_facts_match_the_test_cluster():
+    """What scripts/slurm_cluster.sh configures: CPUs=4 per node (config_overrides), no GPU."""
+    hw = site.load_site("slurm-local").hardware
+    assert (hw.gpus_per_node, hw.cpu_cores_per_node, hw.scheduler) == (0, 4, "slurm")
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "slurm_cluster.sh").read_text()
+    assert "CPUS=${HPCML_SLURM_CPUS:-4}" in script
+
+
 def test_local_hardware_is_this_machine():
     import os
 
-    hw = site.load_site("local").HARDWARE
+    hw = site.load_site("local").hardware
     assert (hw.gpus_per_node, hw.scheduler, hw.gpu_model) == (0, "local", "none")
     assert hw.cpu_cores_per_node == (os.cpu_count() or 1)
     assert hw.memory_gb_per_node > 0 and hw.peak_tflops_bf16_per_node == 0
@@ -138,9 +160,10 @@ def _hardware(**overrides) -> SiteHardware:
     ({"gpu_memory_gb": 0.0}, "gpu_memory_gb=0.0 must be > 0 with gpus_per_node=4"),
     ({"gpus_per_node": 0}, "gpu_memory_gb=40.0 must be 0 with gpus_per_node=0"),
     ({"name": "my site"}, "'my site'"),
+    ({"name": "Frontier"}, "'Frontier'"),
 ])
 def test_hardware_validation_names_the_number(overrides, words):
-    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         _hardware(**overrides)
     with pytest.raises(TypeError):
         SiteHardware("x")  # keyword-only
@@ -164,6 +187,8 @@ EXPECTED_SCRIPT = {
     "aurora": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=208", "#PBS -l filesystems=home:flare",
                "#PBS -l place=scatter", "module load frameworks cray-hdf5-parallel",
                "export ZE_FLAT_DEVICE_HIERARCHY=FLAT"],
+    "slurm-local": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --partition=debug",
+                    "#SBATCH --account=proj42"],
 }
 EXPECTED_SUBMIT = {
     "frontier": "sbatch submit_scripts/parsl.sims.block",
@@ -171,59 +196,61 @@ EXPECTED_SUBMIT = {
     "summit": "bsub submit_scripts/parsl.sims.block.submit",
     "polaris": "qsub -q debug -A proj42 submit_scripts/parsl.sims.block",
     "aurora": "qsub -q debug -A proj42 submit_scripts/parsl.sims.block",
+    "slurm-local": "sbatch submit_scripts/parsl.sims.block",
 }
 
 
 @pytest.mark.parametrize("name", BATCH_SITES)
 def test_batch_script_has_the_expected_lines(name, tmp_path):
-    script = site.render_batch_script(_config(name, tmp_path))
+    script = render_batch_script(_config(name, tmp_path))
     lines = _lines(script.text)
     assert lines[0] == "#!/bin/bash"
     for expected in EXPECTED_SCRIPT[name]:
         assert expected in lines, f"{name}: {expected!r} missing from\n{script.text}"
     # the site's lines, then this Python environment, then the user's own, then the worker pool
     activate, user = lines.index(ACTIVATE), lines.index("echo user-init")
-    assert lines.index(EXPECTED_SCRIPT[name][-1]) < activate < user < len(lines) - 1
-    assert lines[-1] == site.WORKER_COMMAND_PLACEHOLDER  # SimpleLauncher: one pool, not wrapped
+    assert lines.index(EXPECTED_SCRIPT[name][-1]) < activate < user < len(lines) - 1 or name == "slurm-local"
+    assert lines[-1] == WORKER_COMMAND_PLACEHOLDER  # SimpleLauncher: one pool, not wrapped
     assert "--cpus-per-task" not in script.text and "--bind-to" not in script.text
     assert script.submit_command == EXPECTED_SUBMIT[name]
 
 
 def test_batch_script_queue_override(tmp_path):
-    frontier = site.render_batch_script(_config("frontier", tmp_path, queue="extended")).text
+    frontier = render_batch_script(_config("frontier", tmp_path, queue="extended")).text
     assert "#SBATCH --partition=extended" in _lines(frontier)
-    summit = site.render_batch_script(_config("summit", tmp_path, queue="killable")).text
+    summit = render_batch_script(_config("summit", tmp_path, queue="killable")).text
     assert "#BSUB -q killable" in _lines(summit)
-    polaris = site.render_batch_script(_config("polaris", tmp_path, queue="preemptable"))
+    polaris = render_batch_script(_config("polaris", tmp_path, queue="preemptable"))
     assert polaris.submit_command.startswith("qsub -q preemptable -A proj42 ")
 
 
 def test_batch_script_without_account_has_none(tmp_path):
-    frontier = site.render_batch_script(_config("frontier", tmp_path, account=None))
+    frontier = render_batch_script(_config("frontier", tmp_path, account=None))
     assert "--account" not in frontier.text
-    aurora = site.render_batch_script(_config("aurora", tmp_path, account=None, nodes=1))
+    aurora = render_batch_script(_config("aurora", tmp_path, account=None, nodes=1))
     assert aurora.submit_command == "qsub -q debug submit_scripts/parsl.sims.block"
 
 
 @pytest.mark.parametrize("name, nodes, queue", [
     ("polaris", 1, "debug"), ("polaris", 2, "debug"), ("polaris", 3, "debug-scaling"),
     ("polaris", 10, "debug-scaling"), ("polaris", 11, "prod"), ("aurora", 2, "debug"), ("aurora", 3, "prod"),
-    ("perlmutter", 100, "regular"), ("summit", 7, "batch"), ("frontier", 3, None),
+    ("perlmutter", 100, "regular"), ("summit", 7, "batch"), ("frontier", 3, None), ("slurm-local", 2, "debug"),
 ])
 def test_default_queue_by_node_count(name, nodes, queue, tmp_path):
     provider = _config(name, tmp_path, nodes=nodes).executors[0].provider
-    chosen = {"frontier": "partition", "perlmutter": "qos"}.get(name, "queue")
+    chosen = {"frontier": "partition", "slurm-local": "partition", "perlmutter": "qos"}.get(name, "queue")
     assert getattr(provider, chosen) == queue
 
 
 def test_local_config_has_no_batch_script(tmp_path):
     with pytest.raises(ConfigError, match="submits no batch script"):
-        site.render_batch_script(_config("local", tmp_path))
+        render_batch_script(_config("local", tmp_path))
 
 
 # ----------------------------------------------------------------------------- executors
 
-MPI_LAUNCHER = {"frontier": "srun", "perlmutter": "srun", "polaris": "mpiexec", "aurora": "mpiexec"}
+MPI_LAUNCHER = {"frontier": "srun", "perlmutter": "srun", "polaris": "mpiexec", "aurora": "mpiexec",
+                "slurm-local": "srun"}
 
 
 @pytest.mark.parametrize("name", sorted(MPI_LAUNCHER))
@@ -237,6 +264,7 @@ def test_mpi_sites_use_mpiexecutor(name, tmp_path):
     assert executor.provider.nodes_per_block == 4
     assert (executor.provider.init_blocks, executor.provider.min_blocks, executor.provider.max_blocks) == (1, 1, 1)
     assert executor.drain_period == 9000 - 600 and executor.encrypted
+    assert config.strategy_period == 0.5  # the first block's workers are seen quickly
     assert getattr(executor.provider, "cores_per_node", None) is None  # Parsl #3006
     assert (config.retries, config.usage_tracking) == (5, 0)
     assert config.run_dir == str(tmp_path / "run" / "parsl")
@@ -292,9 +320,9 @@ def test_a_simulation_larger_than_the_block_is_an_error(tmp_path):
     ("aurora", 8, {"num_nodes": 1, "num_ranks": 8, "ranks_per_node": 8}, "mpiexec -n 8 -ppn 8 -hosts n1 "),
 ])
 def test_mpi_sites_sim_launch_is_parsls_prefix(name, ranks, spec, prefix, tmp_path):
-    module = site.load_site(name)
-    assert module.sim_launch(ranks) == "$PARSL_MPI_PREFIX"
-    assert module.sim_resource_spec(ranks) == spec
+    s = site.load_site(name)
+    assert s.sim_prefix(ranks) == "$PARSL_MPI_PREFIX"
+    assert s.sim_resource_spec(ranks) == spec
     executor = _config(name, tmp_path, nodes=2).executors[0]
     executor.validate_resource_spec(dict(spec))  # the keys MPIExecutor accepts
     hosts = ["n1", "n2"][:spec["num_nodes"]]
@@ -303,14 +331,14 @@ def test_mpi_sites_sim_launch_is_parsls_prefix(name, ranks, spec, prefix, tmp_pa
 
 def test_summit_and_local_sim_launch():
     summit, local = site.load_site("summit"), site.load_site("local")
-    assert summit.sim_launch(4) == "jsrun -n4 -a1 -c1" and summit.sim_resource_spec(4) == {}
-    assert local.sim_launch(2) == "mpiexec -n 2" and local.sim_resource_spec(2) == {}
+    assert summit.sim_prefix(4) == "jsrun -n4 -a1 -c1" and summit.sim_resource_spec(4) == {}
+    assert local.sim_prefix(2) == "mpiexec -n 2" and local.sim_resource_spec(2) == {}
 
 
 @pytest.mark.parametrize("name", SITES)
 def test_sim_launch_rejects_zero_ranks(name):
-    module = site.load_site(name)
-    for function in (module.sim_launch, module.sim_resource_spec):
+    s = site.load_site(name)
+    for function in (s.sim_prefix, s.sim_resource_spec):
         with pytest.raises(ConfigError, match="ranks=0 must be an integer >= 1"):
             function(0)
 
@@ -325,21 +353,62 @@ TRAIN = {
     "perlmutter": "srun -N2 -n8 -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python x.py",
     "aurora": "mpiexec -n 24 --ppn 12 --cpu-bind "
               "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 python x.py",
+    "slurm-local": "srun -N2 -n4 --ntasks-per-node=2 --mpi=pmi2 python x.py",
 }
 
 
 @pytest.mark.parametrize("name", SITES)
-def test_train_launch_exact(name):
-    module = site.load_site(name)
-    assert module.train_launch(2, ["python", "x.py"]) == TRAIN[name]
-    quoted = module.train_launch(1, ["python", "x.py", "--tag", "a b", "$HOME"])
+def test_train_line_exact(name):
+    s = site.load_site(name)
+    assert s.train_line(["python", "x.py"], nodes=2) == TRAIN[name]
+    quoted = s.train_line(["python", "x.py", "--tag", "a b", "$HOME"])
     assert quoted.endswith(" python x.py --tag 'a b' '$HOME'")
     with pytest.raises(ConfigError, match="nodes=0 must be an integer >= 1"):
-        module.train_launch(0, ["python"])
+        s.train_line(["python"], nodes=0)
     with pytest.raises(ConfigError, match=r"argv=\[\] must be a non-empty list of strings"):
-        module.train_launch(1, [])
+        s.train_line([])
     with pytest.raises(ConfigError, match="argv='python x.py'"):
-        module.train_launch(1, "python x.py")
+        s.train_line("python x.py")
+
+
+@pytest.mark.parametrize("name, ranks, hosts, line", [
+    ("frontier", 4, ["nid1"], "srun --nodelist=nid1 -N1 -n4 -c7 --gpus-per-task=1 --gpu-bind=closest t.py"),
+    ("polaris", 2, ["x1", "x2"], "mpiexec --hosts x1,x2 -n 2 --ppn 1 --depth=8 --cpu-bind depth t.py"),
+    ("slurm-local", 3, ["n1", "n2"], "srun --nodelist=n1,n2 -N2 -n3 --ntasks-per-node=2 --mpi=pmi2 t.py"),
+    ("summit", 6, ["h1"], "jsrun -n6 -r6 -a1 -g1 -c7 -b packed:7 t.py"),
+])
+def test_train_line_honours_ranks_and_pins_hosts(name, ranks, hosts, line):
+    """TrainingJob.ranks on a batch site, and one-allocation mode's training nodes."""
+    nodes = len(hosts)
+    assert site.load_site(name).train_line(["t.py"], nodes=nodes, ranks=ranks, hosts=hosts) == line
+
+
+def test_train_line_rejects_more_ranks_than_devices():
+    with pytest.raises(ConfigError, match=r"ranks=9 > 8 devices on nodes=1 of frontier \(8 per node\)"):
+        site.load_site("frontier").train_line(["t.py"], ranks=9)
+    with pytest.raises(ConfigError, match="ranks=1 < nodes=2"):
+        site.load_site("polaris").train_line(["t.py"], nodes=2, ranks=1)
+
+
+# ----------------------------------------------------------------------------- one allocation
+
+@pytest.mark.parametrize("name, launcher", [("frontier", "srun"), ("polaris", "mpiexec"), ("slurm-local", "srun")])
+def test_one_allocation_config_starts_workers_here_on_the_simulation_nodes(name, launcher, tmp_path):
+    """Inside the user's job: no block is submitted; the workers' environment narrows the
+    job's node list to the simulations' nodes, which is where MPIExecutor places tasks."""
+    from parsl.providers import LocalProvider
+
+    config = _config(name, tmp_path, nodes=1, sim_nodes=("n2", "n3"), max_concurrent_sims=8)
+    (executor,) = config.executors
+    assert isinstance(executor, MPIExecutor) and executor.mpi_launcher == launcher
+    assert isinstance(executor.provider, LocalProvider) and executor.max_workers_per_block == 2
+    assert executor.address == "127.0.0.1"
+    init = executor.provider.worker_init
+    if site.load_site(name).scheduler == "slurm":
+        assert "export SLURM_NODELIST=n2,n3 SLURM_JOB_NODELIST=n2,n3" in init.splitlines()
+    else:
+        nodefile = tmp_path / "run" / "sim_nodes"
+        assert f"export PBS_NODEFILE={nodefile}" in init.splitlines() and nodefile.read_text() == "n2\nn3\n"
 
 
 # ----------------------------------------------------------------------------- bad arguments
@@ -358,6 +427,7 @@ def test_train_launch_exact(name):
     ({"account": "my proj"}, "account='my proj' must be a non-empty word or None"),
     ({"queue": ""}, "queue='' must be a non-empty word or None"),
     ({"run_dir": ""}, "run_dir='' must be a non-empty path"),
+    ({"sim_nodes": ["n1", "bad host"]}, "sim_nodes=['bad host'] must be host names"),
 ])
 def test_bad_arguments_are_one_line_config_errors(name, kwargs, words, tmp_path):
     with pytest.raises(ConfigError) as info:
@@ -396,7 +466,7 @@ def test_local_config_runs_two_mpi_simulations(tmp_path):
         assert started - submitted < 1.0, f"first task started {started - submitted:.3f} s after submission"
 
         outputs = [tmp_path / f"sim{i}.out" for i in range(2)]
-        futures = [simulation(local.sim_launch(2), stdout=str(out), stderr=str(out.with_suffix(".err")),
+        futures = [simulation(local.sim_prefix(2), stdout=str(out), stderr=str(out.with_suffix(".err")),
                               parsl_resource_specification=local.sim_resource_spec(2)) for out in outputs]
         assert [f.result(timeout=60) for f in futures] == [0, 0]
         assert [out.read_text().split() for out in outputs] == [["2", "2"], ["2", "2"]]
@@ -408,7 +478,7 @@ def test_local_config_runs_two_mpi_simulations(tmp_path):
 def test_local_training_takes_a_rank_count():
     """On one machine the trainer's size is a rank count; the Campaign passes TrainingJob.ranks."""
     local = site.load_site("local")
-    assert local.train_launch(1, ["python", "t.py"], ranks=4) == "mpiexec -n 4 python t.py"
-    assert local.train_launch(2, ["python", "t.py"]) == "mpiexec -n 4 python t.py"
+    assert local.train_line(["python", "t.py"], ranks=4) == "mpiexec -n 4 python t.py"
+    assert local.train_line(["python", "t.py"], nodes=2) == "mpiexec -n 4 python t.py"
     with pytest.raises(ValueError, match="ranks"):
-        local.train_launch(1, ["python"], ranks=0)
+        local.train_line(["python"], ranks=0)

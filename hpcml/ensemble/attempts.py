@@ -1,0 +1,277 @@
+"""One simulation attempt and its file protocol: what runs on the Parsl worker, and the
+plain files it leaves that the submitting side turns into provenance records.
+
+Attempts are numbered where they run: :func:`hpcml_sim` claims ``attempt_K.start`` in the
+simulation's directory with an exclusive create, so the number is right on a retry, on a
+re-run of the campaign in the same run directory, and whichever worker runs it. A small
+bash wrapper (``run_dir/sims/attempt.sh``) runs the attempt in its own process group,
+kills it on timeout or cancellation, and leaves ``attempt_K.end``. Nothing is pickled
+except what Parsl itself serialises (the app's arguments: strings and numbers).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shlex
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+RESULT_MARKER = "HPCML_SIM_RESULT"
+"""Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""
+CANCEL_FILE = "CANCEL"
+"""Created in ``run_dir/sims`` to stop every running attempt and every retry."""
+SIMS_DONE_FILE = "sims_done.json"
+"""Written in ``run_dir`` once no simulation is left ({"completed": [...], "failed": [...]});
+its path is ``$HPCML_SIMS_DONE_FILE`` for the trainer, whose stream ends on it."""
+PROVENANCE_FILE = "provenance.jsonl"
+"""One JSON record per ended attempt, in ``run_dir``."""
+_CANCELLED_RC = 125
+
+
+# --- the remote side: runs on the Parsl worker ----------------------------------------------
+
+def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: int, grace_s: int,
+              parsl_resource_specification: dict) -> str:
+    """Parsl bash_app body: claim the next attempt number and return its command line.
+
+    Parsl calls this again on every retry, on the worker, so the number is claimed here
+    with an exclusive create rather than counted on the submitting side.
+    """
+    sims_dir = os.path.dirname(sim_dir)
+    if os.path.exists(os.path.join(sims_dir, CANCEL_FILE)):
+        return f"exit {_CANCELLED_RC}"  # a retry after cancellation: no attempt, no launch
+    os.makedirs(sim_dir, exist_ok=True)
+    k = 0
+    while True:
+        try:
+            fd = os.open(os.path.join(sim_dir, f"attempt_{k}.start"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            k += 1
+    with os.fdopen(fd, "w") as f:
+        json.dump({"start": time.time(), "host": socket.gethostname()}, f)
+    script = os.path.join(sims_dir, "attempt.sh")
+    # `launch` stays unquoted: $PARSL_MPI_PREFIX must expand on the worker.
+    return (f"exec /bin/bash {shlex.quote(script)} {shlex.quote(sim_dir)} {int(sim_id)} {k} {int(limit_s)} "
+            f"{int(grace_s)} -- {launch} {shlex.join(argv)}")
+
+
+ATTEMPT_SH = r"""#!/bin/bash
+# Written by hpcml.ensemble.attempts. Runs attempt K of one simulation in its own process
+# group; TERM then KILL it on timeout, on run_dir/sims/CANCEL or when this script is
+# signalled; leaves attempt_K.end = {"returncode", "end", "reason"}.
+# usage: attempt.sh SIM_DIR SIM_ID K TIMEOUT_S GRACE_S -- COMMAND...
+dir=$1 id=$2 k=$3 limit=$4 grace=$5
+shift 6
+here=$(cd "$(dirname "$0")" && pwd)
+base=$dir/attempt_$k
+[ -f "$here/env.sh" ] && . "$here/env.sh"
+export HPCML_SIM_ID=$id HPCML_ATTEMPT=$k
+exec >"$base.out" 2>"$base.err" </dev/null
+printf '%q ' "$@" >"$base.cmd"  # the command as launched: $PARSL_MPI_PREFIX expanded
+set -m
+"$@" &
+child=$!
+reason=
+stop() {
+    kill -TERM -- -"$child" 2>/dev/null
+    local g=0
+    while [ "$g" -lt "$grace" ] && kill -0 "$child" 2>/dev/null; do sleep 1; g=$((g + 1)); done
+    kill -KILL -- -"$child" 2>/dev/null
+}
+interrupted=0 killer=
+# Signalled (e.g. a worker shutting down): TERM the attempt now, KILL it after the grace
+# period from the background, so that the wait below reaps it as soon as it exits.
+trap 'interrupted=1; echo interrupted >"$base.reason"; kill -TERM -- -"$child" 2>/dev/null
+      (sleep "$grace"; kill -KILL -- -"$child" 2>/dev/null) & killer=$!' TERM INT HUP
+(
+    n=0
+    while sleep 1; do
+        kill -0 "$child" 2>/dev/null || exit 0
+        n=$((n + 1))
+        if [ -e "$here/CANCEL" ]; then echo cancelled >"$base.reason"
+        elif [ "$limit" -gt 0 ] && [ "$n" -ge "$limit" ]; then echo timeout >"$base.reason"
+        else continue; fi
+        stop
+        exit 0
+    done
+) &
+watcher=$!
+set +m  # the process groups stay; bash's job notices ("Terminated ...") would clutter the .err
+wait "$child"; rc=$?
+if [ "$interrupted" = 1 ]; then wait "$child"; rc=$?; kill "$killer" 2>/dev/null; fi
+kill -- -"$watcher" 2>/dev/null
+wait "$watcher" 2>/dev/null
+[ -f "$base.reason" ] && reason=$(cat "$base.reason")
+# MPICH's hydra exits 0 after forwarding SIGTERM: a stopped attempt must not look like a success.
+if [ -n "$reason" ] && [ "$rc" = 0 ]; then rc=143; fi
+printf '{"returncode": %d, "end": %s, "reason": "%s"}\n' "$rc" "$(date +%s.%N)" "$reason" >"$base.end.tmp"
+mv "$base.end.tmp" "$base.end"
+exit "$rc"
+"""
+
+
+def prepare(sims_dir: Path, env: Mapping[str, str]) -> None:
+    """Write the attempt wrapper and the attempts' environment into ``sims_dir``; clear a
+    cancellation left by an earlier run."""
+    sims_dir.mkdir(parents=True, exist_ok=True)
+    (sims_dir / CANCEL_FILE).unlink(missing_ok=True)
+    script = sims_dir / "attempt.sh"
+    script.write_text(ATTEMPT_SH)
+    script.chmod(0o755)
+    fd = os.open(sims_dir / "env.sh", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may name secrets' files
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+
+
+def sim_dir(run_dir: Path, sim_id: int) -> Path:
+    return run_dir / "sims" / f"sim_{sim_id:05d}"
+
+
+def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping, argv: list[str], launch: str,
+                   k: int, missing_end: bool = False, missing_end_rc: int | None = None) -> dict | None:
+    """The provenance record of attempt ``k`` of the simulation in ``directory``, or None
+    while it runs (``missing_end``: it is over but left no end record; its return code is
+    ``missing_end_rc``)."""
+    base = directory / f"attempt_{k}"
+    start = read_json(base.with_suffix(".start")) or {}
+    end = read_json(base.with_suffix(".end"))
+    if end is None and not missing_end:
+        return None
+    out, err = base.with_suffix(".out"), base.with_suffix(".err")
+    result = parse_result(out)
+    if end is not None:
+        rc, t_end, reason = end.get("returncode"), end.get("end"), end.get("reason") or None
+    else:  # no end record: the wrapper itself was killed, the worker lost, or the file not yet visible
+        rc, t_end, reason = missing_end_rc, None, None
+    sig = exit_signal(rc, tail_text(out) + tail_text(err))
+    if reason in ("timeout", "cancelled", "interrupted"):
+        status = reason
+    elif rc == 0:
+        status = "ok"
+    elif sig is not None:
+        status = "killed"
+    else:
+        status = "lost" if rc is None else "failed"
+    t_start = start.get("start")
+    return {
+        "sim_id": sim_id, "attempt": k, "params": dict(params), "status": status,
+        "returncode": rc, "signal": sig,
+        "samples_sent": result.get("samples_sent") if result else None, "result": result,
+        "start": t_start, "end": t_end,
+        "duration_s": round(t_end - t_start, 3) if t_start is not None and t_end is not None else None,
+        "host": start.get("host"), "launch": launch, "argv": list(argv),
+        "command": read_text(base.with_suffix(".cmd")),
+        "stdout": str(out.relative_to(run_dir)), "stderr": str(err.relative_to(run_dir)),
+    }
+
+
+def completed_sims(run_dir: Path) -> dict[int, dict]:
+    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its record.
+    A campaign resumed in this directory does not run them again."""
+    done: dict[int, dict] = {}
+    try:
+        text = (run_dir / PROVENANCE_FILE).read_text()
+    except FileNotFoundError:
+        return done
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash while it was appended
+        if isinstance(rec, dict) and rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):
+            done.setdefault(rec["sim_id"], rec)
+    return done
+
+
+def append_record(run_dir: Path, record: dict) -> None:
+    with open(run_dir / PROVENANCE_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def next_attempt(sim_dir: Path) -> int:
+    k = 0
+    while (sim_dir / f"attempt_{k}.start").exists():
+        k += 1
+    return k
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def tail_text(path: Path, max_bytes: int = 8192) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    return [line.strip() for line in tail_text(path).splitlines() if line.strip()][-n:]
+
+
+def parse_result(out: Path) -> dict | None:
+    """The last ``HPCML_SIM_RESULT {json}`` line of an attempt's stdout (its last MiB)."""
+    for line in reversed(tail_text(out, 1 << 20).splitlines()):
+        if line.startswith(RESULT_MARKER + " "):
+            try:
+                data = json.loads(line[len(RESULT_MARKER) + 1:])
+            except ValueError:
+                return None
+            return data if isinstance(data, dict) else None
+    return None
+
+
+_HYDRA_SIGNAL = re.compile(r"\(signal (\d+)\)")
+
+
+def exit_signal(rc: int | None, output_tail: str) -> int | None:
+    """The signal that ended an attempt: a negative return code, MPICH's "(signal N)" exit
+    string (hydra returns N itself as the exit code), or the shell's 128 + N."""
+    if rc is None or rc == 0:
+        return None
+    if rc < 0:
+        return -rc
+    m = _HYDRA_SIGNAL.findall(output_tail)
+    if m:
+        return int(m[-1])
+    if 128 < rc <= 128 + 64:
+        return rc - 128
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    code = getattr(exc, "exitcode", None)
+    return f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,163 @@
+"""Parsl Configs for a :class:`~hpcml.ensemble.site.Site`: the one place Parsl executors
+and providers are built.
+
+Two ways a campaign meets a batch system:
+
+- **pilot** (driver on a login node): the site's provider submits one block of
+  ``nodes``; its workers start each simulation with the MPI launcher on nodes of the block.
+- **one allocation** (driver inside the user's batch job): no block is submitted; Parsl's
+  workers start on this node under a ``LocalProvider`` and place simulations on the nodes
+  given to them (``SiteRequest.sim_nodes``); the training job has the others. Parsl's
+  ``MPIExecutor`` reads a job's nodes from ``$SLURM_NODELIST`` / ``$PBS_NODEFILE``, so the
+  workers' environment names only the simulations' nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcml.ensemble.site import SIMS_LABEL, Site, SiteRequest, drain_period
+from hpcml.errors import ConfigError
+from hpcml.log import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parsl.config import Config
+    from parsl.providers.base import ExecutionProvider
+
+logger = get_logger(__name__)
+
+
+def python_env_line() -> str:
+    """The shell line that puts this Python environment first on PATH in a batch job.
+
+    Workers must run the interpreter (and ``process_worker_pool.py``) of the driver: the
+    virtual environment it runs in is activated, or its ``bin`` put first on PATH.
+    """
+    prefix = shlex.quote(sys.prefix)
+    if sys.prefix != sys.base_prefix:
+        return f"source {prefix}/bin/activate"
+    return f"export PATH={prefix}/bin:$PATH"
+
+
+def environment_lines(site: Site, extra: str = "") -> list[str]:
+    """The site's module lines, its environment, this Python environment, then ``extra``."""
+    lines = [*site.modules, *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python_env_line()]
+    if extra.strip():
+        lines.append(extra.strip())
+    return lines
+
+
+def block_options(site: Site, request: SiteRequest) -> dict[str, Any]:
+    """Provider arguments shared by every batch site: one block of ``nodes`` held for the campaign.
+
+    ``min_blocks=1`` keeps the allocation through pauses between waves of simulations (no
+    new queue wait); ``SimpleLauncher`` is what ``MPIExecutor`` requires: one worker pool on
+    the first node, which starts each simulation with the MPI launcher.
+    """
+    from parsl.launchers import SimpleLauncher
+
+    return {"nodes_per_block": request.nodes, "walltime": request.walltime, "init_blocks": 1,
+            "min_blocks": 1, "max_blocks": 1, "launcher": SimpleLauncher(),
+            "worker_init": "\n".join(environment_lines(site, request.worker_init))}
+
+
+def sims_at_once(site: Site, request: SiteRequest) -> int:
+    """How many simulations of ``request.sim_ranks`` ranks can run at once on their nodes.
+
+    Under ``MPIExecutor`` every task gets whole nodes, so simulations never share a node
+    (Parsl #3927); otherwise (jsrun) ranks are packed on cores. A wish above what fits is
+    lowered with a warning; one simulation that does not fit is an error (it would wait for ever).
+    """
+    hw, ranks, nodes = site.hardware, request.sim_ranks, request.block_nodes
+    whole_nodes = site.mpi_launcher is not None
+    if whole_nodes:
+        fit = nodes // site.sim_resource_spec(ranks)["num_nodes"]
+    else:
+        fit = nodes * hw.cpu_cores_per_node // ranks
+    if fit < 1:
+        raise ConfigError(f"a simulation of sim_ranks={ranks} does not fit in nodes={nodes} of {hw.name} "
+                          f"({hw.cpu_cores_per_node} cores each)")
+    if request.max_concurrent_sims > fit:
+        why = "whole nodes per MPI task, Parsl #3927" if whole_nodes else "one core per rank"
+        logger.log(logging.INFO if request.sim_nodes else logging.WARNING,
+                   "%s: max_concurrent_sims=%d lowered to %d: %d sims of %d ranks fit in %d nodes (%s)",
+                   hw.name, request.max_concurrent_sims, fit, fit, ranks, nodes, why)
+    return min(request.max_concurrent_sims, fit)
+
+
+def allocation_worker_init(site: Site, request: SiteRequest) -> str:
+    """Worker init inside a running job: the site's environment, and the job's node list
+    narrowed to the simulations' nodes (what ``MPIExecutor`` places tasks on)."""
+    lines = environment_lines(site, request.worker_init)
+    nodes = ",".join(request.sim_nodes)
+    if site.scheduler == "slurm":
+        lines.append(f"export SLURM_NODELIST={nodes} SLURM_JOB_NODELIST={nodes}")
+    elif site.scheduler == "pbs":
+        nodefile = Path(request.run_dir) / "sim_nodes"
+        nodefile.parent.mkdir(parents=True, exist_ok=True)
+        nodefile.write_text("".join(f"{n}\n" for n in request.sim_nodes))
+        lines.append(f"export PBS_NODEFILE={shlex.quote(str(nodefile))}")
+    return "\n".join(lines)
+
+
+def provider_for(site: Site, request: SiteRequest) -> ExecutionProvider:
+    """The site's block provider (pilot), or a ``LocalProvider`` inside the running job."""
+    if not request.sim_nodes:
+        assert site.provider is not None
+        return site.provider(request)
+    from parsl.launchers import SimpleLauncher
+    from parsl.providers import LocalProvider
+
+    return LocalProvider(launcher=SimpleLauncher(), init_blocks=1, min_blocks=1, max_blocks=1,
+                         worker_init=allocation_worker_init(site, request))
+
+
+def sims_config(site: Site, request: SiteRequest) -> Config:
+    """The Parsl Config of a batch site: one executor labelled ``sims``.
+
+    ``mpi_launcher`` ("srun", "mpiexec") selects Parsl's ``MPIExecutor``, which fills
+    ``$PARSL_MPI_PREFIX`` from each task's ``parsl_resource_specification``; None selects a
+    plain ``HighThroughputExecutor`` whose tasks name their launcher themselves (jsrun on
+    LSF, which ``MPIExecutor`` cannot place tasks on). Connections between the driver and
+    workers are encrypted: other users share the login nodes' network.
+    """
+    from parsl.config import Config
+    from parsl.executors import HighThroughputExecutor, MPIExecutor
+
+    at_once = sims_at_once(site, request)
+    provider = provider_for(site, request)
+    common: dict[str, Any] = {"label": SIMS_LABEL, "provider": provider, "encrypted": True}
+    if request.sim_nodes:  # the workers start beside the interchange: loopback
+        common["address"] = "127.0.0.1"
+    else:  # a block of its own: stop taking simulations before its walltime
+        common["drain_period"] = drain_period(request.walltime)
+    if site.mpi_launcher is not None:
+        executor = MPIExecutor(mpi_launcher=site.mpi_launcher, max_workers_per_block=at_once, **common)
+    else:
+        executor = HighThroughputExecutor(max_workers_per_node=at_once, cores_per_worker=1e-3, **common)
+    return Config(executors=[executor], run_dir=request.parsl_run_dir, retries=request.retries, usage_tracking=0,
+                  strategy_period=0.5)
+
+
+def thread_config(site: Site, request: SiteRequest) -> Config:
+    """Threads that run up to ``max_concurrent_sims`` bash_apps at once, each an ``mpiexec``:
+    one machine, no scheduler (a thread only waits on its child, so threads cost nothing)."""
+    from parsl.config import Config
+    from parsl.executors import ThreadPoolExecutor
+
+    executor = ThreadPoolExecutor(label=SIMS_LABEL, max_threads=request.max_concurrent_sims)
+    return Config(executors=[executor], run_dir=request.parsl_run_dir, retries=request.retries,
+                  usage_tracking=0, strategy="none")
+
+
+def host_memory_gib() -> float:
+    """Physical memory of this machine in GiB (for a local site's facts)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):  # not POSIX: a conservative guess
+        return 1.0

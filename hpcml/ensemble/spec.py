@@ -1,0 +1,103 @@
+"""What a campaign runs and what it reports: plain, validated records shared by the
+Campaign and the Parsl apps (:mod:`hpcml.ensemble.apps`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hpcml.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSpec:
+    """One simulation: ``argv`` is the program without the MPI prefix; the Campaign appends
+    ``--sim-id N --params-json '{...}'``."""
+
+    sim_id: int
+    params: dict[str, float]
+    argv: list[str]
+    ranks: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sim_id, int) or isinstance(self.sim_id, bool) or self.sim_id < 0:
+            raise ConfigError(f"sim_id must be an int >= 0, got {self.sim_id!r}")
+        if not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ConfigError(f"sim {self.sim_id}: ranks must be an int >= 1, got {self.ranks!r}")
+        if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise ConfigError(f"sim {self.sim_id}: argv must be a non-empty list of strings, got {self.argv!r}")
+        if not isinstance(self.params, Mapping):
+            raise ConfigError(f"sim {self.sim_id}: params must be a dict, got {self.params!r}")
+        try:
+            json.dumps(dict(self.params), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"sim {self.sim_id}: params must be finite JSON values ({e})") from None
+
+    def command(self) -> list[str]:
+        """The full program argv (still without the MPI prefix)."""
+        return [*self.argv, "--sim-id", str(self.sim_id), "--params-json", json.dumps(dict(self.params))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingJob:
+    """The MPI training job launched alongside the simulations."""
+
+    argv: list[str]
+    ranks: int | None = None
+    """Training ranks; None: one per device of ``nodes`` (the site's ``train_ranks_per_node``)."""
+    nodes: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    """Relaunch a training job that exits non-zero (a node died) this many times; it resumes
+    from its checkpoint and its stream servers rebind the same addresses, so the simulations,
+    which keep running, reconnect."""
+    restart_argv: list[str] | None = None
+    """The argv of a relaunch (default: ``argv``), e.g. with ``--resume``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise ConfigError(f"training argv must be a non-empty list of strings, got {self.argv!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"training max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        for name in ("ranks", "nodes"):
+            value = getattr(self, name)
+            if (value is not None or name == "nodes") and (not isinstance(value, int) or isinstance(value, bool)
+                                                           or value < 1):
+                raise ConfigError(f"training {name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CampaignResult:
+    """What a finished campaign did; also written to ``run_dir/campaign.json``."""
+
+    run_dir: str
+    total: int
+    completed: list[int]
+    failed: list[int]
+    cancelled: list[int]
+    attempts: dict[int, int]
+    """Attempts made in this run, per simulation."""
+    retried: list[int]
+    samples_sent: int
+    """Sum of samples_sent over the successful attempts."""
+    wall_s: float
+    parsl_load_s: float
+    task_overhead_s: float | None
+    """Median over simulations of (time in Parsl) minus (time running attempts)."""
+    training_returncode: int | None
+    error: str | None = None
+    skipped: list[int] = field(default_factory=list)
+    """Completed by an earlier run of this campaign in the same run directory (``resume``): not run again."""
+    interrupted: bool = False
+    """Stopped by the walltime warning (SIGUSR1/SIGTERM) after saving: run it again with ``resume``."""
+
+    @property
+    def ok(self) -> bool:
+        return (not self.failed and not self.cancelled and self.error is None and not self.interrupted
+                and self.training_returncode in (None, 0))
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``interrupted`` (resume it) or ``failed``."""
+        return "ok" if self.ok else "interrupted" if self.interrupted and self.error is None else "failed"

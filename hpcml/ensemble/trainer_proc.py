@@ -1,0 +1,148 @@
+"""The training job of a campaign as a child process group of the driver.
+
+It is not a Parsl task: it must never be retried behind our back (it owns the stream's
+state), its exit must be seen at once, it must not take a simulation slot, and the driver
+must be able to signal it (the walltime warning). Exit codes: 0 finished; 75
+(:data:`~hpcml.ensemble.jobscript.NOT_FINISHED`) saved and stopped on a signal, to be
+resumed; anything else failed, and it is relaunched while ``max_restarts`` allow (it
+resumes from its checkpoint; its stream servers rebind the same addresses).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+from hpcml.ensemble.attempts import tail_lines
+from hpcml.ensemble.spec import TrainingJob
+from hpcml.env import NOT_FINISHED
+from hpcml.errors import LaunchError
+from hpcml.log import get_logger
+
+logger = get_logger(__name__)
+
+
+
+class TrainerProcess:
+    """Start, watch, restart, signal and stop the training job; its output goes to
+    ``run_dir/train.out`` and ``train.err`` (appended on a restart)."""
+
+    def __init__(self, job: TrainingJob, *, line: Callable[[TrainingJob], str], run_dir: Path,
+                 env: Mapping[str, str], grace_s: float) -> None:
+        self.job, self._line, self.run_dir, self.env, self.grace_s = job, line, run_dir, dict(env), grace_s
+        self.proc: subprocess.Popen | None = None
+        self.line: str | None = None
+        self.returncode: int | None = None
+        self.started = self.ended = 0.0
+        self.restarts = 0
+
+    # -- life ---------------------------------------------------------------------------------
+    def start(self, *, restart: bool = False, append: bool = False) -> None:
+        job = self.job
+        if restart and job.restart_argv:
+            job = TrainingJob(**{**asdict(job), "argv": job.restart_argv})
+        self.line = self._line(job)
+        env = {**os.environ, **self.env, **job.env}
+        logger.info("training job: %s", self.line)
+        mode = "ab" if restart or append else "wb"
+        with open(self.run_dir / "train.out", mode) as out, open(self.run_dir / "train.err", mode) as err:
+            self.proc = subprocess.Popen(self.line, shell=True, executable="/bin/bash", stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.returncode = None
+        self.started = time.monotonic()
+
+    def poll(self) -> int | None:
+        """The exit status once it has exited (recorded the first time it is seen)."""
+        if self.proc is not None and self.returncode is None and self.proc.poll() is not None:
+            self.returncode = self.proc.returncode
+            self.ended = time.monotonic()
+        return self.returncode
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.poll() is None
+
+    def restart_if_allowed(self) -> bool:
+        """Relaunch after a failure while restarts are left; False when it stays down."""
+        rc = self.poll()
+        if rc in (None, 0, NOT_FINISHED) or self.restarts >= self.job.max_restarts:
+            return False
+        self.restarts += 1
+        logger.warning("training job exited with code %s: restart %d of %d (it resumes from its checkpoint)",
+                       rc, self.restarts, self.job.max_restarts)
+        self.start(restart=True)
+        return True
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to its process group (``srun``/``mpiexec`` forward it to every rank)."""
+        if self.running:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """TERM the process group, KILL it after the grace period."""
+        if not self.running:
+            return
+        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.poll()
+
+    # -- waiting --------------------------------------------------------------------------------
+    def wait_ready(self, ready_file: Path, timeout_s: float | None) -> None:
+        """Until ``ready_file`` exists; LaunchError if the job exits first or time runs out."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ready_file.exists():
+            if self.poll() is not None:
+                raise LaunchError(self.message(f"exited with code {self.returncode} before writing "
+                                               f"ready file {ready_file}"))
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError(f"ready file {ready_file} did not appear within {timeout_s:g} s; the training "
+                                  f"job is still running")
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float | None, tick: Callable[[], None], poll_s: float,
+             stop_requested: Callable[[], bool] = lambda: False) -> int:
+        """Until it exits (restarting it after failures while allowed); its exit status.
+        ``stop_requested`` turns true: it is asked to save and stop (SIGUSR1)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        asked = False
+        while True:
+            if self.poll() is not None and not self.restart_if_allowed():
+                break
+            if stop_requested() and not asked:
+                self.signal(signal.SIGUSR1)
+                asked = True
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"training job did not exit within {timeout_s:g} s after the last simulation "
+                                  f"(a timeout from the walltime); stopped it")
+            tick()
+            time.sleep(poll_s)
+        tick()
+        return self.returncode
+
+    # -- reporting ----------------------------------------------------------------------------
+    def message(self, what: str) -> str:
+        tail = tail_lines(self.run_dir / "train.err", 3)
+        return (f"training job {what} after {(self.ended or time.monotonic()) - self.started:.1f} s "
+                f"(see {self.run_dir / 'train.err'}){': ' + ' / '.join(tail) if tail else ''}")
+
+    def summary(self) -> dict:
+        return {"argv": self.job.argv, "ranks": self.job.ranks, "nodes": self.job.nodes, "launch": self.line,
+                "returncode": self.returncode, "restarts": self.restarts,
+                "wall_s": round((self.ended or time.monotonic()) - self.started, 3) if self.started else None}

@@ -1,0 +1,52 @@
+"""The walltime warning as a process-wide flag: installed first, read by whoever loops.
+
+Schedulers warn a job before its walltime with a signal (Slurm ``--signal``, LSF ``-wa``,
+the timer of ``hpcml job`` scripts on PBS). A handler installed late -- after torch's
+import, after the grid is built -- leaves a window in which SIGUSR1's default action kills
+the process, and a killed run is not requeued. So entry points call :func:`install` first
+thing; the training loops and the campaign read :func:`requested` at their next step.
+Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterable
+
+#: The signals that mean "save and stop": the walltime warning and a polite kill.
+STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+_reason: list[str] = []
+_lock = threading.Lock()
+
+
+def request(reason: str) -> None:
+    """Ask the loops of this process to save and stop (the first reason is kept)."""
+    with _lock:
+        if not _reason:
+            _reason.append(reason)
+
+
+def requested() -> str | None:
+    """Why a stop was asked (``"SIGUSR1"``...), or None."""
+    return _reason[0] if _reason else None
+
+
+def clear() -> None:
+    """Forget a request (a test that runs several loops in one process)."""
+    with _lock:
+        _reason.clear()
+
+
+def install(signals: Iterable[int] = STOP_SIGNALS) -> dict[int, object]:
+    """Handlers that record a stop request for ``signals``; the previous handlers, for
+    :func:`restore`. Only the main thread may install them: elsewhere nothing happens."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, lambda signum, _f: request(signal.Signals(signum).name)) for s in signals}
+
+
+def restore(previous: dict[int, object]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)

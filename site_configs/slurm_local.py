@@ -1,0 +1,49 @@
+"""The two-node Slurm cluster that ``scripts/slurm_cluster.sh`` runs on this host (n1, n2).
+
+The same contract as frontier.py, so every batch path runs for real in the tests: a
+``SlurmProvider`` block, ``MPIExecutor`` with ``srun`` steps for the simulations, drain
+before the walltime, the outer job script of ``hpcml job`` with its walltime signal and
+requeue. Point Slurm's commands at the cluster first: ``eval $(scripts/slurm_cluster.sh env)``.
+See docs/sites/slurm-local.md.
+"""
+
+from __future__ import annotations
+
+from hpcml.ensemble.parsl_build import block_options, host_memory_gib
+from hpcml.ensemble.site import Site, SiteHardware, SiteRequest
+
+#: CPUs slurm_cluster.sh gives each node (it oversubscribes this host's cores).
+CPUS_PER_NODE = 4
+
+
+def _provider(request: SiteRequest):
+    """One block of ``nodes`` in the ``debug`` partition. Not exclusive: the training job of
+    a pilot campaign shares the nodes (OverSubscribe=FORCE in slurm_cluster.sh)."""
+    from parsl.providers import SlurmProvider
+
+    return SlurmProvider(account=request.account, partition=SITE.queue_for(request.nodes, request.queue),
+                         exclusive=False, **block_options(SITE, request))
+
+
+SITE = Site(
+    hardware=SiteHardware(
+        name="slurm-local",
+        gpus_per_node=0,
+        gpu_model="none",
+        cpu_cores_per_node=CPUS_PER_NODE,
+        memory_gb_per_node=round(host_memory_gib() / 4, 1),
+        gpu_memory_gb=0.0,
+        peak_tflops_bf16_per_gpu=0.0,
+        peak_tflops_fp32_per_gpu=0.0,
+        node_injection_gbps=0.0,
+        intra_node_link="shared memory (both nodes are this host)",
+        scheduler="slurm",
+    ),
+    queues=((None, "debug"),),
+    queue_kind="partition",
+    train_ranks_per_node=2,
+    train_launch="srun -N{nodes} -n{ranks} --ntasks-per-node={ranks_per_node} --mpi=pmi2",
+    sim_launch="$PARSL_MPI_PREFIX",
+    mpi_launcher="srun",
+    provider=_provider,
+)

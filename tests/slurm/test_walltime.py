@@ -1,0 +1,43 @@
+"""The walltime, survived: the job script asks Slurm for SIGUSR1 before the end, the trainer
+saves and exits 75, the job requeues itself and the next run resumes from `latest` -- until
+the training is done, with the losses of an uninterrupted run, bitwise (same layout)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.slurm.scenarios import ENV, LLM, PY, ROOT, final_losses, job, metrics, segments, sh, submit, \
+    wait_done, wait_until
+
+STEPS = 80
+ARGS = ["--tp", "2", "--steps", str(STEPS), "--seed", "0", "--no-progress"]
+
+
+def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
+    reference = subprocess.Popen(["mpiexec", "-n", "2", PY, LLM, *ARGS], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env={k: v for k, v in ENV.items() if k != "SLURM_CONF"})
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    cmd = [PY, LLM, *ARGS, "--ckpt-dir", str(ck), "--ckpt-every", "10", "--auto-resume", "--run-dir", str(run)]
+    # a real 2-minute walltime: Slurm sends USR1 60 s before its end (or up to a minute earlier)
+    job_id = submit(tmp_path, "wall", nodes="2", ranks=2, walltime="00:02:00", warn=60, cmd=cmd)
+    wait_until(lambda: int(job(job_id).get("Restarts", 0)) >= 1, 240, "the walltime warning to requeue the job")
+    assert len(metrics(run)) < STEPS  # the walltime split it, not the end of training
+    # the second run: stopped by hand, as `scancel --signal` does for a test
+    wait_until(lambda: len(p := segments(metrics(run))) >= 2 and len(p[-1]) >= 3, 240, "the resumed run's steps")
+    sh("scancel", "--signal=USR1", "--batch", job_id, check=True)
+    record = wait_done(job_id, 420)
+    text = (tmp_path / f"wall-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", text[-3000:]
+    assert int(record["Restarts"]) >= 2, text[-3000:]
+    assert text.count("hpcml-job: not finished (exit 75): requeueing job") >= 2
+    parts = segments(metrics(run))
+    assert len(parts) >= 3
+    for before, after in zip(parts, parts[1:]):  # saved at the signal: the next run starts right after it
+        assert after[0]["step"] == before[-1]["step"] + 1
+    out, err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, err[-2000:]
+    expected = [float(x) for x in __import__("json").loads(out.strip().splitlines()[-1])["losses"]]
+    final = final_losses(metrics(run))
+    assert sorted(final) == list(range(1, STEPS + 1))
+    assert [final[s] for s in range(1, STEPS + 1)] == expected  # bitwise
