@@ -7,7 +7,7 @@ READY   := $(VENV)/.hpcml-ready
 # A hung job must never eat CI's 90 minutes: every MPI launch runs under a hard limit.
 MPI_TIMEOUT ?= 900
 
-.PHONY: setup verify demo test test-unit test-mpi test-workflows clean
+.PHONY: setup verify demo test test-unit test-mpi test-workflows test-slurm slurm-start slurm-stop clean
 
 setup: $(READY)
 
@@ -25,7 +25,7 @@ demo: setup
 	timeout --kill-after=30 600 $(PY) workflows/heat_surrogate.py --site local --sims 16 --mode online --run-dir runs/demo
 
 test: setup
-	$(MAKE) --no-print-directory test-unit test-mpi test-workflows
+	$(MAKE) --no-print-directory test-unit test-mpi test-workflows test-slurm
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q || [ $$? -eq 5 ]
@@ -38,6 +38,16 @@ test-mpi: setup
 
 test-workflows: setup
 	$(PY) -m pytest tests/workflows -q || [ $$? -eq 5 ]
+
+# A real two-node Slurm cluster on this host (scripts/slurm_cluster.sh): started, tested, stopped.
+test-slurm: setup
+	PY=$(PY) bash scripts/slurm_tests.sh
+
+slurm-start:
+	bash scripts/slurm_cluster.sh start
+
+slurm-stop:
+	bash scripts/slurm_cluster.sh stop
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs

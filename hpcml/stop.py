@@ -47,6 +47,18 @@ def install(signals: Iterable[int] = STOP_SIGNALS) -> dict[int, object]:
     return {s: signal.signal(s, lambda signum, _f: request(signal.Signals(signum).name)) for s in signals}
 
 
+def finished(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """The run's outcome is decided (done, or saved and stopping): ignore a late warning.
+
+    At exit Python puts back the default action of every signal it handled -- for SIGUSR1,
+    death -- so a warning in the last moments of a finished job would turn its exit 0 into
+    a kill, and the job would count as failed. An ignored signal stays ignored.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+
+
 def restore(previous: dict[int, object]) -> None:
     for s, handler in previous.items():
         signal.signal(s, handler)

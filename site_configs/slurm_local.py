@@ -17,12 +17,12 @@ CPUS_PER_NODE = 4
 
 
 def _provider(request: SiteRequest):
-    """One block of ``nodes`` in the ``debug`` partition. Not exclusive: the training job of
-    a pilot campaign shares the nodes (OverSubscribe=FORCE in slurm_cluster.sh)."""
+    """One exclusive block of ``nodes`` in the ``debug`` partition: whole nodes, as on Frontier
+    (Parsl's template asks one task per node, too few CPUs for a simulation's srun step)."""
     from parsl.providers import SlurmProvider
 
     return SlurmProvider(account=request.account, partition=SITE.queue_for(request.nodes, request.queue),
-                         exclusive=False, **block_options(SITE, request))
+                         exclusive=True, **block_options(SITE, request))
 
 
 SITE = Site(

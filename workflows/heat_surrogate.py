@@ -169,7 +169,15 @@ def driver(args) -> dict:
     completed = [s for s in result.completed if s < args.sims]
     expected = len(completed) * (args.sim_steps // args.every)  # every output of every completed simulation
     train["samples_missing"] = max(0, expected - train["samples_ingested"])
-    summary = {"status": "ok", "mode": args.mode, "sims_completed": len(completed), "sims_resumed": len(result.skipped),
+    problems = []  # no silent success: a run that lost simulations or trained nothing says so and fails
+    failed = sorted(set(result.failed) | set(result.cancelled))
+    if failed:
+        problems.append(f"{len(failed)} simulation(s) did not complete: {failed} (see {run_dir / 'provenance.jsonl'})")
+    if not train.get("gradient_steps"):
+        problems.append(f"the trainer took 0 gradient steps (see {run_dir / 'train.err'})")
+    if max(0, expected - train["samples_ingested"]):
+        problems.append(f"{expected - train['samples_ingested']} of {expected} samples were never ingested")
+    summary = {"status": "failed" if problems else "ok", "problems": problems, "mode": args.mode, "sims_completed": len(completed), "sims_resumed": len(result.skipped),
                "sims_failed": len([s for s in result.failed if s < args.sims]),
                "val_sims": args.val_sims, "sim_attempts": sum(result.attempts.values()),
                "sims_retried": len(result.retried), **train, "wall_s": time.perf_counter() - t0}
@@ -180,6 +188,9 @@ def driver(args) -> dict:
     print("summary: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                                   for k in keys))
     print(f"wrote {run_dir / 'summary.json'}" + ("" if args.no_report else f" and {run_dir / 'report.png'}"))
+    if problems:
+        print(f"heat_surrogate: failed: {'; '.join(problems)}", file=sys.stderr)
+        sys.exit(1)
     return summary
 
 
@@ -280,6 +291,7 @@ def train(args) -> None:
         if isinstance(source, StreamServer):
             source.quiesce()
         save()
+        stop.finished()
         source.stop()
         if rank == 0:
             print(f"[train] stopped by signal at step {trainer.step} after saving", flush=True)
@@ -377,11 +389,16 @@ def write_report(run_dir: Path, trainer, vals, occupancy, summary) -> None:
 
 
 def main(argv=None) -> None:
+    from hpcml import stop
+
     args = parse(argv)
-    if args.role == "train":
-        train(args)
-    else:
-        driver(args)
+    try:
+        if args.role == "train":
+            train(args)
+        else:
+            driver(args)
+    finally:
+        stop.finished()  # the outcome is decided: a late walltime warning must not turn it into a kill
 
 
 if __name__ == "__main__":

@@ -117,6 +117,9 @@ def main(argv=None) -> int:
             print(f"llm_pretrain: error: {e}", file=sys.stderr)
         return 2
     history = trainer.fit()
+    from hpcml import stop
+
+    stop.finished()  # done or saved: a warning from now on changes nothing (and must not kill us)
     for hook in trainer.hooks:
         if isinstance(hook, CheckpointHook):
             hook.close()  # exit waits for a save in flight

@@ -95,9 +95,13 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter
 
 def training_tensors(named_params: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer | None,
                      create: bool = False) -> dict[str, torch.Tensor]:
-    """Everything of the model and optimizer to save (or to load into, with ``create=True``)."""
+    """Everything of the model and optimizer to save (or to load into, with ``create=True``).
+
+    AdamW's state is created by its first step; a save before it (a stop that came during
+    start-up) writes the zero state AdamW would create, so that checkpoint resumes like any
+    other (``create`` only matters to other optimizers now)."""
     named = list(named_params)
     out = model_tensors(named)
     if optimizer is not None:
-        out.update(optimizer_tensors(optimizer, {p: n for n, p in named}, create=create))
+        out.update(optimizer_tensors(optimizer, {p: n for n, p in named}, create=True))
     return out

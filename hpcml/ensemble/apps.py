@@ -60,7 +60,7 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
         raise ConfigError(f"timeout_s must be > 0 or None, got {timeout_s}")
     run_dir = Path(run_dir).resolve()
     sims_dir = run_dir / "sims"
-    if env is not None or not (sims_dir / "attempt.sh").exists():
+    if env is not None or not (sims_dir / "attempt.sh").exists():  # None: keep the environment set before
         attempts.prepare(sims_dir, {"HPCML_RUN_DIR": str(run_dir), **(env or {})})
     directory = attempts.sim_dir(run_dir, spec.sim_id)
     directory.mkdir(parents=True, exist_ok=True)

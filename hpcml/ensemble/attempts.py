@@ -117,16 +117,33 @@ exit "$rc"
 
 
 def prepare(sims_dir: Path, env: Mapping[str, str]) -> None:
-    """Write the attempt wrapper and the attempts' environment into ``sims_dir``; clear a
-    cancellation left by an earlier run."""
+    """Write the attempt wrapper and the attempts' environment into ``sims_dir``.
+
+    Atomically (rename) and only when the content changes: attempts of other simulations
+    may be starting from these files at this moment, and bash runs a half-written script."""
     sims_dir.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(sims_dir / "attempt.sh", ATTEMPT_SH, 0o755)
+    _write_if_changed(sims_dir / "env.sh", "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()),
+                      0o600)  # may name secrets' files
+
+
+def clear_cancel(sims_dir: Path) -> None:
+    """Forget a cancellation left by an earlier run."""
     (sims_dir / CANCEL_FILE).unlink(missing_ok=True)
-    script = sims_dir / "attempt.sh"
-    script.write_text(ATTEMPT_SH)
-    script.chmod(0o755)
-    fd = os.open(sims_dir / "env.sh", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may name secrets' files
+
+
+def _write_if_changed(path: Path, text: str, mode: int) -> None:
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
-        f.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
 
 
 def sim_dir(run_dir: Path, sim_id: int) -> Path:

@@ -125,14 +125,23 @@ class Campaign:
             return dict(self.sim_resource_spec(ranks))
         return self.site.sim_resource_spec(ranks) if self.site is not None else {}
 
-    def train_line(self, job: TrainingJob, hosts: Sequence[str] = ()) -> str:
-        """The training job's command line (``hosts``: pinned to those nodes of the job)."""
+    def train_line(self, job: TrainingJob, hosts: Sequence[str] = (), *, allocate: bool = False) -> str:
+        """The training job's command line: pinned to ``hosts`` of the running job (one
+        allocation), or getting an allocation of its own (``allocate``: pilot mode)."""
         if self.train_launch is not None:
             ranks = job.ranks if job.ranks is not None else job.nodes
             return shell_join(self.train_launch.format(ranks=ranks, nodes=job.nodes), job.argv)
         if self.site is None:
             return shell_join(f"mpiexec -n {job.ranks or job.nodes}", job.argv)
-        return self.site.train_line(job.argv, nodes=job.nodes, ranks=job.ranks, hosts=hosts)
+        line = self.site.train_line(job.argv, nodes=job.nodes, ranks=job.ranks, hosts=hosts)
+        if not allocate or self.site.scheduler == "local":
+            return line
+        from hpcml.ensemble.jobscript import allocate_line
+
+        opts = self.site_options
+        return allocate_line(self.site, line, walltime=opts.get("walltime") or "01:00:00", account=opts.get("account"),
+                             queue=opts.get("queue"), nodes=job.nodes, run_dir=self.run_dir, argv=job.argv,
+                             ranks=job.ranks)
 
     def allocation(self) -> Allocation | None:
         """The batch job this driver runs in, when it runs the campaign (``mode``)."""

@@ -237,6 +237,26 @@ def submit(spec: JobSpec, path: str | Path) -> str:
     return m[1] if m else text.split(";")[0].splitlines()[-1]
 
 
+def allocate_line(site: Site, line: str, *, walltime: str, account: str | None, queue: str | None, nodes: int,
+                  run_dir: Path, argv: Sequence[str], ranks: int | None) -> str:
+    """A training launch line that gets its own allocation from a login node (pilot mode):
+    ``srun`` with the job's options on Slurm; elsewhere the training job as a batch script
+    submitted and waited for (``qsub -W block=true``, ``bsub -K``), whose exit status it returns."""
+    if site.scheduler == "slurm":
+        queue = site.queue_for(nodes, queue)
+        opts = [f"--time={walltime}"] + ([f"--account={account}"] if account else []) + \
+            ([f"--{site.queue_kind}={queue}"] if queue else [])
+        head, _, rest = line.partition(" ")
+        return f"{head} {' '.join(opts)} {rest}"
+    spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,
+                   queue=queue, ranks=ranks, name="hpcml-train", requeue=False, workdir=str(run_dir))
+    path = run_dir / f"train{SUFFIX[site.scheduler]}"
+    path.write_text(render(spec))
+    quoted = shlex.quote(str(path))
+    # -V: the trainer needs the campaign's environment (done file, stream); bsub passes it anyway
+    return f"qsub -V -W block=true {quoted}" if site.scheduler == "pbs" else f"bsub -K < {quoted}"
+
+
 def job_spec(*, site: str | Site, command: Sequence[str], nodes: int | str, walltime: str, **options) -> JobSpec:
     """A :class:`JobSpec` from a site name and plain values (what ``hpcml job`` calls)."""
     return JobSpec(site=load_site(site), command=tuple(command), nodes=parse_nodes(nodes), walltime=walltime,

@@ -116,7 +116,9 @@ class Run:
             if self.ready_file is not None:
                 self.ready_file.unlink(missing_ok=True)  # a stale one would send sims to an old trainer
             if self.training is not None:
-                self.trainer = TrainerProcess(self.training, line=lambda job: self.c.train_line(job, train_hosts),
+                pilot = alloc is None
+                self.trainer = TrainerProcess(self.training,
+                                              line=lambda job: self.c.train_line(job, train_hosts, allocate=pilot),
                                               run_dir=self.run_dir, env=self._trainer_env(),
                                               grace_s=self.c.cancel_grace_s)
                 self.trainer.start(append=self.resume)
@@ -174,6 +176,7 @@ class Run:
     def _prepare(self) -> None:
         env = {"HPCML_RUN_DIR": str(self.run_dir), **self.c.env}
         attempts.prepare(self.sims_dir, env)
+        attempts.clear_cancel(self.sims_dir)
         (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)
         done = attempts.completed_sims(self.run_dir) if self.resume else {}
         for s in self.sims:

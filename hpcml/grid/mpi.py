@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,11 +45,17 @@ def install_abort_handler(comm: MPI.Comm | None = None) -> None:
     previous = sys.excepthook
 
     def _hook(exc_type, exc, tb) -> None:
-        previous(exc_type, exc, tb)
-        sys.stderr.flush()
-        if comm.Get_size() > 1:
-            time.sleep(0.5)  # let the launcher forward the traceback before Abort tears the job down
-            comm.Abort(1)
+        if comm.Get_size() == 1:
+            return previous(exc_type, exc, tb)
+        # The real stderr, not sys.stderr: torch.distributed's excepthook (installed later by
+        # init_process_group) points sys.stderr at a buffer it writes out only after this hook
+        # returns -- and Abort never returns, so the traceback would be lost.
+        out = sys.__stderr__ or sys.stderr
+        lines = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n").split("\n")
+        out.write("".join(f"[rank {comm.Get_rank()}] {line}\n" for line in lines))
+        out.flush()
+        time.sleep(0.5)  # let the launcher forward the traceback before Abort tears the job down
+        comm.Abort(1)
 
     sys.excepthook = _hook
 

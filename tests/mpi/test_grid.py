@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from mpi4py import MPI
@@ -124,3 +125,15 @@ def test_describe_shows_devices_after_torch(torch_grid):
     lines = torch_grid.describe().splitlines()
     assert "torch backend gloo" in lines[0]
     assert lines[1].split()[-1] == "device" and lines[2].split()[-1] == "cpu"
+
+
+def test_threads_per_rank_share_the_hosts_cpus(comm):
+    """Ranks on one host with the same CPUs split them (srun tells a process nothing of its
+    neighbours; 4 ranks x 2 threads on 2 cores ran 5x slower)."""
+    grid = ProcessGrid()
+    cpus = len(os.sched_getaffinity(0))
+    same = comm.allgather(sorted(os.sched_getaffinity(0)))
+    if all(s == same[0] for s in same):  # mpiexec here binds nothing: every rank sees every core
+        assert (grid.cpus, grid.cpu_sharers) == (cpus, WORLD)
+        assert grid.threads_per_rank == max(1, cpus // WORLD)
+    grid.free()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpcml import ckpt
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage, check_fused, fused_boxes, fused_runs, fused_spec
 from hpcml.ckpt.shard import storage_chunk
@@ -146,3 +147,23 @@ def test_fused_attributes_as_stored_and_read():
     assert fused_attrs({"l.0.wqkv.weight": QKV}) == {
         f"{p}": {"fused_widths": QKV, "fused_dim": 0}
         for p in ("model/l.0.wqkv.weight", "optim/l.0.wqkv.weight/exp_avg", "optim/l.0.wqkv.weight/exp_avg_sq")}
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_bitwise(tmp_path):
+    """A walltime warning during start-up saves at step 0, before AdamW made its state: the
+    next job must resume from it and take the same first step a fresh run would."""
+    torch.manual_seed(0)
+    model, fresh = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    fresh.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt.save(tmp_path, 0, ckpt.training_tensors(model.named_parameters(), opt), extra={"step": 0})
+    resumed = torch.nn.Linear(4, 3)
+    opt_resumed = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    report = ckpt.load(tmp_path, ckpt.training_tensors(resumed.named_parameters(), opt_resumed, create=True))
+    assert (report.missing, report.unexpected, report.mismatched) == ([], [], [])
+    x = torch.randn(5, 4)
+    for m, o in ((fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1)), (resumed, opt_resumed)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    assert torch.equal(fresh.weight, resumed.weight) and torch.equal(fresh.bias, resumed.bias)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hpcml import env
@@ -80,3 +82,37 @@ def test_bad_variables(environ, message):
     with pytest.raises(LaunchError) as info:
         env.detect(environ)
     assert str(info.value) == message and isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("hostlist, names", [
+    ("n1", ["n1"]), ("n[1-2]", ["n1", "n2"]), ("nid[001-003,007],login1", ["nid001", "nid002", "nid003", "nid007", "login1"]),
+    ("x1000c0s[0-1]b0n0", ["x1000c0s0b0n0", "x1000c0s1b0n0"]), ("a[1-2]-ib,b9", ["a1-ib", "a2-ib", "b9"]),
+])
+def test_slurm_host_lists_expand_in_order(hostlist, names):
+    assert env.expand_hostlist(hostlist) == names
+
+
+@pytest.mark.parametrize("hostlist, message", [
+    ("n[1-2", "unmatched '['"), ("n]1", "unmatched ']'"), ("n[2-1]", "bad range '2-1'"), ("n[a]", "bad range 'a'"),
+])
+def test_bad_host_lists_are_one_line(hostlist, message):
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        env.expand_hostlist(hostlist)
+
+
+def test_node_under_mpiexec_inside_sbatch_comes_from_the_node_id():
+    """Hydra copies the batch shell's SLURMD_NODENAME (n1) to every rank; the rank on the
+    second node knows it by SLURM_NODEID and the proxies' step node list (seen on slurm-local)."""
+    base = {"SLURM_JOB_ID": "9", "SLURMD_NODENAME": "n1", "SLURM_STEP_NODELIST": "n[1-2]", "PMI_RANK": "2",
+            "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    assert env.detect({**base, "SLURM_NODEID": "1"}).node == "n2"
+    assert env.detect({**base, "SLURM_NODEID": "0"}).node == "n1"
+    assert env.detect({"SLURM_JOB_ID": "9", "SLURMD_NODENAME": "frontier01"}).node == "frontier01"
+
+
+def test_job_deadline_from_the_job_script_or_slurm():
+    assert env.job_deadline({}) is None
+    assert env.job_deadline({"HPCML_JOB_DEADLINE": "1795400000"}) == 1795400000.0
+    assert env.job_deadline({"SLURM_JOB_END_TIME": "1795400060"}) == 1795400060.0
+    with pytest.raises(LaunchError, match="HPCML_JOB_DEADLINE='soon' is not epoch seconds"):
+        env.job_deadline({"HPCML_JOB_DEADLINE": "soon"})

@@ -138,3 +138,10 @@ def test_submit_without_the_scheduler_is_one_line(tmp_path):
     finally:
         os.environ["PATH"] = env_path
     assert str(info.value) == f"qsub not found: submit {tmp_path / 'job.pbs'} on a login node of polaris"
+
+
+def test_site_pages_show_the_scripts_the_code_writes():
+    """docs/sites/<site>.md's job scripts are generated (scripts/site_docs.py): never stale."""
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "site_docs.py"),
+                          "--check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

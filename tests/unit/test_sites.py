@@ -187,7 +187,7 @@ EXPECTED_SCRIPT = {
     "aurora": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=208", "#PBS -l filesystems=home:flare",
                "#PBS -l place=scatter", "module load frameworks cray-hdf5-parallel",
                "export ZE_FLAT_DEVICE_HIERARCHY=FLAT"],
-    "slurm-local": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --partition=debug",
+    "slurm-local": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --exclusive", "#SBATCH --partition=debug",
                     "#SBATCH --account=proj42"],
 }
 EXPECTED_SUBMIT = {

@@ -267,3 +267,68 @@ def test_state_round_trip_and_rebalance_to_fewer_trainers():
     finally:
         for v in srvs:
             v.stop()
+
+
+def test_quiesce_takes_in_what_was_sent_past_capacity_before_a_stop_save():
+    """A stop save must hold every sample a finished simulation sent: those still queued
+    in the socket when the buffer is full are taken in, past its capacity."""
+    srv = _server(policy="fifo", capacity=2, watermark=1)
+    try:
+        field = np.zeros((64, 64), np.float32)
+        p = _producers(srv, 0, 0, field, nranks=1)[0][0]
+        for step in range(6):  # 6 samples into a buffer of 2: 4 wait in ZeroMQ's queues
+            p.send(step, 0.0, {"T": field + step})
+        p.close()  # the simulation finished: everything has left it
+        _wait(lambda: len(srv.buffer) == 2)
+        srv.quiesce(quiet_s=0.3, timeout_s=10)
+        assert len(srv.buffer) == 6 and srv.counters["samples"] == 6
+        assert sorted(s.step for s in srv.buffer.get(6)) == list(range(6))
+    finally:
+        srv.stop()
+
+
+def test_restore_never_drops_samples_to_fit_the_capacity():
+    """Two trainer ranks' buffers restored onto one rank with room for fewer: all come back."""
+    srvs = [_server(n_trainers=2, rank=r, policy="fifo", capacity=8, watermark=8) for r in range(2)]
+    try:
+        for s in range(4):
+            field = np.full((4, 4), s, np.float32)
+            _send_all(_producers(srvs[route(s, 2)], s, 0, field, nranks=1), (1, 2), field)
+        _wait(lambda: sum(len(v.buffer) for v in srvs) == 8)
+        states = [v.state() for v in srvs]
+    finally:
+        for v in srvs:
+            v.stop()
+    one = _server(n_trainers=1, rank=0, policy="fifo", capacity=4, watermark=1)
+    try:
+        one.load_state(states)
+        assert len(one.buffer) == 8 and one.counters["samples"] == 8  # counters follow what this rank owns
+    finally:
+        one.stop()
+    again = [_server(n_trainers=2, rank=r, policy="fifo", capacity=8, watermark=8) for r in range(2)]
+    try:
+        for v in again:  # the same trainer count: each rank's own counters continue
+            v.load_state(states)
+        assert [v.counters["samples"] for v in again] == [st.counters["samples"] for st in srvs]
+    finally:
+        for v in again:
+            v.stop()
+
+
+def test_loader_stops_every_rank_when_one_is_asked_to():
+    from mpi4py import MPI
+
+    from hpcml.stream import StreamLoader
+
+    srv = _server(policy="reservoir", capacity=8, watermark=1)
+    try:
+        field = np.zeros((4, 4), np.float32)
+        _send_all(_producers(srv, 0, 0, field, nranks=1), (1, 2, 3), field)
+        _wait(lambda: len(srv.buffer) == 3)
+        asked = {"stop": False}
+        loader = StreamLoader(srv, MPI.COMM_SELF, 2, should_stop=lambda: asked["stop"])
+        assert loader.next_batch() is not None and not loader.stopped
+        asked["stop"] = True
+        assert loader.next_batch() is None and loader.stopped  # a stream that has not ended
+    finally:
+        srv.stop()

@@ -1,0 +1,89 @@
+"""An online campaign on the real Slurm cluster, both ways a centre runs one:
+
+- pilot: the driver in a login shell; Parsl's SlurmProvider submits the simulations' block,
+  the trainer gets an allocation of its own (srun);
+- one allocation: the driver inside an `hpcml job --driver` batch job; the trainer on the
+  job's first node, the simulations as srun steps on the other (Parsl's workers start in
+  the job) -- and split by the walltime warning into two jobs: every simulation completes
+  exactly once, every sample is ingested exactly once, no finished simulation runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from tests.slurm.scenarios import ENV, HEAT, PY, ROOT, job, sh, submit, wait_done, wait_until
+
+SIMS, OUTPUTS = 6, 400 // 40
+SMALL = ["--sims", str(SIMS), "--val-sims", "1", "--nx", "16", "--ny", "16", "--sim-steps", "400", "--every", "40",
+         "--max-concurrent", "3", "--steps", "150", "--ckpt-every", "25", "--quiet", "--no-report"]
+
+
+def provenance(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "provenance.jsonl").read_text().splitlines()]
+
+
+def seen_keys(run_dir: Path) -> np.ndarray:
+    ck = run_dir / "checkpoints"
+    step = (ck / "latest").read_text().strip()
+    with h5py.File(ck / step / "index.h5") as f:
+        return np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2) if f"stream/rank_{r:05d}/seen" in f])
+
+
+def test_pilot_campaign_from_a_login_shell(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([PY, HEAT, "--site", "slurm-local", "--nodes", "1", "--walltime", "00:10:00",
+                          "--run-dir", str(run_dir), *SMALL], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:] + (run_dir / "train.err").read_text()[-2000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert (s["status"], s["sims_completed"], s["samples_ingested"], s["samples_missing"]) == ("ok", SIMS,
+                                                                                             SIMS * OUTPUTS, 0)
+    recs = provenance(run_dir)
+    assert sorted(r["sim_id"] for r in recs if r["status"] == "ok") == list(range(SIMS + 1))
+    for r in recs:  # MPIExecutor's srun step inside Parsl's block
+        assert r["command"].startswith("srun --ntasks 2 --ntasks-per-node 2 --nodelist n"), r["command"]
+    campaign = json.loads((run_dir / "campaign.json").read_text())
+    assert campaign["training"]["launch"].startswith(
+        f"srun --time=00:10:00 --partition=debug -N1 -n2 --ntasks-per-node=2 --mpi=pmi2 {PY} ")
+    assert list((run_dir / "parsl").glob("*/submit_scripts/parsl.sims.block*"))  # Parsl submitted a block
+
+
+def test_one_allocation_campaign_split_by_the_walltime_warning(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [PY, HEAT, "--site", "slurm-local", "--resume", "--run-dir", str(run_dir), *SMALL]
+    job_id = submit(tmp_path, "campaign", nodes="2", walltime="00:10:00", cmd=cmd, driver=True)
+    # the warning comes once three simulations are done and others still run
+    wait_until(lambda: (run_dir / "provenance.jsonl").exists() and
+               sum(r["status"] == "ok" for r in provenance(run_dir)) >= 3, 300, "three finished simulations")
+    sh("scancel", "--signal=USR1", "--batch", job_id, check=True)
+    record = wait_done(job_id, 400)
+    text = (tmp_path / f"campaign-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and int(record["Restarts"]) >= 1, text[-3000:]
+    assert "hpcml-job: not finished (exit 75): requeueing job" in text and "interrupted (walltime warning)" in text
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert (s["status"], s["sims_completed"], s["sims_failed"]) == ("ok", SIMS, 0), s
+    assert s["sims_resumed"] >= 3  # finished before the warning: not run again
+    train_out = (run_dir / "train.out").read_text()
+    assert "[train] stopped by signal at step" in train_out and "[train] resumed at step" in train_out
+    assert (s["samples_ingested"], s["samples_missing"]) == (SIMS * OUTPUTS, 0), s
+    keys = seen_keys(run_dir)  # exactly once: every (simulation, output step) ingested once
+    assert len(keys) == SIMS * OUTPUTS == len({tuple(k) for k in keys.tolist()})
+    assert sorted({int(k[0]) for k in keys}) == list(range(SIMS))
+    recs = provenance(run_dir)
+    for sim in range(SIMS + 1):
+        mine = [r for r in recs if r["sim_id"] == sim]
+        ok = [r for r in mine if r["status"] == "ok"]
+        assert len(ok) == 1, mine  # completed exactly once
+        assert all(r["start"] <= ok[0]["end"] for r in mine)  # nothing of it ran after it finished
+    assert any(r["status"] == "cancelled" for r in recs)  # the warning stopped a running one
+    campaign = json.loads((run_dir / "campaign.json").read_text())
+    assert campaign["deadline"] is not None  # every timeout followed from the walltime
+    assert campaign["training"]["launch"].startswith("srun --nodelist=n1 -N1 -n2 ")  # trainer on the first node
+    assert {r["command"].split("--nodelist ")[1].split()[0] for r in recs} == {"n2"}  # simulations on the other
+    assert job(job_id)["NodeList"] == "n[1-2]"

@@ -1,0 +1,81 @@
+"""The small pieces of the scheduler path: the stop flag, the running job's nodes (PBS and
+LSF faked by their variables and node files, which cannot exist here), the campaign's modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hpcml import stop
+from hpcml.ensemble import Campaign, load_site
+from hpcml.ensemble.allocation import Allocation, current
+from hpcml.errors import ConfigError
+
+
+def test_stop_flag_records_the_first_signal_and_ignores_late_ones():
+    code = textwrap.dedent("""
+        import os, signal, time
+        from hpcml import stop
+        stop.install()
+        assert stop.requested() is None
+        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)
+        print(stop.requested())
+        stop.finished()
+        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05)   # ignored: the run is over
+        print("alive")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.split()) == (0, ["SIGUSR1", "alive"]), out.stderr
+
+
+def test_stop_request_and_clear_in_process():
+    stop.clear()
+    stop.request("test")
+    stop.request("later")
+    assert stop.requested() == "test"
+    stop.clear()
+    assert stop.requested() is None
+
+
+def test_allocation_of_a_pbs_job_from_its_node_file(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x1\nx1\nx2\nx3\n")  # PBS repeats a node per slot
+    alloc = current(load_site("polaris"), {"PBS_JOBID": "7.polaris", "PBS_NODEFILE": str(nodefile),
+                                            "HPCML_JOB_DEADLINE": "1795400000"})
+    assert alloc == Allocation(scheduler="pbs", job_id="7.polaris", nodes=("x1", "x2", "x3"), deadline=1795400000.0)
+    assert alloc.split(1) == (("x1",), ("x2", "x3"))
+    with pytest.raises(ConfigError, match=r"job 7.polaris has 3 node\(s\) \(x1, x2, x3\); the training job takes 3"):
+        alloc.split(3)
+
+
+def test_allocation_of_an_lsf_job_skips_the_launch_node():
+    alloc = current(load_site("summit"), {"LSB_JOBID": "5", "LSB_MCPU_HOSTS": "batch1 1 h1 42 h2 42"})
+    assert (alloc.nodes, alloc.deadline) == (("h1", "h2"), None)
+
+
+def test_no_allocation_outside_a_job_of_the_sites_scheduler():
+    assert current(load_site("polaris"), {}) is None
+    assert current(load_site("polaris"), {"SLURM_JOB_ID": "3"}) is None  # another scheduler's job
+    assert current(load_site("local"), {"SLURM_JOB_ID": "3"}) is None
+
+
+def test_campaign_allocation_mode_outside_a_job_is_one_line(tmp_path, monkeypatch):
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "PBS_", "LSB_"))]:
+        monkeypatch.delenv(var)
+    c = Campaign(run_dir=tmp_path, site="frontier", mode="allocation", progress=False)
+    with pytest.raises(ConfigError, match=r"^mode='allocation' but this process is not in a slurm job of site "
+                                          r"frontier: run the driver inside the job \(hpcml job --driver\)$"):
+        c.allocation()
+    with pytest.raises(ConfigError, match="mode='both' must be one of auto, allocation, pilot"):
+        Campaign(run_dir=tmp_path, site="frontier", mode="both")
+    assert Campaign(run_dir=tmp_path, site="frontier", mode="pilot").allocation() is None
+
+
+def test_sigterm_is_a_stop_signal_too():
+    assert set(stop.STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1}
