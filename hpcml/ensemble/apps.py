@@ -17,6 +17,7 @@ is a convenience built on :func:`simulation_app`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +29,7 @@ from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
 
-__all__ = ["design", "mark_done", "provenance", "simulation", "simulation_app", "training"]
+__all__ = ["SimulationFuture", "design", "mark_done", "provenance", "simulation", "simulation_app", "training"]
 
 def simulation_app(executors: str | list[str] = "all"):
     """The simulation ``bash_app`` itself (what :func:`simulation` and the Campaign submit)."""
@@ -52,7 +53,8 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
     ``launch``: the MPI prefix template (``mpiexec -n {ranks}``), else ``site``'s (default
     ``local``; ``$PARSL_MPI_PREFIX`` and its resource spec under ``MPIExecutor``). ``env``:
     extra environment of every attempt of every simulation in ``run_dir`` (stream endpoints).
-    The future completes when the last attempt ends; its provenance records are written then.
+    Returns a :class:`SimulationFuture`: it completes when the last attempt has ended and
+    its provenance records are written.
     """
     if not isinstance(spec, SimSpec):
         raise ConfigError(f"spec must be a SimSpec, got {type(spec).__name__}")
@@ -66,24 +68,40 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
     directory.mkdir(parents=True, exist_ok=True)
     first = attempts.next_attempt(directory)
     prefix, resources = _launch(site, launch, spec.ranks)
-    fut = simulation_app(executors)(str(directory), spec.sim_id, prefix, spec.command(),
-                                    math.ceil(timeout_s) if timeout_s else 0, math.ceil(grace_s),
-                                    parsl_resource_specification=resources)
+    app_future = simulation_app(executors)(str(directory), spec.sim_id, prefix, spec.command(),
+                                           math.ceil(timeout_s) if timeout_s else 0, math.ceil(grace_s),
+                                           parsl_resource_specification=resources)
+    out = SimulationFuture(spec.sim_id, app_future)
 
-    def record(f) -> None:  # in Parsl's thread, once every retry is over
-        k, ok = first, f.exception() is None
-        while (directory / f"attempt_{k}.start").exists():
-            last = not (directory / f"attempt_{k + 1}.start").exists()
-            args = dict(sim_id=spec.sim_id, params=spec.params, argv=spec.command(), launch=prefix, k=k)
-            rec = attempts.attempt_record(run_dir, directory, **args) or attempts.attempt_record(
-                run_dir, directory, **args, missing_end=True,
-                missing_end_rc=(0 if ok else getattr(f.exception(), "exitcode", None)) if last else None)
-            attempts.append_record(run_dir, rec)
-            k += 1
+    def record(f) -> None:  # in Parsl's thread, once every retry is over; then `out` completes
+        try:
+            k, ok = first, f.exception() is None
+            while (directory / f"attempt_{k}.start").exists():
+                last = not (directory / f"attempt_{k + 1}.start").exists()
+                args = dict(sim_id=spec.sim_id, params=spec.params, argv=spec.command(), launch=prefix, k=k)
+                rec = attempts.attempt_record(run_dir, directory, **args) or attempts.attempt_record(
+                    run_dir, directory, **args, missing_end=True,
+                    missing_end_rc=(0 if ok else getattr(f.exception(), "exitcode", None)) if last else None)
+                attempts.append_record(run_dir, rec)
+                k += 1
+        finally:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(f.result())
 
-    fut.add_done_callback(record)
-    fut.hpcml_sim_id = spec.sim_id
-    return fut
+    app_future.add_done_callback(record)
+    return out
+
+
+class SimulationFuture(concurrent.futures.Future):
+    """The future of one simulation: completes once its last attempt has ended *and* every
+    attempt's provenance record is written, so a dependent app (Parsl waits on any Future)
+    or a reader after ``result()`` sees them all. ``app_future`` is Parsl's own."""
+
+    def __init__(self, sim_id: int, app_future) -> None:
+        super().__init__()
+        self.sim_id, self.app_future = sim_id, app_future
 
 
 def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
@@ -105,11 +123,11 @@ def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
 
 
 def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int]]:
-    """Wait for the simulations' futures and write ``run_dir/sims_done.json`` (which
+    """Wait for the simulations' futures (:func:`simulation`'s) and write ``run_dir/sims_done.json`` (which
     completed, which failed): a streaming trainer ends its stream on it."""
     completed, failed = [], []
     for f in futures:
-        (failed if f.exception() is not None else completed).append(f.hpcml_sim_id)
+        (failed if f.exception() is not None else completed).append(f.sim_id)
     done = {"completed": sorted(completed), "failed": sorted(failed)}
     attempts.write_json(Path(run_dir) / attempts.SIMS_DONE_FILE, done)
     return done

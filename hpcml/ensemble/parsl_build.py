@@ -132,6 +132,9 @@ def sims_config(site: Site, request: SiteRequest) -> Config:
     at_once = sims_at_once(site, request)
     provider = provider_for(site, request)
     common: dict[str, Any] = {"label": SIMS_LABEL, "provider": provider, "encrypted": True}
+    interchange = Path(sys.prefix) / "bin" / "interchange.py"
+    if interchange.is_file():  # the driver's own environment, whether or not it is on PATH (a path:
+        common["interchange_launch_cmd"] = str(interchange)  # MPIExecutor types it str, HTEX Sequence[str])
     if request.sim_nodes:  # the workers start beside the interchange: loopback
         common["address"] = "127.0.0.1"
     else:  # a block of its own: stop taking simulations before its walltime

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hpcml.ensemble.hardware import SCHEDULERS, SiteHardware
 from hpcml.errors import ConfigError
@@ -361,9 +361,3 @@ def load_site(name: str | Site) -> Site:
     if not isinstance(site, Site):
         raise ConfigError(f"{module.__name__} must define SITE = Site(...), got {type(site).__name__}")
     return site
-
-
-def site_options(site: Site, **values: Any) -> dict[str, Any]:
-    """The keyword arguments of :meth:`Site.parsl_config` among ``values`` that are set."""
-    keys = ("nodes", "walltime", "account", "queue", "worker_init")
-    return {k: values[k] for k in keys if values.get(k) is not None}

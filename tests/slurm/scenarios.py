@@ -41,6 +41,7 @@ def cluster_up() -> bool:
 def submit(workdir: Path, name: str, *, nodes: str, walltime: str, cmd: Sequence[str], driver: bool = False,
            warn: int | None = None, ranks: int | None = None) -> str:
     """``hpcml job --submit`` from ``workdir``; the job id."""
+    workdir.mkdir(parents=True, exist_ok=True)
     args = [str(BIN / "hpcml"), "job", "--site", "slurm-local", "--nodes", nodes, "--walltime", walltime,
             "--name", name, "--script", str(workdir / f"{name}.sbatch"), "--submit"]
     args += ["--driver"] if driver else []
