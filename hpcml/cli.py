@@ -130,6 +130,10 @@ def _cmd_job(args: argparse.Namespace) -> int:
         print(f"hpcml job: submitted {path} as job {job_id}", file=sys.stderr)
         return 0
     text = jobscript.render(spec)
+    if spec.site.scheduler in ("pbs", "lsf") and spec.requeue and not args.script:
+        suffix = jobscript.SUFFIX[spec.site.scheduler]
+        print(f"hpcml job: save it as {args.name}{suffix} in the directory you submit from: on exit 75 it submits "
+              f"itself again from there (or set HPCML_JOB_SCRIPT, or use --script)", file=sys.stderr)
     if args.script:
         with open(args.script, "w") as f:
             f.write(text)

@@ -18,14 +18,16 @@ from collections.abc import Iterable
 STOP_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 _reason: list[str] = []
-_lock = threading.Lock()
 
 
 def request(reason: str) -> None:
-    """Ask the loops of this process to save and stop (the first reason is kept)."""
-    with _lock:
-        if not _reason:
-            _reason.append(reason)
+    """Ask the loops of this process to save and stop (the first reason is kept).
+
+    No lock: this runs in signal handlers, which CPython nests -- a second signal while
+    the first held a lock would deadlock the main thread. Under the GIL, in the main
+    thread, "append if empty" needs none."""
+    if not _reason:
+        _reason.append(reason)
 
 
 def requested() -> str | None:
@@ -35,8 +37,7 @@ def requested() -> str | None:
 
 def clear() -> None:
     """Forget a request (a test that runs several loops in one process)."""
-    with _lock:
-        _reason.clear()
+    _reason.clear()
 
 
 def install(signals: Iterable[int] = STOP_SIGNALS) -> dict[int, object]:

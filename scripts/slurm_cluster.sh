@@ -9,7 +9,7 @@
 #
 # Everything lives in $HPCML_SLURM_DIR (default /tmp/hpcml-slurm): slurm.conf, munge socket,
 # spool, logs, pid files. Idempotent: start on a running cluster and stop on a stopped one do
-# nothing. Needs root (slurmd runs jobs as their users). Recipe: shared/design/slurm-local.md.
+# nothing. Needs root (slurmd runs jobs as their users). Why each setting: docs/sites/slurm-local.md.
 set -euo pipefail
 
 STATE=${HPCML_SLURM_DIR:-/tmp/hpcml-slurm}
@@ -35,8 +35,12 @@ install_packages() {
     [ "${HPCML_SKIP_APT:-0}" = 1 ] && die "missing ${missing[*]} and HPCML_SKIP_APT=1"
     [ "$(id -u)" -eq 0 ] || die "missing ${missing[*]}: run as root to apt-get install them"
     say "apt-get install slurmctld slurmd slurm-client munge"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        slurmctld slurmd slurm-client munge >/dev/null
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 || {
+        apt-get update -qq  # a fresh machine may have no package lists yet
+        apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+    }
+    [ -s /etc/munge/munge.key ] || die "no /etc/munge/munge.key after installing munge (create one with mungekey)"
 }
 
 write_conf() {
@@ -47,7 +51,7 @@ write_conf() {
     local mem
     mem=$(awk '/MemTotal/ {print int($2 / 1024 / 4)}' /proc/meminfo)  # MiB per node: a quarter each
     {
-        echo "# Written by scripts/slurm_cluster.sh: two nodes on one host (shared/design/slurm-local.md)."
+        echo "# Written by scripts/slurm_cluster.sh: two nodes on one host (docs/sites/slurm-local.md)."
         echo "ClusterName=hpcmltest"
         echo "SlurmctldHost=localhost"
         echo "SlurmctldPort=$CTLD_PORT"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from hpcml.ensemble.parsl_build import host_memory_gib, thread_config
-from hpcml.ensemble.site import Site, SiteHardware
+from hpcml.ensemble.parsl_build import thread_config
+from hpcml.ensemble.site import Site, SiteHardware, host_memory_gib
 
 SITE = Site(
     hardware=SiteHardware(

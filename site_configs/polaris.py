@@ -14,7 +14,7 @@ def _provider(request: SiteRequest):
     from parsl.providers import PBSProProvider
 
     return PBSProProvider(account=request.account, queue=SITE.queue_for(request.nodes, request.queue),
-                          cpus_per_node=64, select_options="ngpus=4", scheduler_options="\n".join(DIRECTIVES),
+                          cpus_per_node=64, select_options=SITE.select_options, scheduler_options="\n".join(DIRECTIVES),
                           **block_options(SITE, request))
 
 

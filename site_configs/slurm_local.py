@@ -9,8 +9,8 @@ See docs/sites/slurm-local.md.
 
 from __future__ import annotations
 
-from hpcml.ensemble.parsl_build import block_options, host_memory_gib
-from hpcml.ensemble.site import Site, SiteHardware, SiteRequest
+from hpcml.ensemble.parsl_build import block_options
+from hpcml.ensemble.site import Site, SiteHardware, SiteRequest, host_memory_gib
 
 #: CPUs slurm_cluster.sh gives each node (it oversubscribes this host's cores).
 CPUS_PER_NODE = 4

@@ -155,10 +155,12 @@ def driver(args) -> dict:
     site_options = {k: getattr(args, k) for k in ("nodes", "walltime", "account", "queue") if getattr(args, k)}
     campaign = Campaign(site=site, site_options=site_options, run_dir=run_dir, max_concurrent=args.max_concurrent,
                         retries=args.retries, env=stream_env, progress=not args.quiet)
+    kept = _kept(args, run_dir, sims, val) if resume else None
     if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
-        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json", resume=resume)
+        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json", resume=resume,
+                              kept=kept)
     else:
-        result = campaign.run(sims + val, resume=resume)
+        result = campaign.run(sims + val, resume=resume, kept=kept)
         if not result.interrupted:
             trained = campaign.run([], training=training, resume=resume)
             result = dataclasses.replace(result, training_returncode=trained.training_returncode,
@@ -192,6 +194,19 @@ def driver(args) -> dict:
         print(f"heat_surrogate: failed: {'; '.join(problems)}", file=sys.stderr)
         sys.exit(1)
     return summary
+
+
+def _kept(args, run_dir: Path, sims, val) -> set[int]:
+    """Simulations whose results survive in this run directory: every output of a streamed
+    one in the trainer's latest checkpoint, the file of one that writes files. A simulation
+    that finished after the trainer's last save (a hard kill) is not among them: it runs again."""
+    kept = {s.sim_id for s in sims + val if (run_dir / ("val" if s.sim_id >= args.sims else "data")
+                                                / f"sim_{s.sim_id:05d}.h5").exists()}
+    if args.mode == "online" and (run_dir / "checkpoints" / "latest").exists():
+        from hpcml.stream.state import simulations_in
+
+        kept |= simulations_in(run_dir / "checkpoints", args.sim_steps // args.every)
+    return kept
 
 
 def _interrupted(args, run_dir: Path, result, t0: float) -> dict:
@@ -232,12 +247,13 @@ def train(args) -> None:
     from hpcml.stream.files import FileSource, read_samples
     from hpcml.stream.server import ServerConfig, StreamServer
     from hpcml.stream.state import load_stream_states, stream_tensors
+    from hpcml.train.field_report import write_report
     from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
 
     install_abort_handler()
-    torch.set_num_threads(1)  # the simulations share these cores
     grid = ProcessGrid(dp=-1)
     grid.init_torch()  # one rank per GPU with the device's backend (NCCL/RCCL/XCCL); gloo on CPU
+    torch.set_num_threads(1)  # after init_torch's share of the cores: the simulations need them
     host = args.host or (interface_address(args.stream_interface) if args.stream_interface else "127.0.0.1")
     comm, rank, world = grid.comm, grid.rank, grid.layout.world_size
     run_dir = Path(args.run_dir)
@@ -298,13 +314,11 @@ def train(args) -> None:
         sys.exit(NOT_FINISHED)
 
     t_train = time.perf_counter()
-    occupancy = []
     while trainer.step < args.steps:
         batch = loader.next_batch()
         if batch is None:
             break
         m = trainer.train_step(batch, extra={"buffer_len": len(buffer)})
-        occupancy.append(len(buffer))
         if args.ckpt_every and trainer.step % args.ckpt_every == 0:
             save()
         if args.crash_trainer_at == trainer.step and rank == 0 and not (run_dir / ".trainer_crashed").exists():
@@ -357,35 +371,7 @@ def train(args) -> None:
            "train_ranks": world}
     (run_dir / "train_summary.json").write_text(json.dumps(out, indent=1))
     if not args.no_report and vals:
-        write_report(run_dir, trainer, vals, occupancy, out)
-
-
-def write_report(run_dir: Path, trainer, vals, occupancy, summary) -> None:
-    """report.png: loss curve, buffer occupancy, a predicted vs true held-out field."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    hist = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    s = max(vals, key=lambda v: v.t)
-    pred = trainer.predict(s.params[None], np.array([s.t]))[0]
-    fig, ax = plt.subplots(1, 5, figsize=(22, 4))
-    ax[0].semilogy([h["step"] for h in hist], [h["loss"] for h in hist])
-    ax[0].set(title=f"training loss ({summary.get('gradient_steps')} steps)", xlabel="step", ylabel="MSE (normalised)")
-    ax[1].plot([h["step"] for h in hist if "buffer_len" in h], [h["buffer_len"] for h in hist if "buffer_len" in h])
-    ax[1].set(title="buffer occupancy (rank 0)", xlabel="step", ylabel="samples")
-    vmin, vmax = float(s.fields[0].min()), float(s.fields[0].max())
-    for a, img, title in ((ax[2], s.fields[0], "true (held-out sim)"), (ax[3], pred, "predicted"),
-                          (ax[4], pred - s.fields[0], "error")):
-        im = a.imshow(img.T, origin="lower", cmap="inferno" if a is not ax[4] else "coolwarm",
-                      **({"vmin": vmin, "vmax": vmax} if a is not ax[4] else {}))
-        a.set_title(title)
-        fig.colorbar(im, ax=a)
-    fig.suptitle(f"heat surrogate, {summary.get('train_ranks')} trainer ranks: val rel. L2 {summary['val_rel_l2']:.3f}")
-    fig.tight_layout()
-    fig.savefig(run_dir / "report.png", dpi=80)
-    plt.close(fig)
+        write_report(run_dir, trainer, vals, out)
 
 
 def main(argv=None) -> None:

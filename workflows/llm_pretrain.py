@@ -124,18 +124,20 @@ def main(argv=None) -> int:
         if isinstance(hook, CheckpointHook):
             hook.close()  # exit waits for a save in flight
     trainer.close()
-    unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning) after saving
+    unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning)
     if trainer.grid.rank == 0:
         print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
                           "steps": [m["step"] for m in history]}))
-        if unfinished:
-            saved = "checkpoint saved" if args.ckpt_dir else "nothing saved (no --ckpt-dir)"
-            print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, {saved}: "
+        if unfinished and args.ckpt_dir:
+            print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, checkpoint saved: "
                   f"exit {NOT_FINISHED} (not finished; rerun with --resume or --auto-resume)", file=sys.stderr)
+        elif unfinished:  # nothing to resume from: a requeue would start over, so this is a failure
+            print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps} with no --ckpt-dir: "
+                  f"nothing saved, the steps are lost", file=sys.stderr)
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    return NOT_FINISHED if unfinished else 0
+    return (NOT_FINISHED if args.ckpt_dir else 1) if unfinished else 0
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter
                       create: bool = False) -> dict[str, torch.Tensor]:
     """``optim/<fqn>/<key>`` for each tensor in the optimizer's per-parameter state.
 
-    ``create=True`` first fills missing AdamW-style state (step, exp_avg, exp_avg_sq) with
-    zeros, so a fresh optimizer has tensors to load into.
+    Missing AdamW-style state (before the first step) is zeros (step, exp_avg, exp_avg_sq):
+    ``create=True`` puts them into the optimizer, so a fresh one has tensors to load into;
+    otherwise they are only returned, for a save.
     """
     out = {}
     for group in optimizer.param_groups:
@@ -83,10 +84,14 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter
             if p not in names:
                 continue
             state = optimizer.state[p]
-            if create and not state and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not state and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                zeros = {"step": torch.zeros((), dtype=torch.float32),
+                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if create:
+                    state.update(zeros)
+                else:
+                    state = zeros
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     out[f"optim/{names[p]}/{key}"] = value
@@ -98,10 +103,10 @@ def training_tensors(named_params: Iterable[tuple[str, torch.Tensor]], optimizer
     """Everything of the model and optimizer to save (or to load into, with ``create=True``).
 
     AdamW's state is created by its first step; a save before it (a stop that came during
-    start-up) writes the zero state AdamW would create, so that checkpoint resumes like any
-    other (``create`` only matters to other optimizers now)."""
+    start-up) writes the zero state AdamW would create -- without touching the optimizer --
+    so that checkpoint resumes like any other."""
     named = list(named_params)
     out = model_tensors(named)
     if optimizer is not None:
-        out.update(optimizer_tensors(optimizer, {p: n for n, p in named}, create=True))
+        out.update(optimizer_tensors(optimizer, {p: n for n, p in named}, create=create))
     return out

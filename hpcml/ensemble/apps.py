@@ -75,15 +75,9 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
 
     def record(f) -> None:  # in Parsl's thread, once every retry is over; then `out` completes
         try:
-            k, ok = first, f.exception() is None
-            while (directory / f"attempt_{k}.start").exists():
-                last = not (directory / f"attempt_{k + 1}.start").exists()
-                args = dict(sim_id=spec.sim_id, params=spec.params, argv=spec.command(), launch=prefix, k=k)
-                rec = attempts.attempt_record(run_dir, directory, **args) or attempts.attempt_record(
-                    run_dir, directory, **args, missing_end=True,
-                    missing_end_rc=(0 if ok else getattr(f.exception(), "exitcode", None)) if last else None)
-                attempts.append_record(run_dir, rec)
-                k += 1
+            attempts.record_ended(run_dir, directory, sim_id=spec.sim_id, params=spec.params, argv=spec.command(),
+                                  launch=prefix, first=first, recorded={}, final=True, exc=f.exception(),
+                                  ok=f.exception() is None)
         finally:
             if f.exception() is not None:
                 out.set_exception(f.exception())
@@ -106,20 +100,7 @@ class SimulationFuture(concurrent.futures.Future):
 
 def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
     """The provenance records in ``run_dir`` (of one simulation, or all), in the order written."""
-    import json
-
-    path = Path(run_dir) / attempts.PROVENANCE_FILE
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and (sim_id is None or rec.get("sim_id") == sim_id):
-            recs.append(rec)
-    return recs
+    return attempts.read_provenance(Path(run_dir), sim_id)
 
 
 def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int]]:

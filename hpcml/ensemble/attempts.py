@@ -108,8 +108,11 @@ if [ "$interrupted" = 1 ]; then wait "$child"; rc=$?; kill "$killer" 2>/dev/null
 kill -- -"$watcher" 2>/dev/null
 wait "$watcher" 2>/dev/null
 [ -f "$base.reason" ] && reason=$(cat "$base.reason")
-# MPICH's hydra exits 0 after forwarding SIGTERM: a stopped attempt must not look like a success.
-if [ -n "$reason" ] && [ "$rc" = 0 ]; then rc=143; fi
+# MPICH's hydra exits 0 after forwarding SIGTERM: a stopped attempt must not look like a
+# success -- unless it printed its result line, its last act: then it finished as the stop came.
+if [ -n "$reason" ] && [ "$rc" = 0 ]; then
+    if grep -q '^HPCML_SIM_RESULT ' "$base.out" 2>/dev/null; then reason=; rm -f "$base.reason"; else rc=143; fi
+fi
 printf '{"returncode": %d, "end": %s, "reason": "%s"}\n' "$rc" "$(date +%s.%N)" "$reason" >"$base.end.tmp"
 mv "$base.end.tmp" "$base.end"
 exit "$rc"
@@ -188,27 +191,55 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
     }
 
 
-def completed_sims(run_dir: Path) -> dict[int, dict]:
-    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its record.
-    A campaign resumed in this directory does not run them again."""
-    done: dict[int, dict] = {}
+def record_ended(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping, argv: list[str], launch: str,
+                 first: int, recorded: dict[int, dict], final: bool, exc: BaseException | None = None,
+                 ok: bool = False) -> int:
+    """Append a provenance record for every attempt from ``first`` on that has ended and is
+    not in ``recorded`` (which gains them); when the task is over (``final``), also for
+    attempts that left no end record -- the last one then takes its return code from the
+    task: 0 if ``ok``, else ``exc``'s. Returns how many attempts were claimed."""
+    k = first
+    while (directory / f"attempt_{k}.start").exists():
+        if k not in recorded:
+            args = dict(sim_id=sim_id, params=params, argv=argv, launch=launch, k=k)
+            rec = attempt_record(run_dir, directory, **args)
+            if rec is None and final:
+                last = not (directory / f"attempt_{k + 1}.start").exists()
+                rc = (0 if ok else getattr(exc, "exitcode", None)) if last else None
+                rec = attempt_record(run_dir, directory, **args, missing_end_rc=rc, missing_end=True)
+            if rec is not None:
+                recorded[k] = rec
+                with open(run_dir / PROVENANCE_FILE, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        k += 1
+    return k - first
+
+
+def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
+    """The provenance records of ``run_dir`` (of one simulation, or all), in the order written;
+    a line cut by a crash while it was appended is skipped."""
     try:
-        text = (run_dir / PROVENANCE_FILE).read_text()
+        text = (Path(run_dir) / PROVENANCE_FILE).read_text()
     except FileNotFoundError:
-        return done
+        return []
+    out = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
-            continue  # a line cut by a crash while it was appended
-        if isinstance(rec, dict) and rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):
+            continue
+        if isinstance(rec, dict) and (sim_id is None or rec.get("sim_id") == sim_id):
+            out.append(rec)
+    return out
+
+
+def completed_sims(run_dir: Path) -> dict[int, dict]:
+    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its record."""
+    done: dict[int, dict] = {}
+    for rec in read_provenance(run_dir):
+        if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):
             done.setdefault(rec["sim_id"], rec)
     return done
-
-
-def append_record(run_dir: Path, record: dict) -> None:
-    with open(run_dir / PROVENANCE_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -171,13 +171,16 @@ class Campaign:
 
     def run(self, sims: Sequence[SimSpec], *, training: TrainingJob | None = None, ready_file: Path | str | None = None,
             ready_timeout_s: float | None = None, train_timeout_s: float | None = None,
-            resume: bool = False) -> CampaignResult:
+            resume: bool = False, kept: Collection[int] | None = None) -> CampaignResult:
         """Start ``training``, wait for ``ready_file``, run every simulation, wait for the
         trainer to exit.
 
         ``resume``: simulations that completed in an earlier run in this run directory
-        (their provenance says ``ok``) are not run again. Timeouts default to the time left
-        before the walltime (no limit without one; 300 s for the ready file locally).
+        (their provenance says ``ok``) are not run again -- of those, with ``kept``, only the
+        ones whose results are kept (in the trainer's checkpoint, in files): a simulation that
+        finished after the trainer's last save runs again, and its samples come again.
+        With a walltime the campaign stops itself ``SAVE_MARGIN_S`` before it if no warning
+        came; ``ready_timeout_s`` defaults to 300 s locally, ``train_timeout_s`` to none.
         Raises :class:`~hpcml.errors.LaunchError` if the trainer fails or exits before the
         simulations are done (the remaining ones are cancelled first); returns an
         ``interrupted`` result after a walltime warning.
@@ -195,7 +198,8 @@ class Campaign:
         from hpcml.ensemble.runner import Run
 
         return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
-                   ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume).execute()
+                   ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
+                   kept=None if kept is None else set(kept)).execute()
 
 
 def executor_label(cfg: Any) -> str:

@@ -11,8 +11,8 @@ One script per scheduler (Slurm, PBS Pro, LSF) with the same run protocol:
 - the walltime warning arrives as SIGUSR1 (``--signal=B:USR1@S`` on Slurm, ``-wa/-wt`` on
   LSF, a timer on PBS, which sends none) and is forwarded to the command, which saves
   and exits with :data:`NOT_FINISHED` (75, EX_TEMPFAIL);
-- on exit 75 the job requeues itself (``scontrol requeue``; ``qsub`` of the same script
-  on PBS; ``#BSUB -Q 75`` on LSF) and the next run resumes from ``latest``.
+- on exit 75 the job requeues itself (``scontrol requeue``; on PBS and LSF it submits its
+  own script again, counting) and the next run resumes from ``latest``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcml.ensemble.parsl_build import environment_lines
-from hpcml.ensemble.site import Site, check_count, load_site, walltime_seconds, warning_seconds
+from hpcml.ensemble.site import Site, check_count, environment_lines, load_site, walltime_seconds, warning_seconds
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, LaunchError
 
@@ -134,14 +133,13 @@ def _header(spec: JobSpec) -> list[str]:
     elif s.scheduler == "pbs":
         select = f"select={lo}" + (f":{s.select_options}" if s.select_options else "")
         lines = [f"#PBS -N {spec.name}", f"#PBS -l {select}", f"#PBS -l walltime={spec.walltime}",
-                 f"#PBS -r {'y' if spec.requeue else 'n'}", "#PBS -j oe", f"#PBS -o {spec.name}.out"]
+                 f"#PBS -r {'y' if spec.requeue else 'n'}", "#PBS -j oe"]  # output: NAME.o<job id>, one per job
         lines += [f"#PBS -A {spec.account}"] if spec.account else []
         lines += [f"#PBS -q {queue}"] if queue else []
     else:  # lsf: -W and -wt in minutes
         hours, rest = divmod(math.ceil(spec.walltime_s / 60), 60)
         lines = [f"#BSUB -J {spec.name}", f"#BSUB -nnodes {lo}", f"#BSUB -W {hours}:{rest:02d}",
                  f"#BSUB -o {spec.name}.%J.out", "#BSUB -wa USR1", f"#BSUB -wt {max(1, math.ceil(spec.warn_s / 60))}"]
-        lines += [f'#BSUB -Q "{NOT_FINISHED}"'] if spec.requeue else []
         lines += [f"#BSUB -P {spec.account}"] if spec.account else []
         lines += [f"#BSUB -q {queue}"] if queue else []
     return lines + list(s.job_directives)
@@ -159,8 +157,7 @@ trap 'echo "hpcml-job: walltime warning: the job saves and stops" >&2; kill -USR
 done
 {untimer}"""
 
-_REQUEUE = {
-    "slurm": """\
+_REQUEUE_SLURM = """\
 if [ "$rc" -eq {nf} ]; then
     if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max} ]; then
         echo "hpcml-job: not finished (exit {nf}): requeueing job $SLURM_JOB_ID" >&2
@@ -169,29 +166,29 @@ if [ "$rc" -eq {nf} ]; then
         echo "hpcml-job: not finished after {max} requeues: giving up" >&2
     fi
 fi
-""",
-    "pbs": """\
-if [ "$rc" -eq {nf} ]; then  # PBS has no requeue for users: submit this script again
-    n=${{HPCML_RESTART_COUNT:-0}} hpcml_script={script}
+"""
+# PBS has no requeue for users, and LSF's `bsub -Q` knows no limit: submit this script again,
+# counting. HPCML_JOB_SCRIPT overrides where it is (the default: as `hpcml job --script` wrote it).
+_RESUBMIT = """\
+if [ "$rc" -eq {nf} ]; then
+    n=${{HPCML_RESTART_COUNT:-0}} hpcml_script=${{HPCML_JOB_SCRIPT:-{script}}}
     if [ "$n" -lt {max} ]; then
         echo "hpcml-job: not finished (exit {nf}): resubmitting $hpcml_script" >&2
-        qsub -v HPCML_RESTART_COUNT=$((n + 1)) "$hpcml_script" && exit 0
+        {submit} && exit 0
     else
         echo "hpcml-job: not finished after {max} resubmissions: giving up" >&2
     fi
 fi
-""",
-    "lsf": """\
-# exit {nf} requeues the job (#BSUB -Q "{nf}")
-""",
-}
+"""
+_SUBMIT_AGAIN = {"pbs": 'qsub -v HPCML_RESTART_COUNT=$((n + 1)) "$hpcml_script"',
+                 "lsf": 'HPCML_RESTART_COUNT=$((n + 1)) bsub < "$hpcml_script"'}  # bsub passes the environment
 
 
 def render(spec: JobSpec) -> str:
     """The whole batch script of ``spec``."""
     s = spec.site
     workdir = spec.workdir or {"slurm": "$SLURM_SUBMIT_DIR", "pbs": "$PBS_O_WORKDIR", "lsf": "$LS_SUBCWD"}[s.scheduler]
-    script = spec.script_path or f"$PBS_O_WORKDIR/{spec.name}{SUFFIX['pbs']}"
+    script = spec.script_path or f"{workdir}/{spec.name}{SUFFIX[s.scheduler]}"
     timer = untimer = ""
     if s.scheduler == "pbs":  # PBS sends no warning: a timer does, warn_s before the end
         timer = (f"(sleep {spec.walltime_s - spec.warn_s} && kill -USR1 $$) &  # the walltime warning\n"
@@ -202,8 +199,12 @@ def render(spec: JobSpec) -> str:
              f"cd {_quote_path(workdir)}", *environment_lines(s),
              f'export HPCML_SITE={s.name} HPCML_JOB_DEADLINE=$(( $(date +%s) + {spec.walltime_s} ))']
     body = _RUN.format(nf=NOT_FINISHED, launch=spec.launch_line("SLURM_NNODES"), timer=timer, untimer=untimer)
-    requeue = _REQUEUE[s.scheduler].format(nf=NOT_FINISHED, max=spec.max_requeues, script=_quote_path(script)) \
-        if spec.requeue else ""
+    requeue = ""
+    if spec.requeue and s.scheduler == "slurm":
+        requeue = _REQUEUE_SLURM.format(nf=NOT_FINISHED, max=spec.max_requeues)
+    elif spec.requeue:
+        requeue = _RESUBMIT.format(nf=NOT_FINISHED, max=spec.max_requeues, script=_quote_path(script),
+                                   submit=_SUBMIT_AGAIN[s.scheduler])
     return "\n".join(lines) + "\n" + body + requeue + 'exit "$rc"\n'
 
 
@@ -220,7 +221,7 @@ def _quote_path(path: str) -> str:
 def submit(spec: JobSpec, path: str | Path) -> str:
     """Write the script to ``path`` and submit it; the job id."""
     path = Path(path).resolve()
-    if spec.script_path is None and spec.site.scheduler == "pbs":
+    if spec.script_path is None and spec.site.scheduler in ("pbs", "lsf"):
         spec = JobSpec(**{**spec.__dict__, "script_path": str(path)})
     path.write_text(render(spec))
     path.chmod(0o755)
@@ -231,7 +232,8 @@ def submit(spec: JobSpec, path: str | Path) -> str:
     except FileNotFoundError:
         raise LaunchError(f"{cmd[0]} not found: submit {path} on a login node of {spec.site.name}") from None
     if out.returncode != 0:
-        raise LaunchError(f"{' '.join(cmd[:2])} failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+        said = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()[-1]
+        raise LaunchError(f"{' '.join(cmd[:2])} failed ({out.returncode}): {said}")
     text = out.stdout.strip()
     m = re.search(r"Job <(\d+)>", text) if spec.site.scheduler == "lsf" else None
     return m[1] if m else text.split(";")[0].splitlines()[-1]
@@ -242,10 +244,10 @@ def allocate_line(site: Site, line: str, *, walltime: str, account: str | None, 
     """A training launch line that gets its own allocation from a login node (pilot mode):
     ``srun`` with the job's options on Slurm; elsewhere the training job as a batch script
     submitted and waited for (``qsub -W block=true``, ``bsub -K``), whose exit status it returns."""
-    if site.scheduler == "slurm":
+    if site.scheduler == "slurm":  # the warning goes to the ranks themselves: they save and exit 75
         queue = site.queue_for(nodes, queue)
-        opts = [f"--time={walltime}"] + ([f"--account={account}"] if account else []) + \
-            ([f"--{site.queue_kind}={queue}"] if queue else [])
+        opts = [f"--time={walltime}", f"--signal=USR1@{warning_seconds(walltime)}"] + \
+            ([f"--account={account}"] if account else []) + ([f"--{site.queue_kind}={queue}"] if queue else [])
         head, _, rest = line.partition(" ")
         return f"{head} {' '.join(opts)} {rest}"
     spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,

@@ -15,13 +15,12 @@ Two ways a campaign meets a batch system:
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcml.ensemble.site import SIMS_LABEL, Site, SiteRequest, drain_period
+from hpcml.ensemble.site import SIMS_LABEL, Site, SiteRequest, drain_period, environment_lines
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
@@ -30,26 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from parsl.providers.base import ExecutionProvider
 
 logger = get_logger(__name__)
-
-
-def python_env_line() -> str:
-    """The shell line that puts this Python environment first on PATH in a batch job.
-
-    Workers must run the interpreter (and ``process_worker_pool.py``) of the driver: the
-    virtual environment it runs in is activated, or its ``bin`` put first on PATH.
-    """
-    prefix = shlex.quote(sys.prefix)
-    if sys.prefix != sys.base_prefix:
-        return f"source {prefix}/bin/activate"
-    return f"export PATH={prefix}/bin:$PATH"
-
-
-def environment_lines(site: Site, extra: str = "") -> list[str]:
-    """The site's module lines, its environment, this Python environment, then ``extra``."""
-    lines = [*site.modules, *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python_env_line()]
-    if extra.strip():
-        lines.append(extra.strip())
-    return lines
 
 
 def block_options(site: Site, request: SiteRequest) -> dict[str, Any]:
@@ -156,11 +135,3 @@ def thread_config(site: Site, request: SiteRequest) -> Config:
     executor = ThreadPoolExecutor(label=SIMS_LABEL, max_threads=request.max_concurrent_sims)
     return Config(executors=[executor], run_dir=request.parsl_run_dir, retries=request.retries,
                   usage_tracking=0, strategy="none")
-
-
-def host_memory_gib() -> float:
-    """Physical memory of this machine in GiB (for a local site's facts)."""
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):  # not POSIX: a conservative guess
-        return 1.0

@@ -33,8 +33,13 @@ from hpcml.log import get_logger
 
 logger = get_logger(__name__)
 
-#: Seconds kept back from the walltime for the trainer's last save and the driver's report.
+#: Seconds before the walltime at which the campaign stops by itself if no warning came:
+#: time for the trainer's last save and the driver's report.
 SAVE_MARGIN_S = 60.0
+#: Seconds before the walltime by which a trainer asked to stop must be gone.
+LAST_SECONDS_S = 5.0
+#: A trainer's save window after a stop request when there is no walltime (a signal to a local driver).
+SAVE_WINDOW_S = 120.0
 
 
 @dataclass(kw_only=True)
@@ -57,8 +62,9 @@ class Run:
     """One execution of :meth:`Campaign.run`; holds the mutable state."""
 
     def __init__(self, c: Campaign, sims: list[SimSpec], training: TrainingJob | None, ready_file: Path | None, *,
-                 ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool) -> None:
-        self.c, self.training, self.ready_file, self.resume = c, training, ready_file, resume
+                 ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool,
+                 kept: set[int] | None = None) -> None:
+        self.c, self.training, self.ready_file, self.resume, self.kept = c, training, ready_file, resume, kept
         self.ready_timeout_s, self.train_timeout_s = ready_timeout_s, train_timeout_s
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
         self.sims_dir = self.run_dir / "sims"
@@ -72,23 +78,24 @@ class Run:
         self.deadline: float | None = c.deadline
         self.progress = ProgressLine(len(sims), enabled=c.progress, every_s=c.progress_every_s)
 
-    # -- time ---------------------------------------------------------------------------------
-    def _left(self, explicit: float | None, local_default: float | None = None) -> float | None:
-        """A timeout: ``explicit``, else what the walltime leaves (minus the save margin),
-        else ``local_default``."""
-        if explicit is not None:
-            return explicit
-        if self.deadline is not None:
-            return max(1.0, self.deadline - time.time() - SAVE_MARGIN_S)
-        return local_default
+    # -- time and stopping ------------------------------------------------------------------------
+    def _save_window(self) -> float:
+        """Seconds a trainer asked to stop has to save: until just before the walltime."""
+        if self.deadline is None:
+            return SAVE_WINDOW_S
+        return self.deadline - time.time() - LAST_SECONDS_S
 
-    # -- signals --------------------------------------------------------------------------------
     def _stopping(self) -> bool:
-        """A walltime warning reached the driver (or the trainer stopped itself)."""
-        if self.stop_reason is None and self.c.handle_signals and stop.requested():
-            self.stop_reason = stop.requested()
-            logger.warning("%s: stopping the campaign (walltime warning): cancelling simulations, then the "
-                           "trainer saves and stops", self.stop_reason)
+        """True once the campaign must stop: a walltime warning reached the driver, the
+        walltime is ``SAVE_MARGIN_S`` away and none came, or the trainer stopped itself."""
+        if self.stop_reason is None:
+            if self.c.handle_signals and stop.requested():
+                self.stop_reason = stop.requested()
+            elif self.deadline is not None and time.time() > self.deadline - SAVE_MARGIN_S:
+                self.stop_reason = f"walltime: {SAVE_MARGIN_S:.0f} s left and no warning came"
+            if self.stop_reason is not None:
+                logger.warning("%s: stopping the campaign: cancelling simulations, then the trainer saves and "
+                               "stops", self.stop_reason)
         return self.stop_reason is not None
 
     # -- orchestration --------------------------------------------------------------------------
@@ -170,23 +177,26 @@ class Run:
 
     def _wait_ready(self) -> None:
         if self.ready_file is not None:
-            local = 300.0 if self.c.site is None or self.c.site.scheduler == "local" else None
-            self.trainer.wait_ready(self.ready_file, self._left(self.ready_timeout_s, local))
+            local = self.c.site is None or self.c.site.scheduler == "local"
+            timeout = self.ready_timeout_s if self.ready_timeout_s is not None else 300.0 if local else None
+            self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
 
     def _prepare(self) -> None:
         env = {"HPCML_RUN_DIR": str(self.run_dir), **self.c.env}
         attempts.prepare(self.sims_dir, env)
         attempts.clear_cancel(self.sims_dir)
         (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)
-        done = attempts.completed_sims(self.run_dir) if self.resume else {}
+        done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()
+        lost = done - self.kept if self.kept is not None else set()
         for s in self.sims:
             s.dir.mkdir(exist_ok=True)
             s.first = attempts.next_attempt(s.dir)
-            if s.spec.sim_id in done:
+            if s.spec.sim_id in done - lost:
                 s.outcome, s.skipped = "completed", True
         if done:
-            logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again",
-                        sum(s.skipped for s in self.sims), len(self.sims))
+            logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again%s",
+                        sum(s.skipped for s in self.sims), len(self.sims),
+                        f"; {len(lost)} finished after the last save and run again: {sorted(lost)}" if lost else "")
 
     def _trainer_env(self) -> dict[str, str]:
         env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_N_SIMS": str(len(self.sims)),
@@ -200,7 +210,7 @@ class Run:
         """While simulations remain: a trainer that stopped ends the campaign (restarted first
         after a failure while allowed); exit 75 means it was told to stop (interrupted)."""
         t = self.trainer
-        if t is None or t.poll() is None or t.restart_if_allowed():
+        if t is None or t.poll() is None or (not self._stopping() and t.restart_if_allowed()):
             return
         rc = t.returncode
         if rc == NOT_FINISHED:
@@ -212,10 +222,14 @@ class Run:
 
     def _wait_trainer(self) -> None:
         t = self.trainer
-        rc = t.wait(self._left(self.train_timeout_s), self._show, self.c.poll_s, stop_requested=self._stopping)
+        rc = t.wait(timeout_s=self.train_timeout_s, tick=self._show, poll_s=self.c.poll_s,
+                    stop_requested=self._stopping, save_window=self._save_window)
         self._show(force=True)
         if rc == NOT_FINISHED:
             self.stop_reason = self.stop_reason or "trainer saved and stopped (exit 75)"
+        elif rc != 0 and self.stop_reason is not None:  # the last periodic checkpoint is what resumes
+            logger.error(t.message(f"exited with code {rc} while stopping, not 75: the next run resumes from "
+                                   f"its last periodic checkpoint"))
         elif rc != 0:
             self.error = t.message(f"exited with code {rc}")
             raise LaunchError(self.error)
@@ -280,25 +294,10 @@ class Run:
                            attempts.describe(exc))
 
     def _record_attempts(self, s: _Sim, *, final: bool, exc: BaseException | None = None, ok: bool = False) -> None:
-        """Append a provenance record for every attempt of ``s`` that has ended; when the
-        task is over (``final``), also for attempts whose wrapper left no end record (the
-        last one then takes its return code from the task: 0 if ``ok``, else ``exc``'s)."""
-        k = s.first
         spec = s.spec
-        while (s.dir / f"attempt_{k}.start").exists():
-            if k not in s.recorded:
-                args = dict(sim_id=spec.sim_id, params=spec.params, argv=spec.command(),
-                            launch=self.c.sim_prefix(spec.ranks), k=k)
-                rec = attempts.attempt_record(self.run_dir, s.dir, **args)
-                if rec is None and final:
-                    last = not (s.dir / f"attempt_{k + 1}.start").exists()
-                    rc = (0 if ok else getattr(exc, "exitcode", None)) if last else None
-                    rec = attempts.attempt_record(self.run_dir, s.dir, **args, missing_end_rc=rc, missing_end=True)
-                if rec is not None:
-                    s.recorded[k] = rec
-                    attempts.append_record(self.run_dir, rec)
-            k += 1
-        s.claimed = k - s.first
+        s.claimed = attempts.record_ended(self.run_dir, s.dir, sim_id=spec.sim_id, params=spec.params,
+                                          argv=spec.command(), launch=self.c.sim_prefix(spec.ranks), first=s.first,
+                                          recorded=s.recorded, final=final, exc=exc, ok=ok)
 
     # -- reporting ------------------------------------------------------------------------------
     def _show(self, force: bool = False) -> None:
@@ -325,7 +324,9 @@ class Run:
         overheads = sorted((s.finished - s.submitted) - sum(d) for s in self.sims
                            if s.finished and (d := [r["duration_s"] for r in s.recorded.values()]) and None not in d)
         by = lambda o: [s.spec.sim_id for s in self.sims if s.outcome == o]  # noqa: E731
-        interrupted = self.stop_reason is not None
+        complete = all(s.outcome == "completed" for s in self.sims) and (
+            self.trainer is None or self.trainer.returncode == 0)
+        interrupted = self.stop_reason is not None and not complete  # a late warning changes nothing done
         return CampaignResult(
             run_dir=str(self.run_dir), total=len(self.sims), completed=by("completed"), failed=by("failed"),
             cancelled=[s.spec.sim_id for s in self.sims if s.outcome in ("cancelled", "pending", "running")],

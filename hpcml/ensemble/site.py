@@ -69,8 +69,10 @@ def walltime_seconds(walltime: object) -> int:
 
 def warning_seconds(walltime: str) -> int:
     """Seconds before the walltime at which a job is told to save and stop: a tenth of it,
-    1 to 10 minutes (Slurm may send its signal up to a minute early; a save must fit)."""
-    return min(600, max(60, walltime_seconds(walltime) // 10))
+    1 to 10 minutes (Slurm may send its signal up to a minute early; a save must fit), at
+    most half of a walltime of 2 minutes or less."""
+    total = walltime_seconds(walltime)
+    return min(600, max(60, total // 10), total // 2)
 
 
 def drain_period(walltime: str) -> int:
@@ -289,6 +291,36 @@ class Site:
 
     def __repr__(self) -> str:
         return f"Site(name={self.name!r}, scheduler={self.scheduler!r}, gpus_per_node={self.hardware.gpus_per_node})"
+
+
+# ----------------------------------------------------------------------------- job environment
+
+def python_env_line() -> str:
+    """The shell line that puts this Python environment first on PATH in a batch job.
+
+    Workers must run the interpreter (and ``process_worker_pool.py``) of the driver: the
+    virtual environment it runs in is activated, or its ``bin`` put first on PATH.
+    """
+    prefix = shlex.quote(sys.prefix)
+    if sys.prefix != sys.base_prefix:
+        return f"source {prefix}/bin/activate"
+    return f"export PATH={prefix}/bin:$PATH"
+
+
+def environment_lines(site: Site, extra: str = "") -> list[str]:
+    """The site's module lines, its environment, this Python environment, then ``extra``."""
+    lines = [*site.modules, *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python_env_line()]
+    if extra.strip():
+        lines.append(extra.strip())
+    return lines
+
+
+def host_memory_gib() -> float:
+    """Physical memory of this machine in GiB (for a local site's facts)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):  # not POSIX: a conservative guess
+        return 1.0
 
 
 def shell_join(prefix: str, argv: Sequence[str]) -> str:

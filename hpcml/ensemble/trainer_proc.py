@@ -3,14 +3,14 @@
 It is not a Parsl task: it must never be retried behind our back (it owns the stream's
 state), its exit must be seen at once, it must not take a simulation slot, and the driver
 must be able to signal it (the walltime warning). Exit codes: 0 finished; 75
-(:data:`~hpcml.ensemble.jobscript.NOT_FINISHED`) saved and stopped on a signal, to be
-resumed; anything else failed, and it is relaunched while ``max_restarts`` allow (it
+(:data:`hpcml.env.NOT_FINISHED`) saved and stopped on a signal, to be resumed; anything else failed, and it is relaunched while ``max_restarts`` allow (it
 resumes from its checkpoint; its stream servers rebind the same addresses).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcml.ensemble.attempts import tail_lines
+from hpcml.ensemble.attempts import tail_lines, tail_text
 from hpcml.ensemble.spec import TrainingJob
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import LaunchError
@@ -78,18 +78,47 @@ class TrainerProcess:
         self.start(restart=True)
         return True
 
+    def batch_job(self) -> tuple[str, str] | None:
+        """(scheduler, job id) when the training job is a batch job submitted and waited for
+        (pilot mode on PBS and LSF): its client printed the id when it submitted."""
+        head = (self.line or "").split(" ", 1)[0]
+        if head not in ("qsub", "bsub"):
+            return None
+        text = tail_text(self.run_dir / "train.out", 1 << 16)
+        m = re.search(r"Job <(\d+)>", text) if head == "bsub" else re.search(r"^\s*(\d+[\w.-]*)\s*$", text, re.M)
+        return ("pbs" if head == "qsub" else "lsf", m[1]) if m else None
+
+    def _scheduler(self, sig: int | None) -> bool:
+        """Signal (or, ``sig`` None, cancel) a submitted batch job through its scheduler; the
+        client's process group would only lose the client. False if it is no batch job."""
+        job = self.batch_job()
+        if job is None:
+            return False
+        kind, job_id = job
+        name = signal.Signals(sig).name[3:] if sig is not None else None
+        cmd = {("pbs", True): ["qsig", "-s", str(name), job_id], ("pbs", False): ["qdel", job_id],
+               ("lsf", True): ["bkill", "-s", str(name), job_id], ("lsf", False): ["bkill", job_id]}[kind, sig is not None]
+        try:
+            subprocess.run(cmd, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.error("%s failed: %s", " ".join(cmd), e)
+        return True
+
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to its process group (``srun``/``mpiexec`` forward it to every rank)."""
-        if self.running:
+        """Send ``sig`` to its process group (``srun``/``mpiexec`` forward it to every rank),
+        or through the scheduler to a batch job it submitted."""
+        if self.running and not self._scheduler(sig):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
 
     def stop(self) -> None:
-        """TERM the process group, KILL it after the grace period."""
+        """TERM the process group, KILL it after the grace period (a submitted batch job is
+        cancelled through its scheduler first)."""
         if not self.running:
             return
+        self._scheduler(None)
         for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -103,34 +132,50 @@ class TrainerProcess:
         self.poll()
 
     # -- waiting --------------------------------------------------------------------------------
-    def wait_ready(self, ready_file: Path, timeout_s: float | None) -> None:
-        """Until ``ready_file`` exists; LaunchError if the job exits first or time runs out."""
+    def wait_ready(self, ready_file: Path, timeout_s: float | None,
+                   stop_requested: Callable[[], bool] = lambda: False) -> bool:
+        """Until ``ready_file`` exists (True) or a stop is asked (False); LaunchError if the
+        job exits first or time runs out."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not ready_file.exists():
             if self.poll() is not None:
                 raise LaunchError(self.message(f"exited with code {self.returncode} before writing "
                                                f"ready file {ready_file}"))
+            if stop_requested():
+                return False
             if deadline is not None and time.monotonic() > deadline:
                 raise LaunchError(f"ready file {ready_file} did not appear within {timeout_s:g} s; the training "
                                   f"job is still running")
             time.sleep(0.05)
+        return True
 
-    def wait(self, timeout_s: float | None, tick: Callable[[], None], poll_s: float,
-             stop_requested: Callable[[], bool] = lambda: False) -> int:
-        """Until it exits (restarting it after failures while allowed); its exit status.
-        ``stop_requested`` turns true: it is asked to save and stop (SIGUSR1)."""
+    def wait(self, *, timeout_s: float | None, tick: Callable[[], None], poll_s: float,
+             stop_requested: Callable[[], bool], save_window: Callable[[], float]) -> int:
+        """Until it exits; its exit status.
+
+        A failure is relaunched while ``max_restarts`` allow. When ``stop_requested()`` turns
+        true, it is asked to save and stop (SIGUSR1) and never relaunched; after
+        ``save_window()`` seconds more it is stopped (TERM, then KILL). ``timeout_s``: a limit
+        given by the caller, after which it is stopped and LaunchError raised.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        asked = False
+        asked_until: float | None = None
         while True:
-            if self.poll() is not None and not self.restart_if_allowed():
+            if self.poll() is not None and (asked_until is not None or not self.restart_if_allowed()):
                 break
-            if stop_requested() and not asked:
+            if asked_until is None and stop_requested():
+                window = max(1.0, save_window())
+                logger.warning("asking the training job to save and stop (SIGUSR1); it has %.0f s", window)
                 self.signal(signal.SIGUSR1)
-                asked = True
-            if deadline is not None and time.monotonic() > deadline:
+                asked_until = time.monotonic() + window
+            if asked_until is not None and time.monotonic() > asked_until:
+                logger.error("the training job did not stop within its save window: stopping it")
                 self.stop()
-                raise LaunchError(f"training job did not exit within {timeout_s:g} s after the last simulation "
-                                  f"(a timeout from the walltime); stopped it")
+                break
+            if asked_until is None and deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"training job did not exit within train_timeout_s={timeout_s:g} s after the "
+                                  f"last simulation; stopped it")
             tick()
             time.sleep(poll_s)
         tick()

@@ -7,7 +7,6 @@ the first collective, so a bad layout raises everywhere and nothing hangs.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import traceback
@@ -96,18 +95,27 @@ class ProcessGrid:
         wanted = [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
         log.configure(self.rank)
         # -- collectives start here; everything above raised on every rank alike --------------
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        me = (node_name or env.detect().node, socket.gethostname(), cpus)
-        gathered = self.comm.allgather(me)
-        self.node_names: list[str] = [g[0] for g in gathered]
-        mine = set(cpus)
+        self.node_names: list[str] = self.comm.allgather(node_name or env.detect().node)
         #: CPUs this rank may run on, and how many ranks of this host share any of them.
-        self.cpus, self.cpu_sharers = len(cpus), sum(1 for g in gathered if g[1] == me[1] and mine & set(g[2]))
+        self.cpus, self.cpu_sharers = self._cpu_sharing()
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
         for key in dict.fromkeys(wanted):
             self._comms[key] = self.comm.Split(color=layout.group_index(self.rank, key), key=self.rank)
         self.torch: TorchDist | None = None
         self._warn_spanning_tp()
+
+    def _cpu_sharing(self) -> tuple[int, int]:
+        """This rank's CPUs, and the ranks of its host (shared memory) whose CPUs overlap them:
+        masks are exchanged within a host only, a few hundred ranks at most at any scale."""
+        from mpi4py import MPI
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        host = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            mine = set(cpus)
+            return len(cpus), sum(1 for other in host.allgather(cpus) if mine & set(other))
+        finally:
+            host.Free()
 
     # -- node map -----------------------------------------------------------------------------
     @property

@@ -167,6 +167,20 @@ class Buffer:
             self._cond.notify_all()  # room for the server
             return batch
 
+    def unget(self, batch: list[Sample]) -> None:
+        """Give back a batch taken by :meth:`get` but never trained on (a stop came first):
+        FIFO/FIRO put the samples back in front, so the checkpoint holds them."""
+        with self._cond:
+            for s in batch:
+                s.reuse -= 1
+                if self.config.policy != "reservoir":
+                    self.stats.reuse_hist[s.reuse + 1] -= 1
+            if self.config.policy != "reservoir":
+                self._items[0:0] = batch
+            self.stats.served -= len(batch)
+            self.stats.batches -= 1
+            self._cond.notify_all()
+
     # -- checkpointing: plain arrays and JSON, never pickle ---------------------------------
     def state(self) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON) of the buffer's contents and counters."""

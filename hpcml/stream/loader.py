@@ -57,6 +57,9 @@ class StreamLoader:
             self.rounds += 1
             if flags[1] == 0 or flags[2] == 0:  # some rank's stream is over, or asked to stop: everyone stops
                 self.stopped = flags[2] == 0
+                if self.stopped and self._held is not None:  # untrained: back into the buffer (and the checkpoint)
+                    buf.unget(self._held)
+                    self._held = None
                 batch = None
                 break
             if flags[0] == 1:

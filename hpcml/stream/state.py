@@ -39,3 +39,13 @@ def load_stream_states(ckpt_path) -> list[dict[str, np.ndarray]]:
     for st in states.values():
         st.setdefault("seen", np.zeros((0, 2), np.int64))
     return [states[r] for r in sorted(states)]
+
+
+def simulations_in(ckpt_path, outputs: int) -> set[int]:
+    """Simulations of which checkpoint ``ckpt_path`` holds at least ``outputs`` samples
+    (every output): their data survives a restart, so a resumed campaign need not run them
+    again. One that finished after the save is not among them."""
+    from collections import Counter
+
+    seen = Counter(int(sim) for st in load_stream_states(ckpt_path) for sim, _ in st["seen"].tolist())
+    return {sim for sim, n in seen.items() if n >= outputs}

@@ -81,11 +81,9 @@ class CheckpointHook:
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
-        self._trainer: Trainer | None = None
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: Trainer, metrics: dict) -> None:
-        self._trainer = trainer
         if metrics.get("stop"):
             self.close()
             self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)

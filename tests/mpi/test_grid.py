@@ -132,8 +132,8 @@ def test_threads_per_rank_share_the_hosts_cpus(comm):
     neighbours; 4 ranks x 2 threads on 2 cores ran 5x slower)."""
     grid = ProcessGrid()
     cpus = len(os.sched_getaffinity(0))
-    same = comm.allgather(sorted(os.sched_getaffinity(0)))
-    if all(s == same[0] for s in same):  # mpiexec here binds nothing: every rank sees every core
-        assert (grid.cpus, grid.cpu_sharers) == (cpus, WORLD)
-        assert grid.threads_per_rank == max(1, cpus // WORLD)
+    assert comm.allgather(sorted(os.sched_getaffinity(0))) == [sorted(os.sched_getaffinity(0))] * WORLD, \
+        "this test expects mpiexec to bind nothing (every rank sees every core of this one host)"
+    assert (grid.cpus, grid.cpu_sharers) == (cpus, WORLD)
+    assert grid.threads_per_rank == max(1, cpus // WORLD)
     grid.free()

@@ -157,6 +157,7 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_bitwise(tmp_path):
     fresh.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     ckpt.save(tmp_path, 0, ckpt.training_tensors(model.named_parameters(), opt), extra={"step": 0})
+    assert not any(opt.state.values())  # the save wrote AdamW's zero state without touching the optimizer
     resumed = torch.nn.Linear(4, 3)
     opt_resumed = torch.optim.AdamW(resumed.parameters(), lr=0.1)
     report = ckpt.load(tmp_path, ckpt.training_tensors(resumed.named_parameters(), opt_resumed, create=True))

@@ -58,7 +58,7 @@ def test_scripts_are_valid_bash_with_the_protocol(name, tmp_path):
     assert "trap 'echo \"hpcml-job: walltime warning: the job saves and stops\" >&2; kill -USR1 \"$hpcml_pid\"" \
            " 2>/dev/null' USR1" in lines
     assert 'export HPCML_SITE=%s HPCML_JOB_DEADLINE=$(( $(date +%%s) + 3600 ))' % name in lines
-    assert lines[-1] == 'exit "$rc"' and "[ \"$rc\" -eq 75 ]" in text or name == "summit"
+    assert lines[-1] == 'exit "$rc"' and '[ "$rc" -eq 75 ]' in text
 
 
 def test_slurm_node_range_follows_the_nodes_it_gets():
@@ -101,13 +101,17 @@ def test_cli_prints_or_writes_the_script(tmp_path, capsys):
         "hpcml: error: hpcml job needs the command after --, e.g. hpcml job ... -- python train.py")
 
 
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/bash\n" + body)
+    (bin_dir / name).chmod(0o755)
+
+
 def test_pbs_protocol_timer_warns_and_resubmits(tmp_path):
     """On PBS no signal comes before the walltime: the script's timer sends it; the job
     saves, exits 75, and the script submits itself again with the restart count."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "qsub").write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/qsub.log\necho 12.fake\n")
-    (bin_dir / "qsub").chmod(0o755)
+    _fake(bin_dir, "qsub", f"echo \"$@\" >> {tmp_path}/qsub.log\necho 12.fake\n")
     job = tmp_path / "job.py"
     job.write_text("import signal, sys, time\n"
                    "signal.signal(signal.SIGUSR1, lambda *a: (print('saved', flush=True), sys.exit(75)))\n"
@@ -126,6 +130,46 @@ def test_pbs_protocol_timer_warns_and_resubmits(tmp_path):
     env["HPCML_RESTART_COUNT"] = "10"  # the tenth resubmission: no more
     out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 75 and "not finished after 10 resubmissions: giving up" in out.stderr
+
+
+def test_lsf_protocol_warns_and_resubmits_with_a_limit(tmp_path):
+    """LSF sends the warning itself (-wa USR1 -wt); on 75 the script submits itself again,
+    counting, up to --max-requeues (bsub -Q would requeue without a limit)."""
+    bin_dir = tmp_path / "bin"
+    _fake(bin_dir, "bsub", f"echo \"count=$HPCML_RESTART_COUNT $(head -c 11)\" >> {tmp_path}/bsub.log\n"
+                           "echo 'Job <13> is submitted to queue <batch>.'\n")
+    job = tmp_path / "job.py"
+    job.write_text("import os, signal, sys, time\n"
+                   "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+                   "os.kill(os.getppid(), signal.SIGUSR1)\n"  # as LSF's -wa does to the batch script
+                   "time.sleep(30)\n")
+    spec = JobSpec(site=load_site("summit"), command=(sys.executable, str(job)), nodes=(1, 1), walltime="00:10:00",
+                   driver=True, max_requeues=2, script_path=str(tmp_path / "job.lsf"))
+    text = render(spec)
+    assert "#BSUB -wa USR1" in text.splitlines() and "#BSUB -wt 1" in text.splitlines() and "-Q" not in text
+    script = tmp_path / "job.lsf"
+    script.write_text(text.replace("module ", ": module "))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LS_SUBCWD": str(tmp_path), "LSB_JOBID": "12"}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0 and "resubmitting" in out.stderr, out.stderr
+    assert (tmp_path / "bsub.log").read_text().split() == ["count=1", "#!/bin/bash"]  # the script, on stdin
+    env["HPCML_RESTART_COUNT"] = "2"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 75 and "not finished after 2 resubmissions: giving up" in out.stderr
+
+
+def test_a_printed_pbs_script_says_where_to_save_it(capsys):
+    assert main(["job", "--site", "aurora", "--nodes", "1", "--walltime", "00:30:00", "--", "python", "t.py"]) == 0
+    captured = capsys.readouterr()
+    assert 'hpcml_script=${HPCML_JOB_SCRIPT:-"$PBS_O_WORKDIR"/hpcml.pbs}' in captured.out
+    assert captured.err.strip() == ("hpcml job: save it as hpcml.pbs in the directory you submit from: on exit 75 it "
+                                    "submits itself again from there (or set HPCML_JOB_SCRIPT, or use --script)")
+
+
+def test_short_walltimes_get_a_warning_that_fits():
+    assert job_spec(site="frontier", command=["t"], nodes=1, walltime="00:01:00").warn_s == 30
+    assert job_spec(site="frontier", command=["t"], nodes=1, walltime="00:30:00").warn_s == 180
+    assert job_spec(site="frontier", command=["t"], nodes=1, walltime="12:00:00").warn_s == 600
 
 
 def test_submit_without_the_scheduler_is_one_line(tmp_path):

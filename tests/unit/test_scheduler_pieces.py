@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -77,5 +78,29 @@ def test_campaign_allocation_mode_outside_a_job_is_one_line(tmp_path, monkeypatc
     assert Campaign(run_dir=tmp_path, site="frontier", mode="pilot").allocation() is None
 
 
-def test_sigterm_is_a_stop_signal_too():
-    assert set(stop.STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1}
+def test_pilot_trainer_on_pbs_is_signalled_and_stopped_through_the_scheduler(tmp_path, monkeypatch):
+    """A pilot campaign's trainer on PBS is a batch job its `qsub -W block=true` client waits
+    for: the walltime warning and a stop go to the job (qsig, qdel), not to the client --
+    whose death would leave the job running. Only qsub/qsig/qdel are faked (no PBS here)."""
+    from hpcml.ensemble.spec import TrainingJob
+    from hpcml.ensemble.trainer_proc import TrainerProcess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"qsub": f"echo 42.pbs01\nwhile [ ! -e {tmp_path}/gone ]; do sleep 0.05; done\n",
+                       "qsig": f"echo \"$@\" >> {tmp_path}/qsig.log\n",
+                       "qdel": f"echo \"$@\" >> {tmp_path}/qdel.log; touch {tmp_path}/gone\n"}.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    tp = TrainerProcess(TrainingJob(argv=["t"]), line=lambda job: f"qsub -V -W block=true {tmp_path}/train.pbs",
+                        run_dir=tmp_path, env={}, grace_s=5)
+    tp.start()
+    deadline = time.monotonic() + 10
+    while tp.batch_job() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tp.batch_job() == ("pbs", "42.pbs01")
+    tp.signal(signal.SIGUSR1)
+    assert (tmp_path / "qsig.log").read_text().split() == ["-s", "USR1", "42.pbs01"] and tp.running
+    tp.stop()
+    assert (tmp_path / "qdel.log").read_text().split() == ["42.pbs01"] and not tp.running

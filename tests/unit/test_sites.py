@@ -181,7 +181,7 @@ EXPECTED_SCRIPT = {
                    "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python"],
     "summit": ["#BSUB -W 150", "#BSUB -P proj42", "#BSUB -q batch", "#BSUB -nnodes 2",
                "module load gcc spectrum-mpi hdf5 python", "export HPCML_SOCKET_IFNAME=ib0"],
-    "polaris": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=64:ngpus=4",
+    "polaris": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=64:system=polaris",
                 "#PBS -l filesystems=home:eagle", "#PBS -l place=scatter", "module use /soft/modulefiles",
                 "module load PrgEnv-gnu cray-hdf5-parallel conda", "export NCCL_SOCKET_IFNAME=hsn0,hsn1"],
     "aurora": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=208", "#PBS -l filesystems=home:flare",

@@ -315,20 +315,28 @@ def test_restore_never_drops_samples_to_fit_the_capacity():
             v.stop()
 
 
-def test_loader_stops_every_rank_when_one_is_asked_to():
+@pytest.mark.parametrize("policy", ["fifo", "firo", "reservoir"])
+def test_a_stop_keeps_the_batch_a_rank_held(policy):
+    """The loader stops on a request (in its per-step agreement; here one rank, COMM_SELF)
+    and the batch it had taken goes back into the buffer: the stop save holds it."""
     from mpi4py import MPI
 
     from hpcml.stream import StreamLoader
 
-    srv = _server(policy="reservoir", capacity=8, watermark=1)
+    srv = _server(policy=policy, capacity=8, watermark=1)
     try:
         field = np.zeros((4, 4), np.float32)
-        _send_all(_producers(srv, 0, 0, field, nranks=1), (1, 2, 3), field)
-        _wait(lambda: len(srv.buffer) == 3)
+        _send_all(_producers(srv, 0, 0, field, nranks=1), (1, 2, 3, 4, 5), field)
+        _wait(lambda: len(srv.buffer) == 5)
         asked = {"stop": False}
         loader = StreamLoader(srv, MPI.COMM_SELF, 2, should_stop=lambda: asked["stop"])
-        assert loader.next_batch() is not None and not loader.stopped
+        trained = loader.next_batch()
+        assert trained is not None and not loader.stopped
         asked["stop"] = True
         assert loader.next_batch() is None and loader.stopped  # a stream that has not ended
+        kept = {(s.sim, s.step) for s in srv.buffer._items}
+        left = {(0, k) for k in range(1, 6)} - ({(s.sim, s.step) for s in trained} if policy != "reservoir" else set())
+        assert kept == left  # nothing taken and untrained is lost
+        assert srv.buffer.stats.served == 2 and srv.buffer.stats.batches == 1
     finally:
         srv.stop()

@@ -66,6 +66,12 @@ TRAINER = textwrap.dedent("""
     tmp = os.path.join(run_dir, "ready.tmp")
     open(tmp, "w").write("tcp://127.0.0.1:0")
     os.replace(tmp, os.path.join(run_dir, "ready"))
+    if mode == "save-on-usr1":  # the walltime warning: save, exit 75 ("not finished")
+        import signal
+        signal.signal(signal.SIGUSR1, lambda *a: (open(os.path.join(run_dir, "saved"), "w").write("yes"),
+                                                  sys.exit(75)))
+        while True:
+            time.sleep(0.1)
     if mode == "fail":
         time.sleep(2.0)
         print("loss is nan at step 7", file=sys.stderr)
@@ -261,6 +267,27 @@ def test_training_failure_cancels_sims_and_raises(tmp_path):
     summary = json.loads((run_dir / "campaign.json").read_text())
     assert (summary["completed"], summary["cancelled"], summary["training_returncode"]) == ([], [0, 1, 2], 3)
     assert "exited with code 3" in summary["error"]
+
+
+def test_walltime_near_and_no_warning_the_campaign_stops_itself(tmp_path):
+    """A job script that asked for no warning: 60 s before the walltime the campaign cancels
+    its simulations and asks the trainer to save and stop; it has until just before the end."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), max_concurrent=1, progress=False,
+                 cancel_grace_s=1, deadline=time.time() + 64)  # 4 s of campaign, then the margin
+    sims = [_sim(tmp_path, i, "--sleep", "30") for i in range(3)]
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "save-on-usr1"], ranks=1)
+    t0 = time.monotonic()
+    res = c.run(sims, training=job, ready_file=run_dir / "ready")
+    assert time.monotonic() - t0 < 30
+    assert (res.status, res.interrupted, res.error) == ("interrupted", True, None)
+    assert res.training_returncode in (75, 0)  # MPICH's mpiexec of 1 rank reports 0 after forwarding a signal
+    assert (run_dir / "saved").read_text() == "yes" and not (run_dir / "sims_done.json").exists()
+    summary = json.loads((run_dir / "campaign.json").read_text())
+    assert summary["stop_reason"] == "walltime: 60 s left and no warning came" and summary["cancelled"] == [0, 1, 2]
+    assert [(r["sim_id"], r["status"]) for r in _provenance(run_dir)] == [(0, "cancelled")]
 
 
 def test_timeout_stops_an_attempt_and_a_rerun_continues_attempt_numbers(tmp_path):

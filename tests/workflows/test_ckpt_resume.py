@@ -111,7 +111,8 @@ def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
     for trial in range(12):
         proc = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), str(root)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
-        time.sleep(1.2 + rng.random() * 1.5)  # past start-up, then anywhere inside a save
+        assert proc.stdout.readline().strip().isdigit()  # past start-up: the first save is done
+        time.sleep(rng.random() * 1.5)  # then anywhere inside a later save (each takes ~0.1 s)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         if not (root / "latest").exists():
