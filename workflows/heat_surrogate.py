@@ -175,8 +175,7 @@ def driver(args) -> dict:
     failed = sorted(set(result.failed) | set(result.cancelled))
     if failed:
         problems.append(f"{len(failed)} simulation(s) did not complete: {failed} (see {run_dir / 'provenance.jsonl'})")
-    if not train.get("gradient_steps"):
-        problems.append(f"the trainer took 0 gradient steps (see {run_dir / 'train.err'})")
+    problems += [f"{p} (see {run_dir / 'train.err'})" for p in train.pop("trainer_problems", [])]
     if max(0, expected - train["samples_ingested"]):
         problems.append(f"{expected - train['samples_ingested']} of {expected} samples were never ingested")
     summary = {"status": "failed" if problems else "ok", "problems": problems, "mode": args.mode, "sims_completed": len(completed), "sims_resumed": len(result.skipped),
@@ -203,7 +202,7 @@ def _kept(args, run_dir: Path, sims, val) -> set[int]:
     kept = {s.sim_id for s in sims + val if (run_dir / ("val" if s.sim_id >= args.sims else "data")
                                                 / f"sim_{s.sim_id:05d}.h5").exists()}
     if args.mode == "online" and (run_dir / "checkpoints" / "latest").exists():
-        from hpcml.stream.state import simulations_in
+        from hpcml.train.online import simulations_in
 
         kept |= simulations_in(run_dir / "checkpoints", args.sim_steps // args.every)
     return kept
@@ -237,27 +236,24 @@ def _forward(args, site) -> list[str]:
 def train(args) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
 
-    from hpcml import ckpt, stop
     from hpcml.grid import ProcessGrid, install_abort_handler
     from hpcml.grid.torch_dist import interface_address
     from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
-    from hpcml.stream import Buffer, BufferConfig, StreamLoader, read_endpoints, read_secret, write_endpoints
+    from hpcml.stream import Buffer, BufferConfig, read_endpoints, read_secret
     from hpcml.stream.files import FileSource, read_samples
     from hpcml.stream.server import ServerConfig, StreamServer
-    from hpcml.stream.state import load_stream_states, stream_tensors
     from hpcml.train.field_report import write_report
     from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
+    from hpcml.train.online import OnlineConfig, train_online
 
     install_abort_handler()
     grid = ProcessGrid(dp=-1)
     grid.init_torch()  # one rank per GPU with the device's backend (NCCL/RCCL/XCCL); gloo on CPU
     torch.set_num_threads(1)  # after init_torch's share of the cores: the simulations need them
     host = args.host or (interface_address(args.stream_interface) if args.stream_interface else "127.0.0.1")
-    comm, rank, world = grid.comm, grid.rank, grid.layout.world_size
+    rank, world = grid.rank, grid.layout.world_size
     run_dir = Path(args.run_dir)
-    ckpt_dir = run_dir / "checkpoints"
     scales = FieldScales(param_lo=tuple(BOUNDS[n][0] for n in PARAMS), param_hi=tuple(BOUNDS[n][1] for n in PARAMS),
                          t_max=t_max(args), field_offset=0.5, field_scale=0.5)
     model = MLPSurrogate(MLPSurrogateConfig(n_params=len(PARAMS), nx=args.nx, ny=args.ny, hidden=256, depth=3))
@@ -266,10 +262,9 @@ def train(args) -> None:
                                                          progress=not args.quiet, log_every=25), scales)
     buffer = Buffer(BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark,
                                  seed=args.seed + rank))
-    resume_from = ckpt_dir if args.resume and (ckpt_dir / "latest").exists() else None
     if args.mode == "online":
         port = 0
-        if resume_from and (run_dir / "endpoints.json").exists():  # come back on the same address: sims reconnect
+        if args.resume and (run_dir / "endpoints.json").exists():  # come back on the same address: sims reconnect
             _, old = read_endpoints(run_dir / "endpoints.json")
             port = int(old[rank].rsplit(":", 1)[1]) if len(old) == world else 0
         source = StreamServer(campaign=args.campaign, secret=read_secret(run_dir / "stream.key"), rank=rank,
@@ -280,95 +275,30 @@ def train(args) -> None:
     else:
         source = FileSource(sorted((run_dir / "data").glob("sim_*.h5")), rank=rank, n_trainers=world, buffer=buffer,
                             field_names=("T",), param_names=PARAMS)
-    if resume_from:
-        report = ckpt.load(resume_from, trainer.tensors(create=True), comm=comm)
-        trainer.restore(report.extra)
-        if args.mode == "online":
-            source.load_state(load_stream_states(report.path))
-        if rank == 0:
-            print(f"[train] resumed at step {trainer.step} from {report.path} (saved on {report.layout}); "
-                  f"buffer {len(buffer)} samples, {len(getattr(source, 'seen', ()))} seen", flush=True)
-    source.start()
-    endpoints = comm.gather(getattr(source, "endpoint", None))
-    if rank == 0 and args.mode == "online":
-        write_endpoints(run_dir / "endpoints.json", args.campaign, endpoints)
 
-    def save() -> None:
-        tensors = trainer.tensors()
-        if args.mode == "online":
-            tensors.update(stream_tensors(source, rank))
-        ckpt.save(ckpt_dir, trainer.step, tensors, comm=comm, extra=trainer.extra(), layout=grid.layout.degrees,
-                  keep=2)
-
-    stopping = lambda: stop.requested() is not None  # noqa: E731  (the driver's SIGUSR1: save, then stop)
-    loader = StreamLoader(source, comm, args.batch, should_stop=stopping)
-
-    def stop_now() -> None:  # every rank, together: keep what arrived, save, exit "not finished"
-        if isinstance(source, StreamServer):
-            source.quiesce()
-        save()
-        stop.finished()
-        source.stop()
-        if rank == 0:
-            print(f"[train] stopped by signal at step {trainer.step} after saving", flush=True)
-        sys.exit(NOT_FINISHED)
-
-    t_train = time.perf_counter()
-    while trainer.step < args.steps:
-        batch = loader.next_batch()
-        if batch is None:
-            break
-        m = trainer.train_step(batch, extra={"buffer_len": len(buffer)})
-        if args.ckpt_every and trainer.step % args.ckpt_every == 0:
-            save()
-        if args.crash_trainer_at == trainer.step and rank == 0 and not (run_dir / ".trainer_crashed").exists():
-            (run_dir / ".trainer_crashed").write_text(str(trainer.step))
-            print(f"[train] reliability test: killing the training job after step {trainer.step}", flush=True)
+    def crash_test(m: dict) -> None:  # --crash-trainer-at: the first training job dies at that step
+        if args.crash_trainer_at == m["step"] and rank == 0 and not (run_dir / ".trainer_crashed").exists():
+            (run_dir / ".trainer_crashed").write_text(str(m["step"]))
+            print(f"[train] reliability test: killing the training job after step {m['step']}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-    if loader.stopped:
-        stop_now()
-    train_s = time.perf_counter() - t_train
-    # keep the stream flowing until every simulation is done, so none blocks on a gone trainer;
-    # the ranks agree every round (all ended, or a stop on any), so they leave together
-    drained = 0
-    flags = np.zeros(2, np.int32)
-    while True:
-        flags[:] = (int(buffer.ended), int(not stopping()))
-        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)  # [all ended, none asked to stop]
-        if not flags[1]:
-            stop_now()
-        if flags[0]:
-            break
-        if args.buffer == "reservoir":  # never blocks the stream: just wait for its end
-            time.sleep(0.05)
-        else:
-            drained += len(buffer.get(1, timeout=0.05) or [])
-    save()
-    stats = comm.gather({**source.stats(), "unused": loader.unused() + drained,
-                         "starved_s": loader.starved_s, "agree_s": loader.agree_s,
-                         "since_first_batch_s": time.perf_counter() - loader.t_first_batch if loader.t_first_batch
-                         else 0.0, "train_s": train_s})
-    source.stop()
+
+    config = OnlineConfig(steps=args.steps, batch=args.batch, ckpt_dir=str(run_dir / "checkpoints"),
+                          ckpt_every=args.ckpt_every, resume=args.resume, campaign=args.campaign or "",
+                          endpoints_file=str(run_dir / "endpoints.json") if args.mode == "online" else None)
+    result = train_online(trainer, source, grid=grid, config=config, on_step=crash_test)
+    if rank == 0 and result.resumed_at is not None:
+        print(f"[train] resumed at step {result.resumed_at} from {run_dir / 'checkpoints'}", flush=True)
+    if result.status == "stopped":
+        if rank == 0:
+            print(f"[train] stopped by signal at step {result.steps} after saving", flush=True)
+        sys.exit(NOT_FINISHED)
     if rank != 0:
         return
-    val_files = sorted((run_dir / "val").glob("sim_*.h5"))
-    vals = [s for f in val_files for s in read_samples(f, ("T",), PARAMS)]
+    vals = [s for f in sorted((run_dir / "val").glob("sim_*.h5")) for s in read_samples(f, ("T",), PARAMS)]
     val = trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
                          np.stack([s.fields[0] for s in vals])) if vals else float("nan")
-    busy = sum(s["since_first_batch_s"] for s in stats)
-    out = {"samples_ingested": sum(s["samples"] for s in stats),
-           "duplicate_samples": sum(s.get("duplicates", 0) for s in stats),
-           "dropped_messages": {k: sum(s["dropped"].get(k, 0) for s in stats) for s in stats for k in s["dropped"]},
-           "intake_mb_s": sum(s["intake_mb_s"] for s in stats),
-           "bytes_ingested": sum(s["bytes"] for s in stats),
-           "samples_unused": sum(s["unused"] for s in stats),
-           "samples_trained": trainer.step * args.batch * world, "gradient_steps": trainer.step, "final_loss": trainer.history[-1]["loss"] if trainer.history else None,
-           "trainer_idle_fraction": sum(s["starved_s"] for s in stats) / busy if busy else 0.0,
-           "agreement_fraction": sum(s["agree_s"] for s in stats) / busy if busy else 0.0,
-           "train_s": max(s["train_s"] for s in stats), "val_rel_l2": val, "val_samples": len(vals),
-           "buffer": {"policy": args.buffer, "capacity": args.capacity, "watermark": args.watermark,
-                      "per_rank": [s["buffer"] for s in stats]},
-           "train_ranks": world}
+    out = {**result.summary, "val_rel_l2": val, "val_samples": len(vals), "trainer_problems": result.problems}
+    out["buffer"].update(policy=args.buffer, capacity=args.capacity, watermark=args.watermark)
     (run_dir / "train_summary.json").write_text(json.dumps(out, indent=1))
     if not args.no_report and vals:
         write_report(run_dir, trainer, vals, out)

@@ -11,14 +11,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"LoadReport": "reader", "load": "reader", "read_extra": "reader", "read_tensor": "reader",
-            "resolve": "reader", "training_tensors": "state", "AsyncSaver": "writer", "SaveResult": "writer",
-            "save": "writer", "CheckpointError": None}
+            "read_tensors": "reader", "resolve": "reader", "training_tensors": "state", "AsyncSaver": "writer",
+            "SaveResult": "writer", "save": "writer", "CheckpointError": None}
 _SUBMODULES = {"async_writer", "format", "plan", "reader", "shard", "state", "tools", "writer"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, resolve
+    from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors, resolve
     from hpcml.ckpt.state import training_tensors
     from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
     from hpcml.errors import CheckpointError

@@ -97,6 +97,19 @@ def read_tensor(index: h5py.File, name: str) -> torch.Tensor:
     return t.reshape(()) if len(ds.attrs["global_shape"]) == 0 else t
 
 
+def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
+    """Every whole tensor of checkpoint ``path`` whose name starts with ``prefix`` (state that is
+    not a model's, e.g. a data source's, read by name without knowing the names up front)."""
+    out: dict[str, torch.Tensor] = {}
+    with _open_index(resolve(path)) as index:
+        names: list[str] = []
+        index.visititems(lambda n, obj: names.append(n) if n.startswith(prefix) and isinstance(obj, h5py.Dataset)
+                         else None)
+        for n in names:
+            out[n] = read_tensor(index, n)
+    return out
+
+
 def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True, comm=None,
          tensor_attrs: dict[str, dict] | None = None) -> LoadReport:
     """Fill ``tensors`` (name -> DTensor or tensor, any layout) in place from a checkpoint.

@@ -7,6 +7,7 @@ the first collective, so a bad layout raises everywhere and nothing hangs.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import traceback
@@ -105,15 +106,21 @@ class ProcessGrid:
         self._warn_spanning_tp()
 
     def _cpu_sharing(self) -> tuple[int, int]:
-        """This rank's CPUs, and the ranks of its host (shared memory) whose CPUs overlap them:
-        masks are exchanged within a host only, a few hundred ranks at most at any scale."""
-        from mpi4py import MPI
+        """This rank's CPUs, and the ranks of its host whose CPUs overlap them: masks are
+        exchanged within a host only, a few hundred ranks at most at any scale.
+
+        The host is the kernel's host name, not MPI's shared-memory domain: under a launcher
+        that reports several logical nodes on one machine (two slurmd on one host, srun's
+        PMI node ids) MPI counts them apart, and each rank would take every core."""
+        import zlib
 
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        host = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        name = socket.gethostname()
+        host = self.comm.Split(color=zlib.crc32(name.encode()) & 0x7FFFFFFF, key=self.rank)
         try:
             mine = set(cpus)
-            return len(cpus), sum(1 for other in host.allgather(cpus) if mine & set(other))
+            return len(cpus), sum(1 for other, theirs in host.allgather((name, cpus))
+                                  if other == name and mine & set(theirs))  # a crc collision: not the same host
         finally:
             host.Free()
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.routing import route
+from hpcml.stream.source import pack_state, unpack_states
 
 
 def read_samples(path: str | Path, field_names, param_names) -> list[Sample]:
@@ -31,36 +32,60 @@ def read_samples(path: str | Path, field_names, param_names) -> list[Sample]:
 
 
 class FileSource:
-    """Feeds this rank's share of ``files`` into ``buffer`` from a thread (same interface the
-    loader uses on a :class:`~hpcml.stream.server.StreamServer`)."""
+    """Feeds this rank's share of ``files`` into ``buffer`` from a thread: a
+    :class:`~hpcml.stream.source.SampleSource` like the stream server. Its state (buffer and
+    the keys already read) goes into the checkpoint, so a resumed run reads on where it
+    stopped and takes no sample twice."""
 
     def __init__(self, files, *, rank: int, n_trainers: int, buffer: Buffer, field_names, param_names) -> None:
         self.files = sorted(Path(f) for f in files)
         self.rank, self.n_trainers, self.buffer = rank, n_trainers, buffer
         self.field_names, self.param_names = tuple(field_names), tuple(param_names)
         self.counters = {"samples": 0, "bytes": 0, "files": 0, "duplicates": 0}
+        self.seen: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()  # a sample is in the buffer and in ``seen`` together, or in neither
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.t_first = self.t_last = None
 
-    def _mine(self, path: Path) -> bool:
-        with h5py.File(path, "r") as f:
-            return route(int(f.attrs["sim_id"]), self.n_trainers) == self.rank
+    def _mine(self, sim: int) -> bool:
+        return route(int(sim), self.n_trainers) == self.rank
 
     def _run(self) -> None:
         self.t_first = time.perf_counter()
         for path in self.files:
-            if not self._mine(path):
-                continue
+            with h5py.File(path, "r") as f:
+                if not self._mine(int(f.attrs["sim_id"])):
+                    continue
             for s in read_samples(path, self.field_names, self.param_names):
-                while not self.buffer.put(s, timeout=0.1):
+                if (s.sim, s.step) in self.seen:  # read before a restart: in the checkpoint already
+                    continue
+                while True:
+                    with self._lock:
+                        if self.buffer.put(s, timeout=0.05):
+                            self.seen.add((s.sim, s.step))
+                            self.counters["samples"] += 1
+                            self.counters["bytes"] += s.fields.nbytes
+                            break
                     if self._stop.is_set():
                         return
-                self.counters["samples"] += 1
-                self.counters["bytes"] += s.fields.nbytes
             self.counters["files"] += 1
         self.t_last = time.perf_counter()
         self.buffer.end()
+
+    def quiesce(self) -> None:
+        """Nothing is in flight between a file and the buffer."""
+
+    def state(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            return pack_state(self.buffer, self.seen, {"counters": self.counters})
+
+    def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
+        with self._lock:
+            metas = unpack_states(states, self.buffer, self.seen, self._mine)
+            self.counters["samples"] = len(self.seen)
+            if len(metas) == self.n_trainers:
+                self.counters["bytes"] = metas[self.rank]["counters"]["bytes"]
 
     def start(self) -> FileSource:
         self._thread = threading.Thread(target=self._run, name="hpcml-files", daemon=True)

@@ -20,14 +20,14 @@ from collections.abc import Callable
 import numpy as np
 
 from hpcml.stream.buffer import Sample
-from hpcml.stream.server import StreamServer
+from hpcml.stream.source import SampleSource
 
 
 class StreamLoader:
     """``next_batch()`` -> list of ``batch_size`` samples, or None once the stream has ended
     or a stop was asked on any rank (collective; ``stopped`` tells which)."""
 
-    def __init__(self, server: StreamServer, comm, batch_size: int, poll_s: float = 0.05,
+    def __init__(self, server: SampleSource, comm, batch_size: int, poll_s: float = 0.05,
                  should_stop: Callable[[], bool] = lambda: False) -> None:
         self.server, self.comm, self.batch_size, self.poll_s = server, comm, batch_size, poll_s
         self.should_stop = should_stop

@@ -37,6 +37,7 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.stream import message, routing
 from hpcml.stream.buffer import Buffer, Sample
+from hpcml.stream.source import pack_state, unpack_states
 
 logger = log.get_logger(__name__)
 
@@ -317,26 +318,21 @@ class StreamServer:
             if pending:  # counted as in the buffer: a restart must not lose it
                 self.buffer._items.extend(pending)
             try:
-                arrays, meta = self.buffer.state()
+                return pack_state(self.buffer, self.seen, {
+                    "latest_attempt": {str(k): v for k, v in self.latest_attempt.items()},
+                    "ends": {str(k): {str(r): n for r, n in v.items()} for k, v in self.ends.items()},
+                    "done": self.done, "counters": self.counters, "dropped": self.dropped})
             finally:
                 if pending:
                     self.buffer._items.remove(pending[0])
-            meta = {"buffer": meta, "latest_attempt": {str(k): v for k, v in self.latest_attempt.items()},
-                    "ends": {str(k): {str(r): n for r, n in v.items()} for k, v in self.ends.items()},
-                    "done": self.done, "counters": self.counters, "dropped": self.dropped}
-            out = {f"buffer/{k}": v for k, v in arrays.items()}
-            out["seen"] = np.array(sorted(self.seen), dtype=np.int64).reshape(-1, 2)
-            out["meta_json"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
-            return out
 
     def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
         """Restore from the states of every rank of the saved run (one per saved trainer rank);
         keeps the simulations that route to this rank under the current trainer count."""
         mine = lambda sim: routing.route(int(sim), self.n_trainers) == self.rank  # noqa: E731
         with self._lock:
-            for st in states:
-                meta = json.loads(bytes(st["meta_json"]).decode())
-                self.seen.update((int(a), int(b)) for a, b in st["seen"].tolist() if mine(a))
+            metas = unpack_states(states, self.buffer, self.seen, mine)
+            for i, meta in enumerate(metas):
                 for k, v in meta["latest_attempt"].items():
                     if mine(k):
                         self.latest_attempt[int(k)] = max(v, self.latest_attempt.get(int(k), -1))
@@ -345,10 +341,8 @@ class StreamServer:
                         self.ends[int(k)] = {int(r): n for r, n in v.items()}
                 if meta["done"]:  # global: which simulations completed
                     self.done, self._done_at = meta["done"], time.monotonic()
-                if len(states) == self.n_trainers and st is states[self.rank]:  # same trainer count:
-                    self.counters.update(meta["counters"])                          # this rank's own continue
+                if len(states) == self.n_trainers and i == self.rank:  # same trainer count:
+                    self.counters.update(meta["counters"])            # this rank's own continue
                     self.dropped.update(meta["dropped"])
-                arrays = {k[len("buffer/"):]: v for k, v in st.items() if k.startswith("buffer/")}
-                self.buffer.load_state(arrays, meta["buffer"], keep=mine)
             if len(states) != self.n_trainers:  # another trainer count: what this rank now owns
                 self.counters["samples"] = len(self.seen)

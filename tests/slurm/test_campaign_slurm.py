@@ -50,7 +50,7 @@ def test_pilot_campaign_from_a_login_shell(tmp_path):
         assert r["command"].startswith("srun --ntasks 2 --ntasks-per-node 2 --nodelist n"), r["command"]
     campaign = json.loads((run_dir / "campaign.json").read_text())
     assert campaign["training"]["launch"].startswith(
-        f"srun --time=00:10:00 --partition=debug -N1 -n2 --ntasks-per-node=2 --mpi=pmi2 {PY} ")
+        f"srun --time=00:10:00 --signal=USR1@60 --partition=debug -N1 -n2 --ntasks-per-node=2 --mpi=pmi2 {PY} ")
     assert list((run_dir / "parsl").glob("*/submit_scripts/parsl.sims.block*"))  # Parsl submitted a block
 
 

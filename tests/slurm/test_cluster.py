@@ -29,6 +29,19 @@ def test_grid_under_srun_sees_two_nodes_though_they_share_a_host():
     assert "check passed: 5 groups" in out.stderr
 
 
+def test_ranks_on_both_logical_nodes_share_the_cores_of_their_one_host():
+    """n1 and n2 are one machine: the 4 ranks share its cores, so each takes a quarter of
+    them for its threads. (MPI's shared-memory split counts srun's nodes apart: a rank per
+    node would take every core, 4x oversubscribed, training ran ~10x slower.)"""
+    code = ("from hpcml.grid import ProcessGrid; g = ProcessGrid(); "
+            "print('sharing', g.rank, g.cpus, g.cpu_sharers, flush=True)")
+    out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", PY, "-c", code, timeout=180, check=True)
+    rows = sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
+                  if line.startswith("sharing"))
+    assert [r[0] for r in rows] == [0, 1, 2, 3], out.stdout
+    assert all(sharers == 4 for _, _, sharers in rows), out.stdout
+
+
 def test_grid_under_mpiexec_inside_sbatch_sees_two_nodes(tmp_path):
     """Hydra copies the batch shell's SLURMD_NODENAME to every rank; the node comes from
     SLURM_NODEID and the step's node list instead."""

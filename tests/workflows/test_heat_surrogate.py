@@ -149,7 +149,7 @@ def test_resume_after_a_hard_kill_runs_again_what_the_checkpoint_lacks(tmp_path)
         f"no moment to kill: saved after {at_save} simulations, {done} done, run exit {proc.poll()}"
     assert _kill_everything_of(run_dir) >= 2
     proc.wait(timeout=30)
-    from hpcml.stream.state import simulations_in
+    from hpcml.train.online import simulations_in
 
     held = simulations_in(run_dir / "checkpoints", OUTPUTS)  # what the last save holds
     finished = {r["sim_id"] for r in provenance(run_dir) if r["status"] == "ok" and r["sim_id"] < 6}
@@ -187,3 +187,21 @@ def test_offline_mode_trains_from_the_files_at_equal_steps(tmp_path):
     assert files == [f"sim_{i:05d}.h5" for i in range(6)]
     assert not (run_dir / "endpoints.json").exists()  # nothing streamed
     assert 0 < s["val_rel_l2"] < 1
+
+
+def test_offline_trainer_killed_resumes_and_reads_every_sample_once(tmp_path):
+    """Offline, the file source's state is in the checkpoint: the restarted trainer reads on
+    from where its last save was, takes no sample twice and loses none."""
+    s, run_dir = run(tmp_path, "--mode", "offline", "--steps", "100", "--crash-trainer-at", "30", "--ckpt-every", "20",
+                     name="off-crash")
+    out = (run_dir / "train.out").read_text()
+    assert "killing the training job after step 30" in out and "[train] resumed at step 20 " in out, out[-2000:]
+    assert (s["status"], s["gradient_steps"], s["samples_missing"], s["duplicate_samples"]) == ("ok", 100, 0, 0)
+    assert s["samples_ingested"] == 6 * OUTPUTS
+    import h5py
+    import numpy as np
+
+    step = (run_dir / "checkpoints" / "latest").read_text().strip()
+    with h5py.File(run_dir / "checkpoints" / step / "index.h5") as f:
+        seen = np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2)])
+    assert len(seen) == len({tuple(k) for k in seen.tolist()}) == 6 * OUTPUTS
