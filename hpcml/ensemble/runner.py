@@ -187,11 +187,12 @@ class Run:
         attempts.clear_cancel(self.sims_dir)
         (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)
         done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()
-        lost = done - self.kept if self.kept is not None else set()
+        skip = done & set(self.kept) if self.kept is not None else done
+        lost = done - skip
         for s in self.sims:
             s.dir.mkdir(exist_ok=True)
             s.first = attempts.next_attempt(s.dir)
-            if s.spec.sim_id in done - lost:
+            if s.spec.sim_id in skip:
                 s.outcome, s.skipped = "completed", True
         if done:
             logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again%s",

@@ -3,8 +3,9 @@
 It is not a Parsl task: it must never be retried behind our back (it owns the stream's
 state), its exit must be seen at once, it must not take a simulation slot, and the driver
 must be able to signal it (the walltime warning). Exit codes: 0 finished; 75
-(:data:`hpcml.env.NOT_FINISHED`) saved and stopped on a signal, to be resumed; anything else failed, and it is relaunched while ``max_restarts`` allow (it
-resumes from its checkpoint; its stream servers rebind the same addresses).
+(:data:`hpcml.env.NOT_FINISHED`) saved and stopped on a signal, to be resumed; anything
+else failed, and it is relaunched while ``max_restarts`` allow (it resumes from its
+checkpoint; its stream servers rebind the same addresses).
 """
 
 from __future__ import annotations
