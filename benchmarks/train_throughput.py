@@ -50,7 +50,8 @@ def worker(args) -> None:
 
     from hpcml.models.transformer import Transformer, TransformerConfig, cross_entropy
     from hpcml.parallel import ParallelConfig
-    from hpcml.train import SyntheticTokens, TrainConfig, make_optimizer
+    from hpcml.train import SyntheticTokens, TrainConfig
+    from hpcml.train.loop import make_optimizer
     from hpcml.train.recipe import build_llm_trainer
 
     comm = MPI.COMM_WORLD

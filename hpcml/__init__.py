@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ProcessGrid": "hpcml.grid", "Layout": "hpcml.grid",
     "parallelize": "hpcml.parallel", "ParallelConfig": "hpcml.parallel",
-    "Trainer": "hpcml.train", "TrainConfig": "hpcml.train",
+    "Trainer": "hpcml.train", "TrainConfig": "hpcml.train", "FieldTrainer": "hpcml.train",
+    "FieldTrainConfig": "hpcml.train", "FieldScales": "hpcml.train",
     "train_online": "hpcml.train.online", "OnlineConfig": "hpcml.train.online", "OnlineResult": "hpcml.train.online",
     "Campaign": "hpcml.ensemble", "SimSpec": "hpcml.ensemble", "TrainingJob": "hpcml.ensemble",
     "load_site": "hpcml.ensemble",
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpcml.grid import Layout, ProcessGrid
     from hpcml.parallel import ParallelConfig, parallelize
     from hpcml.stream import Buffer, BufferConfig, Producer, StreamServer
-    from hpcml.train import TrainConfig, Trainer
+    from hpcml.train import FieldScales, FieldTrainConfig, FieldTrainer, TrainConfig, Trainer
     from hpcml.train.online import OnlineConfig, OnlineResult, train_online
 
 

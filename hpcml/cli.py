@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -156,9 +157,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_world(args: argparse.Namespace) -> None:
+    """A lone process (no --world, no launcher) asked for a layout of several ranks: the user
+    forgot --world or mpiexec, which says more than "does not divide world size 1"."""
+    if (args.world is not None and not args.check) or env.detect().world_size != 1:
+        return
+    given = {a: d for a, d in _degrees(args).items() if d > 1}
+    if not given:
+        return
+    need = " x ".join(f"{a}({d})" for a, d in given.items())
+    fix = "" if args.check else "add --world N to print the layout for N ranks, or "
+    raise ConfigError(f"{need} needs a multiple of {math.prod(given.values())} ranks, but this is a single "
+                      f"process: {fix}run it under mpiexec -n N")
+
+
 def _cmd_grid(args: argparse.Namespace) -> int:
     from hpcml.grid.layout import Layout
 
+    _check_world(args)
     if not args.check:
         world = args.world if args.world is not None else env.detect().world_size
         layout = Layout.from_degrees(world, _degrees(args))

@@ -11,7 +11,8 @@ import functools
 import torch
 
 from hpcml.models.transformer import Transformer, TransformerConfig, cross_entropy
-from hpcml.train import SyntheticTokens, TrainConfig, make_optimizer
+from hpcml.train import SyntheticTokens, TrainConfig
+from hpcml.train.loop import make_optimizer
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,7 +11,9 @@ trainer trains from the files, for the same number of gradient steps. Both valid
 held-out simulations and write ``summary.json`` and ``report.png`` into the run directory.
 
 The driver (this script without ``--role``) launches everything; ``--role train`` is the
-training job it starts under the site's MPI launcher.
+training job it starts under the site's MPI launcher. A run directory holds one campaign
+(the Campaign records it): running again in it needs ``--resume`` and the same design and
+training flags; another campaign needs a new directory.
 """
 
 from __future__ import annotations
@@ -26,11 +28,9 @@ import dataclasses
 import json
 import os
 import shlex
-import shutil
 import signal
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from hpcml.env import NOT_FINISHED
@@ -68,7 +68,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--host", default=None, help="address the trainers' stream servers bind (default: the site's stream "
                                   "interface, else loopback)")
     a("--resume", action="store_true", help="continue the campaign in --run-dir (a requeued batch job): "
-                                            "completed simulations are not run again, the trainer resumes")
+                                            "completed simulations are not run again, the trainer resumes; "
+                                            "without it a --run-dir holding a campaign is refused")
     a("--nodes", type=int, default=None, help="batch sites: nodes of the simulations' Parsl block")
     a("--walltime", default=None, help="batch sites: walltime of the block, e.g. 02:00:00")
     a("--account", default=None, help="batch sites: project/account to charge")
@@ -81,7 +82,6 @@ def parse(argv=None) -> argparse.Namespace:
     a("--quiet", action="store_true", help="no progress display")
     # the training job's own flags (set by the driver)
     a("--role", choices=("driver", "train"), default="driver", help=argparse.SUPPRESS)
-    a("--campaign", default=None, help=argparse.SUPPRESS)
     a("--stream-interface", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("sims", "val_sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "train_nodes",
@@ -112,25 +112,15 @@ def sim_argv(args, run_dir: Path, out: Path | None) -> list[str]:
 
 def driver(args) -> dict:
     from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design, load_site
+    from hpcml.errors import ConfigError, LaunchError
     from hpcml.stream import new_secret
 
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     site = load_site(args.site)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    secret_file, id_file = run_dir / "stream.key", run_dir / "campaign_id"
-    resume = args.resume and id_file.exists() and secret_file.exists()
-    if resume:  # the same campaign: its id, key, checkpoints, metrics and provenance carry on
-        campaign_id = id_file.read_text().strip()
-        (run_dir / "summary.json").unlink(missing_ok=True)
-    else:
-        for stale in ("endpoints.json", "summary.json", "train_summary.json", ".trainer_crashed", "metrics.jsonl",
-                      "provenance.jsonl"):
-            (run_dir / stale).unlink(missing_ok=True)  # a new run in an old directory starts afresh
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        new_secret(secret_file)
-        campaign_id = f"heat-{uuid.uuid4().hex[:8]}"
-        id_file.write_text(campaign_id + "\n")
+    secret_file = run_dir / "stream.key"
+    new_secret(secret_file)  # reused when the directory has one (its campaign is resumed or refused)
     for sub in ("data", "val"):
         (run_dir / sub).mkdir(exist_ok=True)
     points = design("lhs", BOUNDS, args.sims + args.val_sims, seed=args.seed)
@@ -147,26 +137,37 @@ def driver(args) -> dict:
     stream_env = {"HPCML_STREAM_ENDPOINTS_FILE": str(run_dir / "endpoints.json"),
                   "HPCML_STREAM_SECRET_FILE": str(secret_file),
                   "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    train_argv = [sys.executable, str(Path(__file__).resolve()), "--role", "train", "--campaign", campaign_id,
-                  *_forward(args, site)]
+    # the same argv every time (it defines the campaign); the Campaign passes the campaign id
+    # (HPCML_CAMPAIGN_ID) and whether to resume (HPCML_RESUME, also on a relaunch)
+    train_argv = [sys.executable, str(Path(__file__).resolve()), "--role", "train", *_forward(args, site)]
     ranks = args.train_ranks if args.train_ranks is not None or site.has_gpus else site.train_ranks(args.train_nodes)
-    training = TrainingJob(argv=train_argv + (["--resume"] if resume else []), ranks=ranks, nodes=args.train_nodes,
-                           env=stream_env, max_restarts=1, restart_argv=train_argv + ["--resume"])
+    training = TrainingJob(argv=train_argv, ranks=ranks, nodes=args.train_nodes, env=stream_env, max_restarts=1)
     site_options = {k: getattr(args, k) for k in ("nodes", "walltime", "account", "queue") if getattr(args, k)}
     campaign = Campaign(site=site, site_options=site_options, run_dir=run_dir, max_concurrent=args.max_concurrent,
                         retries=args.retries, env=stream_env, progress=not args.quiet)
-    kept = _kept(args, run_dir, sims, val) if resume else None
-    if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
-        result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json", resume=resume,
-                              kept=kept)
-    else:
-        result = campaign.run(sims + val, resume=resume, kept=kept)
-        if not result.interrupted:
-            trained = campaign.run([], training=training, resume=resume)
-            result = dataclasses.replace(result, training_returncode=trained.training_returncode,
-                                         interrupted=trained.interrupted)
+    # read from the run directory only once the Campaign has found this campaign in it
+    kept = (lambda: _kept(args, run_dir, sims, val)) if args.resume else None
+    try:
+        if args.mode == "online":  # the trainers learn the end of the campaign from sims_done.json
+            result = campaign.run(sims + val, training=training, ready_file=run_dir / "endpoints.json",
+                                  resume=args.resume, kept=kept)
+        else:  # the simulations write files, then the training job alone reads them
+            result = campaign.run(sims + val, resume=args.resume, kept=kept)
+            if not result.interrupted:
+                trained = campaign.train(training, resume=args.resume)
+                result = dataclasses.replace(result, training_returncode=trained.training_returncode,
+                                             interrupted=trained.interrupted)
+    except ConfigError as e:  # refused before anything started (e.g. a directory of another campaign)
+        print(f"heat_surrogate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except LaunchError as e:  # the training job failed: the run says so and exits non-zero
+        _failed(args, run_dir, [str(e)], t0)
     if result.interrupted:
         return _interrupted(args, run_dir, result, t0)
+    train_file = run_dir / "train_summary.json"
+    if not train_file.exists() or train_file.stat().st_mtime < started:  # not an earlier run's
+        _failed(args, run_dir, [f"the training job exited {result.training_returncode} without writing {train_file} "
+                                f"(see {run_dir / 'train.err'})"], t0)
     train = json.loads((run_dir / "train_summary.json").read_text())
     completed = [s for s in result.completed if s < args.sims]
     expected = len(completed) * (args.sim_steps // args.every)  # every output of every completed simulation
@@ -178,7 +179,8 @@ def driver(args) -> dict:
     problems += [f"{p} (see {run_dir / 'train.err'})" for p in train.pop("trainer_problems", [])]
     if max(0, expected - train["samples_ingested"]):
         problems.append(f"{expected - train['samples_ingested']} of {expected} samples were never ingested")
-    summary = {"status": "failed" if problems else "ok", "problems": problems, "mode": args.mode, "sims_completed": len(completed), "sims_resumed": len(result.skipped),
+    summary = {"status": "failed" if problems else "ok", "problems": problems, "mode": args.mode,
+               "sims_completed": len(completed), "sims_resumed": len(result.skipped),
                "sims_failed": len([s for s in result.failed if s < args.sims]),
                "val_sims": args.val_sims, "sim_attempts": sum(result.attempts.values()),
                "sims_retried": len(result.retried), **train, "wall_s": time.perf_counter() - t0}
@@ -206,6 +208,14 @@ def _kept(args, run_dir: Path, sims, val) -> set[int]:
 
         kept |= simulations_in(run_dir / "checkpoints", args.sim_steps // args.every)
     return kept
+
+
+def _failed(args, run_dir: Path, problems: list[str], t0: float) -> None:
+    """The campaign failed before a summary could be made: say why, in summary.json too, and exit 1."""
+    summary = {"status": "failed", "problems": problems, "mode": args.mode, "wall_s": time.perf_counter() - t0}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"heat_surrogate: failed: {'; '.join(problems)}", file=sys.stderr)
+    sys.exit(1)
 
 
 def _interrupted(args, run_dir: Path, result, t0: float) -> dict:
@@ -247,6 +257,10 @@ def train(args) -> None:
     from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
     from hpcml.train.online import OnlineConfig, train_online
 
+    campaign = os.environ.get("HPCML_CAMPAIGN_ID")  # set by the Campaign, as HPCML_RESUME
+    if not campaign:
+        sys.exit("heat_surrogate --role train: HPCML_CAMPAIGN_ID is not set: the driver's Campaign starts the trainer")
+    resume = os.environ.get("HPCML_RESUME") == "1"
     install_abort_handler()
     grid = ProcessGrid(dp=-1)
     grid.init_torch()  # one rank per GPU with the device's backend (NCCL/RCCL/XCCL); gloo on CPU
@@ -264,10 +278,10 @@ def train(args) -> None:
                                  seed=args.seed + rank))
     if args.mode == "online":
         port = 0
-        if args.resume and (run_dir / "endpoints.json").exists():  # come back on the same address: sims reconnect
+        if resume and (run_dir / "endpoints.json").exists():  # come back on the same address: sims reconnect
             _, old = read_endpoints(run_dir / "endpoints.json")
             port = int(old[rank].rsplit(":", 1)[1]) if len(old) == world else 0
-        source = StreamServer(campaign=args.campaign, secret=read_secret(run_dir / "stream.key"), rank=rank,
+        source = StreamServer(campaign=campaign, secret=read_secret(run_dir / "stream.key"), rank=rank,
                               n_trainers=world, buffer=buffer,
                               config=ServerConfig(host=host, port=port, param_names=PARAMS, field_names=("T",),
                                                   end_grace_s=10.0, streamed=tuple(range(args.sims)),
@@ -283,7 +297,7 @@ def train(args) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     config = OnlineConfig(steps=args.steps, batch=args.batch, ckpt_dir=str(run_dir / "checkpoints"),
-                          ckpt_every=args.ckpt_every, resume=args.resume, campaign=args.campaign or "",
+                          ckpt_every=args.ckpt_every, resume=resume, campaign=campaign,
                           endpoints_file=str(run_dir / "endpoints.json") if args.mode == "online" else None)
     result = train_online(trainer, source, grid=grid, config=config, on_step=crash_test)
     if rank == 0 and result.resumed_at is not None:

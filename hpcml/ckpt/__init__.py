@@ -2,7 +2,8 @@
 global tensor whole -- save distributed, load on any layout, read by any HDF5 tool.
 
 Names are imported on first use, so the async writer process (``hpcml.ckpt.async_writer``,
-numpy and h5py only) starts without importing torch.
+numpy and h5py only) and ``hpcml ckpt ls`` / ``inspect`` (:mod:`hpcml.ckpt.tools`) start
+without importing torch.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"LoadReport": "reader", "load": "reader", "read_extra": "reader", "read_tensor": "reader",
-            "read_tensors": "reader", "resolve": "reader", "training_tensors": "state", "AsyncSaver": "writer",
+            "read_tensors": "reader", "resolve": "format", "training_tensors": "state", "AsyncSaver": "writer",
             "SaveResult": "writer", "save": "writer", "CheckpointError": None}
-_SUBMODULES = {"async_writer", "format", "plan", "reader", "shard", "state", "tools", "writer"}
+_SUBMODULES = {"async_writer", "codec", "format", "index", "plan", "reader", "shard", "state", "tools", "writer"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors, resolve
+    from hpcml.ckpt.format import resolve
+    from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors
     from hpcml.ckpt.state import training_tensors
     from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
     from hpcml.errors import CheckpointError

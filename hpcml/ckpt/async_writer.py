@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -131,7 +132,9 @@ class ShardWriter:
         send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items}, (self._fd,))
 
     def result(self) -> dict:
-        """The status of the submitted write: ``{"ok": True, "bytes", "chunks"}`` or ``{"ok": False, "error"}``."""
+        """The status of the submitted write: ``{"ok": True, "bytes", "chunks", "seconds"}`` or
+        ``{"ok": False, "error"}``. ``seconds`` is the write alone, timed by the writer: the
+        rank asks for the result only at its next save, which may be minutes later."""
         try:
             status, _ = recv(self._sock)
             return status
@@ -180,6 +183,7 @@ def _populate(buf: mmap.mmap) -> None:
 
 def _write(job: dict, fd: int) -> dict:
     path = Path(job["path"])
+    t0 = time.perf_counter()
     mm = mmap.mmap(fd, job["size"], prot=mmap.PROT_READ)
     try:
         items = [(it["dataset"], tuple(it["offset"]),
@@ -188,7 +192,8 @@ def _write(job: dict, fd: int) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         chunks = write_shard(path, items)
         del items  # the views must go before the map closes
-        return {"ok": True, "bytes": path.stat().st_size, "chunks": [list(c) if c else None for c in chunks]}
+        return {"ok": True, "bytes": path.stat().st_size, "chunks": [list(c) if c else None for c in chunks],
+                "seconds": time.perf_counter() - t0}
     finally:
         mm.close()
 

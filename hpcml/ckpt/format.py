@@ -1,12 +1,19 @@
-"""The on-disk names and encodings of an hpcml checkpoint (spec: docs/checkpoint-format.md)."""
+"""The on-disk names and encodings of an hpcml checkpoint (spec: docs/checkpoint-format.md).
+
+numpy only, no torch: listing and inspecting checkpoints (``hpcml ckpt ls``) and the async
+writer process start fast. Tensor <-> array conversion is in :mod:`hpcml.ckpt.codec`.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
-import torch
+
+from hpcml.errors import CheckpointError
 
 FORMAT_VERSION = "1.1"
 """What this hpcml writes when a checkpoint holds a fused tensor (``fused_widths``, new in 1.1)."""
@@ -16,12 +23,11 @@ INDEX = "index.h5"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 
-#: torch dtype -> (numpy storage dtype, name recorded in the 'dtype' attribute)
-_DTYPES = {torch.float32: (np.float32, "float32"), torch.float64: (np.float64, "float64"),
-           torch.float16: (np.float16, "float16"), torch.bfloat16: (np.uint16, "bfloat16"),
-           torch.int64: (np.int64, "int64"), torch.int32: (np.int32, "int32"), torch.uint8: (np.uint8, "uint8"),
-           torch.bool: (np.bool_, "bool")}
-_BY_NAME = {name: (np_t, t) for t, (np_t, name) in _DTYPES.items()}
+#: name recorded in a tensor's 'dtype' attribute -> numpy dtype stored in HDF5
+#: (bfloat16 as its 16-bit pattern, since numpy has no bfloat16)
+STORED_DTYPES: dict[str, type] = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
+                                  "bfloat16": np.uint16, "int64": np.int64, "int32": np.int32, "uint8": np.uint8,
+                                  "bool": np.bool_}
 
 
 def step_dir(step: int) -> str:
@@ -32,27 +38,27 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.h5"
 
 
-def storage(dtype: torch.dtype) -> tuple[type, str]:
-    """(numpy dtype stored in HDF5, dtype name). bfloat16 is stored as its 16-bit pattern."""
-    if dtype not in _DTYPES:
-        raise TypeError(f"cannot checkpoint dtype {dtype}: expected one of {', '.join(n for _, n in _DTYPES.values())}")
-    return _DTYPES[dtype]
+def numpy_dtype(dtype_name: str) -> type:
+    """The numpy dtype HDF5 stores for a recorded dtype name."""
+    if dtype_name not in STORED_DTYPES:
+        raise CheckpointError(f"unknown stored dtype {dtype_name!r}: expected one of {', '.join(STORED_DTYPES)}")
+    return STORED_DTYPES[dtype_name]
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
-def from_numpy(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """Decode what :func:`to_numpy` stored, given the recorded dtype name."""
-    if dtype_name not in _BY_NAME:
-        raise ValueError(f"unknown stored dtype {dtype_name!r}")
-    if dtype_name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: ``path`` itself if it holds ``index.h5``, else the one ``path/latest`` names."""
+    p = Path(path)
+    if (p / INDEX).is_file():
+        return p
+    latest = p / LATEST
+    if latest.is_file():
+        target = p / latest.read_text().strip()
+        if (target / INDEX).is_file():
+            return target
+        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}")
+    if not p.exists():
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    raise CheckpointError(f"no checkpoint at {p}: expected {INDEX} or a '{LATEST}' file")
 
 
 def dumps(obj) -> str:

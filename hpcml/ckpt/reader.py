@@ -12,28 +12,13 @@ import h5py
 import torch
 
 from hpcml import log
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import codec, format as fmt
+from hpcml.ckpt.format import resolve
 from hpcml.ckpt.plan import check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.state import fused_shards, local_piece
 from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory: ``path`` itself if it holds ``index.h5``, else the one ``path/latest`` names."""
-    p = Path(path)
-    if (p / fmt.INDEX).is_file():
-        return p
-    latest = p / fmt.LATEST
-    if latest.is_file():
-        target = p / latest.read_text().strip()
-        if (target / fmt.INDEX).is_file():
-            return target
-        raise CheckpointError(f"{latest} names {target.name}, which has no {fmt.INDEX}")
-    if not p.exists():
-        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
-    raise CheckpointError(f"no checkpoint at {p}: expected {fmt.INDEX} or a '{fmt.LATEST}' file")
 
 
 @dataclass
@@ -93,7 +78,7 @@ def _touched_bytes(chunks: list[dict], offset: tuple[int, ...], shape: tuple[int
 def read_tensor(index: h5py.File, name: str) -> torch.Tensor:
     """One whole global tensor from an open index (for tools: export, consolidate, verify)."""
     ds = index[name]
-    t = fmt.from_numpy(ds[()], ds.attrs["dtype"])
+    t = codec.from_numpy(ds[()], ds.attrs["dtype"])
     return t.reshape(()) if len(ds.attrs["global_shape"]) == 0 else t
 
 
@@ -208,7 +193,7 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
                 except OSError as e:  # fletcher32 mismatch or unreadable source
                     files = sorted({c["file"] for c in chunks})
                     raise CheckpointError(f"reading {name} from {ckpt} ({', '.join(files)}) failed: {e}") from None
-                value = fmt.from_numpy(data, ds.attrs["dtype"]).reshape(dest.shape)
+                value = codec.from_numpy(data, ds.attrs["dtype"]).reshape(dest.shape)
                 dest.copy_(value.to(dest.device))
                 report.bytes_needed += data.nbytes
                 report.bytes_read += _touched_bytes(chunks, off, tuple(dest.shape), data.itemsize)
@@ -222,4 +207,4 @@ def read_extra(path: str | os.PathLike) -> tuple[Path, int, dict]:
         return ckpt, int(index.attrs["step"]), json.loads(index.attrs["extra"])
 
 
-__all__ = ["LoadReport", "load", "read_extra", "read_tensor", "resolve"]
+__all__ = ["LoadReport", "load", "read_extra", "read_tensor", "read_tensors", "resolve"]

@@ -1,19 +1,24 @@
 """Checkpoint tools behind ``hpcml ckpt``: list, inspect, verify, export, consolidate.
-All single-process, read-only on the checkpoint, no pickle read."""
+All single-process, read-only on the checkpoint, no pickle read. Only export imports torch
+(it takes 2-3 s): listing, inspecting, verifying and consolidating read with h5py alone.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
-import torch
 
 from hpcml.ckpt import format as fmt
+from hpcml.ckpt.format import resolve
 from hpcml.ckpt.plan import check_coverage, check_fused, fused_spec
-from hpcml.ckpt.reader import read_tensor, resolve
-from hpcml.errors import CheckpointError
+from hpcml.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 def _datasets(f: h5py.File) -> list[str]:
@@ -100,6 +105,8 @@ def verify(path: str | os.PathLike) -> list[str]:
 
 def model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model's tensors under their unparallelised names, vocabulary padding stripped."""
+    from hpcml.ckpt.reader import read_tensor
+
     _, f = _open(path)
     with f:
         out = {}
@@ -115,15 +122,17 @@ def model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "safetensors") -> int:
     """Consolidated model weights for inference: ``safetensors`` or ``torch`` (torch.save). Returns bytes."""
+    if fmt_name not in ("safetensors", "torch"):  # before reading every weight
+        raise ConfigError(f"export format {fmt_name!r} unknown: expected safetensors or torch")
     weights = model_weights(path)
     if fmt_name == "safetensors":
         from safetensors.torch import save_file
 
         save_file(weights, str(out), metadata={"source": str(resolve(path)), "format": "hpcml"})
-    elif fmt_name == "torch":
-        torch.save(weights, str(out))
     else:
-        raise CheckpointError(f"export format {fmt_name!r} unknown: expected safetensors or torch")
+        import torch
+
+        torch.save(weights, str(out))
     return Path(out).stat().st_size
 
 

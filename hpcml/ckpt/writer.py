@@ -8,7 +8,8 @@ read, HDF5 metadata is checksummed (``libver="latest"``), and the index records 
 shard's size, so truncation, bit rot and a replaced shard are all caught on load.
 A save killed at any moment leaves ``latest`` on the previous complete checkpoint.
 Three collectives per save: an allgather of what each rank holds, a gather of the shard
-checksums, a broadcast of the outcome (so a failure raises on every rank).
+statuses (with the placement of each tensor a rank wrote: rank 0 may hold none of a later
+pipeline stage's), a broadcast of the outcome (so a failure raises on every rank).
 """
 
 from __future__ import annotations
@@ -26,21 +27,27 @@ import numpy as np
 import torch
 
 from hpcml import __version__, log
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import codec, format as fmt
 from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
+from hpcml.ckpt.index import SINGLE_FILE, commit, write_index
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.shard import fsync_path, write_shard
 from hpcml.ckpt.state import fused_shards, local_piece, placement_str
-from hpcml.errors import CheckpointError
+from hpcml.errors import CheckpointError, MissingFeatureError
 
 logger = log.get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class SaveResult:
+    """``seconds``: from the request to the commit (an async save's includes the training
+    that ran meanwhile); ``write_seconds``: this rank's shard write alone (timed by the
+    writer process for an async save), so a slow disk shows apart from a long wait."""
+
     path: Path
     bytes_written: int
     seconds: float
+    write_seconds: float = 0.0
 
 
 def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | None = None,
@@ -68,7 +75,7 @@ def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | No
         for piece, off in parts:
             if piece.dim() == 0:  # scalars are stored as shape (1,) with an attribute saying so
                 piece, gshape, off = piece.reshape(1), (1,), (0,)
-            m = ChunkMeta(name, gshape, off, tuple(piece.shape), fmt.storage(piece.dtype)[1],
+            m = ChunkMeta(name, gshape, off, tuple(piece.shape), codec.storage(piece.dtype, name)[1],
                           piece.numel() * piece.element_size())
             metas.append(m)
             locals_[m.key] = piece
@@ -80,50 +87,6 @@ def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.nda
     return dict(zip((c.key for c in chunks), write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks])))
 
 
-def _write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], storage: dict[tuple, tuple],
-                 attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str],
-                 single_file: bool = False) -> None:
-    by_name: dict[str, list[ChunkMeta]] = {}
-    seen: set[tuple] = set()
-    for chunks in per_rank:
-        for c in chunks:
-            if c.key not in seen:
-                seen.add(c.key)
-                by_name.setdefault(c.name, []).append(c)
-    if single_file:  # one whole dataset per tensor in SINGLE_FILE: one piece covering it
-        by_name = {n: [ChunkMeta(n, cs[0].global_shape, (0,) * len(cs[0].global_shape), cs[0].global_shape,
-                                 cs[0].dtype, 0)] for n, cs in by_name.items()}
-
-    def source(c: ChunkMeta) -> tuple[str, str]:
-        return (SINGLE_FILE, c.name) if single_file else (fmt.shard_name(owner[c.key]), c.dataset)
-    with h5py.File(path, "w", libver="latest") as f:
-        for k, v in attrs.items():
-            f.attrs[k] = v
-        for name in sorted(by_name):
-            chunks = by_name[name]
-            first = chunks[0]
-            np_dtype = fmt.storage(getattr(torch, first.dtype))[0]
-            layout = h5py.VirtualLayout(shape=first.global_shape, dtype=np_dtype)
-            for c in chunks:
-                src = h5py.VirtualSource(f"./{source(c)[0]}", source(c)[1], shape=c.shape, dtype=np_dtype)
-                layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = src
-            ds = f.create_virtual_dataset(name, layout)
-            ds.attrs["dtype"] = first.dtype
-            ds.attrs["global_shape"] = np.asarray([] if name in scalars else first.global_shape, dtype=np.int64)
-            ds.attrs["partition"] = placements.get(name, "")
-            ds.attrs["chunks"] = fmt.dumps([{"offset": list(c.offset), "shape": list(c.shape),
-                                             "file": source(c)[0],
-                                             # contiguous (single-file) data is read element-exact
-                                             "storage_chunk": [1] * len(c.shape) if single_file
-                                             else list(storage.get(c.key) or c.shape)} for c in chunks])
-            for k, v in tensor_attrs.get(name, {}).items():
-                ds.attrs[k] = v
-    fsync_path(path)
-
-
-SINGLE_FILE = "shared.h5"
-
-
 def _write_single(p: _Pending) -> tuple:
     """Collective single-file mode: all ranks write their hyperslabs of full-size datasets
     into one file through h5py's ``mpio`` driver (contiguous, no per-chunk checksums)."""
@@ -133,35 +96,13 @@ def _write_single(p: _Pending) -> tuple:
     with h5py.File(path, "w", driver="mpio", comm=p.comm, libver="latest") as f:
         for name in sorted(tensors):  # dataset creation is collective: same order everywhere
             c = tensors[name]
-            f.create_dataset(name, shape=c.global_shape, dtype=fmt.storage(getattr(torch, c.dtype))[0])
+            f.create_dataset(name, shape=c.global_shape, dtype=fmt.numpy_dtype(c.dtype))
         for c in p.mine:
             f[c.name][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = p.arrays[c.key]
     if p.rank == 0:
         fsync_path(path)
         return ("ok", path.stat().st_size, SINGLE_FILE, {})
     return ("ok", 0, SINGLE_FILE, {})
-
-
-def _commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
-    fsync_path(tmp)
-    if final.exists():  # re-saving a step: move the old one aside first, delete after the new one is in place
-        old = root / (final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    fsync_path(root)
-    latest_tmp = root / (fmt.LATEST + ".tmp")
-    latest_tmp.write_text(final.name + "\n")
-    fsync_path(latest_tmp)
-    latest_tmp.rename(root / fmt.LATEST)
-    fsync_path(root)
-    if keep:
-        steps = sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != final)
-        for old in steps[: max(0, len(steps) - (keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass
@@ -228,18 +169,28 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snaps
             shutil.rmtree(tmp, ignore_errors=True)
         return pieces, {n for n, t in tensors.items() if t.dim() == 0}
 
-    ((metas, locals_, placements), _), parts = _agree(comm, plan, f"saving {final}",
-                                                      share=lambda r: (r[0][0], r[1]))
+    (pieces, _), parts = _agree(comm, plan, f"saving {final}", share=lambda r: (r[0][0], r[1]))
+    return _pending(rank, comm.Get_size(), comm, root, step, pieces, parts, extra=extra, layout=layout, keep=keep,
+                    tensor_attrs=tensor_attrs, snapshot=snapshot, t0=t0)
+
+
+def _pending(rank: int, world: int, comm, root: Path, step: int, pieces: tuple, parts: list, *, extra, layout, keep,
+             tensor_attrs, snapshot: bool, t0: float) -> _Pending:
+    """The rest of the plan once every rank's ``(chunks, scalar names)`` part is known -- no
+    MPI: who writes what, the index attributes, this rank's pieces (``pieces``: its :func:`_pieces`)."""
+    metas, locals_, placements = pieces
+    final = root / fmt.step_dir(step)
+    tmp = root / (final.name + ".tmp")
     per_rank, all_scalars = zip(*parts)
     owner = assign_owners(list(per_rank))
     mine = [c for c in metas if owner[c.key] == rank]
     tensor_attrs = {n: _normalized(a) for n, a in (tensor_attrs or {}).items()}
     fused = any("fused_widths" in tensor_attrs.get(c.name, {}) for cs in per_rank for c in cs)
     attrs = {"format_version": fmt.FORMAT_VERSION if fused else fmt.BASE_FORMAT_VERSION, "hpcml_version": __version__,
-             "step": step, "world_size": comm.Get_size(), "layout": fmt.dumps(layout or {}),
+             "step": step, "world_size": world, "layout": fmt.dumps(layout or {}),
              "extra": fmt.dumps(extra or {})}
     # only what this rank writes (a device-to-host copy on GPUs; a view on CPU)
-    arrays = {c.key: fmt.to_numpy(locals_[c.key]) if snapshot else locals_[c.key].detach() for c in mine}
+    arrays = {c.key: codec.to_numpy(locals_[c.key]) if snapshot else locals_[c.key].detach() for c in mine}
     return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine, arrays, placements,
                     set().union(*all_scalars), attrs, tensor_attrs, keep, t0)
 
@@ -258,32 +209,54 @@ def _write_local(p: _Pending) -> tuple:
     return ("ok", 0, "", {})
 
 
-def _finish(p: _Pending, status: tuple) -> SaveResult:
-    """Gather shard statuses, rank 0 writes the index and commits, everyone learns the outcome."""
+def _finish(p: _Pending, status: tuple, write_s: float = 0.0) -> SaveResult:
+    """Gather shard statuses, rank 0 writes the index and commits, everyone learns the outcome.
+    ``write_s``: how long this rank's own shard write took (logged apart from the wait)."""
     comm, rank = p.comm, p.rank
-    statuses = comm.gather(status, root=0)
-    outcome: str | None = None
-    if rank == 0:
-        errors = [s[1] for s in statuses if s[0] == "error"]
-        if errors:
-            outcome = "; ".join(errors)
-        else:
-            try:
-                storage = {k: v for s in statuses for k, v in s[3].items()}
-                shards = [{"file": s[2], "bytes": s[1]} for s in statuses if s[1]]
-                attrs = {**p.attrs, "shards": fmt.dumps(shards), "created": time.time()}
-                _write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, storage, attrs, p.tensor_attrs, p.placements,
-                             p.scalars, single_file=p.single_file)
-                _commit(p.root, p.tmp, p.final, p.keep)
-            except Exception as e:  # noqa: BLE001
-                outcome = f"rank 0: {type(e).__name__}: {e}"
+    # each rank reports the placement of the tensors it writes: rank 0 may hold none of a
+    # tensor (a later pipeline stage's), and every written tensor has one owner
+    gathered = comm.gather((status, {n: p.placements[n] for n in {c.name for c in p.mine}}), root=0)
+    outcome = _index_and_commit(p, gathered) if rank == 0 else None
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"saving {p.final} failed: {outcome}")
     written = sum(c.nbytes for c in p.mine)
     dt = time.perf_counter() - p.t0
-    logger.info("saved %s (%.1f MB from this rank) in %.2f s", p.final, written / 1e6, dt)
-    return SaveResult(p.final, written, dt)
+    logger.info("saved %s (%.1f MB from this rank, written in %.2f s; committed %.2f s after the save began)",
+                p.final, written / 1e6, write_s, dt)
+    return SaveResult(p.final, written, dt, write_s)
+
+
+def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]]) -> str | None:
+    """Rank 0's part, from every rank's ``(status, placements)``: None once the index is
+    written and the checkpoint committed, else why not."""
+    statuses = [s for s, _ in gathered]
+    errors = [s[1] for s in statuses if s[0] == "error"]
+    if errors:
+        return "; ".join(errors)
+    placements: dict[str, str] = {}
+    for _, held in gathered:
+        for name, placement in held.items():
+            placements.setdefault(name, placement)
+    try:
+        storage = {k: v for s in statuses for k, v in s[3].items()}
+        shards = [{"file": s[2], "bytes": s[1]} for s in statuses if s[1]]
+        attrs = {**p.attrs, "shards": fmt.dumps(shards), "created": time.time()}
+        write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, storage, attrs, p.tensor_attrs, placements,
+                    p.scalars, single_file=p.single_file)
+        commit(p.root, p.tmp, p.final, p.keep)
+    except Exception as e:  # noqa: BLE001
+        return f"rank 0: {type(e).__name__}: {e}"
+    return None
+
+
+def _require_parallel_hdf5(mpi: bool | None = None) -> None:
+    """Raise unless h5py was built with MPI (``mpi``: that fact, default this h5py's)."""
+    if mpi is None:
+        mpi = bool(h5py.get_config().mpi)
+    if not mpi:
+        raise MissingFeatureError(f"single_file=True needs h5py built with MPI (parallel HDF5), but h5py "
+                                  f"{h5py.version.version} here was built without it; rebuild it with HDF5_MPI=ON")
 
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
@@ -297,15 +270,13 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
     """
     from mpi4py import MPI
 
+    if single_file:  # the same h5py on every rank: all raise here, before any collective
+        _require_parallel_hdf5()
     pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs)
     pending.single_file = single_file
-    if single_file:
-        import h5py as _h5py
-
-        if not _h5py.get_config().mpi:
-            raise CheckpointError("single_file=True needs h5py built with MPI (parallel HDF5); rebuild with HDF5_MPI=ON")
-        return _finish(pending, _write_single(pending))
-    return _finish(pending, _write_local(pending))
+    t = time.perf_counter()
+    status = _write_single(pending) if single_file else _write_local(pending)
+    return _finish(pending, status, time.perf_counter() - t)
 
 
 class AsyncSaver:
@@ -367,7 +338,7 @@ class AsyncSaver:
         offsets, total = staging_layout([t.numel() * t.element_size() for t in tensors])
         buf = self._writer.staging(total)
         items = [{"dataset": c.dataset, "offset": list(c.offset), "shape": list(t.shape),
-                  "dtype": np.dtype(fmt.storage(t.dtype)[0]).str, "at": at}
+                  "dtype": np.dtype(codec.storage(t.dtype)[0]).str, "at": at}
                  for c, t, at in zip(p.mine, tensors, offsets)]
         return items, buf
 
@@ -402,6 +373,7 @@ class AsyncSaver:
         self.wait_staged()
         pending, self._inflight = self._inflight, None
         status: tuple = ("ok", 0, "", {})
+        write_s = 0.0
         if self._staging_error is not None:
             e, self._staging_error = self._staging_error, None
             status = ("error", f"rank {pending.rank}: staging failed: {type(e).__name__}: {e}", "", {})
@@ -410,9 +382,10 @@ class AsyncSaver:
             if r["ok"]:
                 status = ("ok", r["bytes"], fmt.shard_name(pending.rank),
                           {c.key: tuple(ch) if ch else None for c, ch in zip(pending.mine, r["chunks"])})
+                write_s = float(r["seconds"])  # the write itself, not the wait for this call
             else:
                 status = ("error", f"rank {pending.rank}: {r['error']}", "", {})
-        return _finish(pending, status)
+        return _finish(pending, status, write_s)
 
     def close(self) -> None:
         """Commit the save in flight (collective) and stop the writer process."""

@@ -3,10 +3,10 @@ campaign and the Campaign that runs MPI simulations alongside an MPI training jo
 retries, provenance, the walltime and requeue. Imports no torch and no particular simulation."""
 
 from hpcml.ensemble.campaign import Campaign
-from hpcml.ensemble.design import design, grid, latin_hypercube, sobol
+from hpcml.ensemble.design import design, full_factorial, latin_hypercube, sobol
 from hpcml.ensemble.hardware import SiteHardware
 from hpcml.ensemble.site import Site, list_sites, load_site
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 
-__all__ = ["Campaign", "CampaignResult", "SimSpec", "Site", "SiteHardware", "TrainingJob", "design", "grid",
-           "latin_hypercube", "list_sites", "load_site", "sobol"]
+__all__ = ["Campaign", "CampaignResult", "SimSpec", "Site", "SiteHardware", "TrainingJob", "design",
+           "full_factorial", "latin_hypercube", "list_sites", "load_site", "sobol"]

@@ -31,8 +31,14 @@ class Allocation:
     def remaining_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
 
-    def split(self, train_nodes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(training nodes, simulation nodes): the first ``train_nodes`` for training."""
+    def split(self, train_nodes: int, *, sims: bool = True) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(training nodes, simulation nodes): the first ``train_nodes`` for training; with
+        no simulations (``sims`` False: offline training) none is kept for them."""
+        if not sims:
+            if len(self.nodes) < train_nodes:
+                raise ConfigError(f"job {self.job_id} has {len(self.nodes)} node(s) ({', '.join(self.nodes)}); the "
+                                  f"training job needs {train_nodes}: ask for {train_nodes} or more nodes")
+            return self.nodes[:train_nodes], ()
         if len(self.nodes) <= train_nodes:
             raise ConfigError(f"job {self.job_id} has {len(self.nodes)} node(s) ({', '.join(self.nodes)}); the "
                               f"training job takes {train_nodes} and the simulations need at least one more: "

@@ -197,7 +197,8 @@ def record_ended(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping
     """Append a provenance record for every attempt from ``first`` on that has ended and is
     not in ``recorded`` (which gains them); when the task is over (``final``), also for
     attempts that left no end record -- the last one then takes its return code from the
-    task: 0 if ``ok``, else ``exc``'s. Returns how many attempts were claimed."""
+    task: 0 if ``ok``, else ``exc``'s, and ``exc`` gains a note naming the last attempt's
+    ``.err`` file, which :func:`describe` shows. Returns how many attempts were claimed."""
     k = first
     while (directory / f"attempt_{k}.start").exists():
         if k not in recorded:
@@ -212,7 +213,18 @@ def record_ended(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping
                 with open(run_dir / PROVENANCE_FILE, "a") as f:
                     f.write(json.dumps(rec) + "\n")
         k += 1
+    if final and exc is not None and not ok and (k - 1) in recorded:
+        _note_stderr(exc, run_dir / recorded[k - 1]["stderr"])
     return k - first
+
+
+def _note_stderr(exc: BaseException, err: Path) -> None:
+    """Where to look: the failed attempt's stderr file and its last lines, as a note on the
+    task's exception (Parsl's says only the exit code)."""
+    if any(n.startswith(f"see {err}") for n in getattr(exc, "__notes__", ())):
+        return  # recorded again (a cancellation sweep)
+    tail = [line[:200] for line in tail_lines(err, 2)]
+    exc.add_note(f"see {err}" + (": " + " / ".join(tail) if tail else ""))
 
 
 def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
@@ -311,8 +323,11 @@ def exit_signal(rc: int | None, output_tail: str) -> int | None:
 
 
 def describe(exc: BaseException) -> str:
+    """A failed task in one line: its exit code (or exception), then its notes -- the
+    failed attempt's ``.err`` file, added by :func:`record_ended`."""
     code = getattr(exc, "exitcode", None)
-    return f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
+    text = f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
+    return text + "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -1,4 +1,4 @@
-"""Parameter designs for ensembles: Latin hypercube, Sobol and full-factorial grids.
+"""Parameter designs for ensembles: Latin hypercube, Sobol and full factorial.
 
 Every design is drawn on the unit cube and then mapped onto the bounds, linearly or
 log-uniformly (for parameters that span decades, such as a diffusivity), so that the
@@ -14,9 +14,10 @@ Decisions:
   stratum of every dimension holds exactly one point). Another ``n`` is a
   :class:`~hpcml.errors.ConfigError` naming the two nearest powers, not a silent rounding
   that would change the ensemble's cost.
-- Grid takes either a total ``n`` (``floor(n ** (1/d))`` points per axis, a warning when
-  that product is not ``n``) or a dict of per-axis counts; each axis includes both bounds
-  (one point per axis means the midpoint).
+- Full factorial takes either a total ``n`` (``floor(n ** (1/d))`` points per axis, a
+  warning when that product is not ``n``) or a dict of per-axis counts; each axis includes
+  both bounds (one point per axis means the midpoint). Not named "grid": ``hpcml.grid`` is
+  the process grid.
 """
 
 from __future__ import annotations
@@ -33,18 +34,19 @@ from hpcml.log import get_logger
 logger = get_logger(__name__)
 
 Bounds = Mapping[str, tuple[float, float]]
-KINDS = {"latin_hypercube": "latin_hypercube", "lhs": "latin_hypercube", "sobol": "sobol", "grid": "grid"}
+KINDS = {"latin_hypercube": "latin_hypercube", "lhs": "latin_hypercube", "sobol": "sobol",
+         "full_factorial": "full_factorial"}
 
 
 def design(kind: str, bounds: Bounds, n: int | Mapping[str, int], *, seed: int = 0,
            log: Collection[str] = frozenset()) -> list[dict[str, float]]:
-    """``n`` points of design ``kind`` (latin_hypercube / lhs, sobol, grid) over ``bounds``;
+    """``n`` points of design ``kind`` (latin_hypercube / lhs, sobol, full_factorial) over ``bounds``;
     names in ``log`` are sampled log-uniformly."""
     name = KINDS.get(kind) if isinstance(kind, str) else None
     if name is None:
         raise ConfigError(f"design kind {kind!r} unknown: expected one of {', '.join(KINDS)}")
-    if name == "grid":
-        return grid(bounds, n, log=log)
+    if name == "full_factorial":
+        return full_factorial(bounds, n, log=log)
     if not _is_int(n):
         raise ConfigError(f"{name} needs n as an int, got {n!r}")
     draw = latin_hypercube if name == "latin_hypercube" else sobol
@@ -88,26 +90,27 @@ def sobol(bounds: Bounds, n: int, *, seed: int = 0, log: Collection[str] = froze
     return _scale(engine.random_base2(n.bit_length() - 1), names, lo, hi, is_log)
 
 
-def grid(bounds: Bounds, n: int | Mapping[str, int], *, log: Collection[str] = frozenset()) -> list[dict[str, float]]:
-    """Full-factorial grid, the last parameter varying fastest; ``n`` is the total (the
+def full_factorial(bounds: Bounds, n: int | Mapping[str, int], *,
+                   log: Collection[str] = frozenset()) -> list[dict[str, float]]:
+    """Every combination of per-axis points, the last parameter varying fastest; ``n`` is the total (the
     per-axis count is ``floor(n ** (1/d))``) or a dict of per-axis counts."""
     names, lo, hi, is_log = _check(bounds, log)
     if isinstance(n, Mapping):
         extra = sorted(set(n) - set(names))
         missing = [k for k in names if k not in n]
         if extra or missing:
-            raise ConfigError(f"grid counts must name exactly the bounds' parameters ({', '.join(names)}); "
+            raise ConfigError(f"full_factorial counts must name exactly the bounds' parameters ({', '.join(names)}); "
                               f"unknown {extra}, missing {missing}")
         for k in names:
             if not _is_int(n[k]) or n[k] < 1:
-                raise ConfigError(f"grid count for {k!r} must be an int >= 1, got {n[k]!r}")
+                raise ConfigError(f"full_factorial count for {k!r} must be an int >= 1, got {n[k]!r}")
         counts = [int(n[k]) for k in names]
     else:
         _check_n(n)
         per = _int_root(n, len(names))
         counts = [per] * len(names)
         if per ** len(names) != n:
-            logger.warning("grid: n=%d over %d parameters gives %d per axis = %d points", n, len(names), per,
+            logger.warning("full_factorial: n=%d over %d parameters gives %d per axis = %d points", n, len(names), per,
                            per ** len(names))
     axes = []
     for j, c in enumerate(counts):

@@ -58,8 +58,9 @@ class ProgressLine:
         self._open = False
 
     def format(self, *, done: int, running: int, failed: int, retried: int, train: str | None = None) -> str:
-        parts = [f"campaign {time.monotonic() - self.t0:6.1f}s",
-                 f"sims {done}/{self.total} done, {running} running, {failed} failed, {retried} retried"]
+        parts = [f"campaign {time.monotonic() - self.t0:6.1f}s"]
+        if self.total:  # training alone (offline) has no simulations to count
+            parts.append(f"sims {done}/{self.total} done, {running} running, {failed} failed, {retried} retried")
         if train is not None:
             parts.append(train)
         return " | ".join(parts)

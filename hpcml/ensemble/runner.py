@@ -1,9 +1,10 @@
 """One execution of :meth:`hpcml.ensemble.campaign.Campaign.run`: the mutable state and the loop.
 
-Order of things: prepare the run directory, start the trainer, load Parsl, wait for the
-trainer's ready file, submit simulations (at most ``max_concurrent`` in flight), write
-``sims_done.json``, wait for the trainer. A walltime warning (SIGUSR1/SIGTERM) at any
-point: stop submitting, cancel what runs, ask the trainer to save and stop (SIGUSR1, in
+Order of things: claim the run directory for the campaign, prepare it, start the trainer,
+load Parsl, wait for the trainer's ready file, submit simulations (at most
+``max_concurrent`` in flight), write ``sims_done.json``, wait for the trainer; with no
+simulations (offline training) Parsl is never loaded. A walltime warning (SIGUSR1/SIGTERM)
+at any point: stop submitting, cancel what runs, ask the trainer to save and stop (SIGUSR1, in
 that order, so the trainer's last save holds every sample of every finished simulation),
 return ``interrupted``.
 """
@@ -16,6 +17,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from hpcml import stop
 from hpcml.ensemble import attempts
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.attempts import SIMS_DONE_FILE
-from hpcml.ensemble.campaign import Campaign, executor_label
+from hpcml.ensemble.campaign import Campaign, claim_run_dir, executor_label
 from hpcml.ensemble.progress import ProgressLine, last_json_line
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 from hpcml.ensemble.trainer_proc import TrainerProcess
@@ -63,7 +65,7 @@ class Run:
 
     def __init__(self, c: Campaign, sims: list[SimSpec], training: TrainingJob | None, ready_file: Path | None, *,
                  ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool,
-                 kept: set[int] | None = None) -> None:
+                 kept: set[int] | Callable[[], Collection[int]] | None = None) -> None:
         self.c, self.training, self.ready_file, self.resume, self.kept = c, training, ready_file, resume, kept
         self.ready_timeout_s, self.train_timeout_s = ready_timeout_s, train_timeout_s
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
@@ -76,6 +78,9 @@ class Run:
         self.error: str | None = None
         self.stop_reason: str | None = None
         self.deadline: float | None = c.deadline
+        self.campaign_id: str | None = None
+        self.held = False
+        """The run directory held this campaign before this run (it continues: ``HPCML_RESUME``)."""
         self.progress = ProgressLine(len(sims), enabled=c.progress, every_s=c.progress_every_s)
 
     # -- time and stopping ------------------------------------------------------------------------
@@ -115,9 +120,11 @@ class Run:
         train_hosts: tuple[str, ...] = ()
         sim_hosts: tuple[str, ...] = ()
         if alloc is not None:
-            train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0)
+            train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0, sims=bool(self.sims))
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,
-                        ",".join(train_hosts) or "-", ",".join(sim_hosts))
+                        ",".join(train_hosts) or "-", ",".join(sim_hosts) or "-")
+        self.campaign_id, self.held = claim_run_dir(self.run_dir, [s.spec for s in self.sims], self.training,
+                                                    resume=self.resume)
         self._prepare()
         try:
             if self.ready_file is not None:
@@ -134,7 +141,7 @@ class Run:
                 self._run_parsl(pending, sim_hosts)
             else:
                 self._wait_ready()
-            if not self._stopping():
+            if self.sims and not self._stopping():
                 self._write_sims_done()
             if self.trainer is not None:
                 self._wait_trainer()
@@ -146,7 +153,9 @@ class Run:
         finally:
             self.progress.close()
             result = self._result(time.monotonic() - t0)
-            attempts.write_json(self.run_dir / "campaign.json", self._summary(result))
+            # a training-only run (offline) keeps the simulations' record
+            attempts.write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"),
+                                self._summary(result))
         return result
 
     def _run_parsl(self, pending: list[_Sim], sim_hosts: tuple[str, ...]) -> None:
@@ -182,12 +191,15 @@ class Run:
             self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
 
     def _prepare(self) -> None:
-        env = {"HPCML_RUN_DIR": str(self.run_dir), **self.c.env}
+        if not self.sims:  # training alone: the simulations' files stay as they are
+            return
+        env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_CAMPAIGN_ID": self.campaign_id, **self.c.env}
         attempts.prepare(self.sims_dir, env)
         attempts.clear_cancel(self.sims_dir)
         (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)
         done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()
-        skip = done & set(self.kept) if self.kept is not None else done
+        kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
+        skip = done & set(kept) if kept is not None else done
         lost = done - skip
         for s in self.sims:
             s.dir.mkdir(exist_ok=True)
@@ -201,7 +213,8 @@ class Run:
 
     def _trainer_env(self) -> dict[str, str]:
         env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_N_SIMS": str(len(self.sims)),
-               "HPCML_SIMS_DONE_FILE": str(self.run_dir / SIMS_DONE_FILE)}
+               "HPCML_SIMS_DONE_FILE": str(self.run_dir / SIMS_DONE_FILE), "HPCML_CAMPAIGN_ID": self.campaign_id,
+               "HPCML_RESUME": "1" if self.resume and self.held else "0"}
         if self.deadline is not None:
             env["HPCML_JOB_DEADLINE"] = f"{self.deadline:.0f}"
         return env
@@ -338,7 +351,8 @@ class Run:
             wall_s=round(wall_s, 3), parsl_load_s=round(self.parsl_load_s, 3),
             task_overhead_s=round(overheads[len(overheads) // 2], 4) if overheads else None,
             training_returncode=self.trainer.returncode if self.trainer else None, error=self.error,
-            skipped=[s.spec.sim_id for s in self.sims if s.skipped], interrupted=interrupted)
+            skipped=[s.spec.sim_id for s in self.sims if s.skipped], interrupted=interrupted,
+            campaign_id=self.campaign_id)
 
     def _summary(self, r: CampaignResult) -> dict:
         d = asdict(r)

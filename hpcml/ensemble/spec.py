@@ -53,13 +53,20 @@ class TrainingJob:
     from its checkpoint and its stream servers rebind the same addresses, so the simulations,
     which keep running, reconnect."""
     restart_argv: list[str] | None = None
-    """The argv of a relaunch (default: ``argv``), e.g. with ``--resume``."""
+    """The argv of a relaunch (default: ``argv``); a relaunch also gets ``HPCML_RESUME=1``."""
+    stream: bool | None = None
+    """Whether the simulations of the same ``run()`` stream into it, each to one rank
+    (``hpcml.stream.route``): then every rank needs a simulation, which ``run()`` checks
+    before anything starts. None: streaming when ``run()`` waits for a ``ready_file`` (the
+    endpoints the trainer publishes); False: it reads files (offline)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"training argv must be a non-empty list of strings, got {self.argv!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"training max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if self.stream is not None and not isinstance(self.stream, bool):
+            raise ConfigError(f"training stream must be True, False or None, got {self.stream!r}")
         for name in ("ranks", "nodes"):
             value = getattr(self, name)
             if (value is not None or name == "nodes") and (not isinstance(value, int) or isinstance(value, bool)
@@ -91,6 +98,8 @@ class CampaignResult:
     """Completed by an earlier run of this campaign in the same run directory (``resume``): not run again."""
     interrupted: bool = False
     """Stopped by the walltime warning (SIGUSR1/SIGTERM) after saving: run it again with ``resume``."""
+    campaign_id: str | None = None
+    """The campaign the run directory holds (``campaign_id.json``); the trainer's ``HPCML_CAMPAIGN_ID``."""
 
     @property
     def ok(self) -> bool:

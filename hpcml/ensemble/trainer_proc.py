@@ -28,7 +28,6 @@ from hpcml.log import get_logger
 logger = get_logger(__name__)
 
 
-
 class TrainerProcess:
     """Start, watch, restart, signal and stop the training job; its output goes to
     ``run_dir/train.out`` and ``train.err`` (appended on a restart)."""
@@ -44,11 +43,13 @@ class TrainerProcess:
 
     # -- life ---------------------------------------------------------------------------------
     def start(self, *, restart: bool = False, append: bool = False) -> None:
+        """Launch it; a relaunch (``restart``) gets ``restart_argv`` and ``HPCML_RESUME=1``:
+        it continues from its checkpoint."""
         job = self.job
         if restart and job.restart_argv:
             job = TrainingJob(**{**asdict(job), "argv": job.restart_argv})
         self.line = self._line(job)
-        env = {**os.environ, **self.env, **job.env}
+        env = {**os.environ, **self.env, **job.env, **({"HPCML_RESUME": "1"} if restart else {})}
         logger.info("training job: %s", self.line)
         mode = "ab" if restart or append else "wb"
         with open(self.run_dir / "train.out", mode) as out, open(self.run_dir / "train.err", mode) as err:

@@ -2,10 +2,19 @@
 
 ``Layout`` is the pure arithmetic (no MPI); ``ProcessGrid`` builds it on an MPI
 communicator; ``ProcessGrid.init_torch()`` bootstraps torch.distributed and a DeviceMesh
-with the same rank map.
+with the same rank map. ``interface_address`` (in :mod:`hpcml.grid.torch_dist`, which
+imports torch) loads on first use.
 """
 
-from hpcml.grid.layout import AXES, CORE_AXES, Layout
+from hpcml.grid.layout import AXES, Layout
 from hpcml.grid.mpi import ProcessGrid, install_abort_handler
 
-__all__ = ["AXES", "CORE_AXES", "Layout", "ProcessGrid", "install_abort_handler"]
+__all__ = ["AXES", "Layout", "ProcessGrid", "install_abort_handler", "interface_address"]
+
+
+def __getattr__(name: str):
+    if name == "interface_address":
+        from hpcml.grid.torch_dist import interface_address
+
+        return interface_address
+    raise AttributeError(f"module 'hpcml.grid' has no attribute {name!r}")

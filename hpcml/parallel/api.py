@@ -1,15 +1,17 @@
-"""``parallelize(model, grid, config)``: every axis of the grid applied to a transformer.
+"""``parallelize(model, grid, config)``: every axis of the grid applied to a model, by its plan.
 
-Order: pipeline cut (pp) -> tensor parallel (tp) -> Ulysses (cp) -> activation
+Order: pipeline cut (pp) -> tensor parallel (tp) -> context parallel (cp) -> activation
 checkpointing -> data parallel (dp x cp: FSDP2 or one-all-reduce DDP) -> pipeline stages
-and schedule. Gradients are averaged over dp x cp: each cp rank's loss is the mean over
-its slice of the sequence, so the average is the mean over the whole sequence.
+and schedule. What each step does to the model is its plan's (:mod:`hpcml.parallel.plan`;
+the transformer's is :mod:`hpcml.models.transformer.parallelize`); the order, the meshes
+and the engines are here. Gradients are averaged over dp x cp: each cp rank's loss is the
+mean over its slice of the sequence, so the average is the mean over the whole sequence.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,10 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcml import log
+from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.mpi import ProcessGrid
-from hpcml.models.transformer import Transformer, cross_entropy
-from hpcml.parallel import clip, dp, pp, tp
-from hpcml.parallel.config import ParallelConfig, check_plan, stage_layers
+from hpcml.parallel import clip, dp, pp
+from hpcml.parallel.config import ParallelConfig
+from hpcml.parallel.plan import DataParallelPlan, ParallelPlan, plan_of
 
 logger = log.get_logger(__name__)
 
@@ -48,6 +51,9 @@ class ParallelModel:
     """Model chunks on this rank: one, or several pipeline stages under an interleaved schedule."""
     grid: ProcessGrid
     config: ParallelConfig
+    plan: ParallelPlan
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(output, targets) -> mean loss over the micro-batch."""
     schedule: object | None = None
     has_first: bool = True
     has_last: bool = True
@@ -70,14 +76,16 @@ class ParallelModel:
         for part in self.parts:
             part.train(mode)
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, n_micro: int,
-                         autocast: contextlib.AbstractContextManager | None = None) -> float | None:
-        """Forward and backward over ``n_micro`` micro-batches of this rank's batch; gradients
-        accumulate as the mean over them. Returns the mean local loss (None off the last stage)."""
+    def forward_backward(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
+                         n_micro: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> float | None:
+        """Forward and backward over ``n_micro`` micro-batches of this rank's batch (``inputs``:
+        the model's one input or a tuple of them); gradients accumulate as the mean over them.
+        Returns the mean local loss (None off the last stage)."""
         autocast = autocast or contextlib.nullcontext()
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (tokens,) if self.has_first else ()
+            args = inputs if self.has_first else ()
             with self.loss_context(), autocast:
                 self.schedule.step(*args, target=targets if self.has_last else None,
                                    losses=losses if self.has_last else None)
@@ -85,11 +93,12 @@ class ParallelModel:
         model = self.parts[0]
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
-        for i, (x, y) in enumerate(zip(tokens.chunk(n_micro), targets.chunk(n_micro))):
+        chunks = zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro))
+        for i, (*x, y) in enumerate(chunks):
             if fsdp:
                 model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last
             with self.loss_context(), autocast:
-                loss = cross_entropy(model(x), y)
+                loss = self.loss_fn(model(*x), y)
                 (loss / n_micro).backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total / n_micro
@@ -103,18 +112,24 @@ class ParallelModel:
         return clip.local_sq_norm(self._params, lay.world_size, lay.pp)
 
 
-def parallelize(model: Transformer, grid: ProcessGrid, config: ParallelConfig | None = None, *,
-                n_microbatches: int = 1) -> ParallelModel:
+def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | None = None, *,
+                n_microbatches: int = 1, loss_fn: Callable | None = None,
+                plan: ParallelPlan | None = None) -> ParallelModel:
     """Apply the grid's axes to ``model`` (built identically on every rank, e.g. same seed).
 
-    Needs ``grid.init_torch()`` first. The plan is checked before any collective.
-    ``n_microbatches`` is the pipeline schedule's micro-batch count per step.
+    ``plan`` defaults to the model's own (``model.parallel_plan()``), else data parallelism
+    only; ``loss_fn`` to the plan's. Needs ``grid.init_torch()`` first. The plan is checked
+    before any collective. ``n_microbatches`` is the pipeline schedule's micro-batch count per step.
     """
     config = config or ParallelConfig()
+    plan = plan or plan_of(model)
     lay = grid.layout
-    check_plan(model.config, lay, config)
+    plan.check(lay, config)
+    loss_fn = loss_fn or plan.loss_fn
+    if loss_fn is None:
+        raise ConfigError(f"parallelize({type(model).__name__}): its plan has no loss; pass loss_fn=")
     if grid.torch is None:
-        raise RuntimeError("parallelize() needs torch.distributed: call grid.init_torch() first")
+        raise LaunchError("parallelize() needs torch.distributed: call grid.init_torch() first")
     mesh, device = grid.torch.mesh, grid.torch.device
     model = model.to(device)
 
@@ -123,34 +138,35 @@ def parallelize(model: Transformer, grid: ProcessGrid, config: ParallelConfig | 
     if lay.pp > 1:
         n_stages = lay.pp * config.n_stages_per_rank
         stage_ids = pp.local_stage_ids(grid.coords["pp"], lay.pp, config.n_stages_per_rank)
-        layers = stage_layers(model.config, lay, config)
-        parts = [pp.cut_stage(model, layers[s], first=s == 0, last=s == n_stages - 1) for s in stage_ids]
+        parts = [plan.stage(model, s, n_stages, config) for s in stage_ids]
     else:
         parts = [model]
 
-    cp_group = mesh.get_group("cp") if lay.cp > 1 else None
     data_mesh = dp_mesh(mesh, lay)
+    if isinstance(plan, DataParallelPlan) and data_mesh is not None:  # a plain module: start equal, as DDP does
+        dp.broadcast_params(list(model.parameters()), data_mesh.get_group())
     for part in parts:
         if lay.tp > 1:
-            tp.apply_tp(part, mesh["tp"], config.sequence_parallel)
-        part.cp_rank, part.cp_size = grid.coords["cp"], lay.cp
-        for block in part.layers.values():
-            block.attention.cp_group = cp_group
-            block.activation_checkpointing = config.activation_checkpointing
+            plan.apply_tp(part, mesh["tp"], config)
+        if lay.cp > 1:
+            plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
+        if config.activation_checkpointing:
+            plan.apply_activation_checkpointing(part)
         if config.fsdp and data_mesh is not None:
-            dp.apply_fsdp(part, data_mesh, config.reshard_after_forward)
+            dp.apply_fsdp(part, plan.fsdp_units(part), data_mesh, config.reshard_after_forward)
 
     params = [p for part in parts for p in part.parameters()]
-    result = ParallelModel(parts=parts, grid=grid, config=config, tp_enabled=lay.tp > 1, _params=params,
+    result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
+                           tp_enabled=lay.tp > 1, _params=params,
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if data_mesh is not None and not config.fsdp:
         result.grad_sync = dp.GradAllReduce(params, data_mesh.get_group(), lay.dp * lay.cp)
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
-                                            config.pp_schedule, n_microbatches, cross_entropy)
-    logger.info("parallelized: %s, %s, %d local part(s), %d local parameters", lay.describe_degrees(),
-                "fsdp" if config.fsdp else "ddp", len(parts), sum(p.numel() for p in params))
+                                            config.pp_schedule, n_microbatches, loss_fn)
+    logger.info("parallelized %s: %s, %s, %d local part(s), %d local parameters", type(model).__name__,
+                lay.describe_degrees(), "fsdp" if config.fsdp else "ddp", len(parts), sum(p.numel() for p in params))
     return result
 
 
-__all__ = ["ParallelModel", "parallelize", "dp_mesh"]
+__all__ = ["ParallelModel", "dp_mesh", "parallelize"]

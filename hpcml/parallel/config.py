@@ -1,12 +1,10 @@
-"""How to parallelise a model on the grid, and the checks that run before any collective."""
+"""How to parallelise a model on the grid: the choices for each axis, and the layer-split rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from hpcml.errors import ConfigError
-from hpcml.grid.layout import Layout
-from hpcml.models.transformer import TransformerConfig
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -59,47 +57,3 @@ def split_layers(n_layers: int, n_stages: int) -> list[int]:
     for s in order[:rem]:
         counts[s] += 1
     return counts
-
-
-def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig) -> None:
-    """Raise :class:`ConfigError` unless ``model`` can be laid out on ``layout``.
-
-    Pure arithmetic on arguments every rank holds alike: call it before any collective
-    (``hpcml.parallel.parallelize`` does), so a bad plan fails on every rank and nothing hangs.
-    """
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
-    for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn hidden", model.hidden),
-                        ("padded vocab", model.padded_vocab)):
-        if value % tp:
-            raise ConfigError(f"{name} {value} is not divisible by tp {tp}")
-    for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
-        if (value // tp) % cp:
-            raise ConfigError(f"{name} {value} / tp {tp} = {value // tp} heads per rank is not divisible by cp {cp} "
-                              f"(Ulysses splits heads over cp)")
-    if model.dim % tp:
-        raise ConfigError(f"dim {model.dim} is not divisible by tp {tp}")
-    if model.tie_embeddings and (tp > 1 or pp > 1):
-        raise ConfigError(f"tie_embeddings needs tp 1 and pp 1, got tp {tp}, pp {pp}")
-    if config.sequence_parallel and cp > 1:
-        raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
-    n_stages = pp * config.n_stages_per_rank
-    if pp > 1 or config.layers_per_stage is not None:
-        if config.layers_per_stage is not None:
-            if len(config.layers_per_stage) != n_stages or sum(config.layers_per_stage) != model.n_layers \
-                    or min(config.layers_per_stage) < 1:
-                raise ConfigError(f"layers_per_stage {list(config.layers_per_stage)} must give each of {n_stages} "
-                                  f"stages >= 1 layer and sum to n_layers {model.n_layers}")
-        elif model.n_layers < n_stages:
-            raise ConfigError(f"n_layers {model.n_layers} < pipeline stages {n_stages} "
-                              f"(pp {pp} x {config.n_stages_per_rank} stages per rank)")
-
-
-def stage_layers(model: TransformerConfig, layout: Layout, config: ParallelConfig) -> list[list[int]]:
-    """Layer indices of every stage, stage 0 first."""
-    n_stages = layout.pp * config.n_stages_per_rank
-    counts = list(config.layers_per_stage) if config.layers_per_stage else split_layers(model.n_layers, n_stages)
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out

@@ -11,16 +11,16 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
-    """``fully_shard`` each transformer block, then the rest of the model (torchtitan's wrapping).
+def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+    """``fully_shard`` each unit (a transformer block), then the rest of the model (torchtitan's wrapping).
 
     Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
     ``reshard_after_forward=False`` keeps each block's parameters gathered until backward
     (ZeRO-2-like). The root keeps its parameters gathered after forward: they are needed
     first in backward anyway.
     """
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
@@ -52,3 +52,17 @@ class GradAllReduce:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+@torch.no_grad()
+def broadcast_params(params: list[nn.Parameter], group) -> None:
+    """Every rank of ``group`` takes the first rank's parameter values, in one flat broadcast
+    (what torch's DDP does at construction: replicas start equal however they were built)."""
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()

@@ -1,15 +1,11 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining``: cut the model into stages
-that keep their original parameter names, and pick the schedule."""
+"""Pipeline parallelism with ``torch.distributed.pipelining``: which stages a rank holds,
+and the schedule over them (a model's plan cuts the stages)."""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-from hpcml.models.transformer import Transformer
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 
@@ -17,21 +13,6 @@ _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": S
 def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """Stages on ``pp_rank``: looped placement ``pp_rank, pp_rank + pp, ...`` (what the interleaved schedule expects)."""
     return [pp_rank + i * pp for i in range(stages_per_rank)]
-
-
-def cut_stage(model: Transformer, layers: list[int], first: bool, last: bool) -> Transformer:
-    """A copy of ``model`` holding only ``layers`` (and the embedding / final norm and output
-    where it is the first / last stage). Names stay those of the whole model."""
-    stage = copy.deepcopy(model)
-    keep = {str(i) for i in layers}
-    for name in list(stage.layers.keys()):
-        if name not in keep:
-            del stage.layers[name]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm, stage.output = None, None
-    return stage
 
 
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, device: torch.device, group,

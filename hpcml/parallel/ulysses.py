@@ -53,3 +53,17 @@ def bytes_per_layer(batch: int, seq: int, heads: int, kv_heads: int, head_dim: i
     local = batch * (seq // p) * head_dim
     elements = local * (heads + 2 * kv_heads + heads)
     return elements * (p - 1) // p * elem_bytes
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Wraps a core attention ``(q, k, v) -> out`` on [B, S/P, H, D] slices of the sequence:
+    the all-to-alls give it the whole sequence for H/P heads, so the inner attention is the
+    ordinary one. It holds no parameters, so a model's parameter names do not change."""
+
+    def __init__(self, inner: torch.nn.Module, group) -> None:
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        return heads_to_seq(self.inner(q, k, v), self.group)

@@ -37,7 +37,7 @@ class Sample:
     params: np.ndarray
     """float32 [n_params], in the campaign's parameter order."""
     fields: np.ndarray
-    """float32 [n_fields, nx, ny]."""
+    """float32 [n_fields, *global_shape]: [F, nx], [F, nx, ny] or [F, nx, ny, nz]."""
     seq: int = 0
     """Ingestion order on this rank (age = samples ingested since)."""
     reuse: int = 0
@@ -196,18 +196,23 @@ class Buffer:
                   "fields": np.stack([s.fields for s in items]).astype(np.float32)}
         return arrays, meta
 
-    def load_state(self, arrays: dict[str, np.ndarray], meta: dict, keep=lambda sim: True) -> None:
+    def load_state(self, arrays: dict[str, np.ndarray], meta: dict, keep=lambda sim: True,
+                   counters: bool = True) -> None:
         """Restore what :meth:`state` gave (several ranks' states may be merged: ``keep``
-        selects the simulations this rank now owns). Every saved sample comes back, even past
-        the capacity (fewer trainer ranks than saved them): a restore never drops data."""
+        selects the simulations this rank now owns, ``counters`` whether this state's
+        counters are this buffer's history). Every saved sample comes back, even past the
+        capacity (fewer trainer ranks than saved them): a restore never drops data."""
         with self._cond:
             self._seq = max(self._seq, int(meta.get("seq", 0)))
             if meta.get("rng") and not self._items:
                 self._rng.bit_generator.state = meta["rng"]
-            s = meta.get("stats", {})
-            self.stats.ingested += int(s.get("ingested", 0))
-            self.stats.served += int(s.get("served", 0))
-            self.stats.batches += int(s.get("batches", 0))
+            if counters:
+                s = meta.get("stats", {})
+                self.stats.ingested += int(s.get("ingested", 0))
+                self.stats.served += int(s.get("served", 0))
+                self.stats.batches += int(s.get("batches", 0))
+                for k, n in (s.get("reuse_hist") or {}).items():
+                    self.stats.reuse_hist[int(k)] = self.stats.reuse_hist.get(int(k), 0) + int(n)
             if "keys" in arrays:
                 for i, (sim, step, seq, reuse) in enumerate(arrays["keys"].tolist()):
                     if keep(sim):

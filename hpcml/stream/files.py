@@ -1,9 +1,11 @@
 """The file-based path: the same samples, read from the simulations' HDF5 files into the
 same buffer, so offline and online training differ only in where samples come from.
 
-File layout (written by the kernels, docs/kernels.md): ``/fields/<name>`` [n_out, nx, ny],
-``/time`` [n_out], ``/step`` [n_out], root attributes ``sim_id`` and ``params`` (JSON).
-Each trainer rank reads the simulations that route to it.
+File layout (written by the kernels, docs/kernels.md): ``/fields/<name>`` [n_out, nx, ny]
+(or [n_out, nx] / [n_out, nx, ny, nz] for a 1-D / 3-D solver of your own), ``/time``
+[n_out], ``/step`` [n_out], root attributes ``sim_id`` and ``params`` (JSON). Each trainer
+rank reads the simulations that route to it (``route``: sim_id % n_trainers), as the
+stream server would receive them.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class FileSource:
 
     def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
         with self._lock:
-            metas = unpack_states(states, self.buffer, self.seen, self._mine)
+            metas = unpack_states(states, self.buffer, self.seen, self._mine, self.rank)
             self.counters["samples"] = len(self.seen)
             if len(metas) == self.n_trainers:
                 self.counters["bytes"] = metas[self.rank]["counters"]["bytes"]

@@ -12,9 +12,10 @@ ChaCha20-Poly1305, with HMAC as the key derivation. Poly1305 (OpenSSL) runs at ~
 here against ~1.7 GB/s for HMAC-SHA256 over the payload: authentication stays far below
 the cost of moving the bytes. Payloads
 are the C-order bytes of one field of one rank's subdomain, dtype float32 or float64 as
-the header says. A receiver checks the MAC first and then every number in the header
-against the payload sizes before it touches the arrays: anything malformed or
-unauthenticated raises :class:`MessageError`, which the server counts and drops.
+the header says; fields have 1 to ``MAX_DIMS`` dimensions (1-D, 2-D and 3-D solvers). A
+receiver checks the MAC first and then every number in the header against the payload
+sizes before it touches the arrays: anything malformed or unauthenticated raises
+:class:`MessageError`, which the server counts and drops.
 
 Kinds: ``data`` (one rank's subdomain of one output step), ``end`` (a simulation rank is
 done: how many messages it sent), ``campaign_done`` (the launcher says which simulations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -34,13 +36,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from hpcml.errors import HpcmlError
+from hpcml.errors import ConfigError, HpcmlError
 
 MAGIC = b"hpcml-stream/1"
 MAC_BYTES = 16
 _DTYPES = {"float32": np.float32, "float64": np.float64}
 _MAX_HEADER = 64 * 1024
-_MAX_FIELDS = 16
+MAX_FIELDS = 16
+MAX_DIMS = 3
 KINDS = ("data", "end", "campaign_done")
 
 
@@ -63,11 +66,31 @@ def mac(secret: bytes, frames) -> bytes:
     return p.finalize()
 
 
+def box_problem(global_shape, offset, shape, shape_name: str = "shape") -> str | None:
+    """Why a block (``offset``, ``shape``) of a field of ``global_shape`` cannot be assembled,
+    or None: one rule for the decoder and the Producer, so a sender refuses what a receiver would drop."""
+    g, o, s = (tuple(x) for x in (global_shape, offset, shape))
+    if not 1 <= len(g) <= MAX_DIMS:
+        return f"global_shape {g} has {len(g)} dimensions, expected 1 to {MAX_DIMS}"
+    if len(o) != len(g) or len(s) != len(g):
+        return f"offset {o} and {shape_name} {s} need {len(g)} entries like global_shape {g}"
+    if min(g + s) < 1 or min(o) < 0:
+        return f"global_shape {g} and {shape_name} {s} need entries >= 1, offset {o} entries >= 0"
+    if any(a + b > c for a, b, c in zip(o, s, g)):
+        return f"the block at offset {o} of {shape_name} {s} lies outside global_shape {g}"
+    return None
+
+
 def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = ()) -> list:
-    """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied."""
+    """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied.
+    A header the receiver would refuse for its size is a ConfigError here, at the sender."""
     bufs = [np.ascontiguousarray(p) for p in payloads]
     header = {**header, "nonce": os.urandom(16).hex()}
-    frames = [MAGIC, json.dumps(header, separators=(",", ":")).encode()] + [memoryview(b).cast("B") for b in bufs]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > _MAX_HEADER:
+        raise ConfigError(f"message header of {len(text)} bytes, expected at most {_MAX_HEADER} (fewer or shorter "
+                          f"params, field names or simulation ids)")
+    frames = [MAGIC, text] + [memoryview(b).cast("B") for b in bufs]
     frames.append(mac(secret, frames))
     return frames
 
@@ -130,22 +153,25 @@ def decode(secret: bytes, frames: list, campaign: str) -> Message:
         return Message(h)
     _ints(h, "step", None)
     _need(isinstance(h.get("t"), (int, float)), "bad_header", f"t={h.get('t')!r}")
-    gshape = _ints(h, "global_shape", 2, lo=1)
-    offset = _ints(h, "offset", 2)
-    shape = _ints(h, "shape", 2, lo=1)
-    _need(all(o + s <= g for o, s, g in zip(offset, shape, gshape)), "bad_header",
-          f"box {offset}+{shape} outside {gshape}")
+    gshape = h.get("global_shape")
+    _need(isinstance(gshape, list) and 1 <= len(gshape) <= MAX_DIMS, "bad_header",
+          f"global_shape={gshape!r}, expected 1 to {MAX_DIMS} dimensions")
+    gshape, offset, shape = (_ints(h, k, len(gshape)) for k in ("global_shape", "offset", "shape"))
+    problem = box_problem(gshape, offset, shape)
+    _need(problem is None, "bad_header", str(problem))
     params = h.get("params")
     _need(isinstance(params, dict) and all(isinstance(v, (int, float)) for v in params.values()), "bad_header",
           "params must map names to numbers")
     fields = h.get("fields")
-    _need(isinstance(fields, list) and 1 <= len(fields) <= _MAX_FIELDS and len(fields) == len(payloads),
+    _need(isinstance(fields, list) and 1 <= len(fields) <= MAX_FIELDS and len(fields) == len(payloads),
           "malformed", f"{len(payloads)} payloads for fields {fields!r}")
     arrays = {}
-    for (name, dtype), buf in zip(fields, payloads):
+    for f, buf in zip(fields, payloads):
+        _need(isinstance(f, list) and len(f) == 2, "bad_header", f"field entry {f!r}")
+        name, dtype = f
         _need(isinstance(name, str) and dtype in _DTYPES, "bad_header", f"field {name!r} dtype {dtype!r}")
         np_t = _DTYPES[dtype]
-        expect = shape[0] * shape[1] * np.dtype(np_t).itemsize
+        expect = math.prod(shape) * np.dtype(np_t).itemsize
         _need(memoryview(buf).nbytes == expect, "truncated", f"field {name}: {memoryview(buf).nbytes} bytes, "
               f"expected {expect}")
         arrays[name] = np.frombuffer(buf, dtype=np_t).reshape(shape)

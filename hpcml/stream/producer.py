@@ -6,12 +6,19 @@ it stops reading, both queues fill to ``hwm`` messages and ``send`` blocks, so a
 simulation slows down instead of growing memory. The PUSH socket reconnects by itself, so
 a trainer restarted on the same address picks the stream up again; messages still queued
 here are delivered then. Imports no torch: a simulation starts in a fraction of a second.
+
+Fields have 1 to 3 dimensions. Whatever the trainer would drop (a shape it cannot
+assemble, ids out of range, a dtype it cannot carry...) is a ConfigError here, at
+construction or at ``send``: a drop is only counted in the trainer's log, while the
+simulation would go on and report success.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,9 +60,14 @@ class Producer:
     rank: int
     nranks: int
     params: dict[str, float]
-    global_shape: tuple[int, int]
-    offset: tuple[int, int]
-    local_shape: tuple[int, int]
+    global_shape: tuple[int, ...]
+    """The whole field: (nx,), (nx, ny) or (nx, ny, nz)."""
+    offset: tuple[int, ...]
+    """Origin of this rank's block in the whole field (as many entries as ``global_shape``)."""
+    local_shape: tuple[int, ...]
+    """Extent of this rank's block: the shape of every array given to ``send``."""
+    fields: Sequence[str] | None = None
+    """The field names every ``send`` carries (None: not checked beyond being names)."""
     hwm: int = 4
     """Messages queued on each side before ``send`` blocks (memory bound: ~2 x hwm x message size)."""
     send_timeout_s: float = 600.0
@@ -68,9 +80,7 @@ class Producer:
     def __post_init__(self) -> None:
         if self.hwm < 1 or self.send_timeout_s <= 0:
             raise ConfigError(f"Producer needs hwm >= 1 and send_timeout_s > 0, got {self.hwm}, {self.send_timeout_s}")
-        if not all(o + s <= g for o, s, g in zip(self.offset, self.local_shape, self.global_shape)):
-            raise ConfigError(f"subdomain {self.offset}+{self.local_shape} lies outside the global shape {self.global_shape}")
-        self.params = {k: float(v) for k, v in self.params.items()}
+        self._check()
         # its own context, terminated in close(): that waits until ZeroMQ has sent every
         # zero-copy frame, so no array is freed while the I/O thread still reads it
         self._ctx = zmq.Context(io_threads=1)
@@ -83,6 +93,51 @@ class Producer:
         self.bytes_sent = 0
         self.blocked_s = 0.0
         self._closed = False
+
+    def _error(self, what: str) -> ConfigError:
+        return ConfigError(f"simulation {self.sim_id} rank {self.rank}: {what}")
+
+    def _check(self) -> None:
+        """Refuse now what the trainer's decoder and assembly would drop later (message.decode, server)."""
+        try:
+            ids = [operator.index(v) for v in (self.sim_id, self.attempt, self.rank, self.nranks)]
+        except TypeError:
+            raise self._error(f"sim_id, attempt, rank, nranks must be integers, got {self.sim_id!r}, "
+                              f"{self.attempt!r}, {self.rank!r}, {self.nranks!r}") from None
+        self.sim_id, self.attempt, self.rank, self.nranks = ids
+        if self.sim_id < 0 or self.attempt < 0:
+            raise self._error(f"sim_id {self.sim_id}, attempt {self.attempt}: expected integers >= 0")
+        if not 0 <= self.rank < self.nranks:
+            raise self._error(f"rank {self.rank} of nranks {self.nranks}, expected 0 <= rank < nranks")
+        shapes = []
+        for k in ("global_shape", "offset", "local_shape"):
+            try:
+                shapes.append(tuple(operator.index(x) for x in getattr(self, k)))
+            except TypeError:
+                raise self._error(f"{k}={getattr(self, k)!r} is not a sequence of integers, expected e.g. (nx,), "
+                                  f"(nx, ny) or (nx, ny, nz)") from None
+        self.global_shape, self.offset, self.local_shape = shapes
+        problem = message.box_problem(*shapes, shape_name="local_shape")
+        if problem:
+            raise self._error(problem)
+        if self.nranks == 1 and self.local_shape != self.global_shape:
+            raise self._error(f"a one-rank simulation sends the whole field: local_shape {self.local_shape} must be "
+                              f"global_shape {self.global_shape}")
+        if not isinstance(self.params, Mapping):
+            raise self._error(f"params={self.params!r}: expected a dict of names to numbers")
+        params = {}
+        for k, v in self.params.items():
+            try:
+                params[str(k)] = float(v)
+            except (TypeError, ValueError):
+                raise self._error(f"params[{k!r}]={v!r} is not a number") from None
+        self.params = params
+        if self.fields is not None:
+            names = tuple(self.fields)
+            if not (1 <= len(names) <= message.MAX_FIELDS and len(set(names)) == len(names)
+                    and all(isinstance(n, str) for n in names)):
+                raise self._error(f"fields {names!r}: expected 1 to {message.MAX_FIELDS} distinct names (strings)")
+            self.fields = names
 
     @classmethod
     def from_env(cls, *, comm, params: dict[str, float], global_shape, offset, local_shape, fields=None,
@@ -98,8 +153,8 @@ class Producer:
             "HPCML_STREAM_WAIT_S", "120")))
         return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(secret_file),
                    campaign=campaign, sim_id=sim, attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
-                   rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=tuple(global_shape),
-                   offset=tuple(offset), local_shape=tuple(local_shape), **kw)
+                   rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=global_shape,
+                   offset=offset, local_shape=local_shape, fields=fields, **kw)
 
     def _send(self, frames: list) -> None:
         t0 = time.perf_counter()
@@ -115,16 +170,40 @@ class Producer:
         so the simulation may overwrite them as soon as this returns)."""
         if self._closed:
             raise LaunchError("Producer.send after close()")
+        try:
+            step_i = operator.index(step)
+        except TypeError:
+            step_i = -1
+        if step_i < 0:
+            raise self._error(f"step={step!r}: expected an integer >= 0")
+        try:
+            t = float(t)
+        except (TypeError, ValueError):
+            raise self._error(f"t={t!r}: expected a number") from None
+        if not isinstance(fields, Mapping):
+            raise self._error(f"fields must map names to arrays, got {type(fields).__name__}")
+        if not 1 <= len(fields) <= message.MAX_FIELDS:
+            raise self._error(f"{len(fields)} fields, expected 1 to {message.MAX_FIELDS}")
+        for name in fields:
+            if not isinstance(name, str):
+                raise self._error(f"field name {name!r} is not a string")
+        if self.fields is not None and set(fields) != set(self.fields):
+            raise self._error(f"fields {sorted(fields)} are not the declared fields {sorted(self.fields)}")
         arrays, names = [], []
         for name, a in fields.items():
+            a = np.asarray(a)
+            if a.dtype.kind not in "biuf":
+                raise self._error(f"field {name!r} has dtype {a.dtype}, expected real numbers (sent as float32, "
+                                  f"float64 as float64)")
             if tuple(a.shape) != self.local_shape:
-                raise ConfigError(f"field {name!r} has shape {tuple(a.shape)}, expected the subdomain {self.local_shape}")
+                raise self._error(f"field {name!r} has shape {tuple(a.shape)}, expected the subdomain "
+                                  f"{self.local_shape}")
             a = np.array(a, dtype=np.float32 if a.dtype != np.float64 else np.float64, order="C",
                          copy=True if self.copy else None)
             arrays.append(a)
             names.append([name, str(a.dtype)])
         header = {"kind": "data", "campaign": self.campaign, "sim": self.sim_id, "attempt": self.attempt,
-                  "rank": self.rank, "nranks": self.nranks, "step": int(step), "t": float(t),
+                  "rank": self.rank, "nranks": self.nranks, "step": step_i, "t": t,
                   "global_shape": list(self.global_shape), "offset": list(self.offset),
                   "shape": list(self.local_shape), "fields": names, "params": self.params}
         self._send(message.encode(self.secret, header, arrays))

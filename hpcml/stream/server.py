@@ -3,8 +3,8 @@
 It receives over ZeroMQ (PULL, bound to loopback unless told otherwise), authenticates
 and validates every message (:mod:`hpcml.stream.message`; a bad one is dropped and
 counted by reason, never raised into training, never unpickled), assembles the
-subdomains of each simulation step into a whole sample, and ingests it into the
-:class:`~hpcml.stream.buffer.Buffer` exactly once.
+subdomains (1-D, 2-D or 3-D blocks) of each simulation step into a whole sample, and
+ingests it into the :class:`~hpcml.stream.buffer.Buffer` exactly once.
 
 Exactly-once, keyed by (simulation, step):
 - a sample is complete when every rank of its simulation attempt has sent its box and the
@@ -25,6 +25,7 @@ every completed simulation routed here has sent its end markers (or ``end_grace_
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -228,32 +229,33 @@ class StreamServer:
             self.counters["duplicates"] += h["rank"] == 0  # one count per duplicate sample, not per fragment
             return
         key = (sim, h["attempt"], step)
-        nx, ny = h["global_shape"]
+        gshape, offset, shape = (tuple(h[k]) for k in ("global_shape", "offset", "shape"))
+        params = np.array([h["params"][n] for n in cfg.param_names], np.float32)
         if h["nranks"] == 1 and len(cfg.field_names) == 1:  # one box is the whole sample: keep the frame, no copy
-            if h["shape"] != h["global_shape"]:
+            if shape != gshape:
                 return self._drop("incomplete_cover")
             self._count_bytes(msg)
             self.seen.add((sim, step))
             self.counters["samples"] += 1
-            self._pending = Sample(sim, step, float(h["t"]), np.array([h["params"][n] for n in cfg.param_names],
-                                                                       np.float32),
-                                   msg.arrays[cfg.field_names[0]].reshape(1, nx, ny))
+            a = msg.arrays[cfg.field_names[0]]
+            self._pending = Sample(sim, step, float(h["t"]), params,
+                                   (a if a.dtype == np.float32 else a.astype(np.float32)).reshape(1, *gshape))
             return
         p = self._partials.get(key)
         if p is None:
-            p = self._partials[key] = _Partial(np.empty((len(cfg.field_names), nx, ny), np.float32), float(h["t"]),
-                                               np.array([h["params"][n] for n in cfg.param_names], np.float32))
-        if h["rank"] in p.ranks or p.fields.shape[1:] != (nx, ny):
+            p = self._partials[key] = _Partial(np.empty((len(cfg.field_names), *gshape), np.float32), float(h["t"]),
+                                               params)
+        if h["rank"] in p.ranks or p.fields.shape[1:] != gshape:
             return self._drop("bad_fragment")
-        (x0, y0), (lx, ly) = h["offset"], h["shape"]
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
         for i, name in enumerate(cfg.field_names):
-            p.fields[i, x0:x0 + lx, y0:y0 + ly] = msg.arrays[name]
+            p.fields[(i, *box)] = msg.arrays[name]
         p.ranks.add(h["rank"])
-        p.area += lx * ly
+        p.area += math.prod(shape)
         self._count_bytes(msg)
         if len(p.ranks) == h["nranks"]:
             del self._partials[key]
-            if p.area != nx * ny:
+            if p.area != math.prod(gshape):
                 return self._drop("incomplete_cover")
             self.seen.add((sim, step))
             self.counters["samples"] += 1
@@ -331,7 +333,7 @@ class StreamServer:
         keeps the simulations that route to this rank under the current trainer count."""
         mine = lambda sim: routing.route(int(sim), self.n_trainers) == self.rank  # noqa: E731
         with self._lock:
-            metas = unpack_states(states, self.buffer, self.seen, mine)
+            metas = unpack_states(states, self.buffer, self.seen, mine, self.rank)
             for i, meta in enumerate(metas):
                 for k, v in meta["latest_attempt"].items():
                     if mine(k):

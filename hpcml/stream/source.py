@@ -51,14 +51,15 @@ def pack_state(buffer: Buffer, seen: Iterable[tuple[int, int]], meta: dict) -> d
 
 
 def unpack_states(states: list[dict[str, np.ndarray]], buffer: Buffer, seen: set[tuple[int, int]],
-                  keep: Callable[[int], bool]) -> list[dict]:
+                  keep: Callable[[int], bool], rank: int) -> list[dict]:
     """Put the saved samples and keys of the simulations ``keep`` selects back into ``buffer``
-    and ``seen``; each saved rank's meta, in order."""
+    and ``seen`` (``states`` in saved-rank order; the buffer's counters go on from saved rank
+    ``rank``'s, once); each saved rank's meta, in order."""
     metas = []
-    for st in states:
+    for i, st in enumerate(states):
         meta = json.loads(bytes(st["meta_json"]).decode())
         seen.update((int(a), int(b)) for a, b in st.get("seen", np.zeros((0, 2), np.int64)).tolist() if keep(a))
         buffer.load_state({k[len("buffer/"):]: v for k, v in st.items() if k.startswith("buffer/")}, meta["buffer"],
-                          keep=keep)
+                          keep=keep, counters=i == rank)
         metas.append(meta)
     return metas

@@ -1,6 +1,11 @@
-"""The training loop, its metrics and run directory, and deterministic data."""
+"""Training: one loop (:mod:`hpcml.train.loop`) under the LLM trainer and the field
+surrogates' trainer, their checkpoints, online training from sample sources, and
+deterministic data."""
 
 from hpcml.train.data import SyntheticTokens
-from hpcml.train.trainer import TrainConfig, Trainer, lr_factor, make_optimizer
+from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
+from hpcml.train.loop import LoopConfig, Stateful, TrainLoop
+from hpcml.train.trainer import TrainConfig, Trainer
 
-__all__ = ["SyntheticTokens", "TrainConfig", "Trainer", "lr_factor", "make_optimizer"]
+__all__ = ["FieldScales", "FieldTrainConfig", "FieldTrainer", "LoopConfig", "Stateful", "SyntheticTokens",
+           "TrainConfig", "TrainLoop", "Trainer"]

@@ -13,8 +13,10 @@ own), and owns everything around the steps that a run at a centre needs:
   simulation blocks on a trainer that left;
 - the summary of every rank's counters, and what went wrong (no silent success).
 
-The trainer is anything with ``step``, ``train_step(batch, extra)``, ``tensors(create)``,
-``extra()`` and ``restore(extra)`` (:class:`~hpcml.train.fields.FieldTrainer` is one).
+The trainer is any :class:`~hpcml.train.loop.TrainLoop` whose ``inputs`` takes a list of
+samples (:class:`~hpcml.train.fields.FieldTrainer` is one): its checkpoints are the same as
+the offline trainers' (:mod:`hpcml.train.checkpointing`), with the source's state and the
+campaign id beside them. A checkpoint of another campaign is never resumed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,21 +36,16 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.stream.source import SampleSource
 
+if TYPE_CHECKING:
+    from hpcml.train.loop import TrainLoop
+
 logger = log.get_logger(__name__)
 
 _STATE = re.compile(r"^stream/rank_(\d{5})/(.+)$")
 
-
-class OnlineTrainer(Protocol):
-    step: int
-
-    def train_step(self, batch: list, extra: dict | None = None) -> dict: ...
-
-    def tensors(self, create: bool = False) -> dict: ...
-
-    def extra(self) -> dict: ...
-
-    def restore(self, extra: dict) -> None: ...
+BENIGN_DROPS = frozenset({"stale_attempt"})
+"""Drops that lose nothing: a retried simulation's older attempt, superseded by the new one.
+Any other dropped message fails the run (its data never reached training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +68,8 @@ class OnlineConfig:
     """Where to publish the sources' endpoints once all are listening (the Campaign waits for
     it); default ``$HPCML_STREAM_ENDPOINTS_FILE`` when the source has an endpoint."""
     campaign: str = ""
-    """The campaign id written with the endpoints."""
+    """The campaign id: written with the endpoints and into every checkpoint; a resume
+    refuses a checkpoint that holds another campaign ("": no check)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "keep"):
@@ -127,23 +125,37 @@ def simulations_in(ckpt_path, outputs: int) -> set[int]:
     return {sim for sim, n in seen.items() if n >= outputs}
 
 
+def check_campaign(ckpt_dir, campaign: str) -> None:
+    """Refuse to resume ``ckpt_dir``'s latest checkpoint when it holds another campaign than ``campaign``."""
+    from hpcml import ckpt
+
+    if not campaign:
+        return
+    path, step, extra = ckpt.read_extra(ckpt_dir)
+    saved = extra.get("campaign", "")
+    if saved != campaign:
+        raise ConfigError(f"checkpoint {path} (step {step}) belongs to campaign {saved or 'unknown'!r}, not "
+                          f"{campaign!r}: resume that campaign, or use a new run directory")
+
+
 # -- the loop --------------------------------------------------------------------------------
-def train_online(trainer: OnlineTrainer, source: SampleSource, *, grid, config: OnlineConfig,
+def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
                  on_step: Callable[[dict], None] | None = None) -> OnlineResult:
     """Train until ``config.steps`` or the end of the stream, then drain and save; collective
     over ``grid.comm``. ``on_step(metrics)`` runs after each step (and its checkpoint)."""
     from mpi4py import MPI
 
-    from hpcml import ckpt, stop
+    from hpcml import stop
     from hpcml.stream.loader import StreamLoader
     from hpcml.stream.routing import write_endpoints
+    from hpcml.train.checkpointing import load_trainer, save_trainer
 
     comm, rank = grid.comm, grid.rank
     ckpt_dir = Path(config.ckpt_dir) if config.ckpt_dir else None
     resumed_at = None
     if config.resume and (ckpt_dir / "latest").exists():
-        report = ckpt.load(ckpt_dir, trainer.tensors(create=True), comm=comm)
-        trainer.restore(report.extra)
+        check_campaign(ckpt_dir, config.campaign)  # every rank, before any collective
+        report = load_trainer(trainer, ckpt_dir)
         source.load_state(load_source_states(report.path))
         resumed_at = trainer.step
         if rank == 0:
@@ -156,10 +168,18 @@ def train_online(trainer: OnlineTrainer, source: SampleSource, *, grid, config: 
     if rank == 0 and target:  # last: the Campaign starts no simulation before every server listens
         write_endpoints(target, config.campaign, endpoints)
 
+    saved = [None]
+
     def save() -> None:
-        if ckpt_dir is not None:
-            ckpt.save(ckpt_dir, trainer.step, {**trainer.tensors(), **source_tensors(source, rank)}, comm=comm,
-                      extra=trainer.extra(), layout=grid.layout.degrees, keep=config.keep)
+        # once per state: not again at the end when the last periodic save already holds it
+        # (the ranks agree: a step is global, and the counts go through one allreduce)
+        if ckpt_dir is None:
+            return
+        now = (trainer.step, comm.allreduce(int(source.stats()["samples"])))
+        if now != saved[0]:
+            save_trainer(trainer, ckpt_dir, keep=config.keep, extra_tensors=source_tensors(source, rank),
+                         extra={"campaign": config.campaign})
+            saved[0] = now
 
     def stopped() -> OnlineResult:  # every rank, together: keep what arrived, save, say "not finished"
         source.quiesce()
@@ -217,6 +237,10 @@ def train_online(trainer: OnlineTrainer, source: SampleSource, *, grid, config: 
         empty = [r for r, s in enumerate(stats) if s["samples"] == 0]
         if empty:
             result.problems.append(f"trainer rank(s) {empty} received no sample")
+        dropped = {k: n for k, n in result.summary["dropped_messages"].items() if k not in BENIGN_DROPS}
+        if dropped:
+            why = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
+            result.problems.append(f"{sum(dropped.values())} message(s) were dropped ({why}): see the trainer's log")
     result.status = "failed" if result.problems else "ok"
     return result
 

@@ -7,7 +7,8 @@ import torch
 
 from hpcml.grid import Layout, ProcessGrid
 from hpcml.models.transformer import Transformer, TransformerConfig
-from hpcml.parallel import ParallelConfig, check_plan, parallelize
+from hpcml.models.transformer.parallelize import check_plan
+from hpcml.parallel import ParallelConfig, parallelize
 from hpcml.train.data import SyntheticTokens
 from hpcml.train.trainer import TrainConfig, Trainer
 

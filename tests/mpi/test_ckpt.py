@@ -24,7 +24,7 @@ from hpcml.grid import ProcessGrid
 from hpcml.models.transformer import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
-from hpcml.train.checkpointing import _tensors, load_trainer, save_trainer
+from hpcml.train.checkpointing import load_trainer, save_trainer
 from hpcml.train.recipe import build_llm_trainer
 from tests.mpi.helpers import needs_world
 from tests.mpi.test_parallel_train import LAYOUTS
@@ -57,7 +57,7 @@ def test_save_here_load_elsewhere_bitwise(comm, shared_dir, i):
     result = save_trainer(trainer, root)
     # what this rank holds is exactly what the index presents, bitwise
     with h5py.File(result.path / "index.h5", "r") as index:
-        for tname, t in _tensors(trainer).items():
+        for tname, t in trainer.state_tensors().items():
             if tname.startswith("rank_state/"):
                 continue
             local, gshape, offset = ckpt.state.local_piece(t)
@@ -74,7 +74,7 @@ def test_save_here_load_elsewhere_bitwise(comm, shared_dir, i):
         assert fresh.step == 2 and report.step == 2 and report.layout == trainer.grid.layout.degrees
         assert report.read_amplification <= 1.25, report.read_amplification  # tiny tensors; large: benchmarks
         with h5py.File(result.path / "index.h5", "r") as index:
-            for tname, t in _tensors(fresh).items():
+            for tname, t in fresh.state_tensors().items():
                 if not tname.startswith("rank_state/"):
                     assert torch.equal(_global(t), ckpt.read_tensor(index, tname)), (other[0], tname)
         # and training goes on from there: one more step gives the saver's next loss
@@ -204,7 +204,7 @@ def test_collective_single_file_mode(comm, shared_dir):
     degrees = {"tp": 2} if WORLD % 2 == 0 else {}
     trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(fsdp=WORLD > 2), **degrees)
     trainer.fit(1)
-    tensors = {n: t for n, t in _tensors(trainer).items() if not n.startswith("rank_state/")}
+    tensors = {n: t for n, t in trainer.state_tensors().items() if not n.startswith("rank_state/")}
     result = ckpt.save(root, 1, tensors, comm=comm, single_file=True, layout=trainer.grid.layout.degrees)
     assert sorted(p.name for p in result.path.iterdir()) == ["index.h5", "shared.h5"]
     fresh = build_llm_trainer(MODEL, TrainConfig(**{**TRAIN.__dict__, "seed": 4}), ParallelConfig(), dp=WORLD)
@@ -361,7 +361,7 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
     trainer = build_llm_trainer(FUSED_MODEL, FUSED_TRAIN, ParallelConfig(**pkw), **degrees)
     assert [m["loss"] for m in trainer.fit()] == pytest.approx(ref_losses, rel=1e-4)
     result = save_trainer(trainer, shared_dir / f"fused-model-{name}")
-    fused = [n for n in _tensors(trainer) if ("wqkv" in n or "w13" in n) and not n.endswith("/step")]
+    fused = [n for n in trainer.state_tensors() if ("wqkv" in n or "w13" in n) and not n.endswith("/step")]
     assert len(fused) == 3 * 2 * FUSED_MODEL.n_layers
     with h5py.File(result.path / "index.h5", "r") as index:
         for pname in ("layers.0.attention.wqkv.weight", "layers.3.feed_forward.w13.weight"):
@@ -369,7 +369,7 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
             assert float((logical - ref_params[pname]).norm() / ref_params[pname].norm()) < 1e-4, pname
         tp_rank, tp = trainer.grid.coords["tp"], trainer.grid.layout.tp
         for tname in fused:  # what this rank holds is [w_a rows of rank r; w_b rows of rank r; ...] of the logical
-            t = _tensors(trainer)[tname]
+            t = trainer.state_tensors()[tname]
             mine = _tp_shard(ckpt.read_tensor(index, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
             local, _, offset = ckpt.state.local_piece(t)
             assert torch.equal(mine[offset[0] - tp_rank * mine.shape[0]:][:local.shape[0]], local), tname
@@ -381,7 +381,7 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
         tp_rank, tp = fresh.grid.coords["tp"], fresh.grid.layout.tp
         for tname in fused:
             want = _tp_shard(ckpt.read_tensor(index, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
-            assert torch.equal(_tensors(fresh)[tname].to_local() if tp > 1 else _global(_tensors(fresh)[tname]),
+            assert torch.equal(fresh.state_tensors()[tname].to_local() if tp > 1 else _global(fresh.state_tensors()[tname]),
                                want), tname
     fresh.data = trainer.data
     assert fresh.train_step()["loss"] == pytest.approx(trainer.train_step()["loss"], rel=1e-4)

@@ -108,3 +108,78 @@ def test_a_source_that_gives_nothing_fails_with_the_reason(comm, tmp_path_factor
 def test_bad_config_is_one_line_on_every_rank(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         OnlineConfig(**kw)
+
+
+def test_checkpoint_of_another_campaign_is_never_resumed(comm, tmp_path_factory):
+    files = _blob_files(comm, tmp_path_factory)
+    ckpt_dir = str(files[0].parent / "ckpt_campaign")
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, source = _trainer_and_source(grid, files, 3)
+    first = train_online(trainer, source, grid=grid,
+                         config=OnlineConfig(steps=3, batch=4, ckpt_dir=ckpt_dir, campaign="blob-1"))
+    assert (first.status, first.steps) == ("ok", 3)
+    trainer, source = _trainer_and_source(grid, files, 6)
+    with pytest.raises(ConfigError, match=r"belongs to campaign 'blob-1', not 'blob-2': resume that campaign, or "
+                                          r"use a new run directory"):
+        train_online(trainer, source, grid=grid, config=OnlineConfig(steps=6, batch=4, ckpt_dir=ckpt_dir,
+                                                                     resume=True, campaign="blob-2"))
+    assert trainer.step == 0  # refused before anything was loaded
+    again = train_online(trainer, source, grid=grid, config=OnlineConfig(steps=6, batch=4, ckpt_dir=ckpt_dir,
+                                                                         resume=True, campaign="blob-1"))
+    assert (again.status, again.resumed_at, again.steps) == ("ok", 3, 6)
+
+
+def test_more_steps_on_resume_stretch_the_schedule_without_a_jump(comm, tmp_path_factory):
+    from hpcml.train.checkpointing import load_trainer, save_trainer
+
+    files = _blob_files(comm, tmp_path_factory)
+    ckpt_dir = files[0].parent / "ckpt_steps"
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, source = _trainer_and_source(grid, files, 20)
+    source.start()
+    batch = source.buffer.get(4, timeout=10.0)
+    lrs = [trainer.train_step(batch)["lr"] for _ in range(15)]  # warmup 10 steps, then cosine towards step 20
+    save_trainer(trainer, ckpt_dir)
+    source.stop()
+    longer, _ = _trainer_and_source(grid, files, 40)
+    load_trainer(longer, ckpt_dir)
+    after = [longer.train_step(batch)["lr"] for _ in range(25)]
+    cfg = longer.config
+    # the next step's rate is exactly the one the 20-step run would have used: no jump ...
+    assert after[0] == pytest.approx(trainer.optimizer.param_groups[0]["lr"], rel=1e-12)
+    assert after[0] < lrs[-1]
+    assert all(a > b for a, b in zip(after, after[1:]))  # ... then decreasing
+    assert after[-1] == pytest.approx(cfg.lr * (cfg.min_lr_ratio + (after[0] / cfg.lr - cfg.min_lr_ratio)
+                                                * 0.5 * (1 + np.cos(np.pi * 24 / 25))), rel=1e-9)
+
+
+def test_field_trainer_fsdp_matches_replicated_and_plain_modules_refuse_other_axes(comm, tmp_path_factory):
+    import torch
+
+    from hpcml.parallel import ParallelConfig
+
+    files = _blob_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    scales = FieldScales(param_lo=(0.2, 0.1), param_hi=(0.8, 0.4), t_max=1.0)
+    buffer = Buffer(BufferConfig(policy="fifo", capacity=256, watermark=1, seed=0))
+    source = FileSource(files, rank=grid.rank, n_trainers=comm.size, buffer=buffer, field_names=("u",),
+                        param_names=("v", "w"))
+    source.start()
+    batch = buffer.get(4, timeout=10.0)
+    source.stop()
+    losses = {}
+    for fsdp in (False, True):
+        torch.manual_seed(100 + comm.rank)  # different weights per rank: the trainer starts them equal
+        model = MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=NX, ny=NY, hidden=32, depth=2))
+        trainer = FieldTrainer(model, grid, FieldTrainConfig(steps=4, batch=4, warmup_steps=0, progress=False),
+                               scales, parallel=ParallelConfig(fsdp=fsdp))
+        losses[fsdp] = [trainer.train_step(batch)["loss"] for _ in range(4)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[False][-1] < losses[False][0]
+    tp_grid = ProcessGrid(tp=2, dp=-1)
+    with pytest.raises(ConfigError, match=r"MLPSurrogate has no parallel plan for \{'tp': 2\}: it runs data-parallel"):
+        FieldTrainer(MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=NX, ny=NY)), tp_grid,
+                     FieldTrainConfig(progress=False), scales)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -124,3 +126,46 @@ def test_reserve_allocates_once_and_staging_reuses_it(tmp_path):
             assert float(f["model/a/@0_0"][...].sum()) == 7 * 64
     finally:
         w.close()
+
+
+def test_writer_reports_its_own_write_time_not_the_wait(tmp_path):
+    w = ShardWriter()
+    try:
+        w.submit(tmp_path / "a.h5", _stage(w, {"model/a": np.ones((256, 256), np.float32)}))
+        time.sleep(1.5)  # the rank trains on and asks for the status only at its next save
+        status = w.result()
+        assert status["ok"] and 0 < status["seconds"] < 1.0, status
+    finally:
+        w.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_async_save_logs_the_write_apart_from_the_wait(tmp_path):
+    """The save is collected 1.5 s after it was requested: the log line and the result give
+    the shard write (small) apart from the time to the commit (>= 1.5 s)."""
+    import torch
+
+    from hpcml import ckpt
+
+    saver = ckpt.AsyncSaver()  # MPI's one-process world
+    records = _Records()
+    logging.getLogger("hpcml.ckpt.writer").addHandler(records)
+    try:
+        saver.save(tmp_path, 1, {"model/w": torch.ones(256, 512)})
+        time.sleep(1.5)
+        result = saver.wait()
+    finally:
+        logging.getLogger("hpcml.ckpt.writer").removeHandler(records)
+        saver.close()
+    assert result.path == tmp_path / "step_00000001" and result.bytes_written == 256 * 512 * 4
+    assert result.seconds >= 1.5 and 0 < result.write_seconds < 1.0, result
+    assert records.lines == [f"saved {result.path} (0.5 MB from this rank, written in {result.write_seconds:.2f} s; "
+                             f"committed {result.seconds:.2f} s after the save began)"]

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from hpcml import ckpt
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import codec, format as fmt, tools
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage, check_fused, fused_boxes, fused_runs, fused_spec
 from hpcml.ckpt.shard import storage_chunk
-from hpcml.ckpt.writer import _normalized, _pieces
+from hpcml.ckpt.writer import _index_and_commit, _normalized, _pending, _pieces, _require_parallel_hdf5, _write_local
+from hpcml.errors import CheckpointError, MissingFeatureError
 
 
 def meta(name, offset, shape, nbytes):
@@ -46,12 +47,21 @@ def test_storage_chunks(shape, itemsize, expected):
 
 def test_bf16_is_stored_as_its_bit_pattern():
     t = torch.tensor([1.0, -2.5, 3.140625], dtype=torch.bfloat16)
-    arr = fmt.to_numpy(t)
+    arr = codec.to_numpy(t)
     assert arr.dtype == np.uint16 and arr.tolist() == t.view(torch.int16).numpy().view(np.uint16).tolist()
-    assert torch.equal(fmt.from_numpy(arr, "bfloat16"), t)
-    assert fmt.storage(torch.bfloat16) == (np.uint16, "bfloat16")
-    with pytest.raises(TypeError, match="cannot checkpoint dtype torch.complex64"):
-        fmt.storage(torch.complex64)
+    assert torch.equal(codec.from_numpy(arr, "bfloat16"), t)
+    assert codec.storage(torch.bfloat16) == (np.uint16, "bfloat16")
+    assert fmt.numpy_dtype("bfloat16") is np.uint16  # what the index and the tools use, without torch
+
+
+def test_unsupported_dtypes_are_checkpoint_errors_naming_them():
+    with pytest.raises(CheckpointError, match=r"^cannot checkpoint model/z of dtype torch.complex64: expected one of "
+                                              r"float32, float64, float16, bfloat16, int64, int32, uint8, bool$"):
+        codec.storage(torch.complex64, "model/z")
+    with pytest.raises(CheckpointError, match=r"^unknown stored dtype 'float8': expected one of float32, "):
+        codec.from_numpy(np.zeros(2, np.uint8), "float8")
+    with pytest.raises(CheckpointError, match=r"^unknown stored dtype 'float8': expected one of float32, "):
+        fmt.numpy_dtype("float8")
 
 
 def test_names():
@@ -168,3 +178,45 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_bitwise(tmp_path):
         m(x).pow(2).sum().backward()
         o.step()
     assert torch.equal(fresh.weight, resumed.weight) and torch.equal(fresh.bias, resumed.bias)
+
+
+def test_single_file_without_parallel_hdf5_is_a_missing_feature():
+    with pytest.raises(MissingFeatureError, match=r"^single_file=True needs h5py built with MPI \(parallel HDF5\), "
+                                                  r"but h5py [0-9.]+ here was built without it; rebuild it with "
+                                                  r"HDF5_MPI=ON$") as e:
+        _require_parallel_hdf5(mpi=False)
+    assert not isinstance(e.value, CheckpointError)  # a missing feature of a dependency, not a broken checkpoint
+    _require_parallel_hdf5()  # this environment's h5py is the MPI build (tests/unit/test_cli.py::test_info_json)
+
+
+def test_export_format_is_checked_before_reading(tmp_path):
+    from hpcml.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors or torch$"):
+        tools.export(tmp_path / "no-such-checkpoint", tmp_path / "m.onnx", "onnx")
+
+
+def test_inspect_names_the_placement_of_tensors_rank0_does_not_hold(tmp_path):
+    """pp=2 on 2 ranks: each stage holds only its own layers, so rank 0, which writes the
+    index, holds none of stage 1's tensors. Both ranks run their real save steps here
+    (plan, shard, index, commit), only the two MPI collectives are done by hand."""
+    torch.manual_seed(0)
+    stages = [{"model/tok_embeddings.weight": torch.randn(8, 4), "model/layers.0.w": torch.randn(4, 4)},
+              {"model/layers.1.w": torch.randn(4, 4), "model/output.weight": torch.randn(8, 4),
+               "optim/step": torch.tensor(3.0)}]
+    pieces = [_pieces(t) for t in stages]
+    parts = [(p[0], {n for n, t in ts.items() if t.dim() == 0}) for p, ts in zip(pieces, stages)]  # the allgather
+    pending = [_pending(r, 2, None, tmp_path, 7, pieces[r], parts, extra={"step": 7}, layout={"pp": 2, "dp": 1},
+                        keep=None, tensor_attrs=None, snapshot=True, t0=0.0) for r in range(2)]
+    statuses = [_write_local(p) for p in pending]
+    gathered = [(s, {n: p.placements[n] for n in {c.name for c in p.mine}}) for s, p in zip(statuses, pending)]
+    assert _index_and_commit(pending[0], gathered) is None  # the gather to rank 0, then rank 0's part
+    info = tools.inspect(tmp_path)
+    assert info["world_size"] == 2 and info["layout"] == {"pp": 2, "dp": 1}
+    assert {n: t["partition"] for n, t in info["tensors"].items()} == {
+        "model/layers.0.w": "replicated", "model/tok_embeddings.weight": "replicated",
+        "model/layers.1.w": "replicated", "model/output.weight": "replicated", "optim/step": "replicated"}
+    assert [s["file"] for s in info["shards"]] == ["rank_00000.h5", "rank_00001.h5"]
+    assert tools.verify(tmp_path) == []
+    back = ckpt.read_tensors(tmp_path, "")
+    assert all(torch.equal(back[n], t) for ts in stages for n, t in ts.items())

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcml.ensemble.design import design, grid, latin_hypercube, sobol
+from hpcml.ensemble.design import design, full_factorial, latin_hypercube, sobol
 from hpcml.errors import ConfigError
 
 BOUNDS = {"alpha": (0.1, 2.0), "kappa": (1e-4, 1e-1), "t0": (-5.0, 5.0)}
@@ -75,20 +75,20 @@ def test_log_uniform_median_is_the_geometric_mean():
     assert np.median([p["k"] for p in lin]) == pytest.approx(0.5, rel=0.05)
 
 
-def test_grid_total_n_and_per_axis_counts():
-    g = grid({"a": (0.0, 1.0), "b": (1.0, 100.0)}, 9, log={"b"})
+def test_full_factorial_total_n_and_per_axis_counts():
+    g = full_factorial({"a": (0.0, 1.0), "b": (1.0, 100.0)}, 9, log={"b"})
     assert [(p["a"], p["b"]) for p in g] == [
         (0.0, 1.0), (0.0, pytest.approx(10.0)), (0.0, 100.0), (0.5, 1.0), (0.5, pytest.approx(10.0)), (0.5, 100.0),
         (1.0, 1.0), (1.0, pytest.approx(10.0)), (1.0, 100.0)]
-    assert len(design("grid", BOUNDS, 64)) == 64            # 4 per axis: 64 ** (1/3) is 3.99999... in floats
-    assert len(design("grid", BOUNDS, 30)) == 27            # floor(30 ** (1/3)) = 3 per axis
-    g = grid({"a": (0.0, 1.0), "b": (0.0, 2.0)}, {"a": 1, "b": 3})
+    assert len(design("full_factorial", BOUNDS, 64)) == 64            # 4 per axis: 64 ** (1/3) is 3.99999... in floats
+    assert len(design("full_factorial", BOUNDS, 30)) == 27            # floor(30 ** (1/3)) = 3 per axis
+    g = full_factorial({"a": (0.0, 1.0), "b": (0.0, 2.0)}, {"a": 1, "b": 3})
     assert [(p["a"], p["b"]) for p in g] == [(0.5, 0.0), (0.5, 1.0), (0.5, 2.0)]
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda: design("halton", BOUNDS, 4),
-     "design kind 'halton' unknown: expected one of latin_hypercube, lhs, sobol, grid"),
+     "design kind 'halton' unknown: expected one of latin_hypercube, lhs, sobol, full_factorial"),
     (lambda: design("lhs", {"a": (1.0, 1.0)}, 4), "bounds['a']: lo 1.0 must be < hi 1.0"),
     (lambda: design("lhs", {"a": (2.0, 1.0)}, 4), "bounds['a']: lo 2.0 must be < hi 1.0"),
     (lambda: design("lhs", {"a": (0.0, math.inf)}, 4), "bounds['a'] must be finite, got (0.0, inf)"),
@@ -101,11 +101,23 @@ def test_grid_total_n_and_per_axis_counts():
     (lambda: design("lhs", {"a": (0.0, 1.0)}, 4, log={"a"}), "log-uniform 'a' needs lo > 0, got 0.0"),
     (lambda: design("lhs", {"a": (1.0, 2.0)}, 4, log={"b"}), "log names ['b'] are not in bounds (a)"),
     (lambda: design("lhs", {"a": (1.0, 2.0)}, 4, log="a"), "log must be a set of names, got the string 'a'"),
-    (lambda: grid({"a": (0.0, 1.0)}, {"a": 0}), "grid count for 'a' must be an int >= 1, got 0"),
-    (lambda: grid({"a": (0.0, 1.0)}, {"b": 2}),
-     "grid counts must name exactly the bounds' parameters (a); unknown ['b'], missing ['a']"),
+    (lambda: full_factorial({"a": (0.0, 1.0)}, {"a": 0}), "full_factorial count for 'a' must be an int >= 1, got 0"),
+    (lambda: full_factorial({"a": (0.0, 1.0)}, {"b": 2}),
+     "full_factorial counts must name exactly the bounds' parameters (a); unknown ['b'], missing ['a']"),
 ])
 def test_bad_input_is_one_line_naming_the_value(call, message):
     with pytest.raises(ConfigError) as e:
         call()
     assert str(e.value) == message
+
+
+def test_the_full_factorial_design_is_not_called_grid():
+    """``hpcml.grid`` is the process grid: no design of that name, no alias."""
+    import hpcml.ensemble
+    import hpcml.ensemble.design
+
+    assert not hasattr(hpcml.ensemble.design, "grid") and "grid" not in hpcml.ensemble.__all__
+    assert hpcml.ensemble.full_factorial is full_factorial
+    with pytest.raises(ConfigError, match=r"^design kind 'grid' unknown: expected one of latin_hypercube, lhs, sobol, "
+                                          r"full_factorial$"):
+        design("grid", BOUNDS, 8)

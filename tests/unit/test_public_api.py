@@ -28,3 +28,47 @@ def test_every_public_name_is_the_library_object(name):
 def test_unknown_name_is_an_attribute_error_naming_it():
     with pytest.raises(AttributeError, match="module 'hpcml' has no attribute 'nope'"):
         hpcml.nope  # noqa: B018
+
+
+PACKAGES = ("hpcml.ckpt", "hpcml.ensemble", "hpcml.grid", "hpcml.stream")
+
+
+def test_internals_are_not_exported():
+    import hpcml.ensemble
+    import hpcml.ensemble.campaign
+    import hpcml.grid
+    import hpcml.stream
+
+    assert "announce_done" not in hpcml.stream.__all__ and not hasattr(hpcml.stream, "announce_done")
+    assert hpcml.ensemble.campaign.__all__ == ["Campaign", "CampaignResult", "SimSpec", "TrainingJob"]
+    assert "CORE_AXES" not in hpcml.grid.__all__
+    assert not {"CANCEL_FILE", "RESULT_MARKER", "SIMS_DONE_FILE"} & set(hpcml.ensemble.__all__)
+
+
+def _library_imports(path) -> list[tuple[str, str]]:
+    """(module, name) of every ``from hpcml.X... import name`` in a file."""
+    import ast
+
+    return [(node.module, a.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hpcml.")
+            for a in node.names]
+
+
+def test_every_name_the_workflows_import_is_exported_by_its_package():
+    """A workflow is what a user writes: what it needs from ckpt, ensemble, grid and stream
+    (even through a submodule) is in that package's ``__all__``."""
+    import importlib
+    from pathlib import Path
+
+    workflows = sorted((Path(__file__).resolve().parents[2] / "workflows").glob("*.py"))
+    assert workflows
+    missing = []
+    for path in workflows:
+        for module, name in _library_imports(path):
+            package = ".".join(module.split(".")[:2])
+            if package not in PACKAGES:
+                continue
+            pkg = importlib.import_module(package)
+            if name not in pkg.__all__ or getattr(pkg, name) is not getattr(importlib.import_module(module), name):
+                missing.append(f"{path.name}: {module}.{name} is not {package}.{name} in its __all__")
+    assert missing == []

@@ -3,6 +3,7 @@ LSF faked by their variables and node files, which cannot exist here), the campa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from hpcml import stop
-from hpcml.ensemble import Campaign, load_site
+from hpcml.ensemble import Campaign, attempts, load_site
 from hpcml.ensemble.allocation import Allocation, current
 from hpcml.errors import ConfigError
 
@@ -104,3 +105,87 @@ def test_pilot_trainer_on_pbs_is_signalled_and_stopped_through_the_scheduler(tmp
     assert (tmp_path / "qsig.log").read_text().split() == ["-s", "USR1", "42.pbs01"] and tp.running
     tp.stop()
     assert (tmp_path / "qdel.log").read_text().split() == ["42.pbs01"] and not tp.running
+
+
+def _fake_srun(tmp_path, monkeypatch):
+    """An `srun` that logs its options and runs the command after them (no Slurm here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/srun.log\n"
+                                  "while [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec \"$@\"\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "PBS_", "LSB_", "HPCML_JOB"))]:
+        monkeypatch.delenv(var)
+    return tmp_path / "srun.log"
+
+
+def _no_parsl(monkeypatch) -> None:
+    import parsl
+
+    def refuse(*a, **k):
+        raise AssertionError("a training-only run must not build or load a Parsl config")
+
+    monkeypatch.setattr(Campaign, "make_config", refuse)
+    monkeypatch.setattr(parsl, "load", refuse)
+
+
+def test_training_alone_in_pilot_mode_loads_no_parsl_and_submits_no_block(tmp_path, monkeypatch):
+    """Offline training (Campaign.train) from a login node: the trainer gets its own
+    allocation and no simulation block is ever built, let alone submitted."""
+    import json
+
+    from hpcml.ensemble.spec import TrainingJob
+
+    log = _fake_srun(tmp_path, monkeypatch)
+    _no_parsl(monkeypatch)
+    run_dir = tmp_path / "run"
+    c = Campaign(run_dir=run_dir, site="slurm-local", mode="pilot", site_options={"walltime": "00:10:00"},
+                 progress=False)
+    res = c.train(TrainingJob(argv=[sys.executable, "-c", "print('trained')"], nodes=1))
+    assert (res.status, res.total, res.training_returncode, res.completed) == ("ok", 0, 0, [])
+    assert log.read_text().split()[:5] == ["--time=00:10:00", "--signal=USR1@60", "--partition=debug", "-N1", "-n2"]
+    assert (run_dir / "train.out").read_text() == "trained\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["campaign_id.json", "train.err", "train.out",
+                                                        "training.json"]  # no parsl/, no sims/
+    assert json.loads((run_dir / "training.json").read_text())["status"] == "ok"
+
+
+def test_training_alone_in_one_allocation_takes_every_node(tmp_path, monkeypatch):
+    """Inside a one-node job, offline training takes the node: none is kept for simulations."""
+    from hpcml.ensemble.spec import TrainingJob
+
+    log = _fake_srun(tmp_path, monkeypatch)
+    _no_parsl(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    monkeypatch.setenv("HPCML_JOB_DEADLINE", str(int(time.time()) + 3600))
+    assert Allocation(scheduler="slurm", job_id="77", nodes=("n1",), deadline=None).split(1, sims=False) == (
+        ("n1",), ())
+    c = Campaign(run_dir=tmp_path / "run", site="slurm-local", mode="allocation", progress=False)
+    res = c.train(TrainingJob(argv=[sys.executable, "-c", "pass"], nodes=1))
+    assert (res.status, res.training_returncode) == ("ok", 0)
+    assert log.read_text().split()[:3] == ["--nodelist=n1", "-N1", "-n2"]
+
+
+def test_a_failed_simulation_names_its_attempt_err_file(tmp_path):
+    from parsl.app.errors import BashExitFailure
+
+    d = attempts.sim_dir(tmp_path, 3)
+    d.mkdir(parents=True)
+    for k in (0, 1):  # two attempts (one retry), both failed
+        (d / f"attempt_{k}.start").write_text(json.dumps({"start": 1.0, "host": "n1"}))
+        (d / f"attempt_{k}.end").write_text(json.dumps({"returncode": 2, "end": 3.0, "reason": ""}))
+        (d / f"attempt_{k}.err").write_text(f"reading mesh\n\nValueError: kappa {k} out of range\n")
+    exc = BashExitFailure("hpcml_sim", 2)
+    assert attempts.describe(exc) == "exit code 2"
+    recorded: dict[int, dict] = {}
+    n = attempts.record_ended(tmp_path, d, sim_id=3, params={"kappa": 1.0}, argv=["sim"], launch="", first=0,
+                              recorded=recorded, final=True, exc=exc)
+    assert n == 2 and [r["status"] for r in recorded.values()] == ["failed", "failed"]
+    # what the runner logs: "simulation 3 failed after 2 attempt(s): <describe(exc)>"
+    assert attempts.describe(exc) == (f"exit code 2 (see {d / 'attempt_1.err'}: reading mesh / "
+                                      f"ValueError: kappa 1 out of range)")
+    attempts.record_ended(tmp_path, d, sim_id=3, params={}, argv=[], launch="", first=0, recorded=recorded,
+                          final=True, exc=exc)  # recorded again (a cancellation sweep): the note stays one
+    assert attempts.describe(exc).count("attempt_1.err") == 1

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from hpcml.errors import ConfigError
-from hpcml.stream import Buffer, BufferConfig, Producer, Sample, message, route
+from hpcml.stream import Buffer, BufferConfig, Producer, Sample, message, route, write_endpoints
+from hpcml.stream import producer as producer_mod
 from hpcml.stream.server import ServerConfig, StreamServer
 
 SECRET = b"k" * 32
@@ -54,11 +55,23 @@ def test_tampered_messages_are_rejected_with_a_reason(mutate, reason):
     (_header(kind="exec"), np.zeros((4, 3), np.float32), "bad_header"),
     (_header(fields=[["T", "object"]]), np.zeros((4, 3), np.float32), "bad_header"),
     (_header(rank=1), np.zeros((4, 3), np.float32), "bad_header"),          # rank >= nranks
+    (_header(global_shape=[], offset=[], shape=[]), np.zeros(1, np.float32), "bad_header"),  # 0-D
+    (_header(global_shape=[2] * 4, offset=[0] * 4, shape=[2] * 4), np.zeros(16, np.float32), "bad_header"),  # 4-D
+    (_header(offset=[0]), np.zeros((4, 3), np.float32), "bad_header"),     # offset of another rank than the field
 ])
 def test_authenticated_but_invalid_messages_are_rejected(header, payload, reason):
     with pytest.raises(message.MessageError) as e:
         message.decode(SECRET, [bytes(f) for f in message.encode(SECRET, header, [payload])], CAMPAIGN)
     assert e.value.reason == reason
+
+
+@pytest.mark.parametrize("gshape, offset, shape", [([8], [4], [4]), ([4, 6, 5], [0, 3, 0], [4, 3, 5])])
+def test_message_round_trip_of_1d_and_3d_blocks(gshape, offset, shape):
+    a = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    h = _header(global_shape=gshape, offset=offset, shape=shape, fields=[["T", "float64"]])
+    msg = message.decode(SECRET, [bytes(f) for f in message.encode(SECRET, h, [a])], CAMPAIGN)
+    assert msg.arrays["T"].shape == tuple(shape)
+    np.testing.assert_array_equal(msg.arrays["T"], a)
 
 
 def test_wrong_secret_is_unauthenticated():
@@ -67,17 +80,18 @@ def test_wrong_secret_is_unauthenticated():
         message.decode(SECRET, frames, CAMPAIGN)
 
 
-def test_routing_is_stable_balanced_and_moves_little_on_rescale():
-    sims = range(4000)
-    r4 = [route(s, 4) for s in sims]
-    assert r4 == [route(s, 4) for s in sims]
-    counts = np.bincount(r4, minlength=4)
-    assert counts.min() > 850 and counts.max() < 1150, counts
-    moved = sum(route(s, 5) != a for s, a in zip(sims, r4))
-    assert 0.15 < moved / 4000 < 0.25  # ~1/5 move to the new rank, nothing else moves
-    assert all(route(s, 5) == 4 for s, a in zip(sims, r4) if route(s, 5) != a)
+def test_routing_gives_every_trainer_a_simulation_and_balances_exactly():
+    """Simulations 0..S-1 on n <= S trainer ranks: every rank gets one, counts differ by at most 1."""
+    for n_sims in range(1, 33):
+        for n in range(1, n_sims + 1):
+            counts = np.bincount([route(s, n) for s in range(n_sims)], minlength=n)
+            assert len(counts) == n and counts.min() >= 1 and counts.max() - counts.min() <= 1, (n_sims, n, counts)
+    assert [route(s, 2) for s in range(3)] == [0, 1, 0]  # the user's case: 3 simulations, 2 trainer ranks
+    assert route(np.int64(7), 3) == 1                      # ids read from files are numpy integers
     with pytest.raises(ConfigError, match="n_trainers must be >= 1, got 0"):
         route(1, 0)
+    with pytest.raises(ConfigError, match="^sim_id -1: expected an integer >= 0$"):
+        route(-1, 2)
 
 
 def _sample(i: int) -> Sample:
@@ -138,16 +152,18 @@ def _server(n_trainers=1, rank=0, policy="fifo", capacity=64, watermark=1):
     return srv.start()
 
 
-def _producers(srv, sim, attempt, field, nranks=2):
-    """One producer per simulation rank, splitting ``field`` along x."""
-    nx = field.shape[0]
+def _producers(srv, sim, attempt, field, nranks=2, axis=0):
+    """One producer per simulation rank, splitting ``field`` (any rank) along ``axis``."""
+    n = field.shape[axis]
     out = []
     for r in range(nranks):
-        x0, x1 = r * nx // nranks, (r + 1) * nx // nranks
+        x0, x1 = r * n // nranks, (r + 1) * n // nranks
+        offset, local = [0] * field.ndim, list(field.shape)
+        offset[axis], local[axis] = x0, x1 - x0
         p = Producer(endpoint=srv.endpoint, secret=SECRET, campaign=CAMPAIGN, sim_id=sim, attempt=attempt, rank=r,
-                     nranks=nranks, params={"alpha": 0.5}, global_shape=field.shape, offset=(x0, 0),
-                     local_shape=(x1 - x0, field.shape[1]))
-        out.append((p, slice(x0, x1)))
+                     nranks=nranks, params={"alpha": 0.5}, global_shape=field.shape, offset=tuple(offset),
+                     local_shape=tuple(local))
+        out.append((p, tuple(slice(o, o + s) for o, s in zip(offset, local))))
     return out
 
 
@@ -287,18 +303,23 @@ def test_quiesce_takes_in_what_was_sent_past_capacity_before_a_stop_save():
         srv.stop()
 
 
-def test_restore_never_drops_samples_to_fit_the_capacity():
-    """Two trainer ranks' buffers restored onto one rank with room for fewer: all come back."""
-    srvs = [_server(n_trainers=2, rank=r, policy="fifo", capacity=8, watermark=8) for r in range(2)]
+def _two_ranks_state(n_sims: int, shape: tuple[int, ...], capacity: int) -> list:
+    """The states of two trainer ranks that took 2 outputs of each of ``n_sims`` simulations."""
+    srvs = [_server(n_trainers=2, rank=r, policy="fifo", capacity=capacity, watermark=capacity) for r in range(2)]
     try:
-        for s in range(4):
-            field = np.full((4, 4), s, np.float32)
+        for s in range(n_sims):
+            field = np.full(shape, s, np.float32)
             _send_all(_producers(srvs[route(s, 2)], s, 0, field, nranks=1), (1, 2), field)
-        _wait(lambda: sum(len(v.buffer) for v in srvs) == 8)
-        states = [v.state() for v in srvs]
+        _wait(lambda: sum(len(v.buffer) for v in srvs) == 2 * n_sims)
+        return [v.state() for v in srvs]
     finally:
         for v in srvs:
             v.stop()
+
+
+def test_restore_never_drops_samples_to_fit_the_capacity():
+    """Two trainer ranks' buffers restored onto one rank with room for fewer: all come back."""
+    states = _two_ranks_state(4, (4, 4), 8)
     one = _server(n_trainers=1, rank=0, policy="fifo", capacity=4, watermark=1)
     try:
         one.load_state(states)
@@ -309,7 +330,7 @@ def test_restore_never_drops_samples_to_fit_the_capacity():
     try:
         for v in again:  # the same trainer count: each rank's own counters continue
             v.load_state(states)
-        assert [v.counters["samples"] for v in again] == [st.counters["samples"] for st in srvs]
+        assert [v.counters["samples"] for v in again] == [4, 4]  # sims {0, 2} and {1, 3}, 2 outputs each
     finally:
         for v in again:
             v.stop()
@@ -340,3 +361,157 @@ def test_a_stop_keeps_the_batch_a_rank_held(policy):
         assert srv.buffer.stats.served == 2 and srv.buffer.stats.batches == 1
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("shape, axis, nranks, dtype", [
+    ((128,), 0, 2, np.float32),       # a 1-D solver's field, split in two
+    ((4, 6, 5), 2, 2, np.float32),    # 3-D, split along the last axis
+    ((4, 6, 5), 0, 2, np.float64),
+    ((128,), 0, 1, np.float64),       # one rank: the whole field in one message (the no-copy path)
+])
+def test_fields_of_any_rank_assemble_bit_for_bit(shape, axis, nranks, dtype):
+    srv = _server()
+    try:
+        field = np.random.default_rng(1).random(shape).astype(dtype)
+        _send_all(_producers(srv, 0, 0, field, nranks=nranks, axis=axis), (1, 2), field)
+        _wait(lambda: len(srv.buffer) == 2)
+        for s in sorted(srv.buffer.get(2), key=lambda s: s.step):
+            assert s.fields.shape == (1, *shape) and s.fields.dtype == np.float32
+            np.testing.assert_array_equal(s.fields[0], (field + s.step).astype(np.float32))
+        assert srv.dropped == {}
+    finally:
+        srv.stop()
+
+
+def test_three_1d_simulations_reach_both_trainer_ranks_through_from_env(tmp_path, monkeypatch):
+    """The reported case: a 1-D solver, 3 simulations, 2 trainer ranks, producers built from the environment."""
+    from mpi4py import MPI
+
+    srvs = [_server(n_trainers=2, rank=r) for r in range(2)]
+    try:
+        write_endpoints(tmp_path / "endpoints.json", CAMPAIGN, [v.endpoint for v in srvs])
+        (tmp_path / "stream.key").write_text(SECRET.hex())
+        monkeypatch.setenv(producer_mod.ENV_ENDPOINTS_FILE, str(tmp_path / "endpoints.json"))
+        monkeypatch.setenv(producer_mod.ENV_SECRET_FILE, str(tmp_path / "stream.key"))
+        u = np.sin(np.linspace(0, 2 * np.pi, 128, dtype=np.float32))
+        for sim in range(3):
+            p = Producer.from_env(comm=MPI.COMM_SELF, params={"alpha": 0.1 * sim}, global_shape=(128,), offset=(0,),
+                                  local_shape=(128,), fields=("T",), sim_id=sim)
+            p.send(1, 0.1, {"T": u + sim})
+            p.close()
+        _wait(lambda: [len(v.buffer) for v in srvs] == [2, 1])
+        for r, v in enumerate(srvs):
+            for s in v.buffer.get(len(v.buffer)):
+                assert route(s.sim, 2) == r and s.fields.shape == (1, 128)
+                np.testing.assert_array_equal(s.fields[0], u + s.sim)
+            assert v.dropped == {}
+    finally:
+        for v in srvs:
+            v.stop()
+
+
+_BASE = dict(endpoint="tcp://127.0.0.1:9", secret=SECRET, campaign=CAMPAIGN, sim_id=0, attempt=0, rank=0, nranks=1,
+             params={"alpha": 0.5}, global_shape=(8, 4), offset=(0, 0), local_shape=(8, 4))
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(global_shape=(), offset=(), local_shape=()),
+     "simulation 0 rank 0: global_shape () has 0 dimensions, expected 1 to 3"),
+    (dict(global_shape=(2,) * 4, offset=(0,) * 4, local_shape=(2,) * 4),
+     "simulation 0 rank 0: global_shape (2, 2, 2, 2) has 4 dimensions, expected 1 to 3"),
+    (dict(global_shape=128, offset=(0,), local_shape=(128,)),
+     "simulation 0 rank 0: global_shape=128 is not a sequence of integers, expected e.g. (nx,), (nx, ny) or "
+     "(nx, ny, nz)"),
+    (dict(offset=(0,)), "simulation 0 rank 0: offset (0,) and local_shape (8, 4) need 2 entries like global_shape "
+                        "(8, 4)"),
+    (dict(nranks=2, offset=(4, 0)),
+     "simulation 0 rank 0: the block at offset (4, 0) of local_shape (8, 4) lies outside global_shape (8, 4)"),
+    (dict(nranks=2, local_shape=(0, 4)),
+     "simulation 0 rank 0: global_shape (8, 4) and local_shape (0, 4) need entries >= 1, offset (0, 0) entries >= 0"),
+    (dict(local_shape=(4, 4)), "simulation 0 rank 0: a one-rank simulation sends the whole field: local_shape (4, 4) "
+                               "must be global_shape (8, 4)"),
+    (dict(rank=2, nranks=2), "simulation 0 rank 2: rank 2 of nranks 2, expected 0 <= rank < nranks"),
+    (dict(sim_id=-1), "simulation -1 rank 0: sim_id -1, attempt 0: expected integers >= 0"),
+    (dict(params={"alpha": "fast"}), "simulation 0 rank 0: params['alpha']='fast' is not a number"),
+    (dict(fields=("T", "T")), "simulation 0 rank 0: fields ('T', 'T'): expected 1 to 16 distinct names (strings)"),
+])
+def test_producer_refuses_at_construction_what_the_server_would_drop(kw, error):
+    with pytest.raises(ConfigError) as e:
+        Producer(**{**_BASE, **kw})
+    assert str(e.value) == error
+
+
+@pytest.mark.parametrize("step, fields, error", [
+    (1, {"T": np.zeros((8, 4), np.complex64)},
+     "field 'T' has dtype complex64, expected real numbers (sent as float32, float64 as float64)"),
+    (1, {"T": np.full((8, 4), "x")}, "field 'T' has dtype <U1, expected real numbers (sent as float32, float64 as "
+                                     "float64)"),
+    (1, {"U": np.zeros((8, 4))}, "fields ['U'] are not the declared fields ['T']"),
+    (1, {}, "0 fields, expected 1 to 16"),
+    (-1, {"T": np.zeros((8, 4))}, "step=-1: expected an integer >= 0"),
+    (1.5, {"T": np.zeros((8, 4))}, "step=1.5: expected an integer >= 0"),
+])
+def test_producer_refuses_at_send_what_the_server_would_drop(step, fields, error):
+    p, q = Producer(**_BASE, fields=("T",)), Producer(**_BASE)
+    try:
+        with pytest.raises(ConfigError) as e:
+            p.send(step, 0.0, fields)
+        assert str(e.value) == f"simulation 0 rank 0: {error}" and p.n_sent == 0
+        with pytest.raises(ConfigError) as e:  # nothing declared: names are still checked
+            q.send(1, 0.0, {"T": np.zeros((8, 4)), 3: np.zeros((8, 4))})
+        assert str(e.value) == "simulation 0 rank 0: field name 3 is not a string"
+    finally:
+        for x in (p, q):
+            x._ctx.destroy(linger=0)
+
+
+def test_restore_onto_more_trainers_follows_the_routing():
+    """Two trainer ranks' state restored onto three: each rank holds exactly the simulations s % 3 == rank."""
+    states = _two_ranks_state(6, (4, 2), 16)
+    three = [_server(n_trainers=3, rank=r, policy="fifo", capacity=16, watermark=1) for r in range(3)]
+    try:
+        for r, v in enumerate(three):
+            v.load_state(states)
+            assert {s.sim for s in v.buffer._items} == {r, r + 3} and {k[0] for k in v.seen} == {r, r + 3}
+            assert all(s.fields.shape == (1, 4, 2) for s in v.buffer._items)
+    finally:
+        for v in three:
+            v.stop()
+
+
+def test_file_source_gives_each_trainer_rank_its_1d_simulations(tmp_path):
+    import h5py
+
+    from hpcml.stream.files import FileSource
+
+    for sim in range(3):
+        with h5py.File(tmp_path / f"sim_{sim}.h5", "w") as f:
+            f["fields/u"], f["time"], f["step"] = np.full((2, 16), sim, np.float32), [0.0, 1.0], [0, 10]
+            f.attrs["sim_id"], f.attrs["params"] = sim, '{"nu": 0.01}'
+    got = []
+    for rank in range(2):
+        src = FileSource(sorted(tmp_path.glob("*.h5")), rank=rank, n_trainers=2, buffer=Buffer(BufferConfig(
+            policy="fifo", capacity=8, watermark=1)), field_names=("u",), param_names=("nu",)).start()
+        _wait(lambda: src.buffer.ended)
+        got.append(sorted((s.sim, s.step, s.fields.shape) for s in src.buffer._items))
+        src.stop()
+    assert got == [[(0, 0, (1, 16)), (0, 10, (1, 16)), (2, 0, (1, 16)), (2, 10, (1, 16))],
+                   [(1, 0, (1, 16)), (1, 10, (1, 16))]]
+
+
+def test_restored_buffer_counters_are_the_own_rank_s_once():
+    """Each saved rank's counters were added to every restored rank (the summary's per-rank
+    buffer statistics came out inflated after a resume)."""
+    from hpcml.stream.source import pack_state, unpack_states
+
+    states = []
+    for r, (ingested, served) in enumerate(((20, 800), (30, 500))):
+        b = Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1))
+        b.stats.ingested, b.stats.served, b.stats.batches, b.stats.reuse_hist = ingested, served, served // 4, {0: 5}
+        states.append(pack_state(b, [(r, 0)], {}))
+    for rank, expect in ((0, (20, 800, 200)), (1, (30, 500, 125))):
+        fresh = Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1))
+        seen: set = set()
+        unpack_states(states, fresh, seen, keep=lambda sim: True, rank=rank)
+        assert (fresh.stats.ingested, fresh.stats.served, fresh.stats.batches) == expect
+        assert fresh.stats.reuse_hist == {0: 5} and seen == {(0, 0), (1, 0)}

@@ -10,10 +10,11 @@ import torch
 from hpcml.errors import ConfigError
 from hpcml.grid import Layout
 from hpcml.models.transformer import PRESETS, Transformer, TransformerConfig, apply_rope, rope_tables
-from hpcml.parallel import ParallelConfig, check_plan, split_layers
-from hpcml.parallel.config import stage_layers
+from hpcml.models.transformer.parallelize import check_plan, stage_layers
+from hpcml.parallel import ParallelConfig, split_layers
 from hpcml.parallel.ulysses import bytes_per_layer
-from hpcml.train import SyntheticTokens, TrainConfig, lr_factor
+from hpcml.train import SyntheticTokens, TrainConfig
+from hpcml.train.schedule import WarmupCosine
 
 
 def test_param_counts_match_the_module():
@@ -76,9 +77,8 @@ def test_split_layers_rule():
         assert sum(counts) == layers and max(counts) - min(counts) <= 1
     with pytest.raises(ConfigError, match="n_layers 3 < pipeline stages 4"):
         split_layers(3, 4)
-    lay = Layout(world_size=4, pp=2)
     cfg = TransformerConfig.preset("tiny", n_layers=5)
-    assert stage_layers(cfg, lay, ParallelConfig(pp_schedule="interleaved1f1b")) == [[0], [1, 2], [3], [4]]
+    assert stage_layers(cfg, 4, ParallelConfig(pp_schedule="interleaved1f1b")) == [[0], [1, 2], [3], [4]]
 
 
 @pytest.mark.parametrize("degrees,model,pcfg,message", [
@@ -123,8 +123,8 @@ def test_train_config_layout_checks():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = TrainConfig(steps=12, warmup_steps=2, min_lr_ratio=0.1)
-    factors = [lr_factor(s, cfg) for s in range(13)]
+    sched = WarmupCosine(warmup=2, steps=12, min_ratio=0.1)
+    factors = [sched(s) for s in range(13)]
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert factors[12] == pytest.approx(0.1)
@@ -149,3 +149,38 @@ def test_ulysses_volume_formula():
     # 4 * B*S*H*D/P elements per rank per layer, of which (P-1)/P leave the rank
     assert bytes_per_layer(batch=2, seq=64, heads=8, kv_heads=8, head_dim=8, p=4) == 4 * 2 * 16 * 8 * 8 * 3 // 4 * 4
     assert bytes_per_layer(batch=1, seq=64, heads=8, kv_heads=2, head_dim=8, p=2) == 1 * 32 * 8 * (8 + 2 * 2 + 8) // 2 * 4
+
+
+def test_lr_schedule_stretched_from_the_saved_step_when_steps_change():
+    old = WarmupCosine(warmup=2, steps=12, min_ratio=0.1)
+    at8 = old(8)
+    longer = WarmupCosine(warmup=2, steps=20, min_ratio=0.1)
+    longer.resume(8, old.state())
+    assert longer.anchor == (8, at8) and longer(8) == at8  # no jump at the resumed step
+    assert longer(20) == pytest.approx(0.1) and longer(14) == pytest.approx(0.1 + (at8 - 0.1) * 0.5)
+    assert all(a >= b for a, b in zip([longer(s) for s in range(8, 21)], [longer(s) for s in range(9, 21)]))
+    same = WarmupCosine(warmup=2, steps=12, min_ratio=0.1)
+    same.resume(8, old.state())
+    assert [same(s) for s in range(13)] == [old(s) for s in range(13)]  # same steps: the same schedule
+    twice = WarmupCosine(warmup=2, steps=30, min_ratio=0.1)
+    twice.resume(15, longer.state())  # extended again: from where the stretched one was
+    assert twice(15) == longer(15) and twice(30) == pytest.approx(0.1)
+    early = WarmupCosine(warmup=4, steps=20, min_ratio=0.1)
+    early.resume(1, WarmupCosine(warmup=4, steps=10, min_ratio=0.1).state())
+    assert early.anchor is None and early(3) == 1.0  # still warming up: the new horizon from the start
+
+
+def test_parallel_imports_no_model_and_the_transformer_plan_lives_with_it():
+    import ast
+    from pathlib import Path
+
+    import hpcml.parallel
+    from hpcml.models.transformer.parallelize import TransformerPlan
+
+    for path in Path(hpcml.parallel.__file__).parent.glob("*.py"):
+        modules = [n.module or "" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)]
+        modules += [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in modules if m.startswith("hpcml.models")], path
+    model = Transformer(TransformerConfig.preset("tiny"))
+    assert isinstance(model.parallel_plan(), TransformerPlan)
+    assert not hasattr(model, "cp_rank") and not hasattr(model.layers["0"].attention, "cp_group")

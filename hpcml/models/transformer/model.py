@@ -6,9 +6,10 @@ name, and ``layers`` is a ModuleDict so a pipeline stage that drops other stages
 keeps the fully qualified names of the unparallelised model (checkpoints rely on that).
 Every stage-specific part (embedding, final norm, output) may be ``None``.
 
-The model knows nothing of ranks: parallelism sets two attributes from outside --
-``Attention.cp_group`` (Ulysses all-to-all) and ``Transformer.cp_rank/cp_size`` (which
-slice of the sequence this rank holds, for rotary positions).
+The model knows nothing of ranks. Its plan (:mod:`hpcml.models.transformer.parallelize`,
+found through :meth:`Transformer.parallel_plan`) swaps ``Attention.core`` for Ulysses'
+all-to-all wrapper and sets ``Transformer.seq_shard`` (which contiguous slice of the
+sequence this module sees, for rotary positions).
 """
 
 from __future__ import annotations
@@ -175,15 +176,15 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.head_dim = hd
         self.n_heads, self.kv_heads = cfg.n_heads, cfg.kv_heads
-        if cfg.fused_qkv:  # tensor-parallel rank r holds [wq_r; wk_r; wv_r] (hpcml.parallel.tp)
+        if cfg.fused_qkv:  # tensor-parallel rank r holds [wq_r; wk_r; wv_r] (its plan)
             self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
             self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
             self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        self.cp_group = None
-        """Process group of Ulysses sequence parallelism (set by hpcml.parallel), or None."""
+        self.core: nn.Module = CausalAttention()
+        """q, k, v [B, S, H, D] -> out; a context-parallel plan wraps it (no parameters: names stay)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -196,21 +197,21 @@ class Attention(nn.Module):
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp_group is not None:
-            from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
+        return self.wo(self.core(q, k, v).reshape(b, s, -1))
 
-            q, k, v = (seq_to_heads(t, self.cp_group) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-        if self.cp_group is not None:
-            out = heads_to_seq(out, self.cp_group)
-        return self.wo(out.reshape(b, s, -1))
+
+class CausalAttention(nn.Module):
+    """Scaled dot-product attention with a causal mask over [B, S, H, D] (grouped kv heads allowed)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        if cfg.fused_mlp:  # tensor-parallel rank r holds [w1_r; w3_r] (hpcml.parallel.tp)
+        if cfg.fused_mlp:  # tensor-parallel rank r holds [w1_r; w3_r] (its plan)
             self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)
             self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
         else:  # (registration order w1, w2, w3 fixes the initialisation's random draws)
@@ -233,7 +234,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.activation_checkpointing = False
-        """Recompute this block's activations in backward (set by hpcml.parallel); keeps parameter names."""
+        """Recompute this block's activations in backward (set by its plan); keeps parameter names."""
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -260,8 +261,11 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.cp_rank, self.cp_size = 0, 1
+        self.seq_shard = (0, 1)
+        """(index, count): this module sees slice ``index`` of ``count`` equal slices of the
+        sequence (Ulysses); set by its context-parallel plan."""
         self.sp_size = 1
+        """Tensor-parallel ranks the hidden states are sequence-sharded over between regions (Megatron-SP)."""
         self.init_weights()
 
     @torch.no_grad()
@@ -276,12 +280,19 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
+    def parallel_plan(self):
+        """How :func:`hpcml.parallel.parallelize` lays this model out (imported on use)."""
+        from hpcml.models.transformer.parallelize import TransformerPlan
+
+        return TransformerPlan(self.config)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         s = h.shape[1] * self.sp_size  # positions of this rank's (cp) slice; sequence-parallel holds 1/sp of them
-        start = self.cp_rank * s  # Ulysses: this rank holds positions [start, start + s)
+        index, count = self.seq_shard
+        start = index * s  # Ulysses: this rank holds positions [start, start + s)
         if start + s > self.rope_cos.shape[0]:
-            raise ConfigError(f"sequence length {s * self.cp_size} exceeds max_seq_len {self.config.max_seq_len}")
+            raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -1,0 +1,169 @@
+"""The transformer's parallel plan: which layers each pipeline stage holds, Megatron's
+column/row tensor-parallel split, Ulysses around attention, activation checkpointing per
+block, FSDP units per block -- and the checks that run before any collective.
+
+Tensor parallelism (DTensor ``parallelize_module``): attention q/k/v and the MLP's w1/w3
+are column-parallel, wo and w2 row-parallel: one all-reduce per sub-block in forward and
+one in backward. The embedding is vocabulary-parallel (row-wise), the output projection
+column-parallel with logits left sharded over the vocabulary, so ``loss_parallel()``
+computes the cross-entropy without gathering them. With ``sequence_parallel`` the norms
+and residuals are sharded along the sequence and the all-reduces become reduce-scatter +
+all-gather. Fused projections (``attention.wqkv``, ``feed_forward.w13``) give each rank
+its slice of every sub-parameter (:class:`~hpcml.parallel.tp.FusedColwiseParallel`);
+checkpoints store them logical (:meth:`TransformerPlan.tensor_attrs`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hpcml.ckpt.state import fused_attrs
+from hpcml.errors import ConfigError
+from hpcml.grid.layout import Layout
+from hpcml.models.transformer.model import Transformer, TransformerConfig, cross_entropy
+from hpcml.parallel.config import ParallelConfig, split_layers
+from hpcml.parallel.tp import FusedColwiseParallel
+from hpcml.parallel.ulysses import UlyssesAttention
+
+
+def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig) -> None:
+    """Raise :class:`ConfigError` unless ``model`` can be laid out on ``layout``.
+
+    Pure arithmetic on arguments every rank holds alike: call it before any collective
+    (``hpcml.parallel.parallelize`` does), so a bad plan fails on every rank and nothing hangs.
+    """
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn hidden", model.hidden),
+                        ("padded vocab", model.padded_vocab)):
+        if value % tp:
+            raise ConfigError(f"{name} {value} is not divisible by tp {tp}")
+    for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
+        if (value // tp) % cp:
+            raise ConfigError(f"{name} {value} / tp {tp} = {value // tp} heads per rank is not divisible by cp {cp} "
+                              f"(Ulysses splits heads over cp)")
+    if model.dim % tp:
+        raise ConfigError(f"dim {model.dim} is not divisible by tp {tp}")
+    if model.tie_embeddings and (tp > 1 or pp > 1):
+        raise ConfigError(f"tie_embeddings needs tp 1 and pp 1, got tp {tp}, pp {pp}")
+    if config.sequence_parallel and cp > 1:
+        raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
+    n_stages = pp * config.n_stages_per_rank
+    if pp > 1 or config.layers_per_stage is not None:
+        if config.layers_per_stage is not None:
+            if len(config.layers_per_stage) != n_stages or sum(config.layers_per_stage) != model.n_layers \
+                    or min(config.layers_per_stage) < 1:
+                raise ConfigError(f"layers_per_stage {list(config.layers_per_stage)} must give each of {n_stages} "
+                                  f"stages >= 1 layer and sum to n_layers {model.n_layers}")
+        elif model.n_layers < n_stages:
+            raise ConfigError(f"n_layers {model.n_layers} < pipeline stages {n_stages} "
+                              f"(pp {pp} x {config.n_stages_per_rank} stages per rank)")
+
+
+def stage_layers(model: TransformerConfig, n_stages: int, config: ParallelConfig) -> list[list[int]]:
+    """Layer indices of every stage, stage 0 first."""
+    counts = list(config.layers_per_stage) if config.layers_per_stage else split_layers(model.n_layers, n_stages)
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Shard ``model`` (or a pipeline stage of it) over the 1-D tp ``mesh``, in place."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    plan: dict = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sp:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, plan)
+    fused = model.config.fused_widths
+    qkv, w13 = fused.get("attention.wqkv.weight"), fused.get("feed_forward.w13.weight")
+    for block in model.layers.values():
+        block_plan: dict = {
+            **({"attention.wqkv": FusedColwiseParallel(qkv)} if qkv else
+               {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel()}),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            **({"feed_forward.w13": FusedColwiseParallel(w13)} if w13 else
+               {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()}),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        # The sub-block input enters as one replicated DTensor, so the input gradients of
+        # q, k, v (and of w1, w3) add up as partial sums and are all-reduced once, not once
+        # per projection; with sequence parallelism that one reduction is a reduce-scatter.
+        block_plan.update({
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        })
+        if sp:
+            block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        parallelize_module(block, mesh, block_plan)
+    model.sp_size = mesh.size() if sp else 1  # hidden states hold S / tp positions between regions
+
+
+class TransformerPlan:
+    """The :class:`~hpcml.parallel.plan.ParallelPlan` of :class:`Transformer`."""
+
+    loss_fn = staticmethod(cross_entropy)
+
+    def __init__(self, config: TransformerConfig) -> None:
+        self.config = config
+
+    def check(self, layout: Layout, config: ParallelConfig) -> None:
+        check_plan(self.config, layout, config)
+
+    def stage(self, model: Transformer, stage: int, n_stages: int, config: ParallelConfig) -> Transformer:
+        """A copy of ``model`` holding only this stage's layers (and the embedding / final norm
+        and output on the first / last stage). Names stay those of the whole model."""
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in stage_layers(self.config, n_stages, config)[stage]}
+        for name in list(part.layers.keys()):
+            if name not in keep:
+                del part.layers[name]
+        if stage != 0:
+            part.tok_embeddings = None
+        if stage != n_stages - 1:
+            part.norm, part.output = None, None
+        return part
+
+    def apply_tp(self, part: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> None:
+        apply_tp(part, mesh, config.sequence_parallel)
+
+    def apply_cp(self, part: Transformer, group, index: int, count: int) -> None:
+        part.seq_shard = (index, count)
+        for block in part.layers.values():
+            block.attention.core = UlyssesAttention(block.attention.core, group)
+
+    def apply_activation_checkpointing(self, part: Transformer) -> None:
+        for block in part.layers.values():
+            block.activation_checkpointing = True
+
+    def fsdp_units(self, part: Transformer) -> list:
+        return list(part.layers.values())
+
+    def tensor_attrs(self) -> dict[str, dict]:
+        """The vocabulary-padded tensors' logical shape, fused weights' widths (docs/checkpoint-format.md)."""
+        cfg = self.config
+        vocab = {f"model/{n}": {"logical_shape": [cfg.vocab_size, cfg.dim]}
+                 for n in ("tok_embeddings.weight", "output.weight")}
+        attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
+        attrs.update(fused_attrs({f"layers.{i}.{name}": widths for i in range(cfg.n_layers)
+                                  for name, widths in cfg.fused_widths.items()}))
+        return attrs
+
+
+__all__ = ["TransformerPlan", "apply_tp", "check_plan", "stage_layers"]

@@ -1,0 +1,248 @@
+"""One model-agnostic training loop: what the LLM :class:`~hpcml.train.trainer.Trainer` and
+the field surrogates' :class:`~hpcml.train.fields.FieldTrainer` share.
+
+A step on a :class:`~hpcml.parallel.ParallelModel`: forward and backward (micro-batched,
+pipelined, sharded -- the model's business), gradient sync, then one all-reduce of a
+3-element tensor carrying the squared gradient norm, the loss and a stop request;
+global-norm clipping, AdamW, the warmup + cosine schedule (:mod:`hpcml.train.schedule`),
+metrics (``metrics.jsonl``, a line per step, appended across resumes), the progress line.
+
+Its checkpoint state follows one protocol (:class:`Stateful`, what torchtitan calls
+Stateful): tensors (parameters, optimizer moments, per-rank RNG) plus a JSON ``extra``;
+:mod:`hpcml.train.checkpointing` saves and loads any Stateful on any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from hpcml import ckpt, log
+from hpcml import stop as stop_flag
+from hpcml.errors import ConfigError
+from hpcml.parallel.api import ParallelModel
+from hpcml.train.schedule import WarmupCosine
+
+logger = log.get_logger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """Optimisation and bookkeeping every trainer has. ``repr()`` rebuilds it."""
+
+    steps: int = 20
+    """Optimizer steps in total (a resume with another value stretches the schedule: :mod:`hpcml.train.schedule`)."""
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    """AdamW decay of matrices (parameters of >= 2 dims; norms and biases are not decayed)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    seed: int = 0
+    bf16: bool = False
+    """Autocast matmuls to bfloat16 (parameters and optimizer state stay fp32)."""
+    log_every: int = 1
+    run_dir: str | None = None
+    """Where ``metrics.jsonl`` and ``config.json`` go (rank 0)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
+            raise ConfigError(f"lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0; got {self.lr}, "
+                              f"{self.min_lr_ratio}, {self.grad_clip}")
+
+
+def make_optimizer(params, cfg: LoopConfig, schedule: WarmupCosine | None = None
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW without decay on 1-D parameters (norms, biases), and the warmup + cosine schedule."""
+    params = list(params)
+    schedule = schedule or WarmupCosine(warmup=cfg.warmup_steps, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    # a lambda, so LambdaLR's state_dict never carries the schedule (its resume rule is ours)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class Stateful(Protocol):
+    """What a checkpoint holds of a trainer (:mod:`hpcml.train.checkpointing`)."""
+
+    step: int
+
+    def state_tensors(self, create: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def tensor_attrs(self) -> dict[str, dict]: ...
+
+    def state_extra(self) -> dict: ...
+
+    def load_state_extra(self, extra: dict) -> None: ...
+
+
+class TrainLoop:
+    """The loop on a :class:`ParallelModel`. A subclass says how a batch becomes model inputs
+    and targets (:meth:`inputs`) and what its throughput counts (:meth:`step_metrics`).
+
+    ``hooks`` run as ``hook(trainer, metrics)`` after every step of :meth:`fit`: where
+    checkpointing attaches.
+    """
+
+    def __init__(self, model: ParallelModel, config: LoopConfig,
+                 hooks: list[Callable[[TrainLoop, dict], None]] | None = None) -> None:
+        self.model, self.config, self.grid = model, config, model.grid
+        self.device = self.grid.torch.device
+        self.hooks = list(hooks or [])
+        self.schedule = WarmupCosine(warmup=config.warmup_steps, steps=config.steps, min_ratio=config.min_lr_ratio)
+        self.optimizer, self.scheduler = make_optimizer(model.parameters(), config, self.schedule)
+        self.step = 0
+        self.history: list[dict] = []
+        self.stop_requested = False
+        """Set on any rank to stop after the current step on all (a signal does this through :mod:`hpcml.stop`)."""
+        self._metrics_file = None
+        if config.run_dir and self.grid.rank == 0:
+            Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(config.run_dir) / "config.json").write_text(json.dumps(
+                {"train": asdict(config), "layout": self.grid.layout.degrees,
+                 "parallel": asdict(model.config)}, indent=1, default=str))
+        # dp ranks draw different randomness (e.g. dropout); tp / cp / pp ranks of one replica agree
+        torch.manual_seed(config.seed + 1 + self.grid.coords["dp"])
+
+    # -- what a subclass says ------------------------------------------------------------
+    def inputs(self, batch: Any) -> tuple[tuple[torch.Tensor, ...] | torch.Tensor, torch.Tensor]:
+        """(model inputs, targets) on this rank's device."""
+        raise NotImplementedError
+
+    def n_micro(self) -> int:
+        return 1
+
+    def step_metrics(self, batch: Any, dt: float) -> dict[str, Any]:
+        return {}
+
+    def progress_line(self, m: dict, end: int) -> str:
+        return f"[train] step {m['step']}/{end} loss {m['loss']:.4e} gnorm {m['grad_norm']:.3f} lr {m['lr']:.2e}"
+
+    # -- a step ----------------------------------------------------------------------------
+    def train_step(self, batch: Any, extra: dict | None = None) -> dict[str, Any]:
+        cfg, lay = self.config, self.grid.layout
+        t0 = time.perf_counter()
+        self.model.train()
+        x, y = self.inputs(batch)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 else None
+        loss = self.model.forward_backward(x, y, self.n_micro(), autocast)
+        self.model.sync_grads()
+        share = torch.zeros(3, dtype=torch.float64)
+        share[0] = self.model.local_sq_grad_norm()
+        if loss is not None:  # last pipeline stage: every (dp, cp, tp) rank holds one share of the mean
+            share[1] = loss / (lay.dp * lay.cp * lay.tp)
+        share[2] = float(self.stop_requested or stop_flag.requested() is not None)
+        share = share.to(self.device)
+        dist.all_reduce(share)  # the step's one collective beyond the engines' own
+        sq_norm, global_loss, stop = share.tolist()
+        grad_norm = math.sqrt(sq_norm)
+        if cfg.grad_clip > 0:
+            from hpcml.parallel.clip import scale_grads
+
+            scale_grads(self.model.parameters(), grad_norm, cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.step += 1
+        m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
+                             **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
+                             "stop": stop > 0, "time": time.time(), **(extra or {})}
+        self.history.append(m)
+        self._report(m, max(cfg.steps, self.step))
+        return m
+
+    def fit(self, next_batch: Callable[[int], Any], steps: int | None = None) -> list[dict]:
+        """Train on ``next_batch(step)`` until ``steps`` (default ``config.steps``) steps are done
+        in total, or a stop was asked for on any rank."""
+        end = steps if steps is not None else self.config.steps
+        while self.step < end:
+            metrics = self.train_step(next_batch(self.step))
+            for hook in self.hooks:
+                hook(self, metrics)
+            if metrics["stop"]:
+                logger.warning("stopping after step %d as asked (signal)", self.step)
+                break
+        return self.history
+
+    def _report(self, m: dict, end: int) -> None:
+        if self.grid.rank != 0:
+            return
+        if self.config.run_dir:
+            if self._metrics_file is None:  # appended: a resumed run's history shows the steps it redid
+                self._metrics_file = open(Path(self.config.run_dir) / "metrics.jsonl", "a")
+            self._metrics_file.write(json.dumps(m) + "\n")
+            self._metrics_file.flush()
+        if self.config.progress and (m["step"] % self.config.log_every == 0 or m["step"] == end):
+            last = m["step"] == end
+            print(self.progress_line(m, end), end="\n" if last or not sys.stderr.isatty() else "\r",
+                  file=sys.stderr, flush=True)
+
+    # -- checkpoint state (Stateful) -----------------------------------------------------------
+    def state_tensors(self, create: bool = False) -> dict[str, torch.Tensor]:
+        tensors = ckpt.training_tensors(self.model.named_parameters(), self.optimizer, create=create)
+        tensors[f"rank_state/rank_{self.grid.rank:05d}/torch_rng"] = torch.get_rng_state()
+        return tensors
+
+    def tensor_attrs(self) -> dict[str, dict]:
+        return self.model.plan.tensor_attrs()
+
+    def state_extra(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "schedule": self.schedule.state(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "train_config": asdict(self.config)}
+
+    def load_state_extra(self, extra: dict) -> None:
+        """Step, optimizer hyper-parameters and schedule; a changed ``steps`` stretches the
+        schedule from the saved step (:mod:`hpcml.train.schedule`)."""
+        self.step = int(extra["step"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        saved = extra.get("schedule") or {"steps": extra["train_config"]["steps"], "anchor": None}
+        self.schedule.resume(self.step, saved)
+        for group, saved_group in zip(self.optimizer.param_groups, extra["param_groups"]):
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items()})
+            group["lr"] = group["initial_lr"] * self.schedule(self.step)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if int(saved["steps"]) != self.config.steps and self.grid.rank == 0:
+            logger.info("steps %d -> %d on resume at step %d: the schedule is stretched from lr %.3e",
+                        int(saved["steps"]), self.config.steps, self.step, self.scheduler._last_lr[0])
+
+    def close(self) -> None:
+        if self._metrics_file:
+            self._metrics_file.close()
+            self._metrics_file = None
+
+
+__all__ = ["LoopConfig", "Stateful", "TrainLoop", "make_optimizer"]
