@@ -20,8 +20,10 @@ verify: setup
 	$(PY) scripts/verify_env.py --mpiexec "$(MPIEXEC)"
 
 # The main job: 16 heat simulations (2 MPI ranks each, Parsl) streaming into a 2-rank
-# data-parallel surrogate trainer; summary.json and report.png land in runs/demo.
+# data-parallel surrogate trainer; summary.json and report.png land in runs/demo. A run
+# directory holds one campaign, so an earlier demo is kept aside as runs/demo.<time>.
 demo: setup
+	@if [ -e runs/demo ]; then old=runs/demo.$$(date +%Y%m%d-%H%M%S); mv runs/demo $$old; echo "earlier demo kept in $$old"; fi
 	timeout --kill-after=30 600 $(PY) workflows/heat_surrogate.py --site local --sims 16 --mode online --run-dir runs/demo
 
 test: setup

@@ -183,3 +183,30 @@ def test_field_trainer_fsdp_matches_replicated_and_plain_modules_refuse_other_ax
     with pytest.raises(ConfigError, match=r"MLPSurrogate has no parallel plan for \{'tp': 2\}: it runs data-parallel"):
         FieldTrainer(MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=NX, ny=NY)), tp_grid,
                      FieldTrainConfig(progress=False), scales)
+
+
+def test_dropped_messages_fail_the_run_except_a_superseded_attempt(comm, tmp_path_factory):
+    """A source of one's own that dropped messages: the run trained, but data never reached
+    it, so it fails with the count and reasons; a stale attempt alone does not fail it."""
+    files = _blob_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+
+    class Dropping(FileSource):
+        drops: dict = {}
+
+        def stats(self) -> dict:
+            return {**super().stats(), "dropped": dict(self.drops)}
+
+    for drops, problem in (({"bad_header": 2, "stale_attempt": 1}, "2 message(s) were dropped (2 bad_header): see "
+                                                                      "the trainer's log"),
+                           ({"stale_attempt": 3}, None)):
+        trainer, plain = _trainer_and_source(grid, files, 3)
+        source = Dropping(files, rank=grid.rank, n_trainers=comm.size, buffer=plain.buffer, field_names=("u",),
+                          param_names=("v", "w"))
+        source.drops = drops if comm.rank == 0 else {}
+        result = train_online(trainer, source, grid=grid, config=OnlineConfig(steps=3, batch=4))
+        assert result.steps == 3
+        if comm.rank == 0:
+            assert result.summary["dropped_messages"] == drops
+            assert (result.status, result.problems) == (("failed", [problem]) if problem else ("ok", []))
