@@ -75,7 +75,7 @@ def make_optimizer(params, cfg: LoopConfig, schedule: WarmupCosine | None = None
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW without decay on 1-D parameters (norms, biases), and the warmup + cosine schedule."""
     params = list(params)
-    schedule = schedule or WarmupCosine(warmup=cfg.warmup_steps, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+    schedule = schedule or WarmupCosine.of(cfg)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -118,7 +118,7 @@ class TrainLoop:
         self.model, self.config, self.grid = model, config, model.grid
         self.device = self.grid.torch.device
         self.hooks = list(hooks or [])
-        self.schedule = WarmupCosine(warmup=config.warmup_steps, steps=config.steps, min_ratio=config.min_lr_ratio)
+        self.schedule = WarmupCosine.of(config)
         self.optimizer, self.scheduler = make_optimizer(model.parameters(), config, self.schedule)
         self.step = 0
         self.history: list[dict] = []

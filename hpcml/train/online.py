@@ -168,18 +168,13 @@ def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: Onli
     if rank == 0 and target:  # last: the Campaign starts no simulation before every server listens
         write_endpoints(target, config.campaign, endpoints)
 
-    saved = [None]
+    saved = {"step": None, "samples": -1}  # what the last save holds: the end skips a save of the same state
 
     def save() -> None:
-        # once per state: not again at the end when the last periodic save already holds it
-        # (the ranks agree: a step is global, and the counts go through one allreduce)
-        if ckpt_dir is None:
-            return
-        now = (trainer.step, comm.allreduce(int(source.stats()["samples"])))
-        if now != saved[0]:
+        if ckpt_dir is not None:
+            saved.update(step=trainer.step, samples=int(source.stats()["samples"]))
             save_trainer(trainer, ckpt_dir, keep=config.keep, extra_tensors=source_tensors(source, rank),
                          extra={"campaign": config.campaign})
-            saved[0] = now
 
     def stopped() -> OnlineResult:  # every rank, together: keep what arrived, save, say "not finished"
         source.quiesce()
@@ -211,10 +206,12 @@ def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: Onli
     # keep the stream flowing until it ends everywhere; the ranks agree every round (all
     # ended, or a stop on any), so they leave together
     drained = 0
-    flags = np.zeros(2, np.int32)
+    flags = np.zeros(3, np.int32)
     while True:
-        flags[:] = (int(buffer.ended), int(not stopping()))
-        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)  # [all ended, none asked to stop]
+        ended = buffer.ended  # read first: once ended, the count below is final
+        unchanged = saved["step"] == trainer.step and saved["samples"] == source.stats()["samples"] and not drained
+        flags[:] = (int(ended), int(not stopping()), int(unchanged))
+        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)  # [all ended, none asked to stop, no state new since the save]
         if not flags[1]:
             return stopped()
         if flags[0]:
@@ -223,7 +220,8 @@ def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: Onli
             time.sleep(0.05)
         else:
             drained += len(buffer.get(1, timeout=0.05) or [])
-    save()
+    if not flags[2]:  # the last periodic save already holds this state otherwise
+        save()
     stats = comm.gather({**source.stats(), "unused": loader.unused() + drained, "starved_s": loader.starved_s,
                          "agree_s": loader.agree_s, "train_s": train_s,
                          "since_first_batch_s": time.perf_counter() - loader.t_first_batch

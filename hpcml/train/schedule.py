@@ -26,6 +26,11 @@ class WarmupCosine:
     """(step, factor) the cosine starts from after a resume with a changed ``steps``; None:
     from the end of the warmup, at factor 1."""
 
+    @classmethod
+    def of(cls, cfg) -> WarmupCosine:
+        """The schedule a loop config (``warmup_steps``, ``steps``, ``min_lr_ratio``) asks for."""
+        return cls(warmup=cfg.warmup_steps, steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+
     def __call__(self, step: int) -> float:
         if self.anchor is not None and step >= self.anchor[0]:
             start, top = self.anchor
