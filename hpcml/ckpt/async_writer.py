@@ -17,6 +17,7 @@ no MPI. It exits when the socket closes (the rank exited or died).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import mmap
 import os
@@ -125,14 +126,17 @@ class ShardWriter:
         child.close()
         self._sock = parent
 
-    def submit(self, path: Path, items: list[dict]) -> None:
-        """Write ``items`` (dataset, offset, shape, dtype, at: staging offset) into ``path``."""
+    def submit(self, path: Path, items: list[dict], attrs: dict | None = None) -> None:
+        """Write ``items`` (dataset, offset, shape, dtype, at: staging offset) into ``path``,
+        whose root carries ``attrs`` (the save's step and id)."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
-        send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items}, (self._fd,))
+        send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items, "attrs": attrs},
+             (self._fd,))
 
     def result(self) -> dict:
-        """The status of the submitted write: ``{"ok": True, "bytes", "chunks", "seconds"}`` or
+        """The status of the submitted write: ``{"ok": True, "bytes", "meta_sha256", "datasets",
+        "seconds"}`` (:func:`~hpcml.ckpt.shard.write_shard`'s entry, timed) or
         ``{"ok": False, "error"}``. ``seconds`` is the write alone, timed by the writer: the
         rank asks for the result only at its next save, which may be minutes later."""
         try:
@@ -190,10 +194,9 @@ def _write(job: dict, fd: int) -> dict:
                   np.ndarray(tuple(it["shape"]), np.dtype(it["dtype"]), buffer=mm, offset=it["at"]))
                  for it in job["items"]]
         path.parent.mkdir(parents=True, exist_ok=True)
-        chunks = write_shard(path, items)
+        info = write_shard(path, items, attrs=job.get("attrs"))
         del items  # the views must go before the map closes
-        return {"ok": True, "bytes": path.stat().st_size, "chunks": [list(c) if c else None for c in chunks],
-                "seconds": time.perf_counter() - t0}
+        return {"ok": True, **info, "seconds": time.perf_counter() - t0}
     finally:
         mm.close()
 
@@ -212,7 +215,9 @@ def main(argv: list[str]) -> int:
         try:
             status = _write(job, fds[0])
         except Exception as e:  # noqa: BLE001 -- reported to the rank, which reports it on every rank
-            status = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            nospace = isinstance(e, OSError) and e.errno == errno.ENOSPC
+            status = {"ok": False, "error": f"no space left on device writing {job.get('path')}" if nospace
+                      else f"{type(e).__name__}: {e}"}
         finally:
             for fd in fds:
                 os.close(fd)

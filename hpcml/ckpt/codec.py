@@ -32,6 +32,16 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def numpy_view(t: torch.Tensor, dtype_name: str) -> np.ndarray | None:
+    """A writable numpy view of ``t``'s memory in the stored encoding of ``dtype_name``, or
+    None where there is none (another device, a non-contiguous view, another dtype)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or _NAMES.get(t.dtype) != dtype_name:
+        return None
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
 def from_numpy(a: np.ndarray, dtype_name: str) -> torch.Tensor:
     """Decode what :func:`to_numpy` stored, given the recorded dtype name."""
     if dtype_name not in _BY_NAME:

@@ -15,12 +15,12 @@ import numpy as np
 
 from hpcml.errors import CheckpointError
 
-FORMAT_VERSION = "1.1"
-"""What this hpcml writes when a checkpoint holds a fused tensor (``fused_widths``, new in 1.1)."""
-BASE_FORMAT_VERSION = "1.0"
-"""What it writes otherwise: such a checkpoint is exactly a 1.0 one. Readers accept any 1.x."""
+FORMAT_VERSION = "2.0"
+"""2.0: ``manifest.json`` binds every file to its save with digests (1.x had none and is not read)."""
 INDEX = "index.h5"
+MANIFEST = "manifest.json"
 LATEST = "latest"
+MAX_LATEST_BYTES = 256
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 #: name recorded in a tensor's 'dtype' attribute -> numpy dtype stored in HDF5
@@ -46,19 +46,32 @@ def numpy_dtype(dtype_name: str) -> type:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory: ``path`` itself if it holds ``index.h5``, else the one ``path/latest`` names."""
+    """A checkpoint directory: ``path`` itself if it holds ``manifest.json``, else the step
+    that ``path/latest`` names -- a plain ``step_N`` name of a real directory beside it,
+    never a path or a symlink leading elsewhere."""
     p = Path(path)
-    if (p / INDEX).is_file():
+    if (p / MANIFEST).is_file():
         return p
     latest = p / LATEST
-    if latest.is_file():
-        target = p / latest.read_text().strip()
-        if (target / INDEX).is_file():
+    if latest.is_file() and not latest.is_symlink():
+        if latest.stat().st_size > MAX_LATEST_BYTES:
+            raise CheckpointError(f"{latest} is {latest.stat().st_size} bytes: expected one step name")
+        name = latest.read_bytes().decode("ascii", "replace").strip()
+        if not STEP_RE.match(name):
+            raise CheckpointError(f"{latest} names {name[:60]!r}: expected a step name like step_00000100")
+        target = p / name
+        if target.is_symlink() or not target.is_dir():
+            raise CheckpointError(f"{latest} names {name}, which is {'a symlink' if target.is_symlink() else 'missing'}: "
+                                  "a step is a directory beside it")
+        if (target / MANIFEST).is_file():
             return target
-        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}")
+        raise CheckpointError(f"{latest} names {name}, which has no {MANIFEST}: an incomplete checkpoint")
+    if (p / INDEX).is_file():
+        raise CheckpointError(f"{p} has {INDEX} but no {MANIFEST}: a lone index (its shards' values cannot be "
+                              f"checked), or a checkpoint of format 1.x, which this hpcml does not read")
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
-    raise CheckpointError(f"no checkpoint at {p}: expected {INDEX} or a '{LATEST}' file")
+    raise CheckpointError(f"no checkpoint at {p}: expected {MANIFEST} or a '{LATEST}' file")
 
 
 def dumps(obj) -> str:

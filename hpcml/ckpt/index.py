@@ -1,16 +1,20 @@
-"""Rank 0's part of a save: ``index.h5``, whose virtual datasets present each global tensor
-whole, and the commit by rename. h5py and numpy only, no MPI: it works on what every rank
-reported (chunks, storage, placements), which is also how the tests drive it."""
+"""Rank 0's part of a save: ``index.h5`` (virtual datasets presenting each global tensor
+whole, for any HDF5 tool), ``manifest.json`` (what hpcml reads: every file's digest, bound to
+this save) and the commit by rename. h5py and numpy only, no MPI: it works on what every
+rank reported (chunks, chunk tables, placements), which is also how the tests drive it."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import format as fmt, manifest
+from hpcml.ckpt.checked import file_sha256
 from hpcml.ckpt.plan import ChunkMeta
 from hpcml.ckpt.shard import fsync_path
 
@@ -18,11 +22,8 @@ SINGLE_FILE = "shared.h5"
 """The one file of a ``single_file`` save, written collectively through MPI-IO."""
 
 
-def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], storage: dict[tuple, tuple],
-                attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str],
-                single_file: bool = False) -> None:
-    """Every tensor of every rank as a virtual dataset over the owners' shards.
-    ``placements``: each tensor's saved placement, from whichever rank holds it."""
+def _by_name(per_rank: list[list[ChunkMeta]], single_file: bool) -> dict[str, list[ChunkMeta]]:
+    """Each tensor's pieces, each once (the first rank that reported it)."""
     by_name: dict[str, list[ChunkMeta]] = {}
     seen: set[tuple] = set()
     for chunks in per_rank:
@@ -33,53 +34,116 @@ def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, 
     if single_file:  # one whole dataset per tensor in SINGLE_FILE: one piece covering it
         by_name = {n: [ChunkMeta(n, cs[0].global_shape, (0,) * len(cs[0].global_shape), cs[0].global_shape,
                                  cs[0].dtype, 0)] for n, cs in by_name.items()}
+    return by_name
 
-    def source(c: ChunkMeta) -> tuple[str, str]:
-        return (SINGLE_FILE, c.name) if single_file else (fmt.shard_name(owner[c.key]), c.dataset)
+
+def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, int], tables: dict,
+                attrs: dict, tensor_attrs: dict[str, dict], placements: dict[str, str], scalars: set[str],
+                single_file: bool = False) -> dict:
+    """Write ``index.h5`` and return the manifest (without the index's own digest).
+    ``tables``: each piece's chunk table by its key (by tensor name when ``single_file``);
+    ``placements``: each tensor's saved placement, from whichever rank holds it."""
+    by_name = _by_name(per_rank, single_file)
+
+    def source(c: ChunkMeta) -> tuple[str, str, dict]:
+        if single_file:
+            return SINGLE_FILE, c.name, tables[c.name]
+        return fmt.shard_name(owner[c.key]), c.dataset, tables[c.key]
+    tensors = {}
     with h5py.File(path, "w", libver="latest") as f:
         for k, v in attrs.items():
-            f.attrs[k] = v
+            f.attrs[k] = v if not isinstance(v, dict) else fmt.dumps(v)
         for name in sorted(by_name):
             chunks = by_name[name]
             first = chunks[0]
             np_dtype = fmt.numpy_dtype(first.dtype)
             layout = h5py.VirtualLayout(shape=first.global_shape, dtype=np_dtype)
+            pieces = []
             for c in chunks:
-                src = h5py.VirtualSource(f"./{source(c)[0]}", source(c)[1], shape=c.shape, dtype=np_dtype)
-                layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = src
+                file, dataset, table = source(c)
+                layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = \
+                    h5py.VirtualSource(f"./{file}", dataset, shape=c.shape, dtype=np_dtype)
+                pieces.append({"file": file, "dataset": dataset, "offset": list(c.offset), "shape": list(c.shape),
+                               "chunk": table["chunk"], "at": table["at"], "crc": table["crc"]})
             ds = f.create_virtual_dataset(name, layout)
             ds.attrs["dtype"] = first.dtype
             ds.attrs["global_shape"] = np.asarray([] if name in scalars else first.global_shape, dtype=np.int64)
             ds.attrs["partition"] = placements.get(name, "")
-            ds.attrs["chunks"] = fmt.dumps([{"offset": list(c.offset), "shape": list(c.shape),
-                                             "file": source(c)[0],
-                                             # contiguous (single-file) data is read element-exact
-                                             "storage_chunk": [1] * len(c.shape) if single_file
-                                             else list(storage.get(c.key) or c.shape)} for c in chunks])
+            ds.attrs["chunks"] = fmt.dumps([{k: p[k] for k in ("offset", "shape", "file")}
+                                            | {"storage_chunk": p["chunk"]} for p in pieces])
             for k, v in tensor_attrs.get(name, {}).items():
                 ds.attrs[k] = v
+            tensors[name] = {"dtype": first.dtype, "shape": list(first.global_shape), "scalar": name in scalars,
+                             "partition": placements.get(name, ""), "pieces": pieces,
+                             "attrs": manifest.jsonable(tensor_attrs.get(name, {}))}
     fsync_path(path)
+    return {"format": manifest.FORMAT, **{k: v for k, v in attrs.items() if k not in ("shards",)}, "tensors": tensors}
+
+
+def finish_manifest(tmp: Path, m: dict, shard_files: dict[str, dict]) -> None:
+    """Record every file's size and digest (``index.h5``'s read back from cache: it is small)
+    and write ``manifest.json``: the last file of a save before its commit."""
+    index = tmp / fmt.INDEX
+    m["files"] = {**shard_files, fmt.INDEX: {"bytes": index.stat().st_size, "sha256": file_sha256(index)}}
+    manifest.write(tmp / fmt.MANIFEST, m)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux renameat2 RENAME_EXCHANGE); False where
+    the C library or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _point_latest(root: Path, name: str | None) -> None:
+    """``latest`` names ``name`` (write + rename, fsynced); None removes it."""
+    if name is None:
+        (root / fmt.LATEST).unlink(missing_ok=True)
+    else:
+        latest_tmp = root / (fmt.LATEST + ".tmp")
+        latest_tmp.write_text(name + "\n")
+        fsync_path(latest_tmp)
+        latest_tmp.rename(root / fmt.LATEST)
+    fsync_path(root)
+
+
+def _complete_steps(root: Path, but: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != but and not p.is_symlink()
+                  and (p / fmt.MANIFEST).is_file())
 
 
 def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
     """``tmp`` becomes ``final``, then ``latest`` names it (each step fsynced); ``keep``
-    prunes to the newest K checkpoints."""
+    prunes to the newest K checkpoints. No crash point leaves ``latest`` naming a step
+    without its files: re-saving a step swaps the two directories atomically, or, where the
+    file system cannot, first points ``latest`` at the newest other complete step."""
     fsync_path(tmp)
-    if final.exists():  # re-saving a step: move the old one aside first, delete after the new one is in place
-        old = root / (final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        if _exchange(tmp, final):  # tmp now holds the old copy
+            fsync_path(root)
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            others = _complete_steps(root, final)
+            _point_latest(root, others[-1].name if others else None)
+            old = root / (final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
     fsync_path(root)
-    latest_tmp = root / (fmt.LATEST + ".tmp")
-    latest_tmp.write_text(final.name + "\n")
-    fsync_path(latest_tmp)
-    latest_tmp.rename(root / fmt.LATEST)
-    fsync_path(root)
+    _point_latest(root, final.name)
     if keep:
-        steps = sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != final)
+        steps = _complete_steps(root, final)
         for old in steps[: max(0, len(steps) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)

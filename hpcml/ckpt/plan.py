@@ -50,19 +50,6 @@ def assign_owners(per_rank: list[list[ChunkMeta]]) -> dict[tuple, int]:
     return owner
 
 
-def check_coverage(global_shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
-    """None if the (offset, shape) boxes cover every element of ``global_shape`` exactly once, else why not."""
-    count = np.zeros(global_shape, dtype=np.int32)
-    for off, shp in boxes:
-        sl = tuple(slice(o, o + s) for o, s in zip(off, shp))
-        count[sl] += 1
-    if count.size and count.min() == 0:
-        return f"{int((count == 0).sum())} elements not covered"
-    if count.size and count.max() > 1:
-        return f"{int((count > 1).sum())} elements covered more than once"
-    return None
-
-
 def fused_spec(attrs) -> tuple[list, object] | None:
     """(widths, dim) when tensor attributes ``attrs`` (a dict, or an HDF5 dataset's
     ``attrs``) declare a fused tensor (``fused_widths``, ``fused_dim`` default 0), else None.

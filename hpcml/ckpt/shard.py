@@ -1,15 +1,37 @@
-"""Writing one rank's shard file: numpy and h5py only (no torch, no MPI), so the async
-writer process starts light and shares this code with the synchronous save."""
+"""One shard file, both ways: numpy and h5py only (no torch, no MPI), so the async writer
+process starts light and shares this code with the synchronous save and the reader.
+
+A shard is an ordinary HDF5 file (any HDF5 tool reads it, and ``index.h5`` maps it), but
+hpcml itself never lets HDF5 parse one on load. HDF5 lays out the file -- metadata and
+chunked datasets with their space allocated up front -- and closes it; then hpcml writes
+every data chunk itself at the byte offset HDF5 allocated, with a CRC-32 of each chunk taken
+while its bytes are in cache, and a SHA-256 of everything else in the file (the metadata).
+The manifest records both. The reader reads the chunks it needs straight from those offsets
+and checks each CRC as it reads: no second pass over the bytes on either side, no fill values
+for a source HDF5 could not open, and a disk that fills up gives Python's ``OSError`` (no
+space left) from a plain write instead of a crash inside HDF5.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import stat
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
 import h5py
 import numpy as np
+
+from hpcml.errors import CheckpointError
+
+COALESCE = 8 << 20
+"""Adjacent chunks are written and read in runs of up to this many bytes (one syscall each)."""
+READAHEAD = 64 << 20
+"""How far ahead of its reads a load asks the kernel to fetch (posix_fadvise WILLNEED)."""
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -35,15 +57,284 @@ def storage_chunk(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | No
     return tuple(chunk)
 
 
-def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarray]]) -> list[tuple | None]:
-    """Write ``(dataset, offset, array)`` items into a new shard, fsync it; returns each
-    dataset's HDF5 chunk shape (for read accounting), in order."""
-    chunks = []
+def grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """Chunks along each dimension."""
+    return tuple(-(-s // c) for s, c in zip(shape, chunk))
+
+
+def tile(index: int, shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[slice, ...]:
+    """The region of chunk ``index`` (row-major over the chunk grid) inside its dataset."""
+    coords = np.unravel_index(index, grid(shape, chunk))
+    return tuple(slice(int(k) * c, min(s, (int(k) + 1) * c)) for k, c, s in zip(coords, chunk, shape))
+
+
+def _skeleton(path: Path, items: list[tuple[str, tuple[int, ...], np.ndarray]], attrs: dict) -> list[dict]:
+    """HDF5 writes the file's structure, every chunk's space allocated and nothing written
+    into it; returns each dataset's chunk shape and chunk byte offsets (grid order)."""
+    tables = []
     with h5py.File(path, "w", libver="latest") as f:
+        for k, v in attrs.items():
+            f.attrs[k] = v
         for dataset, offset, arr in items:
-            ds = f.create_dataset(dataset, data=arr, chunks=storage_chunk(arr.shape, arr.itemsize),
-                                  fletcher32=True)  # checksummed per HDF5 chunk, verified on every read
+            chunk = storage_chunk(arr.shape, arr.itemsize) or (1,)
+            shape = arr.shape or (1,)
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_chunk(chunk)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+            ds = f.create_dataset(dataset, shape=shape, dtype=arr.dtype, dcpl=dcpl)
             ds.attrs["offset"] = np.asarray(offset, dtype=np.int64)
-            chunks.append(ds.chunks)
-    fsync_path(path)
-    return chunks
+            tables.append({"chunk": list(chunk), "at": _chunk_offsets(ds)})
+    return tables
+
+
+def _chunk_offsets(ds: h5py.Dataset) -> list[int]:
+    """Byte offset of each chunk of ``ds`` in its file, in row-major order of the chunk grid."""
+    chunk, g = ds.chunks, grid(ds.shape, ds.chunks)
+    at = [0] * ds.id.get_num_chunks()
+    if len(at) != math.prod(g):
+        raise CheckpointError(f"{ds.name}: {len(at)} chunks allocated, expected {math.prod(g)}")
+    for i in range(len(at)):
+        info = ds.id.get_chunk_info(i)
+        at[int(np.ravel_multi_index(tuple(o // c for o, c in zip(info.chunk_offset, chunk)), g))] = int(info.byte_offset)
+    return at
+
+
+def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarray]], *,
+                attrs: dict | None = None) -> dict:
+    """Write ``(dataset, offset, array)`` items into a new shard and fsync it.
+
+    Returns what the manifest records of it: ``{"bytes", "meta_sha256", "datasets": [{"chunk":
+    chunk shape, "at": byte offsets, "crc": CRC-32 per chunk}]}`` in item order. Raises
+    ``OSError`` (ENOSPC included) from plain writes: the space is reserved before any data goes in.
+    """
+    items = [(d, o, np.ascontiguousarray(a)) for d, o, a in items]
+    need = sum(a.nbytes for _, _, a in items)
+    free = _free_bytes(path.parent)
+    if free is not None and free < need:
+        raise OSError(28, f"no space left on device: {path.name} needs {need} bytes, {free} free", str(path.parent))
+    tables = _skeleton(path, items, attrs or {})
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC here, cleanly, before any data
+        data_ranges = []
+        for (_, _, arr), table in zip(items, tables):
+            nb = math.prod(table["chunk"]) * arr.itemsize
+            table["crc"] = _write_chunks(fd, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"])
+            data_ranges += [(a, nb) for a in table["at"]]
+        meta = metadata_sha256(fd, size, data_ranges)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": size, "meta_sha256": meta, "datasets": tables}
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _write_chunks(fd: int, arr: np.ndarray, chunk: tuple[int, ...], at: list[int]) -> list[int]:
+    """Each run of chunks adjacent in the file goes out in one pwrite: straight from the
+    array when its chunks are whole rows (they are then its bytes, in order), else through
+    one reused staging buffer the chunks are copied into (edge chunks zero-padded to the full
+    chunk, as HDF5 stores them). Each chunk's CRC-32 is taken while its bytes are in cache."""
+    nb = math.prod(chunk) * arr.itemsize
+    crcs = [0] * len(at)
+    flat = arr.reshape(-1).view(np.uint8)
+    whole_rows = chunk[1:] == arr.shape[1:]
+    staging = None
+    for run in _runs(at, list(range(len(at))), nb):
+        if whole_rows and (run[-1] + 1) * nb <= flat.nbytes and run[-1] - run[0] == len(run) - 1:  # its own bytes
+            data = memoryview(flat[run[0] * nb:(run[-1] + 1) * nb])
+        else:
+            if staging is None:
+                staging = np.empty(min(COALESCE, nb * len(at)) // nb * nb or nb, dtype=np.uint8)
+            data = memoryview(staging[:nb * len(run)])
+            for j, i in enumerate(run):
+                region = tile(i, arr.shape, chunk)
+                box = staging[j * nb:(j + 1) * nb].view(arr.dtype).reshape(chunk)
+                inner = tuple(slice(0, r.stop - r.start) for r in region)
+                if any(r.stop - r.start != c for r, c in zip(region, chunk)):
+                    box[...] = 0
+                box[inner] = arr[region]
+        for j, i in enumerate(run):
+            crcs[i] = zlib.crc32(data[j * nb:(j + 1) * nb])
+        _pwrite_all(fd, data, at[run[0]])
+    return crcs
+
+
+def _pwrite_all(fd: int, data, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
+
+
+def gaps(size: int, data_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, length) of the bytes of a file of ``size`` that no data chunk covers: its metadata."""
+    out, pos = [], 0
+    for start, n in sorted(data_ranges):
+        if start > pos:
+            out.append((pos, start - pos))
+        pos = max(pos, start + n)
+    if pos < size:
+        out.append((pos, size - pos))
+    return out
+
+
+def metadata_sha256(fd: int, size: int, data_ranges: list[tuple[int, int]]) -> str:
+    """SHA-256 of the file's metadata bytes (everything but the data chunks), in file order."""
+    h = hashlib.sha256()
+    for start, n in gaps(size, data_ranges):
+        h.update(pread_exact(fd, n, start))
+    return h.hexdigest()
+
+
+def pread_exact(fd: int, n: int, at: int) -> bytes:
+    data = os.pread(fd, n, at)
+    if len(data) != n:
+        raise CheckpointError(f"short read: {len(data)} of {n} bytes at offset {at}: the file is truncated")
+    return data
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file and not a symlink:
+    a checkpoint's files never lead out of its directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        what = "is a symlink" if os.path.islink(path) else (e.strerror or str(e)).lower()
+        raise CheckpointError(f"cannot open {path}: {what} (a checkpoint's files are regular files in its directory)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file")
+    return fd
+
+
+def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:
+    """The wanted chunk indices grouped into runs adjacent in the file (one pread each)."""
+    runs: list[list[int]] = []
+    for i in sorted(wanted, key=lambda k: at[k]):
+        if runs and at[i] == at[runs[-1][-1]] + nb and (len(runs[-1]) + 1) * nb <= COALESCE:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: str):
+    """Yield ``(chunk index, bytes)`` of the wanted chunks, each checked against its CRC-32
+    as it is read. Runs of adjacent chunks are read in one pread into two reused buffers and
+    checked by a thread (pread and crc32 release the GIL) while the caller copies the run
+    before. A yielded view is valid until the next one. ``where`` names the dataset for errors."""
+    nb = math.prod(table["chunk"]) * itemsize
+    at, crc = table["at"], table["crc"]
+    runs = _runs(at, wanted, nb)
+    if not runs:
+        return
+    size = max(len(r) for r in runs) * nb
+    buffers = [np.empty(size, np.uint8), np.empty(size, np.uint8) if len(runs) > 1 else None]
+
+    def fill(k: int) -> memoryview:
+        view = memoryview(buffers[k % 2])[:len(runs[k]) * nb]
+        n = os.preadv(fd, [view], at[runs[k][0]])
+        if n != len(view):
+            raise CheckpointError(f"{where}: short read of {n} of {len(view)} bytes at offset {at[runs[k][0]]}: "
+                                  "the file is truncated")
+        for j, i in enumerate(runs[k]):
+            if zlib.crc32(view[j * nb:(j + 1) * nb]) != crc[i]:
+                raise CheckpointError(f"{where}: chunk {i} at byte {at[i]} fails its CRC-32: corrupted or replaced")
+        return view
+
+    if len(runs) == 1:  # one run: no thread, no read-ahead advice
+        data = fill(0)
+        for j, i in enumerate(runs[0]):
+            yield i, data[j * nb:(j + 1) * nb]
+        return
+
+    def advise(k: int) -> None:  # the disk reads ahead while this process checks and copies
+        if k < len(runs):
+            os.posix_fadvise(fd, at[runs[k][0]], len(runs[k]) * nb, os.POSIX_FADV_WILLNEED)
+    window = min(len(runs), max(1, READAHEAD // size))
+    for k in range(window):
+        advise(k)
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(fill, 0)
+        for k, run in enumerate(runs):
+            data = ahead.result()
+            advise(k + window)
+            if k + 1 < len(runs):
+                ahead = pool.submit(fill, k + 1)
+            for j, i in enumerate(run):
+                yield i, data[j * nb:(j + 1) * nb]
+
+
+def read_region(fd: int, shape: tuple[int, ...], table: dict, dtype: np.dtype, region: tuple[slice, ...],
+                where: str, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The ``region`` of a dataset of ``shape`` stored in chunks (``table``), checked chunk by
+    chunk, copied into ``out`` (an array of the region's shape; default: a new one); returns
+    it and the bytes read (whole chunks)."""
+    chunk = tuple(table["chunk"])
+    g = grid(shape, chunk)
+    ranges = [range(r.start // c, (r.stop - 1) // c + 1) for r, c in zip(region, chunk)]
+    wanted = [int(np.ravel_multi_index(k, g)) for k in np.ndindex(*(len(r) for r in ranges))
+              for k in [tuple(r[j] for r, j in zip(ranges, k))]]
+    if out is None:
+        out = np.empty(tuple(r.stop - r.start for r in region), dtype=dtype)
+    nread = 0
+    for i, data in read_chunks(fd, table, dtype.itemsize, wanted, where):
+        box = np.frombuffer(data, dtype=dtype).reshape(chunk)
+        t = tile(i, shape, chunk)
+        lo = [max(a.start, b.start) for a, b in zip(t, region)]
+        hi = [min(a.stop, b.stop) for a, b in zip(t, region)]
+        out[tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))] = \
+            box[tuple(slice(a - s.start, b - s.start) for a, b, s in zip(lo, hi, t))]
+        nread += len(data)
+    return out, nread
+
+
+def check_file(fd: int, size: int, meta_sha256: str, tables: list[tuple[str, dict, int]]) -> list[str]:
+    """Every byte of a shard checked, streamed in runs (bounded memory): each data chunk
+    against its CRC-32, the rest against the metadata digest. ``tables``: (dataset name,
+    chunk table, itemsize) of each dataset in the file. Problems found, or []."""
+    problems, ranges = [], []
+    for name, table, itemsize in tables:
+        nb = math.prod(table["chunk"]) * itemsize
+        ranges += [(a, nb) for a in table["at"]]
+        try:
+            for _ in read_chunks(fd, table, itemsize, list(range(len(table["at"]))), name):
+                pass
+        except CheckpointError as e:
+            problems.append(str(e))
+    try:
+        if metadata_sha256(fd, size, ranges) != meta_sha256:
+            problems.append("HDF5 metadata differs from what was saved (SHA-256): edited, corrupted or from another save")
+    except CheckpointError as e:
+        problems.append(str(e))
+    return problems
+
+
+def describe(path: Path, datasets: list[str]) -> dict:
+    """What :func:`write_shard` returns, for a file that HDF5 wrote itself (the collective
+    single-file save): chunk tables from HDF5, then one read of every chunk for its CRC-32."""
+    tables = []
+    with h5py.File(path, "r") as f:
+        for name in datasets:
+            ds = f[name]
+            tables.append({"chunk": list(ds.chunks), "at": _chunk_offsets(ds), "itemsize": ds.dtype.itemsize})
+    fd = open_regular(path)
+    try:
+        size, ranges = os.fstat(fd).st_size, []
+        for table in tables:
+            nb = math.prod(table["chunk"]) * table.pop("itemsize")
+            table["crc"] = [zlib.crc32(pread_exact(fd, nb, a)) for a in table["at"]]
+            ranges += [(a, nb) for a in table["at"]]
+        return {"bytes": size, "meta_sha256": metadata_sha256(fd, size, ranges), "datasets": tables}
+    finally:
+        os.close(fd)

@@ -1,12 +1,12 @@
 """Save: every rank writes its own pieces to ``rank_NNNNN.h5``; rank 0 writes ``index.h5``,
 whose virtual datasets present each global tensor whole; the directory is committed by rename.
 
-Crash safety: everything goes to ``step_N.tmp/``; shards and index are fsynced, the
-directory is renamed to ``step_N/`` and only then is ``latest`` replaced (write + rename).
-Integrity: every HDF5 data chunk carries a Fletcher-32 checksum that HDF5 verifies on every
-read, HDF5 metadata is checksummed (``libver="latest"``), and the index records each
-shard's size, so truncation, bit rot and a replaced shard are all caught on load.
-A save killed at any moment leaves ``latest`` on the previous complete checkpoint.
+Crash safety: everything goes to ``step_N.tmp/``; shards, index and manifest are fsynced,
+the directory is renamed to ``step_N/`` and only then is ``latest`` replaced (write +
+rename). A save killed at any moment leaves ``latest`` on a complete checkpoint; a failed
+save (a full disk) removes its ``.tmp``. Integrity: ``manifest.json`` records every file's
+size and digest (a CRC-32 per data chunk, taken as the chunk is written; a SHA-256 of each
+file's metadata) and the save's id, which every file also carries (:mod:`hpcml.ckpt.manifest`).
 Three collectives per save: an allgather of what each rank holds, a gather of the shard
 statuses (with the placement of each tensor a rank wrote: rank 0 may hold none of a later
 pipeline stage's), a broadcast of the outcome (so a failure raises on every rank).
@@ -14,26 +14,28 @@ pipeline stage's), a broadcast of the outcome (so a failure raises on every rank
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import h5py
 import numpy as np
 import torch
 
 from hpcml import __version__, log
 from hpcml.ckpt import codec, format as fmt
 from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
-from hpcml.ckpt.index import SINGLE_FILE, commit, write_index
+from hpcml.ckpt.index import commit, finish_manifest, write_index
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
-from hpcml.ckpt.shard import fsync_path, write_shard
+from hpcml.ckpt.shard import write_shard
+from hpcml.ckpt.single import require_parallel_hdf5, write_single
 from hpcml.ckpt.state import fused_shards, local_piece, placement_str
-from hpcml.errors import CheckpointError, MissingFeatureError
+from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
 
@@ -82,27 +84,17 @@ def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | No
     return metas, locals_, placements
 
 
-def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray]) -> dict[tuple, tuple]:
-    """Write this rank's owned chunks; returns the HDF5 chunk shape of each (for read accounting)."""
-    return dict(zip((c.key for c in chunks), write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks])))
+def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray], attrs: dict) -> dict:
+    """Write this rank's owned chunks; returns the shard's manifest entry and each chunk's table."""
+    info = write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks], attrs=attrs)
+    return {"meta_sha256": info["meta_sha256"], "tables": dict(zip((c.key for c in chunks), info["datasets"]))}
 
 
-def _write_single(p: _Pending) -> tuple:
-    """Collective single-file mode: all ranks write their hyperslabs of full-size datasets
-    into one file through h5py's ``mpio`` driver (contiguous, no per-chunk checksums)."""
-    tensors = {c.name: c for chunks in p.per_rank for c in chunks}
-    p.tmp.mkdir(parents=True, exist_ok=True)
-    path = p.tmp / SINGLE_FILE
-    with h5py.File(path, "w", driver="mpio", comm=p.comm, libver="latest") as f:
-        for name in sorted(tensors):  # dataset creation is collective: same order everywhere
-            c = tensors[name]
-            f.create_dataset(name, shape=c.global_shape, dtype=fmt.numpy_dtype(c.dtype))
-        for c in p.mine:
-            f[c.name][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = p.arrays[c.key]
-    if p.rank == 0:
-        fsync_path(path)
-        return ("ok", path.stat().st_size, SINGLE_FILE, {})
-    return ("ok", 0, SINGLE_FILE, {})
+def failure(rank: int, e: BaseException, path: Path | None = None) -> str:
+    """One line for a failed write; a full disk says so first."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"rank {rank}: no space left on device writing {path or e.filename}"
+    return f"rank {rank}: {type(e).__name__}: {e}"
 
 
 @dataclass
@@ -126,6 +118,11 @@ class _Pending:
     keep: int | None
     t0: float
     single_file: bool = False
+
+    @property
+    def shard_attrs(self) -> dict:
+        """What binds each shard file to this save."""
+        return {"hpcml_step": self.step, "hpcml_save_id": self.attrs["save_id"]}
 
 
 def _normalized(attrs: dict) -> dict:
@@ -167,9 +164,9 @@ def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snaps
         if rank == 0:  # nobody writes into tmp until rank 0 has cleared a stale one
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        return pieces, {n for n, t in tensors.items() if t.dim() == 0}
+        return pieces, {n for n, t in tensors.items() if t.dim() == 0}, uuid.uuid4().hex if rank == 0 else None
 
-    (pieces, _), parts = _agree(comm, plan, f"saving {final}", share=lambda r: (r[0][0], r[1]))
+    (pieces, _, _), parts = _agree(comm, plan, f"saving {final}", share=lambda r: (r[0][0], r[1], r[2]))
     return _pending(rank, comm.Get_size(), comm, root, step, pieces, parts, extra=extra, layout=layout, keep=keep,
                     tensor_attrs=tensor_attrs, snapshot=snapshot, t0=t0)
 
@@ -181,14 +178,12 @@ def _pending(rank: int, world: int, comm, root: Path, step: int, pieces: tuple, 
     metas, locals_, placements = pieces
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
-    per_rank, all_scalars = zip(*parts)
+    per_rank, all_scalars, ids = zip(*parts)
     owner = assign_owners(list(per_rank))
     mine = [c for c in metas if owner[c.key] == rank]
     tensor_attrs = {n: _normalized(a) for n, a in (tensor_attrs or {}).items()}
-    fused = any("fused_widths" in tensor_attrs.get(c.name, {}) for cs in per_rank for c in cs)
-    attrs = {"format_version": fmt.FORMAT_VERSION if fused else fmt.BASE_FORMAT_VERSION, "hpcml_version": __version__,
-             "step": step, "world_size": world, "layout": fmt.dumps(layout or {}),
-             "extra": fmt.dumps(extra or {})}
+    attrs = {"format_version": fmt.FORMAT_VERSION, "hpcml_version": __version__, "save_id": ids[0], "step": step,
+             "world_size": world, "layout": layout or {}, "extra": extra or {}}
     # only what this rank writes (a device-to-host copy on GPUs; a view on CPU)
     arrays = {c.key: codec.to_numpy(locals_[c.key]) if snapshot else locals_[c.key].detach() for c in mine}
     return _Pending(rank, comm, root, final, tmp, step, list(per_rank), owner, mine, arrays, placements,
@@ -198,14 +193,14 @@ def _pending(rank: int, world: int, comm, root: Path, step: int, pieces: tuple, 
 def _write_local(p: _Pending) -> tuple:
     """This rank's shard; the status that :func:`_finish` gathers. Touches no MPI (runs in a writer process)."""
     rank = p.rank
+    shard = p.tmp / fmt.shard_name(rank)
     try:
         p.tmp.mkdir(parents=True, exist_ok=True)
         if p.mine:
-            shard = p.tmp / fmt.shard_name(rank)
-            storage = _write_shard(shard, p.mine, p.arrays)
-            return ("ok", shard.stat().st_size, shard.name, storage)
+            info = _write_shard(shard, p.mine, p.arrays, p.shard_attrs)
+            return ("ok", shard.stat().st_size, shard.name, info)
     except Exception as e:  # noqa: BLE001 -- reported on every rank by _finish
-        return ("error", f"rank {rank}: {type(e).__name__}: {e}", "", {})
+        return ("error", failure(rank, e, shard), "", {})
     return ("ok", 0, "", {})
 
 
@@ -232,31 +227,26 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
     written and the checkpoint committed, else why not."""
     statuses = [s for s, _ in gathered]
     errors = [s[1] for s in statuses if s[0] == "error"]
-    if errors:
-        return "; ".join(errors)
+    if errors:  # nothing of this save stays to confuse the next start
+        shutil.rmtree(p.tmp, ignore_errors=True)
+        return errors[0] + (f" (and {len(errors) - 1} more ranks failed)" if len(errors) > 1 else "")
     placements: dict[str, str] = {}
     for _, held in gathered:
         for name, placement in held.items():
             placements.setdefault(name, placement)
     try:
-        storage = {k: v for s in statuses for k, v in s[3].items()}
-        shards = [{"file": s[2], "bytes": s[1]} for s in statuses if s[1]]
-        attrs = {**p.attrs, "shards": fmt.dumps(shards), "created": time.time()}
-        write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, storage, attrs, p.tensor_attrs, placements,
-                    p.scalars, single_file=p.single_file)
+        tables = {k: v for s in statuses if s[1] for k, v in s[3]["tables"].items()}
+        files = {s[2]: {"bytes": s[1], "meta_sha256": s[3]["meta_sha256"]} for s in statuses if s[1]}
+        attrs = {**p.attrs, "shards": fmt.dumps([{"file": f, "bytes": v["bytes"]} for f, v in files.items()]),
+                 "created": time.time()}
+        m = write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, tables, attrs, p.tensor_attrs, placements,
+                        p.scalars, single_file=p.single_file)
+        finish_manifest(p.tmp, m, files)
         commit(p.root, p.tmp, p.final, p.keep)
     except Exception as e:  # noqa: BLE001
-        return f"rank 0: {type(e).__name__}: {e}"
+        shutil.rmtree(p.tmp, ignore_errors=True)
+        return failure(0, e)
     return None
-
-
-def _require_parallel_hdf5(mpi: bool | None = None) -> None:
-    """Raise unless h5py was built with MPI (``mpi``: that fact, default this h5py's)."""
-    if mpi is None:
-        mpi = bool(h5py.get_config().mpi)
-    if not mpi:
-        raise MissingFeatureError(f"single_file=True needs h5py built with MPI (parallel HDF5), but h5py "
-                                  f"{h5py.version.version} here was built without it; rebuild it with HDF5_MPI=ON")
 
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
@@ -271,11 +261,11 @@ def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *
     from mpi4py import MPI
 
     if single_file:  # the same h5py on every rank: all raise here, before any collective
-        _require_parallel_hdf5()
+        require_parallel_hdf5()
     pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs)
     pending.single_file = single_file
     t = time.perf_counter()
-    status = _write_single(pending) if single_file else _write_local(pending)
+    status = write_single(pending) if single_file else _write_local(pending)
     return _finish(pending, status, time.perf_counter() - t)
 
 
@@ -351,7 +341,7 @@ class AsyncSaver:
                 if t.numel():
                     torch.frombuffer(buf, dtype=t.dtype, count=t.numel(), offset=it["at"]).view(t.shape).copy_(t)
             p.arrays = {}  # the staging buffer holds the snapshot now
-            self._writer.submit(p.tmp / fmt.shard_name(p.rank), items)
+            self._writer.submit(p.tmp / fmt.shard_name(p.rank), items, p.shard_attrs)
         except BaseException as e:  # noqa: BLE001 -- reported on every rank at the commit
             self._staging_error = e
 
@@ -381,7 +371,8 @@ class AsyncSaver:
             r = self._writer.result()
             if r["ok"]:
                 status = ("ok", r["bytes"], fmt.shard_name(pending.rank),
-                          {c.key: tuple(ch) if ch else None for c, ch in zip(pending.mine, r["chunks"])})
+                          {"meta_sha256": r["meta_sha256"], "tables": dict(zip((c.key for c in pending.mine),
+                                                                                r["datasets"]))})
                 write_s = float(r["seconds"])  # the write itself, not the wait for this call
             else:
                 status = ("error", f"rank {pending.rank}: {r['error']}", "", {})

@@ -8,9 +8,11 @@ import torch
 
 from hpcml import ckpt
 from hpcml.ckpt import codec, format as fmt, tools
-from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_coverage, check_fused, fused_boxes, fused_runs, fused_spec
+from hpcml.ckpt.manifest import coverage as check_coverage
+from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_runs, fused_spec
 from hpcml.ckpt.shard import storage_chunk
-from hpcml.ckpt.writer import _index_and_commit, _normalized, _pending, _pieces, _require_parallel_hdf5, _write_local
+from hpcml.ckpt.single import require_parallel_hdf5 as _require_parallel_hdf5
+from hpcml.ckpt.writer import _index_and_commit, _normalized, _pending, _pieces, _write_local
 from hpcml.errors import CheckpointError, MissingFeatureError
 
 
@@ -31,8 +33,13 @@ def test_replicas_written_once_and_bytes_balanced():
 
 def test_coverage():
     assert check_coverage((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
-    assert check_coverage((4, 4), [((0, 0), (2, 4))]) == "8 elements not covered"
-    assert check_coverage((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))]) == "4 elements covered more than once"
+    assert check_coverage((4, 4), [((0, 0), (2, 4))]) == "8 of 16 elements not covered by any piece"
+    assert check_coverage((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))]) == \
+        "pieces overlap: some elements are covered more than once"
+    # the same volume, overlapping, with a gap: caught by the pairs, not the sum
+    assert check_coverage((4, 4), [((0, 0), (2, 4)), ((1, 0), (2, 4))]).startswith("pieces overlap")
+    # a huge declared tensor is judged without allocating it
+    assert check_coverage((1 << 40, 1 << 20), [((0, 0), (1 << 40, 1 << 20))]) is None
 
 
 @pytest.mark.parametrize("shape,itemsize,expected", [
@@ -192,7 +199,7 @@ def test_single_file_without_parallel_hdf5_is_a_missing_feature():
 def test_export_format_is_checked_before_reading(tmp_path):
     from hpcml.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors or torch$"):
+    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors, torch or hf$"):
         tools.export(tmp_path / "no-such-checkpoint", tmp_path / "m.onnx", "onnx")
 
 
@@ -205,7 +212,7 @@ def test_inspect_names_the_placement_of_tensors_rank0_does_not_hold(tmp_path):
               {"model/layers.1.w": torch.randn(4, 4), "model/output.weight": torch.randn(8, 4),
                "optim/step": torch.tensor(3.0)}]
     pieces = [_pieces(t) for t in stages]
-    parts = [(p[0], {n for n, t in ts.items() if t.dim() == 0}) for p, ts in zip(pieces, stages)]  # the allgather
+    parts = [(p[0], {n for n, t in ts.items() if t.dim() == 0}, "0" * 32) for p, ts in zip(pieces, stages)]  # allgather
     pending = [_pending(r, 2, None, tmp_path, 7, pieces[r], parts, extra={"step": 7}, layout={"pp": 2, "dp": 1},
                         keep=None, tensor_attrs=None, snapshot=True, t0=0.0) for r in range(2)]
     statuses = [_write_local(p) for p in pending]

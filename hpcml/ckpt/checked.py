@@ -1,0 +1,157 @@
+"""An open checkpoint whose every read is checked: the manifest first, then each file as it
+is opened (a regular file of the step directory, its recorded size, its metadata digest),
+then each data chunk against its CRC-32 as it is read. HDF5 never parses a checkpoint byte
+on this path, so a source HDF5 could not open can never come back as fill values.
+numpy only: ``hpcml ckpt ls/inspect/verify`` start without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hpcml.ckpt import format as fmt, manifest
+from hpcml.ckpt.shard import COALESCE, check_file, metadata_sha256, open_regular, pread_exact, read_region
+from hpcml.errors import CheckpointError
+
+
+class Checkpoint:
+    """``Checkpoint(path)``: ``path`` is a step directory or a root with ``latest``. Use as a
+    context manager (it holds the shard descriptors it opened)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = fmt.resolve(path)
+        self.manifest = manifest.read(self.path)
+        m = self.manifest
+        self.step: int = m["step"]
+        self.extra: dict = m["extra"]
+        self.layout: dict = m["layout"]
+        self.tensors: dict[str, dict] = m["tensors"]
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(n for n in self.tensors if n.startswith(prefix))
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(fmt.numpy_dtype(self.tensors[name]["dtype"]))
+
+    def _data_ranges(self, file: str) -> list[tuple[int, int]]:
+        out = []
+        for name, t in self.tensors.items():
+            nb = self.dtype(name).itemsize
+            for p in t["pieces"]:
+                if p["file"] == file:
+                    out += [(a, math.prod(p["chunk"]) * nb) for a in p["at"]]
+        return out
+
+    def _open(self, file: str, check_meta: bool = True) -> int:
+        """A shard's descriptor, once its size and (``check_meta``) metadata digest match."""
+        if file in self._fds:
+            return self._fds[file]
+        path, info = self.path / file, self.manifest["files"][file]
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"{path} is {size} bytes, expected {info['bytes']}: truncated or replaced")
+            if check_meta and metadata_sha256(fd, size, self._data_ranges(file)) != info["meta_sha256"]:
+                raise CheckpointError(f"{path}: HDF5 metadata differs from what was saved (SHA-256): "
+                                      "edited, corrupted or from another save")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[file] = fd
+        return fd
+
+    def check_index(self) -> None:
+        """``index.h5`` (what other tools read) against its SHA-256: small, read once."""
+        info = self.manifest["files"][fmt.INDEX]
+        fd = open_regular(self.path / fmt.INDEX)
+        try:
+            size = os.fstat(fd).st_size
+            if size != info["bytes"] or _sha256(fd, size) != info["sha256"]:
+                raise CheckpointError(f"{self.path / fmt.INDEX} differs from what was saved (size or SHA-256): "
+                                      "edited, corrupted or stale")
+        finally:
+            os.close(fd)
+
+    def read(self, name: str, region: tuple[slice, ...] | None = None,
+             out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """``region`` (default: all) of tensor ``name`` as stored (bfloat16 as uint16), and the
+        bytes read to get it (whole chunks, each checked). ``out``: where to put it (e.g. a
+        view of the destination tensor, which saves a copy)."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        t = self.tensors[name]
+        shape = tuple(t["shape"])
+        region = region if region is not None else tuple(slice(0, s) for s in shape)
+        if out is None:
+            out = np.empty(tuple(r.stop - r.start for r in region), dtype=self.dtype(name))
+        nread = 0
+        for p in t["pieces"]:
+            lo = [max(r.start, o) for r, o in zip(region, p["offset"])]
+            hi = [min(r.stop, o + s) for r, o, s in zip(region, p["offset"], p["shape"])]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            fd = self._open(p["file"])
+            _, n = read_region(fd, tuple(p["shape"]), p, out.dtype,
+                               tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p["offset"])),
+                               f"{self.path / p['file']} {p['dataset']}",
+                               out=out[tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))])
+            nread += n
+        return out, nread
+
+    def verify(self) -> list[str]:
+        """Every byte of every file checked, streamed (bounded memory): problems, or []."""
+        problems = []
+        for file, info in sorted(self.manifest["files"].items()):
+            path = self.path / file
+            try:
+                fd = open_regular(path)
+            except CheckpointError as e:
+                problems.append(str(e) if path.exists() or path.is_symlink() else f"{path}: missing")
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if size != info["bytes"]:
+                    problems.append(f"{path}: {size} bytes, expected {info['bytes']}")
+                elif file == fmt.INDEX:
+                    if _sha256(fd, size) != info["sha256"]:
+                        problems.append(f"{path}: differs from what was saved (SHA-256): edited, corrupted or stale")
+                else:
+                    tables = [(f"{n} piece {k}", p, self.dtype(n).itemsize) for n, t in self.tensors.items()
+                              for k, p in enumerate(t["pieces"]) if p["file"] == file]
+                    problems += [f"{path}: {p}" for p in check_file(fd, size, info["meta_sha256"], tables)]
+            finally:
+                os.close(fd)
+        return problems
+
+
+def _sha256(fd: int, size: int) -> str:
+    h = hashlib.sha256()
+    for at in range(0, size, COALESCE):
+        h.update(pread_exact(fd, min(COALESCE, size - at), at))
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    fd = open_regular(path)
+    try:
+        return _sha256(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)

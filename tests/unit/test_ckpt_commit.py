@@ -1,0 +1,101 @@
+"""Commit order and full disks: no crash point leaves ``latest`` naming an incomplete step
+(re-saves included), and a disk that fills up gives one line naming the cause, keeps the
+previous checkpoint intact and leaves no ``.tmp`` behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcml import ckpt
+from hpcml.ckpt import format as fmt, index, shard, tools
+from hpcml.errors import CheckpointError
+
+
+def _state(n: int, value: float) -> dict[str, torch.Tensor]:
+    return {"model/w": torch.full((n, 256), value), "optim/step": torch.tensor(value)}
+
+
+def _values(root: Path, n: int) -> tuple[int, float]:
+    dst = _state(n, 0.0)
+    report = ckpt.load(root, dst)
+    return report.step, float(dst["model/w"].mean())
+
+
+def test_resaving_a_step_swaps_it_whole(tmp_path):
+    ckpt.save(tmp_path, 1, _state(4, 1.0))
+    ckpt.save(tmp_path, 2, _state(4, 2.0))
+    ckpt.save(tmp_path, 2, _state(4, 3.0))  # the heat workflow saves its last step twice
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert _values(tmp_path, 4) == (2, 3.0) and tools.verify(tmp_path) == []
+
+
+def test_a_crash_inside_a_resave_leaves_latest_on_a_complete_step(tmp_path, monkeypatch):
+    """Where the file system cannot swap two directories atomically: ``latest`` moves to the
+    newest other complete step before the old copy goes; a crash between the two renames
+    then resumes from that step, never from a name without files."""
+    ckpt.save(tmp_path, 1, _state(4, 1.0))
+    ckpt.save(tmp_path, 2, _state(4, 2.0))
+    monkeypatch.setattr(index, "_exchange", lambda a, b: False)
+    real = Path.rename
+
+    def crash(self, target):
+        if self.name.endswith(".tmp") and Path(target).name == "step_00000002":
+            raise KeyboardInterrupt("killed between the renames")
+        return real(self, target)
+    monkeypatch.setattr(Path, "rename", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(tmp_path, 2, _state(4, 3.0))
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert _values(tmp_path, 4) == (1, 1.0)
+    ckpt.save(tmp_path, 2, _state(4, 3.0))  # the next save cleans up and commits
+    assert _values(tmp_path, 4) == (2, 3.0)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs): needs root, as CI and `make test` have here."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("precheck", [True, False])
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(small_disk, monkeypatch, precheck):
+    ckpt.save(small_disk, 1, _state(64, 1.0))  # 64 KiB: fits
+    if not precheck:  # the space runs out after the free-space check: the reservation catches it
+        monkeypatch.setattr(shard, "_free_bytes", lambda d: None)
+    with pytest.raises(CheckpointError, match=r"^saving .*step_00000002 failed: rank 0: no space left on device "
+                                              r"writing .*rank_00000.h5$"):
+        ckpt.save(small_disk, 2, _state(2048, 2.0))  # 2 MiB: does not
+    assert sorted(p.name for p in small_disk.iterdir()) == ["latest", "step_00000001"]  # no .tmp left
+    assert _values(small_disk, 64) == (1, 1.0) and tools.verify(small_disk) == []
+    saver = ckpt.AsyncSaver(MPI.COMM_WORLD)  # the writer process: the same one line, not "writer died"
+    try:
+        saver.save(small_disk, 3, _state(2048, 3.0))
+        with pytest.raises(CheckpointError, match=r"^saving .*step_00000003 failed: rank 0: no space left on device"):
+            saver.wait()
+    finally:
+        saver.close()
+    assert sorted(p.name for p in small_disk.iterdir()) == ["latest", "step_00000001"]
+    assert _values(small_disk, 64) == (1, 1.0)
+    assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize > 900_000  # nothing left taking space
+
+
+def test_latest_is_refused_unless_a_plain_step_name(tmp_path):
+    ckpt.save(tmp_path, 1, _state(4, 1.0))
+    (tmp_path / fmt.LATEST).write_text("step_00000001/../../elsewhere\n")
+    with pytest.raises(CheckpointError, match=r"latest names 'step_00000001/../../elsewhere': expected a step name"):
+        ckpt.resolve(tmp_path)
