@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 MPIEXEC ?= mpiexec
 READY   := $(VENV)/.hpcml-ready
 # A hung job must never eat CI's 90 minutes: every MPI launch runs under a hard limit.
-MPI_TIMEOUT ?= 1500
+MPI_TIMEOUT ?= 2100
 
 .PHONY: setup verify demo test test-unit test-mpi test-workflows test-slurm slurm-start slurm-stop clean
 

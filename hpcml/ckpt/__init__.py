@@ -11,14 +11,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {"LoadReport": "reader", "load": "reader", "read_extra": "reader", "read_tensor": "reader",
-            "read_tensors": "reader", "resolve": "format", "training_tensors": "state", "AsyncSaver": "writer",
-            "SaveResult": "writer", "save": "writer", "CheckpointError": None}
-_SUBMODULES = {"async_writer", "codec", "format", "index", "plan", "reader", "shard", "state", "tools", "writer"}
+_EXPORTS = {"Checkpoint": "checked", "LoadReport": "reader", "load": "reader", "read_extra": "reader",
+            "read_tensor": "reader", "read_tensors": "reader", "resolve": "format", "training_tensors": "state",
+            "AsyncSaver": "writer", "SaveResult": "writer", "save": "writer", "CheckpointError": None}
+_SUBMODULES = {"async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index", "plan", "reader",
+               "shard", "state", "tools", "writer"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hpcml.ckpt.checked import Checkpoint
     from hpcml.ckpt.format import resolve
     from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors
     from hpcml.ckpt.state import training_tensors

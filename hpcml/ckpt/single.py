@@ -9,7 +9,7 @@ import h5py
 
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.index import SINGLE_FILE
-from hpcml.ckpt.shard import describe, fsync_path, storage_chunk
+from hpcml.ckpt.shard import describe, fsync_path, preallocated, storage_chunk
 from hpcml.errors import MissingFeatureError
 
 
@@ -34,8 +34,8 @@ def write_single(p) -> tuple:
         for name in sorted(tensors):  # dataset creation is collective: same order everywhere
             c = tensors[name]
             dtype = fmt.numpy_dtype(c.dtype)
-            f.create_dataset(name, shape=c.global_shape, dtype=dtype,
-                             chunks=storage_chunk(c.global_shape, h5py.h5t.py_create(dtype).get_size()))
+            chunk = storage_chunk(c.global_shape, h5py.h5t.py_create(dtype).get_size())
+            f.create_dataset(name, shape=c.global_shape, dtype=dtype, dcpl=preallocated(chunk))
         for c in p.mine:
             f[c.name][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = p.arrays[c.key]
     if p.rank != 0:

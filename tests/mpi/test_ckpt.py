@@ -56,12 +56,12 @@ def test_save_here_load_elsewhere_bitwise(comm, shared_dir, i):
     trainer.fit(2)
     result = save_trainer(trainer, root)
     # what this rank holds is exactly what the index presents, bitwise
-    with h5py.File(result.path / "index.h5", "r") as index:
+    with ckpt.Checkpoint(result.path) as ck:  # opened once: each open checks the manifest and every shard's digest
         for tname, t in trainer.state_tensors().items():
             if tname.startswith("rank_state/"):
                 continue
             local, gshape, offset = ckpt.state.local_piece(t)
-            stored = ckpt.read_tensor(result.path, tname)
+            stored = ckpt.read_tensor(ck, tname)
             assert tuple(stored.shape) == gshape, tname
             box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape))
             assert torch.equal(stored[box] if box else stored, local.cpu()), tname
@@ -73,10 +73,10 @@ def test_save_here_load_elsewhere_bitwise(comm, shared_dir, i):
         report = load_trainer(fresh, root)
         assert fresh.step == 2 and report.step == 2 and report.layout == trainer.grid.layout.degrees
         assert report.read_amplification <= 1.25, report.read_amplification  # tiny tensors; large: benchmarks
-        with h5py.File(result.path / "index.h5", "r") as index:
+        with ckpt.Checkpoint(result.path) as ck:
             for tname, t in fresh.state_tensors().items():
                 if not tname.startswith("rank_state/"):
-                    assert torch.equal(_global(t), ckpt.read_tensor(result.path, tname)), (other[0], tname)
+                    assert torch.equal(_global(t), ckpt.read_tensor(ck, tname)), (other[0], tname)
         # and training goes on from there: one more step gives the saver's next loss
         fresh.data = trainer.data
         # (no cache keyed by id(trainer): ids are reused after collection, differently on each rank,
@@ -201,7 +201,9 @@ def test_async_save_snapshots_then_overlaps(comm, shared_dir):
 def test_collective_single_file_mode(comm, shared_dir):
     """All ranks write one shared.h5 through MPI-IO; the same reader loads it on another layout."""
     root = shared_dir / "single"
-    degrees = {"tp": 2} if WORLD % 2 == 0 else {}
+    # tp at 2 ranks, FSDP at 4 (tp x FSDP's first optimizer step on 2 oversubscribed cores costs
+    # torch's DTensor sharding propagation a minute while the other ranks spin in MPI)
+    degrees = {"tp": 2} if WORLD == 2 else {}
     trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(fsdp=WORLD > 2), **degrees)
     trainer.fit(1)
     tensors = {n: t for n, t in trainer.state_tensors().items() if not n.startswith("rank_state/")}
@@ -211,9 +213,10 @@ def test_collective_single_file_mode(comm, shared_dir):
     target = ckpt.training_tensors(fresh.model.named_parameters(), fresh.optimizer, create=True)
     report = ckpt.load(root, target, comm=comm)
     assert report.read_amplification == 1.0
-    with h5py.File(result.path / "index.h5", "r") as index:
+    with ckpt.Checkpoint(result.path) as ck:
         for name, t in target.items():
-            assert torch.equal(_global(t), ckpt.read_tensor(result.path, name)), name
+            assert torch.equal(_global(t), ckpt.read_tensor(ck, name)), name
+    with h5py.File(result.path / "index.h5", "r") as index:
         assert index["model/output.weight"].is_virtual  # a virtual view onto shared.h5
     # what the saver held is what was written
     with h5py.File(result.path / "shared.h5", "r") as f:
@@ -363,24 +366,24 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
     result = save_trainer(trainer, shared_dir / f"fused-model-{name}")
     fused = [n for n in trainer.state_tensors() if ("wqkv" in n or "w13" in n) and not n.endswith("/step")]
     assert len(fused) == 3 * 2 * FUSED_MODEL.n_layers
-    with h5py.File(result.path / "index.h5", "r") as index:
+    with h5py.File(result.path / "index.h5", "r") as index, ckpt.Checkpoint(result.path) as ck:
         for pname in ("layers.0.attention.wqkv.weight", "layers.3.feed_forward.w13.weight"):
-            logical = ckpt.read_tensor(result.path, f"model/{pname}")  # the unparallelised model's weight
+            logical = ckpt.read_tensor(ck, f"model/{pname}")  # the unparallelised model's weight
             assert float((logical - ref_params[pname]).norm() / ref_params[pname].norm()) < 1e-4, pname
         tp_rank, tp = trainer.grid.coords["tp"], trainer.grid.layout.tp
         for tname in fused:  # what this rank holds is [w_a rows of rank r; w_b rows of rank r; ...] of the logical
             t = trainer.state_tensors()[tname]
-            mine = _tp_shard(ckpt.read_tensor(result.path, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
+            mine = _tp_shard(ckpt.read_tensor(ck, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
             local, _, offset = ckpt.state.local_piece(t)
             assert torch.equal(mine[offset[0] - tp_rank * mine.shape[0]:][:local.shape[0]], local), tname
     fresh = build_llm_trainer(FUSED_MODEL, TrainConfig(**{**FUSED_TRAIN.__dict__, "seed": 9}), ParallelConfig(**opkw),
                               **odeg)
     report = load_trainer(fresh, result.path)
     assert report.read_amplification <= 1.25, report.read_amplification  # tiny tensors, 1 KiB storage chunks
-    with h5py.File(result.path / "index.h5", "r") as index:
+    with h5py.File(result.path / "index.h5", "r") as index, ckpt.Checkpoint(result.path) as ck:
         tp_rank, tp = fresh.grid.coords["tp"], fresh.grid.layout.tp
         for tname in fused:
-            want = _tp_shard(ckpt.read_tensor(result.path, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
+            want = _tp_shard(ckpt.read_tensor(ck, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
             assert torch.equal(fresh.state_tensors()[tname].to_local() if tp > 1 else _global(fresh.state_tensors()[tname]),
                                want), tname
     fresh.data = trainer.data
