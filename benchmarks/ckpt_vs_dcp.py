@@ -26,6 +26,13 @@ import time
 from pathlib import Path
 
 
+def parse_io_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options every checkpoint benchmark shares (--dir, --json), then parse."""
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args()
+
+
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -39,9 +46,7 @@ def drop_caches() -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=2.0, help="total state over all ranks, GiB")
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = parse_io_args(p)
 
     import torch
     import torch.distributed as dist

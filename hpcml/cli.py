@@ -58,7 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--script", help="write the script here (with --submit: default NAME.sbatch|.pbs|.lsf)")
     p.add_argument("--submit", action="store_true", help="submit it and print the job id")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
-    ck = sub.add_parser("ckpt", help="list, inspect, verify, export or consolidate HDF5 checkpoints")
+    ck = sub.add_parser("ckpt", help="list, inspect, verify, export, consolidate or convert checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     p = cks.add_parser("ls", help="checkpoints under a directory")
     p.add_argument("dir")
@@ -70,11 +70,29 @@ def _build_parser() -> argparse.ArgumentParser:
     p = cks.add_parser("export", help="consolidated model weights for inference")
     p.add_argument("ckpt")
     p.add_argument("out")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch", "hf"],
+                   help="hf: a Hugging Face Llama directory OUT (config.json + safetensors)")
     p = cks.add_parser("consolidate", help="one self-contained HDF5 file, no virtual datasets")
     p.add_argument("ckpt")
     p.add_argument("out")
+    _add_convert(cks)
     return parser
+
+
+def _add_convert(cks) -> None:
+    p = cks.add_parser("convert", help="to or from torch.distributed.checkpoint (torchtitan's layout and Llama3 "
+                                       "names; docs/dcp.md)")
+    p.add_argument("src", help="--to dcp: an hpcml checkpoint (step_N, or a directory with 'latest'); "
+                               "--to hpcml: a DCP directory")
+    p.add_argument("dst", help="--to dcp: a new DCP directory; --to hpcml: the checkpoint root (DST/step_N)")
+    p.add_argument("--to", required=True, choices=["dcp", "hpcml"])
+    p.add_argument("--model", help="the transformer preset the checkpoint is of (default: the config it carries)")
+    p.add_argument("--fused-qkv", action="store_true", help="--to hpcml: write one wqkv weight per layer")
+    p.add_argument("--fused-mlp", action="store_true", help="--to hpcml: write one w13 weight per layer")
+    p.add_argument("--titan-qkv", choices=["fused", "split"], default="fused",
+                   help="--to dcp: optimizer state for torchtitan's FusedQKVLinear (its Llama3 default) or QKVLinear")
+    p.add_argument("--schedule-steps", type=int, help="--to hpcml: resume hpcml's own warmup + cosine of this many "
+                   "steps (default: go on from torchtitan's learning rate at the saved step)")
 
 
 def _cmd_ckpt(args: argparse.Namespace) -> int:
@@ -93,6 +111,9 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
             print(f"{info['path']}: step {info['step']}, format {info['format_version']}, hpcml {info['hpcml_version']}, "
                   f"saved by {info['world_size']} ranks on {info['layout']}, {info['total_bytes'] / 1e6:.1f} MB "
                   f"in {len(info['shards'])} shards")
+            model = info["extra"].get("model") if isinstance(info["extra"], dict) else None
+            if isinstance(model, dict):  # what rebuilds the model (hpcml ckpt export --format hf reads it)
+                print(f"model: {model.get('type')} {json.dumps(model.get('config'))}")
             width = max(len(n) for n in info["tensors"]) if info["tensors"] else 4
             for name, t in info["tensors"].items():
                 extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim") if k in t)
@@ -111,7 +132,22 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     elif c == "consolidate":
         n = tools.consolidate(args.ckpt, args.out)
         print(f"wrote {args.out} ({n / 1e6:.1f} MB)")
+    elif c == "convert":
+        _ckpt_convert(args)
     return 0
+
+
+def _ckpt_convert(args: argparse.Namespace) -> None:
+    from hpcml.models.transformer import TransformerConfig, torchtitan
+
+    cfg = TransformerConfig.preset(args.model) if args.model else None
+    if args.to == "dcp":
+        done = torchtitan.to_dcp(args.src, args.dst, cfg, titan_fused_qkv=args.titan_qkv == "fused")
+    else:
+        done = torchtitan.from_dcp(args.src, args.dst, cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp,
+                                   schedule_steps=args.schedule_steps)
+    print(f"wrote {done.path} ({'torchtitan DCP' if args.to == 'dcp' else 'hpcml'}): step {done.step}, "
+          f"{done.tensors} tensors, {done.nbytes / 1e6:.1f} MB in {done.seconds:.1f} s")
 
 
 def _cmd_job(args: argparse.Namespace) -> int:

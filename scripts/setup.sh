@@ -86,7 +86,7 @@ main() {
     fi
 
     log "installing hpcml (editable) with parsl, pyzmq and test tools"
-    "${pip[@]}" --no-build-isolation -e ".[dev]"
+    "${pip[@]}" --no-build-isolation -e ".[dev,hf]"
     log "done"
 }
 

@@ -4,6 +4,7 @@
     python workflows/llm_pretrain.py --steps 20 --seed 0          # one process, same losses
     mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 10 --ckpt-dir ck --ckpt-every 5
     mpiexec -n 2 python workflows/llm_pretrain.py --steps 20 --ckpt-dir ck --resume   # any layout resumes
+    mpiexec -n 2 python workflows/llm_pretrain.py --init-from llama-dir --tp 2 --steps 20   # fine-tune a HF Llama
     hpcml job --site frontier --nodes 1-2 --walltime 02:00:00 -- python workflows/llm_pretrain.py \
         --tp 8 --ckpt-dir ck --ckpt-every 50 --auto-resume    # requeued on the walltime or a lost node
 
@@ -31,7 +32,7 @@ from hpcml.ckpt import resolve
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
-from hpcml.models.transformer import PRESETS, TransformerConfig
+from hpcml.models.transformer import PRESETS, TransformerConfig, hf
 from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES
 from hpcml.train import TrainConfig
@@ -41,7 +42,10 @@ from hpcml.train.recipe import build_llm_trainer
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--model", default=None, choices=sorted(PRESETS), help="model preset (default tiny)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a Hugging Face Llama directory (config.json + safetensors): its config and "
+                        "weights, step 0, fresh optimizer (docs/huggingface.md)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what the others leave)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -81,7 +85,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     install_abort_handler()
     try:
-        model_cfg: TransformerConfig = TransformerConfig.preset(args.model)
+        if args.init_from and args.model:
+            raise ConfigError("--model and --init-from both name the model: give one")
+        if args.init_from:  # a tied embedding cannot be split over tp or pp: untie it there (same function at step 0)
+            untie = {"tie_embeddings": False} if args.tp > 1 or args.pp > 1 else {}
+            model_cfg = hf.config_from_hf(args.init_from, **untie)
+        else:
+            model_cfg = TransformerConfig.preset(args.model or "tiny")
         if args.seq_len > model_cfg.max_seq_len:
             model_cfg = replace(model_cfg, max_seq_len=args.seq_len)
         if args.fused_qkv or args.fused_mlp:
@@ -110,6 +120,8 @@ def main(argv=None) -> int:
                                                 async_save=args.async_save, overlap=args.async_overlap))
             if args.resume:
                 load_trainer(trainer, args.ckpt_dir)
+        if args.init_from and not args.resume:  # a requeued job resumes its own checkpoint instead
+            hf.load_hf_into(trainer, args.init_from)
     except HpcmlError as e:  # raised alike on every rank, before any collective
         from hpcml import env
 

@@ -114,7 +114,19 @@ class Trainer(TrainLoop):
                 f"mem {m['peak_mem_mb']:.0f} MB")
 
     def state_extra(self) -> dict:
-        return {**super().state_extra(), "data": {"next_step": self.step}}
+        """The loop's state, the data position, and the model's config (``extra["model"]``):
+        a checkpoint alone rebuilds its model (``hpcml ckpt export --format hf`` reads it)."""
+        return {**super().state_extra(), "data": {"next_step": self.step},
+                "model": self.model.parts[0].config.describe()}
+
+    def load_state_extra(self, extra: dict) -> None:
+        super().load_state_extra(extra)
+        saved = (extra.get("model") or {}).get("config")
+        if saved is not None and self.grid.rank == 0:
+            now = self.model.parts[0].config.to_dict()
+            changed = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
+            if changed:  # shapes were checked by the load; this names what the tensors do not show
+                logger.warning("model config differs from the checkpoint's (saved, now): %s", changed)
 
 
 __all__ = ["TokenSource", "TrainConfig", "Trainer", "make_optimizer"]

@@ -15,7 +15,7 @@ sequence this module sees, for rotary positions).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,11 @@ class TransformerConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            raise ConfigError(f"ffn_hidden must be >= 1 or None, got {self.ffn_hidden}")
+        if not (self.rope_theta > 0 and self.norm_eps > 0 and self.init_std >= 0):
+            raise ConfigError(f"rope_theta and norm_eps must be > 0, init_std >= 0; got {self.rope_theta}, "
+                              f"{self.norm_eps}, {self.init_std}")
         if self.dim % self.n_heads:
             raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.head_dim % 2:
@@ -107,12 +112,57 @@ class TransformerConfig:
         matmul += self.padded_vocab * self.dim  # the output projection is a matmul, the embedding lookup is not
         return 6 * matmul + 6 * self.n_layers * self.dim * seq_len  # 12*l*h*s/2 for a causal mask
 
+    def to_dict(self) -> dict:
+        """Every field, JSON-able: what a checkpoint stores to rebuild the model."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransformerConfig:
+        """The config :meth:`to_dict` wrote. Unknown keys and values of the wrong type are
+        refused (a checkpoint is read by other versions and tools); absent fields take their
+        defaults (a config written before the field existed)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"transformer config must be a JSON object, got {type(d).__name__}")
+        types = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(d) - set(types))
+        if unknown:
+            raise ConfigError(f"transformer config: unknown keys {unknown}; expected some of {sorted(types)}")
+        bad = [f"{k}={v!r} (expected {types[k]})" for k, v in d.items() if not _fits(v, types[k])]
+        if bad:
+            raise ConfigError(f"transformer config: bad values {', '.join(bad)}")
+        return cls(**d)
+
+    def describe(self) -> dict:
+        """``extra["model"]`` of a checkpoint: the fields plus what an outside reader would
+        otherwise derive by reading this module (widths, padding, the rotary convention)."""
+        return {"type": "transformer", "config": self.to_dict(), "head_dim": self.head_dim,
+                "kv_heads": self.kv_heads, "hidden": self.hidden, "padded_vocab": self.padded_vocab,
+                "rope": {"pairs": "interleaved", "theta": self.rope_theta,
+                         "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
+                                  "(x[i], x[i + head_dim/2])"},
+                "norm": {"type": "rmsnorm", "eps": self.norm_eps}, "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))",
+                "tie_embeddings": self.tie_embeddings, "fused_widths": self.fused_widths}
+
     @classmethod
     def preset(cls, name: str, **overrides) -> TransformerConfig:
         """A named size: ``tiny`` (tests), ``small`` (~125M), Megatron-LM Table 1, Llama 13B/30B/65B."""
         if name not in PRESETS:
             raise ConfigError(f"unknown transformer preset {name!r}: expected one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+
+def _fits(value, kind: str) -> bool:
+    """Whether a JSON value fits a field annotated ``kind`` (int, float, bool, 'int | None')."""
+    if value is None:
+        return kind.endswith("| None")
+    kind = kind.removesuffix(" | None")
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return False
 
 
 def _megatron(h: int, heads: int, layers: int) -> TransformerConfig:
