@@ -30,8 +30,6 @@ from hpcml.errors import CheckpointError
 
 COALESCE = 8 << 20
 """Adjacent chunks are written and read in runs of up to this many bytes (one syscall each)."""
-READAHEAD = 64 << 20
-"""How far ahead of its reads a load asks the kernel to fetch (posix_fadvise WILLNEED)."""
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -260,23 +258,19 @@ def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: s
                 raise CheckpointError(f"{where}: chunk {i} at byte {at[i]} fails its CRC-32: corrupted or replaced")
         return view
 
-    if len(runs) == 1:  # one run: no thread, no read-ahead advice
+    if len(runs) == 1:  # one run: no thread
         data = fill(0)
         for j, i in enumerate(runs[0]):
             yield i, data[j * nb:(j + 1) * nb]
         return
 
-    def advise(k: int) -> None:  # the disk reads ahead while this process checks and copies
-        if k < len(runs):
-            os.posix_fadvise(fd, at[runs[k][0]], len(runs[k]) * nb, os.POSIX_FADV_WILLNEED)
-    window = min(len(runs), max(1, READAHEAD // size))
-    for k in range(window):
-        advise(k)
+    # No posix_fadvise(WILLNEED) ahead: the runs are read in file order, so the kernel's own
+    # readahead already streams them, and the advice walked the page cache synchronously --
+    # it cost a third of a cold load (benchmarks.md, issue 11).
     with ThreadPoolExecutor(1) as pool:
         ahead = pool.submit(fill, 0)
         for k, run in enumerate(runs):
             data = ahead.result()
-            advise(k + window)
             if k + 1 < len(runs):
                 ahead = pool.submit(fill, k + 1)
             for j, i in enumerate(run):
