@@ -109,7 +109,11 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
     if fmt_name == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(weights, str(out), metadata={"source": str(resolve(path)), "format": "hpcml"})
+        meta = {"source": str(resolve(path)), "format": "hpcml"}
+        with Checkpoint(path) as ck:  # the model's config travels with its weights (extra["model"])
+            if isinstance(ck.extra.get("model"), dict):
+                meta["hpcml_model"] = fmt.dumps(ck.extra["model"])
+        save_file(weights, str(out), metadata=meta)
     else:
         import torch
 

@@ -113,6 +113,18 @@ def test_cli_export_and_inspect_show_the_model(tmp_path, capsys):
     assert TransformerConfig.from_dict(json.loads(line[0].split(" ", 2)[2])) == TransformerConfig(**BASE)
 
 
+def test_safetensors_export_carries_the_model_config(tmp_path):
+    from safetensors import safe_open
+
+    cfg = TransformerConfig(**BASE, **MODELS["fused"])
+    _, path = saved(tmp_path, cfg)
+    ckpt.tools.export(path, tmp_path / "m.safetensors")
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        model = json.loads(f.metadata()["hpcml_model"])
+    assert TransformerConfig.from_dict(model["config"]) == cfg
+    assert model["fused_widths"] == cfg.fused_widths and model["rope"]["pairs"] == "interleaved"
+
+
 def test_config_dict_round_trip_and_refusals():
     cfg = TransformerConfig.preset("small", fused_qkv=True, n_kv_heads=4)
     assert TransformerConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
