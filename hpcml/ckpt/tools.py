@@ -15,7 +15,6 @@ import h5py
 
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.checked import Checkpoint
-from hpcml.ckpt.format import resolve
 from hpcml.ckpt.plan import check_fused, fused_spec
 from hpcml.errors import CheckpointError, ConfigError
 
@@ -80,20 +79,23 @@ def verify(path: str | os.PathLike) -> list[str]:
         return problems + ck.verify()
 
 
-def model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The model's tensors under their unparallelised names, vocabulary padding stripped."""
+def model_weights(source: Checkpoint | str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's tensors under their unparallelised names, vocabulary padding stripped
+    (``source``: a path, or a Checkpoint already open)."""
     from hpcml.ckpt.reader import read_tensor
 
-    with Checkpoint(path) as ck:
-        ck.check_index()
-        out = {}
-        for name in ck.names("model/"):
-            t = read_tensor(ck, name)
-            logical = ck.tensors[name]["attrs"].get("logical_shape")
-            if logical is not None:
-                t = t[tuple(slice(0, int(n)) for n in logical)].contiguous()
-            out[name[len("model/"):]] = t
-        return out
+    if not isinstance(source, Checkpoint):
+        with Checkpoint(source) as ck:
+            return model_weights(ck)
+    source.check_index()
+    out = {}
+    for name in source.names("model/"):
+        t = read_tensor(source, name)
+        logical = source.tensors[name]["attrs"].get("logical_shape")
+        if logical is not None:
+            t = t[tuple(slice(0, int(n)) for n in logical)].contiguous()
+        out[name[len("model/"):]] = t
+    return out
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "safetensors") -> int:
@@ -105,14 +107,14 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
         from hpcml.models.transformer.hf import export_hf
 
         return export_hf(path, out)["bytes"]
-    weights = model_weights(path)
+    with Checkpoint(path) as ck:
+        weights, source, model = model_weights(ck), ck.path, ck.extra.get("model")
     if fmt_name == "safetensors":
         from safetensors.torch import save_file
 
-        meta = {"source": str(resolve(path)), "format": "hpcml"}
-        with Checkpoint(path) as ck:  # the model's config travels with its weights (extra["model"])
-            if isinstance(ck.extra.get("model"), dict):
-                meta["hpcml_model"] = fmt.dumps(ck.extra["model"])
+        meta = {"source": str(source), "format": "hpcml"}
+        if isinstance(model, dict):  # the model's config travels with its weights (extra["model"])
+            meta["hpcml_model"] = fmt.dumps(model)
         save_file(weights, str(out), metadata=meta)
     else:
         import torch
