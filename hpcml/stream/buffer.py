@@ -91,6 +91,8 @@ class Buffer:
         self._cond = threading.Condition()
         self._seq = 0
         self.ended = False
+        self.error: str | None = None
+        """Why the source filling it died (see :meth:`fail`)."""
         self.stats = BufferStats()
 
     def __len__(self) -> int:
@@ -130,6 +132,13 @@ class Buffer:
     def end(self) -> None:
         """No more samples will come: FIFO/FIRO drain below the watermark."""
         with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """The source died: no more samples will come, and the loader must say why, not wait."""
+        with self._cond:
+            self.error = reason
             self.ended = True
             self._cond.notify_all()
 

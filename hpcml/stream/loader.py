@@ -1,7 +1,7 @@
 """What the training loop iterates: batches from this rank's buffer, agreed over data-parallel ranks.
 
 Before each step the dp ranks agree with one small all-reduce (``[ready, not exhausted,
-not stopping]``, MIN): a step happens only when every rank has a batch, so no rank enters the gradient
+not stopping, source alive]``, MIN): a step happens only when every rank has a batch, so no rank enters the gradient
 all-reduce alone; the stream ends for all as soon as one rank's buffer is exhausted (its
 simulations are done and drained), so nobody waits for ever. A batch taken while others
 were not ready is held for the next round, never lost.
@@ -10,6 +10,8 @@ Time accounting, after the first batch (i.e. once the buffer passed its watermar
 ``starved_s`` -- this rank had no batch ready (the stream did not keep up): the trainer-idle
 time; ``agree_s`` -- in the agreement all-reduce (its latency plus waiting for slower ranks
 to finish their step, which is load imbalance, not starvation).
+A source that died (:meth:`Buffer.fail <hpcml.stream.buffer.Buffer.fail>`) fails every rank
+at the same round with :class:`~hpcml.errors.LaunchError`: loud, and no rank left waiting.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hpcml.errors import LaunchError
 from hpcml.stream.buffer import Sample
 from hpcml.stream.source import SampleSource
 
@@ -42,19 +45,23 @@ class StreamLoader:
         from mpi4py import MPI
 
         buf = self.server.buffer
-        flags = np.zeros(3, np.int32)
+        flags = np.zeros(4, np.int32)
         starved = agree = 0.0
         while True:
             t0 = time.perf_counter()
             if self._held is None:
                 self._held = buf.get(self.batch_size, timeout=self.poll_s)
             ready = self._held is not None
-            flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)), int(not self.should_stop()))
+            flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)), int(not self.should_stop()),
+                        int(buf.error is None))
             t1 = time.perf_counter()
             self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
             starved += t1 - t0
             agree += time.perf_counter() - t1
             self.rounds += 1
+            if flags[3] == 0:
+                raise LaunchError(f"the sample source of a trainer rank died, so training stops on every rank; this "
+                                  f"rank's: {buf.error or 'alive'} (see the trainer log of the rank that says why)")
             if flags[1] == 0 or flags[2] == 0:  # some rank's stream is over, or asked to stop: everyone stops
                 self.stopped = flags[2] == 0
                 if self.stopped and self._held is not None:  # untrained: back into the buffer (and the checkpoint)

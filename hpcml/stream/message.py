@@ -44,6 +44,14 @@ _DTYPES = {"float32": np.float32, "float64": np.float64}
 _MAX_HEADER = 64 * 1024
 MAX_FIELDS = 16
 MAX_DIMS = 3
+#: magic, header, one payload per field, MAC: a longer message is refused before decoding.
+MAX_FRAMES = MAX_FIELDS + 3
+#: Simulation ids, attempts, steps and counts: what JSON, int64 state arrays and float64 all hold exactly.
+MAX_ID = 2**53 - 1
+#: Ranks of one simulation.
+MAX_RANKS = 2**20
+#: Largest frame a server reads by default (``ZMQ_MAXMSGSIZE``): one field of one rank's block.
+MAX_FRAME_BYTES = 1 << 30
 KINDS = ("data", "end", "campaign_done")
 
 
@@ -116,60 +124,91 @@ def _need(cond: bool, reason: str, detail: str) -> None:
         raise MessageError(reason, detail)
 
 
-def _ints(h: dict, key: str, n: int | None, lo: int = 0) -> list[int]:
+def _is_int(x, lo: int = 0, hi: int = MAX_ID) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _ints(h: dict, key: str, n: int | None, lo: int = 0, hi: int = MAX_ID) -> list[int]:
     v = h.get(key)
     if n is None:
-        _need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, "bad_header", f"{key}={v!r}")
+        _need(_is_int(v, lo, hi), "bad_header", f"{key}={_short(v)}, expected an integer in {lo}..{hi}")
         return [v]
-    _need(isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) and x >= lo
-                                                      for x in v), "bad_header", f"{key}={v!r}")
+    _need(isinstance(v, list) and len(v) == n and all(_is_int(x, lo, hi) for x in v), "bad_header",
+          f"{key}={_short(v)}, expected {n} integers in {lo}..{hi}")
     return v
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def decode(secret: bytes, frames: list, campaign: str) -> Message:
-    """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign``."""
+    """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign``: a
+    :class:`Message`, or :class:`MessageError` -- never another exception, whatever the input."""
+    try:
+        return _decode(secret, frames, campaign)
+    except MessageError:
+        raise
+    except Exception as e:  # a check this module missed: still a drop with a reason, never a dead server
+        raise MessageError("bad_header", f"{type(e).__name__}: {_short(str(e))}") from None
+
+
+def _decode(secret: bytes, frames: list, campaign: str) -> Message:
     raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
-    _need(len(raw) >= 3, "malformed", f"{len(raw)} frames, expected >= 3")
+    _need(3 <= len(raw) <= MAX_FRAMES, "malformed", f"{len(raw)} frames, expected 3 to {MAX_FRAMES}")
     _need(bytes(raw[0]) == MAGIC, "malformed", "wrong magic")
     _need(memoryview(raw[-1]).nbytes == MAC_BYTES, "malformed", "no MAC frame")
     _need(memoryview(raw[1]).nbytes <= _MAX_HEADER, "malformed", "header too large")
     _need(hmac.compare_digest(mac(secret, raw[:-1]), bytes(raw[-1])), "unauthenticated", "MAC mismatch")
     try:
-        h = json.loads(bytes(raw[1]))
+        h = json.loads(bytes(raw[1]), parse_constant=_no_constant)
     except ValueError as e:
         raise MessageError("bad_header", f"not JSON: {e}") from None
     _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header", f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
-    _need(h.get("campaign") == campaign, "wrong_campaign", f"campaign={h.get('campaign')!r}")
+    _need(h.get("campaign") == campaign, "wrong_campaign", f"campaign={_short(h.get('campaign'))}")
     payloads = raw[2:-1]
     if h["kind"] == "campaign_done":
         for key in ("completed", "failed"):
-            _need(isinstance(h.get(key), list) and all(isinstance(x, int) for x in h[key]), "bad_header", key)
+            _need(isinstance(h.get(key), list) and all(_is_int(x) for x in h[key]), "bad_header",
+                  f"{key}={_short(h.get(key))}, expected a list of simulation ids in 0..{MAX_ID}")
+        _need(not payloads, "malformed", "campaign_done message with payload")
         return Message(h)
-    sim, attempt, rank, nranks = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank", "nranks"))
-    _need(nranks >= 1 and rank < nranks, "bad_header", f"rank {rank} of {nranks}")
+    sim, attempt, rank = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank"))
+    nranks = _ints(h, "nranks", None, 1, MAX_RANKS)[0]
+    _need(rank < nranks, "bad_header", f"rank {rank} of {nranks}")
     if h["kind"] == "end":
         _ints(h, "n_sent", None)
         _need(not payloads, "malformed", "end message with payload")
         return Message(h)
     _ints(h, "step", None)
-    _need(isinstance(h.get("t"), (int, float)), "bad_header", f"t={h.get('t')!r}")
+    _need(_finite(h.get("t")), "bad_header", f"t={_short(h.get('t'))}, expected a finite number")
     gshape = h.get("global_shape")
     _need(isinstance(gshape, list) and 1 <= len(gshape) <= MAX_DIMS, "bad_header",
-          f"global_shape={gshape!r}, expected 1 to {MAX_DIMS} dimensions")
+          f"global_shape={_short(gshape)}, expected 1 to {MAX_DIMS} dimensions")
     gshape, offset, shape = (_ints(h, k, len(gshape)) for k in ("global_shape", "offset", "shape"))
     problem = box_problem(gshape, offset, shape)
     _need(problem is None, "bad_header", str(problem))
     params = h.get("params")
-    _need(isinstance(params, dict) and all(isinstance(v, (int, float)) for v in params.values()), "bad_header",
-          "params must map names to numbers")
+    _need(isinstance(params, dict) and all(_finite(v) for v in params.values()), "bad_header",
+          f"params={_short(params)}, expected names mapped to finite numbers")
     fields = h.get("fields")
     _need(isinstance(fields, list) and 1 <= len(fields) <= MAX_FIELDS and len(fields) == len(payloads),
-          "malformed", f"{len(payloads)} payloads for fields {fields!r}")
+          "malformed", f"{len(payloads)} payloads for fields {_short(fields)}")
     arrays = {}
     for f, buf in zip(fields, payloads):
-        _need(isinstance(f, list) and len(f) == 2, "bad_header", f"field entry {f!r}")
+        _need(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], str)
+              and f[1] in _DTYPES, "bad_header", f"field entry {_short(f)}, expected [name, 'float32' or 'float64']")
         name, dtype = f
-        _need(isinstance(name, str) and dtype in _DTYPES, "bad_header", f"field {name!r} dtype {dtype!r}")
+        _need(name not in arrays, "bad_header", f"field {_short(name)} named twice")
         np_t = _DTYPES[dtype]
         expect = math.prod(shape) * np.dtype(np_t).itemsize
         _need(memoryview(buf).nbytes == expect, "truncated", f"field {name}: {memoryview(buf).nbytes} bytes, "

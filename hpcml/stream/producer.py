@@ -15,6 +15,7 @@ simulation would go on and report success.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import time
@@ -26,7 +27,7 @@ import zmq
 
 from hpcml import log
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import message, routing
+from hpcml.stream import message, routing, transport
 
 logger = log.get_logger(__name__)
 
@@ -84,10 +85,7 @@ class Producer:
         # its own context, terminated in close(): that waits until ZeroMQ has sent every
         # zero-copy frame, so no array is freed while the I/O thread still reads it
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, self.hwm)
-        self._sock.setsockopt(zmq.SNDTIMEO, int(self.send_timeout_s * 1000))
-        self._sock.setsockopt(zmq.LINGER, int(self.send_timeout_s * 1000))
+        self._sock = transport.push_socket(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
         self._sock.connect(self.endpoint)
         self.n_sent = 0
         self.bytes_sent = 0
@@ -105,10 +103,11 @@ class Producer:
             raise self._error(f"sim_id, attempt, rank, nranks must be integers, got {self.sim_id!r}, "
                               f"{self.attempt!r}, {self.rank!r}, {self.nranks!r}") from None
         self.sim_id, self.attempt, self.rank, self.nranks = ids
-        if self.sim_id < 0 or self.attempt < 0:
-            raise self._error(f"sim_id {self.sim_id}, attempt {self.attempt}: expected integers >= 0")
-        if not 0 <= self.rank < self.nranks:
-            raise self._error(f"rank {self.rank} of nranks {self.nranks}, expected 0 <= rank < nranks")
+        if not (0 <= self.sim_id <= message.MAX_ID and 0 <= self.attempt <= message.MAX_ID):
+            raise self._error(f"sim_id {self.sim_id}, attempt {self.attempt}: expected integers in 0..{message.MAX_ID}")
+        if not 0 <= self.rank < self.nranks <= message.MAX_RANKS:
+            raise self._error(f"rank {self.rank} of nranks {self.nranks}, expected 0 <= rank < nranks <= "
+                              f"{message.MAX_RANKS}")
         shapes = []
         for k in ("global_shape", "offset", "local_shape"):
             try:
@@ -130,7 +129,9 @@ class Producer:
             try:
                 params[str(k)] = float(v)
             except (TypeError, ValueError):
-                raise self._error(f"params[{k!r}]={v!r} is not a number") from None
+                params[str(k)] = math.nan
+            if not math.isfinite(params[str(k)]):
+                raise self._error(f"params[{k!r}]={v!r}: expected a finite number") from None
         self.params = params
         if self.fields is not None:
             names = tuple(self.fields)
@@ -174,12 +175,15 @@ class Producer:
             step_i = operator.index(step)
         except TypeError:
             step_i = -1
-        if step_i < 0:
-            raise self._error(f"step={step!r}: expected an integer >= 0")
+        if not 0 <= step_i <= message.MAX_ID:
+            raise self._error(f"step={step!r}: expected an integer in 0..{message.MAX_ID}")
         try:
-            t = float(t)
+            t_f = float(t)
         except (TypeError, ValueError):
-            raise self._error(f"t={t!r}: expected a number") from None
+            t_f = math.nan
+        if not math.isfinite(t_f):
+            raise self._error(f"t={t!r}: expected a finite number")
+        t = t_f
         if not isinstance(fields, Mapping):
             raise self._error(f"fields must map names to arrays, got {type(fields).__name__}")
         if not 1 <= len(fields) <= message.MAX_FIELDS:
@@ -200,6 +204,9 @@ class Producer:
                                   f"{self.local_shape}")
             a = np.array(a, dtype=np.float32 if a.dtype != np.float64 else np.float64, order="C",
                          copy=True if self.copy else None)
+            if a.nbytes > message.MAX_FRAME_BYTES:
+                raise self._error(f"field {name!r} of this rank is {a.nbytes} bytes, more than the "
+                                  f"{message.MAX_FRAME_BYTES} a stream server reads in one frame: use more ranks")
             arrays.append(a)
             names.append([name, str(a.dtype)])
         header = {"kind": "data", "campaign": self.campaign, "sim": self.sim_id, "attempt": self.attempt,
@@ -231,9 +238,7 @@ def announce_done(endpoints_file: str | os.PathLike, secret_file: str | os.PathL
     ctx = zmq.Context()
     header = {"kind": "campaign_done", "campaign": campaign, "completed": sorted(completed), "failed": sorted(failed)}
     for ep in endpoints:
-        s = ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, int(timeout_s * 1000))
-        s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        s = transport.push_socket(ctx, secret, timeout_s=timeout_s)
         s.connect(ep)
         try:
             s.send_multipart(message.encode(secret, header))

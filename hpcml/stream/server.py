@@ -1,10 +1,14 @@
 """The training side: one server per data-parallel trainer rank, in a background thread.
 
-It receives over ZeroMQ (PULL, bound to loopback unless told otherwise), authenticates
-and validates every message (:mod:`hpcml.stream.message`; a bad one is dropped and
-counted by reason, never raised into training, never unpickled), assembles the
-subdomains (1-D, 2-D or 3-D blocks) of each simulation step into a whole sample, and
-ingests it into the :class:`~hpcml.stream.buffer.Buffer` exactly once.
+It receives over ZeroMQ (PULL, bound to loopback unless told otherwise; peers without the
+campaign secret are refused at the handshake, frames and frame counts are bounded before
+parsing: :mod:`hpcml.stream.transport`), authenticates and validates every message
+(:mod:`hpcml.stream.message`; a bad one is dropped and counted by reason, never raised
+into training, never unpickled), assembles the subdomains (1-D, 2-D or 3-D blocks) of
+each simulation step into a whole sample (:mod:`hpcml.stream.assembly`, bounded in memory
+and time), and ingests it into the :class:`~hpcml.stream.buffer.Buffer` exactly once.
+No input kills the thread; if a bug does, the buffer is failed and every trainer rank's
+loader raises within a poll (no hang).
 
 Exactly-once, keyed by (simulation, step):
 - a sample is complete when every rank of its simulation attempt has sent its box and the
@@ -28,7 +32,7 @@ import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +40,8 @@ import zmq
 
 from hpcml import log
 from hpcml.errors import ConfigError
-from hpcml.stream import message, routing
+from hpcml.stream import message, routing, transport
+from hpcml.stream.assembly import Assembler, Key, Partial
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.source import pack_state, unpack_states
 
@@ -56,7 +61,17 @@ class ServerConfig:
     field_names: tuple[str, ...] = ()
     """Fields stacked into each sample, in this order."""
     hwm: int = 8
-    """Messages ZeroMQ queues on the receiving side before producers block."""
+    """Messages ZeroMQ queues per producer on the receiving side before the producer blocks."""
+    max_frame_bytes: int = message.MAX_FRAME_BYTES
+    """Largest frame (one field of one rank's block) read; libzmq drops a peer announcing more."""
+    max_sample_bytes: int = 1 << 30
+    """Largest assembled sample (fields x global shape x 4 bytes); a larger one is dropped
+    (``too_large``) before anything is allocated."""
+    max_partial_bytes: int = 1 << 30
+    """Memory held by incomplete samples (some ranks' blocks in, others not yet); past it the
+    oldest is evicted (``partial_evicted``), so senders that never finish cannot grow memory."""
+    partial_timeout_s: float = 600.0
+    """An incomplete sample no block has reached for this long is evicted (``partial_evicted``)."""
     end_grace_s: float = 30.0
     """After campaign_done, how long to wait for missing end markers before ending anyway."""
     done_file: str | None = None
@@ -73,15 +88,15 @@ class ServerConfig:
         if not 0 <= self.port < 65536 or self.hwm < 1 or self.end_grace_s < 0:
             raise ConfigError(f"ServerConfig needs 0 <= port < 65536, hwm >= 1, end_grace_s >= 0; got {self.port}, "
                               f"{self.hwm}, {self.end_grace_s}")
-
-
-@dataclass
-class _Partial:
-    fields: np.ndarray
-    t: float
-    params: np.ndarray
-    ranks: set[int] = field(default_factory=set)
-    area: int = 0
+        for name in ("max_frame_bytes", "max_sample_bytes", "max_partial_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62:
+                raise ConfigError(f"ServerConfig.{name}={v!r}: expected an integer number of bytes in 1..2**62")
+        if self.max_sample_bytes > self.max_partial_bytes:
+            raise ConfigError(f"ServerConfig.max_sample_bytes={self.max_sample_bytes} exceeds max_partial_bytes="
+                              f"{self.max_partial_bytes}: one incomplete sample must fit the bound")
+        if not self.partial_timeout_s > 0:
+            raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
 
 
 class StreamServer:
@@ -93,21 +108,16 @@ class StreamServer:
             raise ConfigError(f"trainer rank {rank} outside 0..{n_trainers - 1}")
         self.campaign, self._secret, self.rank, self.n_trainers = campaign, secret, rank, n_trainers
         self.buffer, self.config = buffer, config
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, config.hwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        addr = f"tcp://{config.host}"
-        port = config.port or self._sock.bind_to_random_port(addr)
-        if config.port:
-            self._sock.bind(f"{addr}:{port}")
-        self.endpoint = f"{addr}:{port}"
+        self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=config.hwm,
+                                      max_frame_bytes=config.max_frame_bytes)
+        self.endpoint = self._rx.endpoint
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._overflow = threading.Event()
         self._last_recv = time.monotonic()
         self._thread: threading.Thread | None = None
-        self._partials: dict[tuple[int, int, int], _Partial] = {}
+        self._assembly = Assembler(len(config.field_names), max_bytes=config.max_partial_bytes,
+                                   timeout_s=config.partial_timeout_s, on_evict=self._evicted)
         self._pending: Sample | None = None
         self.seen: set[tuple[int, int]] = set()
         self.latest_attempt: dict[int, int] = {}
@@ -118,6 +128,8 @@ class StreamServer:
         self._done_checked = 0.0
         self.counters: dict[str, int] = {"messages": 0, "samples": 0, "duplicates": 0, "partial_discarded": 0,
                                          "bytes": 0}
+        self.error: str | None = None
+        """Why the server thread died (None while it runs): the loader then fails every rank."""
         self.dropped: dict[str, int] = {}
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -133,25 +145,39 @@ class StreamServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self._sock.close()
+        self._rx.close()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug, not input (input is dropped in _handle): fail loud, never hang
+            self.error = f"{type(e).__name__}: {e}"
+            logger.exception("trainer rank %d: the stream server thread died", self.rank)
+            self.buffer.fail(f"the stream server of trainer rank {self.rank} died ({self.error})")
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._rx.sock, zmq.POLLIN)
         while not self._stop.is_set():
             if self._pending is not None and not self._deliver():
                 continue
             if poller.poll(50):
                 for _ in range(16):  # drain what is queued before polling again
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = self._rx.recv()
                     except zmq.Again:
                         break
+                    except message.MessageError as e:
+                        with self._lock:
+                            self._rejected(e)
+                        continue
                     self._last_recv = time.monotonic()
                     with self._lock:
                         self._handle(frames)
                     if self._pending is not None and not self._deliver():
                         break  # buffer full: stop reading (backpressure)
+            with self._lock:
+                self._assembly.sweep()
             self._check_end()
 
     def _deliver(self) -> bool:
@@ -183,14 +209,23 @@ class StreamServer:
     def _drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
+    def _rejected(self, e: Exception) -> None:
+        self._drop(e.reason if isinstance(e, message.MessageError) else "internal_error")
+        if sum(self.dropped.values()) <= 10:
+            logger.warning("dropped a message: %s", e, exc_info=not isinstance(e, message.MessageError))
+
     def _handle(self, frames: list) -> None:
+        """Decode, check and place one message; anything wrong with it is a counted drop."""
         try:
             msg = message.decode(self._secret, frames, self.campaign)
         except message.MessageError as e:
-            self._drop(e.reason)
-            if sum(self.dropped.values()) <= 10:
-                logger.warning("dropped a message: %s", e)
-            return
+            return self._rejected(e)
+        try:
+            self._place(msg)
+        except Exception as e:  # MessageError, or input the checks missed: dropped, the thread lives on
+            self._rejected(e)
+
+    def _place(self, msg: message.Message) -> None:
         self.counters["messages"] += 1
         h = msg.header
         if msg.kind == "campaign_done":
@@ -211,10 +246,7 @@ class StreamServer:
         self._fragment(msg)
 
     def _new_attempt(self, sim: int, attempt: int) -> None:
-        stale = [k for k in self._partials if k[0] == sim and k[1] < attempt]
-        for k in stale:
-            del self._partials[k]
-        self.counters["partial_discarded"] += len(stale)
+        self.counters["partial_discarded"] += self._assembly.discard_older(sim, attempt)
         self.latest_attempt[sim] = attempt
         self.ends.pop(sim, None)
 
@@ -230,6 +262,8 @@ class StreamServer:
             return
         key = (sim, h["attempt"], step)
         gshape, offset, shape = (tuple(h[k]) for k in ("global_shape", "offset", "shape"))
+        if len(cfg.field_names) * math.prod(gshape) * 4 > cfg.max_sample_bytes:
+            return self._drop("too_large")
         params = np.array([h["params"][n] for n in cfg.param_names], np.float32)
         if h["nranks"] == 1 and len(cfg.field_names) == 1:  # one box is the whole sample: keep the frame, no copy
             if shape != gshape:
@@ -241,25 +275,20 @@ class StreamServer:
             self._pending = Sample(sim, step, float(h["t"]), params,
                                    (a if a.dtype == np.float32 else a.astype(np.float32)).reshape(1, *gshape))
             return
-        p = self._partials.get(key)
-        if p is None:
-            p = self._partials[key] = _Partial(np.empty((len(cfg.field_names), *gshape), np.float32), float(h["t"]),
-                                               params)
-        if h["rank"] in p.ranks or p.fields.shape[1:] != gshape:
-            return self._drop("bad_fragment")
-        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        for i, name in enumerate(cfg.field_names):
-            p.fields[(i, *box)] = msg.arrays[name]
-        p.ranks.add(h["rank"])
-        p.area += math.prod(shape)
+        p = self._assembly.add(key, rank=h["rank"], nranks=h["nranks"], global_shape=gshape, offset=offset,
+                               shape=shape, t=float(h["t"]), params=params,
+                               arrays=[msg.arrays[n] for n in cfg.field_names])
         self._count_bytes(msg)
-        if len(p.ranks) == h["nranks"]:
-            del self._partials[key]
-            if p.area != math.prod(gshape):
-                return self._drop("incomplete_cover")
+        if p is not None:
             self.seen.add((sim, step))
             self.counters["samples"] += 1
             self._pending = Sample(sim, step, p.t, p.params, p.fields)
+
+    def _evicted(self, key: Key, p: Partial, why: str) -> None:
+        self._drop("partial_evicted")
+        if self.dropped["partial_evicted"] <= 10:
+            logger.warning("trainer rank %d: evicted an incomplete sample (sim %d, attempt %d, step %d; %d of %d "
+                           "ranks in): %s", self.rank, *key, len(p.ranks), p.nranks, why)
 
     def _count_bytes(self, msg: message.Message) -> None:
         self.counters["bytes"] += msg.nbytes
@@ -308,7 +337,7 @@ class StreamServer:
 
     def stats(self) -> dict:
         dt = (self.t_last - self.t_first) if self.t_first and self.t_last and self.t_last > self.t_first else 0.0
-        return {**self.counters, "dropped": dict(self.dropped), "intake_s": dt,
+        return {**self.counters, "dropped": dict(self.dropped), "error": self.error, "intake_s": dt,
                 "intake_mb_s": self.counters["bytes"] / 1e6 / dt if dt else 0.0, "buffer": self.buffer.stats.as_dict(),
                 "buffer_len": len(self.buffer)}
 

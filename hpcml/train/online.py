@@ -232,6 +232,9 @@ def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: Onli
         result.problems.append("the trainer took 0 gradient steps")
     if rank == 0:
         result.summary = _summary(stats, trainer, config, grid.layout.world_size)
+        died = [f"trainer rank {r}: {s['error']}" for r, s in enumerate(stats) if s.get("error")]
+        if died:
+            result.problems.append(f"the sample source died ({'; '.join(died)}): data sent after that was lost")
         empty = [r for r, s in enumerate(stats) if s["samples"] == 0]
         if empty:
             result.problems.append(f"trainer rank(s) {empty} received no sample")

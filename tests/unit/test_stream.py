@@ -12,6 +12,7 @@ import zmq
 from hpcml.errors import ConfigError
 from hpcml.stream import Buffer, BufferConfig, Producer, Sample, message, route, write_endpoints
 from hpcml.stream import producer as producer_mod
+from hpcml.stream import transport
 from hpcml.stream.server import ServerConfig, StreamServer
 
 SECRET = b"k" * 32
@@ -189,7 +190,7 @@ def test_server_assembles_dedups_retries_and_ends():
         _send_all(a0, (1, 2), field)
         a0[0][0].send(3, 0.3, {"T": field[a0[0][1]] + 3})
         _wait(lambda: srv.counters["samples"] == 2 and srv.counters["messages"] == 5)
-        assert len(srv._partials) == 1
+        assert len(srv._assembly) == 1
         # attempt 1 re-sends everything: steps 1, 2 are duplicates, the half of step 3 is discarded
         a1 = _producers(srv, 0, 1, field)
         _send_all(a1, (1, 2, 3), field)
@@ -206,7 +207,7 @@ def test_server_assembles_dedups_retries_and_ends():
             assert got[step].params.tolist() == [0.5] and got[step].t == pytest.approx(0.1 * step)
         assert not srv.buffer.ended
         from hpcml.stream.producer import message as _m  # campaign_done through a raw socket
-        push = zmq.Context.instance().socket(zmq.PUSH)
+        push = transport.push_socket(zmq.Context.instance(), SECRET)
         push.connect(srv.endpoint)
         push.send_multipart(_m.encode(SECRET, {"kind": "campaign_done", "campaign": CAMPAIGN, "completed": [0],
                                                "failed": []}))
@@ -219,7 +220,7 @@ def test_server_assembles_dedups_retries_and_ends():
 def test_server_counts_and_survives_bad_messages():
     srv = _server()
     try:
-        push = zmq.Context.instance().socket(zmq.PUSH)
+        push = transport.push_socket(zmq.Context.instance(), SECRET)
         push.connect(srv.endpoint)
         good = [bytes(f) for f in message.encode(SECRET, _header(sim=0, nranks=1), [np.ones((4, 3), np.float32)])]
         push.send_multipart([b"garbage"])                                            # malformed
@@ -430,9 +431,12 @@ _BASE = dict(endpoint="tcp://127.0.0.1:9", secret=SECRET, campaign=CAMPAIGN, sim
      "simulation 0 rank 0: global_shape (8, 4) and local_shape (0, 4) need entries >= 1, offset (0, 0) entries >= 0"),
     (dict(local_shape=(4, 4)), "simulation 0 rank 0: a one-rank simulation sends the whole field: local_shape (4, 4) "
                                "must be global_shape (8, 4)"),
-    (dict(rank=2, nranks=2), "simulation 0 rank 2: rank 2 of nranks 2, expected 0 <= rank < nranks"),
-    (dict(sim_id=-1), "simulation -1 rank 0: sim_id -1, attempt 0: expected integers >= 0"),
-    (dict(params={"alpha": "fast"}), "simulation 0 rank 0: params['alpha']='fast' is not a number"),
+    (dict(rank=2, nranks=2), "simulation 0 rank 2: rank 2 of nranks 2, expected 0 <= rank < nranks <= 1048576"),
+    (dict(sim_id=-1), "simulation -1 rank 0: sim_id -1, attempt 0: expected integers in 0..9007199254740991"),
+    (dict(sim_id=2**64), "simulation 18446744073709551616 rank 0: sim_id 18446744073709551616, attempt 0: expected "
+                         "integers in 0..9007199254740991"),
+    (dict(params={"alpha": float("nan")}), "simulation 0 rank 0: params['alpha']=nan: expected a finite number"),
+    (dict(params={"alpha": "fast"}), "simulation 0 rank 0: params['alpha']='fast': expected a finite number"),
     (dict(fields=("T", "T")), "simulation 0 rank 0: fields ('T', 'T'): expected 1 to 16 distinct names (strings)"),
 ])
 def test_producer_refuses_at_construction_what_the_server_would_drop(kw, error):
@@ -448,8 +452,9 @@ def test_producer_refuses_at_construction_what_the_server_would_drop(kw, error):
                                      "float64)"),
     (1, {"U": np.zeros((8, 4))}, "fields ['U'] are not the declared fields ['T']"),
     (1, {}, "0 fields, expected 1 to 16"),
-    (-1, {"T": np.zeros((8, 4))}, "step=-1: expected an integer >= 0"),
-    (1.5, {"T": np.zeros((8, 4))}, "step=1.5: expected an integer >= 0"),
+    (-1, {"T": np.zeros((8, 4))}, "step=-1: expected an integer in 0..9007199254740991"),
+    (1.5, {"T": np.zeros((8, 4))}, "step=1.5: expected an integer in 0..9007199254740991"),
+    (10**30, {"T": np.zeros((8, 4))}, f"step={10**30}: expected an integer in 0..9007199254740991"),
 ])
 def test_producer_refuses_at_send_what_the_server_would_drop(step, fields, error):
     p, q = Producer(**_BASE, fields=("T",)), Producer(**_BASE)

@@ -1,0 +1,188 @@
+"""What a hostile message costs a stream server, against what a valid one costs and the raw limit.
+
+    python benchmarks/stream_hostile.py --json
+
+A StreamServer thread runs in this process; an attacker process sends ``--n`` messages of
+one kind at a time, and the server's CPU time (every thread of this process: the server,
+ZeroMQ's I/O thread, the ZAP handler; minus the idle polling rate) over the messages it
+handled is the cost per message. Kinds, all ~2 MB on the wire:
+
+- ``stranger_tcp``: a raw TCP peer writing 2 MB of junk (no ZMTP);
+- ``stranger_zmq``: a ZeroMQ peer without the secret sending a 2 MB message (refused at the
+  PLAIN/ZAP handshake: one connection attempt each);
+- ``wrong_mac``: a peer past the handshake (it holds the transport token) sending 2 MB
+  whose MAC is wrong -- the MAC pass is the cost;
+- ``poison``: an authenticated header the decoder refuses (e.g. ``fields=[["u"]]``);
+- ``many_frames``: 1,000,000 empty frames (2 MB) from a peer past the handshake;
+- ``valid``: a valid 2 MB sample, accepted (MAC, checks, buffer) -- the reference.
+
+Limits: ``raw_zmq`` (a plain PULL socket receiving the 2 MB message, nothing checked) and
+``memcpy`` of 2 MB; ``raw_many_frames``: a plain PULL socket's ``recv_multipart`` of the
+1,000,000-frame message (what a server without the frame bound pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SECRET = b"b" * 32
+CAMPAIGN = "bench"
+MB2 = 2 << 20
+SHAPE = (512, 1024)  # float32: 2 MiB
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _header(**kw) -> dict:
+    h = {"kind": "data", "campaign": CAMPAIGN, "sim": 0, "attempt": 0, "rank": 0, "nranks": 1, "step": 0, "t": 0.0,
+         "global_shape": list(SHAPE), "offset": [0, 0], "shape": list(SHAPE), "fields": [["T", "float32"]],
+         "params": {"a": 1.0}}
+    return {**h, **kw}
+
+
+def _attack(kind: str, endpoint: str, n: int) -> None:
+    """Child process: send ``n`` messages of ``kind``."""
+    import zmq
+
+    from hpcml.stream import message, transport
+
+    field = np.ones(SHAPE, np.float32)
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    if kind == "stranger_tcp":
+        junk = os.urandom(MB2)
+        for _ in range(n):
+            with socket.create_connection((host, int(port))) as s:
+                try:
+                    s.sendall(junk)
+                except OSError:
+                    pass
+        return
+    ctx = zmq.Context()
+    if kind == "stranger_zmq":
+        for _ in range(n):
+            s = ctx.socket(zmq.PUSH)
+            s.plain_username, s.plain_password, s.linger = transport.USER, b"guess", 0
+            s.connect(endpoint)
+            s.send(field, copy=False)
+            time.sleep(0.02)  # one connection attempt each (the handshake fails, the socket would retry)
+            s.close()
+        ctx.term()
+        return
+    s = ctx.socket(zmq.PUSH) if kind.startswith("raw") else transport.push_socket(ctx, SECRET)
+    s.connect(endpoint)
+    for i in range(n):
+        if kind == "valid":
+            frames = message.encode(SECRET, _header(step=i), [field])
+        elif kind == "wrong_mac":
+            frames = message.encode(SECRET, _header(step=i), [field])[:-1] + [b"\0" * 16]
+        elif kind == "poison":
+            frames = message.encode(SECRET, _header(fields=[["u"]]), [field])
+        elif kind in ("many_frames", "raw_many_frames"):
+            frames = [b""] * 1_000_000
+        else:  # raw_zmq
+            frames = [field]
+        s.send_multipart(frames, copy=kind != "raw_zmq")
+    s.close(linger=-1)
+    ctx.term()
+
+
+def _idle_rate(seconds: float = 1.0) -> float:
+    c0, t0 = _cpu(), time.perf_counter()
+    time.sleep(seconds)
+    return (_cpu() - c0) / (time.perf_counter() - t0)
+
+
+def _measure_server(kind: str, n: int) -> dict:
+    from hpcml.stream import Buffer, BufferConfig
+    from hpcml.stream.server import ServerConfig, StreamServer
+
+    srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1,
+                       buffer=Buffer(BufferConfig(policy="reservoir", capacity=4, watermark=0)),
+                       config=ServerConfig(param_names=("a",), field_names=("T",), hwm=4)).start()
+    handled = lambda: srv.counters["messages"] + sum(srv.dropped.values())  # noqa: E731
+    try:
+        idle = _idle_rate()  # this server's own polling, subtracted below
+        proc = mp.get_context("fork").Process(target=_attack, args=(kind, srv.endpoint, n))
+        c0, t0 = _cpu(), time.perf_counter()
+        proc.start()
+        strangers = kind.startswith("stranger")
+        while (proc.is_alive() if strangers else handled() < n):
+            time.sleep(0.002)
+        proc.join()
+        if strangers:
+            time.sleep(0.2)  # the server's share of the last connections
+        wall = time.perf_counter() - t0
+        cpu = _cpu() - c0 - idle * wall
+        return {"kind": kind, "n": n, "server_cpu_ms_per_msg": 1e3 * cpu / n, "wall_s": wall,
+                "accepted": srv.counters["samples"], "dropped": dict(srv.dropped),
+                "thread_alive": srv._thread.is_alive()}
+    finally:
+        srv.stop()
+
+
+def _measure_raw(kind: str, n: int, idle: float) -> dict:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    proc = mp.get_context("fork").Process(target=_attack, args=(kind, f"tcp://127.0.0.1:{port}", n))
+    c0, t0 = _cpu(), time.perf_counter()
+    proc.start()
+    for _ in range(n):
+        s.recv_multipart(copy=False)
+    wall = time.perf_counter() - t0
+    cpu = _cpu() - c0 - idle * wall
+    proc.join()
+    ctx.destroy(linger=0)
+    return {"kind": kind, "n": n, "server_cpu_ms_per_msg": 1e3 * cpu / n, "wall_s": wall}
+
+
+def _memcpy(n: int = 50) -> dict:
+    a, b = np.ones(MB2 // 4, np.float32), np.empty(MB2 // 4, np.float32)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        np.copyto(b, a)
+    return {"kind": "memcpy", "n": n, "server_cpu_ms_per_msg": 1e3 * (time.perf_counter() - t0) / n}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=200, help="messages per kind (many-frame kinds: n // 50)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    idle = _idle_rate()  # this process with no server: subtracted from the raw rows
+    rows = [_memcpy()]
+    for kind in ("raw_zmq", "raw_many_frames"):
+        rows.append(_measure_raw(kind, max(2, args.n // 50) if "many" in kind else args.n, idle))
+    for kind in ("valid", "wrong_mac", "poison", "stranger_zmq", "stranger_tcp", "many_frames"):
+        rows.append(_measure_server(kind, max(2, args.n // 50) if "many" in kind else args.n))
+    by = {r["kind"]: r["server_cpu_ms_per_msg"] for r in rows}
+    out = {"idle_cpu_fraction": idle, "rows": rows,
+           "ratios": {f"{k}/valid": by[k] / by["valid"] for k in by if k != "valid"},
+           "many_frames/raw_many_frames": by["many_frames"] / by["raw_many_frames"]}
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+    bad = [r["kind"] for r in rows if r.get("accepted") and r["kind"] != "valid" or r.get("thread_alive") is False]
+    if bad:
+        sys.exit(f"stream_hostile: hostile input accepted or fatal: {bad}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""A real StreamServer thread under hostile input and faults, over loopback ZeroMQ.
+
+The fuzz test sends >= 10,000 messages -- random frames, truncated and re-MAC'd ones,
+wrong MACs, many-frame messages, oversized frames, every poison header the attack found
+(authenticated), incomplete samples that never finish, replays, and peers without the
+secret -- interleaved with valid simulation output, and checks: the thread never dies,
+every bad message is dropped exactly once with a reason, no bad message becomes a sample,
+the valid samples arrive bit for bit, and the server's memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from hpcml.errors import ConfigError, LaunchError
+from hpcml.stream import Buffer, BufferConfig, message, transport
+from hpcml.stream.server import ServerConfig, StreamServer
+
+SECRET = b"s" * 32
+CAMPAIGN = "fuzz"
+SHAPE = (8, 6)
+SERVER_DROPS = frozenset({"missing_params", "too_large", "wrong_fields", "misrouted", "stale_attempt", "bad_fragment",
+                          "incomplete_cover", "internal_error", "partial_evicted"})
+"""Drops of messages that decoded: they count as messages too."""
+VALID_SIMS = range(40)
+STEPS = range(12)
+RSS_BOUND = 64 << 20
+"""Growth of the test process's resident memory allowed over the whole fuzz run."""
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _header(**kw) -> dict:
+    h = {"kind": "data", "campaign": CAMPAIGN, "sim": 1000, "attempt": 0, "rank": 0, "nranks": 1, "step": 0,
+         "t": 0.5, "global_shape": list(SHAPE), "offset": [0, 0], "shape": list(SHAPE),
+         "fields": [["T", "float32"]], "params": {"alpha": 0.25}}
+    h.update(kw)
+    return h
+
+
+def _signed(header: dict, payloads=None, secret: bytes = SECRET) -> list[bytes]:
+    """Frames MAC'd with ``secret`` (json.dumps writes NaN/Infinity as the attack would)."""
+    if payloads is None:
+        payloads = [np.zeros(SHAPE, np.float32)]
+    text = json.dumps({**header, "nonce": os.urandom(16).hex()}).encode()
+    frames = [message.MAGIC, text] + [np.ascontiguousarray(p).tobytes() for p in payloads]
+    return frames + [message.mac(secret, frames)]
+
+
+def _field(sim: int, step: int) -> np.ndarray:
+    return (np.arange(math.prod(SHAPE), dtype=np.float32).reshape(SHAPE) + 1000 * sim + step) / 7
+
+
+# every header the attack found to break the server, and the others like them: all invalid
+POISON = [
+    _header(fields=[["u"]]), _header(fields=["u"]), _header(fields=[5]), _header(fields=[["u", "float32", "x"]]),
+    _header(fields=[["T", "float16"]]), _header(fields=[[5, "float32"]]), _header(fields="T"), _header(fields=[]),
+    _header(fields=[["T", "float32"], ["T", "float32"]]),
+    _header(nranks=2, global_shape=[10**6, 10**6, 10**6], offset=[0, 0, 0], shape=[1, 1, 1]),  # np.empty bomb
+    _header(nranks=2, global_shape=[10**12], offset=[0], shape=[48]),
+    _header(sim=2**64), _header(sim=-1), _header(sim=1.5), _header(sim="3"), _header(sim=None), _header(sim=True),
+    _header(step=10**30), _header(step=2**53), _header(step=-2), _header(attempt=2**64), _header(attempt=[0]),
+    _header(t=float("nan")), _header(t=float("inf")), _header(t=-float("inf")), _header(t="0.5"), _header(t=None),
+    _header(params={"alpha": float("nan")}), _header(params={"alpha": float("inf")}), _header(params={"alpha": "x"}),
+    _header(params=[0.25]), _header(params={"alpha": True}), _header(params={"beta": 1.0}),  # missing alpha
+    _header(nranks=0), _header(nranks=2**21), _header(nranks=10**30), _header(rank=1), _header(rank=-1),
+    _header(global_shape=[], offset=[], shape=[]), _header(global_shape=[2] * 4, offset=[0] * 4, shape=[2] * 4),
+    _header(global_shape=[8, "6"]), _header(global_shape=[8, 0]), _header(offset=[0]), _header(offset=[1, 0]),
+    _header(shape=[8, 7]), _header(offset=[-1, 0]), _header(global_shape={"a": 1}),
+    _header(kind="exec"), _header(kind=None), _header(kind=["data"]), _header(campaign="other"),
+    _header(campaign=None), _header(kind="end", n_sent=-1), _header(kind="end", n_sent=10**30),
+    {"kind": "campaign_done", "campaign": CAMPAIGN, "completed": [2**64], "failed": []},
+    {"kind": "campaign_done", "campaign": CAMPAIGN, "completed": "all", "failed": []},
+    {"kind": "campaign_done", "campaign": CAMPAIGN, "completed": [True], "failed": []},
+    {"campaign": CAMPAIGN},
+]
+RAW_HEADERS = [b"[]", b'"x"', b"5", b"null", b"{", b"\xff\xfe", b"[" * 5000 + b"]" * 5000, b'{"sim": 1e999}',
+               b'{"kind": "data", "sim": ' + b"9" * 5000 + b"}", b'{"kind": NaN}']
+
+
+def _hostile(rng: np.random.Generator, i: int) -> list[bytes]:
+    """One bad message (category by ``i``), every one dropped with exactly one reason."""
+    kind = i % 8
+    if kind == 0:  # random frames
+        return [rng.bytes(int(rng.integers(0, 200))) for _ in range(int(rng.integers(1, 7)))]
+    if kind == 1:  # a valid message cut short: a frame, payload bytes or the MAC removed
+        f = _signed(_header(sim=int(rng.integers(1000, 2000))))
+        cut = int(rng.integers(3))
+        return [f[0], f[1], f[-1]] if cut == 0 else [f[0], f[1], f[2][:-4], f[-1]] if cut == 1 else f[:-1]
+    if kind == 2:  # wrong MAC, or the wrong secret
+        f = _signed(_header(sim=int(rng.integers(1000, 2000))), secret=b"z" * 32 if i % 16 == 2 else SECRET)
+        return f if i % 16 == 2 else f[:-1] + [rng.bytes(16)]
+    if kind in (3, 4):  # authenticated poison, with the payload its shape says where it says one
+        h = POISON[i // 8 % len(POISON)]
+        shape = h.get("shape")
+        ok = isinstance(shape, list) and all(type(x) is int and 0 < x for x in shape) and math.prod(shape) < 4096
+        return _signed(h, [np.zeros(shape if ok else SHAPE, np.float32)])
+    if kind == 5:  # authenticated raw headers that are not the JSON asked for
+        frames = [message.MAGIC, RAW_HEADERS[i // 8 % len(RAW_HEADERS)], np.zeros(SHAPE, np.float32).tobytes()]
+        return frames + [message.mac(SECRET, frames)]
+    if kind == 6:  # the header is fine, the payload is not what it says
+        f = _signed(_header(sim=int(rng.integers(1000, 2000))), [np.zeros((8, 5), np.float32)])
+        return f
+    return [message.MAGIC] + [b""] * int(rng.integers(20, 400))  # many frames
+
+
+def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
+    cfg = ServerConfig(param_names=("alpha",), field_names=("T",), hwm=1000, end_grace_s=5,
+                       max_frame_bytes=1 << 18, max_sample_bytes=1 << 20, max_partial_bytes=1 << 22)
+    srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1,
+                       buffer=Buffer(BufferConfig(policy="fifo", capacity=10**5, watermark=0)), config=cfg).start()
+    rss0 = _rss()
+    ctx = zmq.Context()
+    rng = np.random.default_rng(12)
+    push = transport.push_socket(ctx, SECRET, hwm=0)  # hwm 0: never blocks, the order on one pipe is kept
+    push.connect(srv.endpoint)
+    strangers = []
+    for token in (None, b"wrong", transport.token(b"y" * 32)):  # no secret: refused at the handshake
+        s = ctx.socket(zmq.PUSH)
+        s.linger = 0
+        if token is not None:
+            s.plain_username, s.plain_password = transport.USER, token
+        s.connect(srv.endpoint)
+        strangers.append(s)
+    try:
+        sent = {"valid": 0, "hostile": 0, "replays": 0, "partial": 0, "stranger": 0, "oversized": 0}
+        valid, replays, n = {}, [], 0
+        for sim in VALID_SIMS:
+            for step in STEPS:
+                a, nr = _field(sim, step), 1 + sim % 2  # odd simulations: two ranks, split along x
+                for r in range(nr):
+                    lo, hi = r * SHAPE[0] // nr, (r + 1) * SHAPE[0] // nr
+                    f = _signed(_header(sim=sim, step=step, t=step / 10, rank=r, nranks=nr, offset=[lo, 0],
+                                        shape=[hi - lo, SHAPE[1]], params={"alpha": sim / 100}), [a[lo:hi]])
+                    push.send_multipart(f)
+                    sent["valid"] += 1
+                    if nr == 1 and step % 3 == 0:
+                        replays.append(f)
+                valid[sim, step] = a
+                for _ in range(20):  # twenty bad ones after every good sample
+                    push.send_multipart(_hostile(rng, n))
+                    sent["hostile"] += 1
+                    n += 1
+                if step == 5:  # half a sample of a simulation that never finishes it: held, then evicted
+                    push.send_multipart(_signed(_header(sim=5000 + sim, step=step, nranks=2, rank=0,
+                                                        global_shape=[256, 256], shape=[128, 256], offset=[0, 0]),
+                                                [np.zeros((128, 256), np.float32)]))
+                    sent["partial"] += 1
+                try:  # valid messages, but no handshake: never delivered
+                    strangers[n % 3].send_multipart(_signed(_header(sim=sim, step=100 + step)), zmq.NOBLOCK)
+                    sent["stranger"] += 1
+                except zmq.Again:
+                    pass
+        for k in range(4):  # raw TCP: 2 MB of junk, or a ZMTP greeting without the handshake, then frames
+            host, port = srv.endpoint[len("tcp://"):].rsplit(":", 1)
+            with socket.create_connection((host, int(port))) as raw:
+                raw.settimeout(2)
+                greeting = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 16 + b"\0" + b"\0" * 31
+                junk = greeting + b"\x01\x00" * (1 << 20) if k % 2 else os.urandom(2 << 20)
+                try:
+                    raw.sendall(junk)
+                except OSError:  # the server hung up on it: what should happen
+                    pass
+            sent["stranger"] += 1
+        big = ctx.socket(zmq.PUSH)  # past max_frame_bytes: libzmq drops the peer before reading the frame
+        big.plain_username, big.plain_password, big.linger = transport.USER, transport.token(SECRET), 0
+        big.connect(srv.endpoint)
+        for k in range(5):
+            big.send_multipart(_signed(_header(sim=7000 + k, global_shape=[1 << 17], offset=[0], shape=[1 << 17]),
+                                       [np.zeros(1 << 17, np.float32)]), zmq.NOBLOCK)
+            sent["oversized"] += 1
+        for f in replays:
+            push.send_multipart(f)
+        sent["replays"] = len(replays)
+        push.send_multipart([message.MAGIC] + [b""] * 100_000)  # one message of 100,000 frames
+        sent["hostile"] += 1
+        t_last = time.perf_counter()
+        received = sent["valid"] + sent["hostile"] + sent["partial"] + sent["replays"]
+        deadline = time.monotonic() + 120
+        decode_drops = lambda: sum(v for k, v in srv.dropped.items() if k not in SERVER_DROPS)  # noqa: E731
+        while srv.counters["messages"] + decode_drops() < received:
+            assert time.monotonic() < deadline and srv._thread.is_alive(), (srv.counters, srv.dropped)
+            time.sleep(0.05)
+        time.sleep(0.5)  # anything else (strangers, oversized) would have arrived by now
+        total = sum(sent.values())
+        assert total >= 10_000, sent
+        # the thread lives, nothing hostile was counted as data, each bad message dropped once
+        assert srv._thread.is_alive() and srv.error is None
+        drops = {k: v for k, v in srv.dropped.items() if k != "partial_evicted"}
+        assert sum(drops.values()) == sent["hostile"] and "internal_error" not in drops, (drops, sent)
+        late = sum(v for k, v in drops.items() if k in SERVER_DROPS)
+        assert srv.counters["messages"] - late == sent["valid"] + sent["partial"] + sent["replays"]
+        assert srv.counters["samples"] == len(valid) and srv.counters["duplicates"] == len(replays)
+        assert sorted(srv.seen) == sorted(valid)
+        assert drops["too_many_frames"] == n // 8 + 1
+        assert {"malformed", "unauthenticated", "bad_header", "truncated", "wrong_campaign", "too_large",
+                "missing_params"} <= set(drops), drops
+        # incomplete samples were held within the bound and the oldest evicted
+        assert srv._assembly.nbytes <= cfg.max_partial_bytes
+        held = srv.dropped.get("partial_evicted", 0) + len(srv._assembly)
+        assert held == sent["partial"] and srv.dropped["partial_evicted"] >= sent["partial"] - 16
+        got = srv.buffer.get(len(valid))
+        assert len(got) == len(valid) and srv.buffer.get(1) is None
+        for s in got:  # bit for bit, with their own times and parameters
+            np.testing.assert_array_equal(s.fields[0], valid[s.sim, s.step])
+            assert (s.t, s.params.tolist()) == (pytest.approx(s.step / 10), [np.float32(s.sim / 100)])
+        growth = _rss() - rss0
+        assert growth < RSS_BOUND, f"server RSS grew {growth / 2**20:.1f} MiB"
+        print(f"\nfuzz: {total} messages {sent}; drops {drops}; partial_evicted {srv.dropped['partial_evicted']}; "
+              f"RSS growth {growth / 2**20:.1f} MiB; {time.perf_counter() - t_last:.2f} s after the last send")
+    finally:
+        ctx.destroy(linger=0)
+        srv.stop()
+
+
+def _server(**kw) -> StreamServer:
+    cfg = ServerConfig(param_names=("alpha",), field_names=("T",), **kw)
+    return StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1,
+                        buffer=Buffer(BufferConfig(policy="fifo", capacity=64, watermark=1)), config=cfg).start()
+
+
+def _wait(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.01)
+
+
+def test_incomplete_sample_is_evicted_after_the_timeout_and_a_late_block_starts_anew():
+    srv = _server(partial_timeout_s=0.5)
+    ctx = zmq.Context()
+    try:
+        push = transport.push_socket(ctx, SECRET)
+        push.connect(srv.endpoint)
+        half = _header(sim=3, nranks=2, shape=[4, 6])
+        push.send_multipart(_signed(half, [np.ones((4, 6), np.float32)]))
+        _wait(lambda: len(srv._assembly) == 1)
+        _wait(lambda: srv.dropped.get("partial_evicted") == 1, timeout=5)
+        assert len(srv._assembly) == 0 and srv._assembly.nbytes == 0 and srv.counters["samples"] == 0
+        # the other half arriving late starts a new incomplete sample: never a sample of garbage
+        push.send_multipart(_signed(_header(sim=3, nranks=2, rank=1, offset=[4, 0], shape=[4, 6]),
+                                    [np.ones((4, 6), np.float32)]))
+        _wait(lambda: srv.counters["messages"] == 2)
+        assert srv.counters["samples"] == 0 and len(srv._assembly) == 1
+    finally:
+        ctx.destroy(linger=0)
+        srv.stop()
+
+
+def test_overlapping_blocks_are_never_a_sample():
+    """Two ranks whose blocks overlap cover the area of the grid but leave a hole: dropped,
+    not a sample with uninitialised memory in it."""
+    srv = _server()
+    ctx = zmq.Context()
+    try:
+        push = transport.push_socket(ctx, SECRET)
+        push.connect(srv.endpoint)
+        for r in range(2):  # both send rows 0..3 of an 8-row grid
+            push.send_multipart(_signed(_header(sim=4, nranks=2, rank=r, shape=[4, 6]), [np.ones((4, 6), np.float32)]))
+        _wait(lambda: srv.dropped.get("incomplete_cover") == 1)
+        assert srv.counters["samples"] == 0 and len(srv._assembly) == 0
+    finally:
+        ctx.destroy(linger=0)
+        srv.stop()
+
+
+def test_a_dead_server_thread_fails_every_loader_round_within_a_poll():
+    """A bug (not input) that kills the thread: the buffer is failed, the loader raises
+    LaunchError with the reason instead of waiting for data that will never come."""
+    from mpi4py import MPI
+
+    from hpcml.stream.loader import StreamLoader
+
+    srv = _server()
+    try:
+        def boom() -> None:
+            raise RuntimeError("injected fault")
+
+        srv._assembly.sweep = boom
+        loader = StreamLoader(srv, MPI.COMM_SELF, batch_size=4)
+        t0 = time.perf_counter()
+        with pytest.raises(LaunchError, match=r"this rank's: the stream server of trainer rank 0 died "
+                                              r"\(RuntimeError: injected fault\)"):
+            loader.next_batch()
+        assert time.perf_counter() - t0 < 5 and srv.error == "RuntimeError: injected fault"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(max_frame_bytes=0), "ServerConfig.max_frame_bytes=0: expected an integer number of bytes in 1..2**62"),
+    (dict(max_partial_bytes=True), "ServerConfig.max_partial_bytes=True: expected an integer number of bytes in "
+                                   "1..2**62"),
+    (dict(max_sample_bytes=2 << 30), f"ServerConfig.max_sample_bytes={2 << 30} exceeds max_partial_bytes="
+                                     f"{1 << 30}: one incomplete sample must fit the bound"),
+    (dict(partial_timeout_s=0), "ServerConfig.partial_timeout_s=0: expected seconds > 0"),
+])
+def test_server_limits_are_validated(kw, error):
+    with pytest.raises(ConfigError) as e:
+        ServerConfig(field_names=("T",), **kw)
+    assert str(e.value) == error
+
+
+def test_a_stranger_costs_no_message_and_the_token_is_not_the_secret():
+    srv = _server()
+    ctx = zmq.Context()
+    try:
+        assert SECRET.hex().encode() not in transport.token(SECRET) and transport.token(SECRET) != \
+            transport.token(b"t" * 32)
+        s = ctx.socket(zmq.PUSH)
+        s.linger = 0
+        s.connect(srv.endpoint)
+        for step in range(50):  # valid messages, signed with the secret, but no handshake
+            s.send_multipart(_signed(_header(sim=1, step=step)))
+        ok = transport.push_socket(ctx, SECRET)
+        ok.connect(srv.endpoint)
+        ok.send_multipart(_signed(_header(sim=2)))
+        _wait(lambda: srv.counters["samples"] == 1)
+        time.sleep(0.3)
+        assert srv.counters["messages"] == 1 and srv.dropped == {} and sorted(srv.seen) == [(2, 0)]
+    finally:
+        ctx.destroy(linger=0)
+        srv.stop()
+
+
+def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
+    srv = _server(hwm=8)
+    ctx = zmq.Context()
+    try:
+        stop = threading.Event()
+
+        def flood(k: int) -> None:
+            s = transport.push_socket(ctx, SECRET, hwm=8)
+            s.connect(srv.endpoint)
+            while not stop.is_set():
+                try:
+                    s.send_multipart([message.MAGIC, b"{}", os.urandom(64 + k)], zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.001)
+            s.close(linger=0)
+
+        threads = [threading.Thread(target=flood, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        _wait(lambda: srv.dropped.get("malformed", 0) > 200, timeout=30)  # the flood is on
+        ok = transport.push_socket(ctx, SECRET)
+        ok.connect(srv.endpoint)
+        for step in range(20):
+            ok.send_multipart(_signed(_header(sim=2, step=step)))
+        _wait(lambda: srv.counters["samples"] == 20, timeout=30)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert srv.dropped["malformed"] > 100 and srv._thread.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+        srv.stop()
