@@ -1,7 +1,9 @@
 """The process grid on an MPI communicator: sub-communicators per axis, node map, abort.
 
-Every argument is validated (by :class:`~hpcml.grid.layout.Layout`) on every rank before
-the first collective, so a bad layout raises everywhere and nothing hangs.
+Every argument is validated (by :class:`~hpcml.grid.layout.Layout`) on every rank, and the
+first collective is one allgather of every rank's resolved arguments (with its node name):
+a bad layout on any rank, or arguments that differ between ranks, raise the same one-line
+GridError everywhere -- no inconsistent groups, no Split that some rank never calls.
 """
 
 from __future__ import annotations
@@ -68,6 +70,32 @@ def _combo_key(axes: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in names)
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``0``, ``1-3``, ``0, 2, 5``: a short rank list for a message."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+def _agree(views: list[tuple[str | None, str | None]]) -> None:
+    """Raise the same GridError on every rank unless every rank built the same arguments."""
+    problems = [(r, p) for r, (_, p) in enumerate(views) if p is not None]
+    if len(problems) == len(views) and len({p for _, p in problems}) == 1:
+        raise GridError(problems[0][1])  # the same mistake everywhere: its own message
+    if problems:
+        r, p = problems[0]
+        others = [q for q, _ in problems[1:]]
+        raise GridError(f"ProcessGrid arguments on rank {r}: {p}" + (f" (and on rank(s) {_ranks(others)})"
+                                                                        if others else ""))
+    groups: dict[str, list[int]] = {}
+    for r, (m, _) in enumerate(views):
+        groups.setdefault(m, []).append(r)
+    if len(groups) > 1:
+        told = "; ".join(f"rank(s) {_ranks(rs)} gave {m}" for m, rs in groups.items())
+        raise GridError(f"ProcessGrid arguments differ across ranks: {told}; every rank must pass the same "
+                        f"degrees and combos")
+
+
 class ProcessGrid:
     """Named parallel axes over the ranks of an MPI communicator.
 
@@ -85,18 +113,20 @@ class ProcessGrid:
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
-        if layout is None:
-            layout = Layout.from_degrees(self.world_size, degrees)
-        elif degrees:
-            raise GridError(f"give either a layout or degrees, not both (got {sorted(degrees)})")
-        if layout.world_size != self.world_size:
-            raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
+        log.configure(self.rank)
+        try:
+            layout, wanted = self._resolve(layout, combos, degrees)
+            mine, problem = f"{layout.describe_degrees()}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
+        except (GridError, TypeError, ValueError) as e:
+            mine, problem = None, f"{type(e).__name__}: {e}" if not isinstance(e, GridError) else str(e)
+        # -- the first collective: every rank's arguments and node, so that all raise the same
+        # error or none does (one allgather; a rank-dependent argument would otherwise build
+        # inconsistent groups or hang in a Split some rank never calls)
+        views = self.comm.allgather((mine, problem, node_name or env.detect().node))
+        _agree([(m, p) for m, p, _ in views])
+        self.node_names: list[str] = [n for _, _, n in views]
         self.layout = layout
         self.coords = layout.coords(self.rank)
-        wanted = [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
-        log.configure(self.rank)
-        # -- collectives start here; everything above raised on every rank alike --------------
-        self.node_names: list[str] = self.comm.allgather(node_name or env.detect().node)
         #: CPUs this rank may run on, and how many ranks of this host share any of them.
         self.cpus, self.cpu_sharers = self._cpu_sharing()
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
@@ -104,6 +134,16 @@ class ProcessGrid:
             self._comms[key] = self.comm.Split(color=layout.group_index(self.rank, key), key=self.rank)
         self.torch: TorchDist | None = None
         self._warn_spanning_tp()
+
+    def _resolve(self, layout: Layout | None, combos, degrees: dict[str, int]) -> tuple[Layout, list[tuple[str, ...]]]:
+        """The layout and the groups to build, from this rank's arguments (no communication)."""
+        if layout is None:
+            layout = Layout.from_degrees(self.world_size, degrees)
+        elif degrees:
+            raise GridError(f"give either a layout or degrees, not both (got {sorted(degrees)})")
+        if layout.world_size != self.world_size:
+            raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
+        return layout, [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
 
     def _cpu_sharing(self) -> tuple[int, int]:
         """This rank's CPUs, and the ranks of its host whose CPUs overlap them: masks are

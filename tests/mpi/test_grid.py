@@ -137,3 +137,35 @@ def test_threads_per_rank_share_the_hosts_cpus(comm):
     assert (grid.cpus, grid.cpu_sharers) == (cpus, WORLD)
     assert grid.threads_per_rank == max(1, cpus // WORLD)
     grid.free()
+
+
+def _raised_everywhere(comm, **kw) -> str:
+    """Build a grid with this rank's ``kw``; the GridError message, the same on every rank."""
+    with pytest.raises(GridError) as info:
+        ProcessGrid(**kw)
+    msg = str(info.value)
+    assert comm.allgather(msg) == [msg] * WORLD and "\n" not in msg
+    return msg
+
+
+def test_rank_dependent_arguments_raise_the_same_error_on_every_rank(comm):
+    """Issue 12: tp=2 on rank 0 only built inconsistent groups with no error; rank-dependent
+    combos hung. One allgather of every rank's resolved arguments comes first."""
+    rest = "1" if WORLD == 2 else f"1-{WORLD - 1}"
+    msg = _raised_everywhere(comm, **({"tp": 2} if comm.rank == 0 else {}))
+    assert msg == (f"ProcessGrid arguments differ across ranks: rank(s) 0 gave pp(1) x dp({WORLD // 2}) x cp(1) x "
+                   f"tp(2), combos [['dp', 'cp']]; rank(s) {rest} gave pp(1) x dp({WORLD}) x cp(1) x tp(1), combos "
+                   f"[['dp', 'cp']]; every rank must pass the same degrees and combos")
+    combos = [("dp", "cp")] + ([("tp", "dp")] if comm.rank % 2 else [])
+    msg = _raised_everywhere(comm, combos=combos)
+    assert msg.startswith("ProcessGrid arguments differ across ranks: rank(s) 0") and "combos [['dp', 'cp'], " \
+        "['dp', 'tp']]" in msg
+    # a degree only one rank gets wrong: every rank raises that rank's reason
+    msg = _raised_everywhere(comm, **({"tp": 3} if comm.rank == WORLD - 1 else {}))
+    assert msg.startswith(f"ProcessGrid arguments on rank {WORLD - 1}: cannot infer dp: tp(3)")
+    # the same mistake on every rank keeps its own message
+    msg = _raised_everywhere(comm, tp=3)
+    assert msg.startswith("cannot infer dp: tp(3)")
+    grid = ProcessGrid()  # and the next grid builds: nothing was left half-made
+    assert comm.allgather(grid.group("dp")) == [list(range(WORLD))] * WORLD
+    grid.free()

@@ -79,3 +79,27 @@ def test_empty_mpi_test_run_is_not_a_failure(tmp_path, n):
     out = mpiexec(n, sys.executable, str(ROOT / "tests/mpi_pytest.py"), str(tmp_path), "-q", "--rootdir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "no tests ran" in out.stdout
+
+
+def test_rank_dependent_grid_arguments_on_3_ranks_fail_fast_not_hang():
+    """Issue 12: combos that differ by rank hung > 60 s on 3 ranks (a Split some rank never
+    called). Now every rank raises the same one-line GridError from the first collective."""
+    code = textwrap.dedent("""
+        import sys
+        from mpi4py import MPI
+        from hpcml.errors import GridError
+        from hpcml.grid import ProcessGrid
+        r = MPI.COMM_WORLD.rank
+        try:
+            ProcessGrid(combos=[("dp", "cp")] + ([("tp", "dp")] if r == 1 else []))
+        except GridError as e:
+            print(f"[{r}] {e}", flush=True)
+            sys.exit(2)
+    """)
+    t0 = time.monotonic()
+    out = mpiexec(3, sys.executable, "-c", code, timeout=60)
+    assert time.monotonic() - t0 < 30 and out.returncode != 0, out.stderr
+    msg = ("ProcessGrid arguments differ across ranks: rank(s) 0, 2 gave pp(1) x dp(3) x cp(1) x tp(1), combos "
+           "[['dp', 'cp']]; rank(s) 1 gave pp(1) x dp(3) x cp(1) x tp(1), combos [['dp', 'cp'], ['dp', 'tp']]; every "
+           "rank must pass the same degrees and combos")
+    assert sorted(out.stdout.splitlines()) == [f"[{r}] {msg}" for r in range(3)]
