@@ -207,9 +207,22 @@ def _check_world(args: argparse.Namespace) -> None:
                       f"process: {fix}run it under mpiexec -n N")
 
 
+#: ``hpcml grid --world`` at most: 50x the GPUs of today's largest machines, and the group
+#: lists still print in a second (they grow with the world).
+MAX_PRINT_WORLD = 1 << 22
+#: Up to this world size the text form lists every group; above, the first ``SHOWN_GROUPS``
+#: groups (and members) of each axis; ``--json`` lists them all.
+SHOWN_ALL = 256
+SHOWN_GROUPS = 8
+
+
 def _cmd_grid(args: argparse.Namespace) -> int:
     from hpcml.grid.layout import Layout
 
+    if args.world is not None and not 1 <= args.world <= MAX_PRINT_WORLD:
+        raise ConfigError(f"--world {args.world}: expected 1 to {MAX_PRINT_WORLD} ranks")
+    if args.check and args.backend is not None:
+        _check_backend(args.backend)
     _check_world(args)
     if not args.check:
         world = args.world if args.world is not None else env.detect().world_size
@@ -240,8 +253,29 @@ def _layout_text(layout) -> str:
     lines = [f"world {layout.world_size} = {layout.describe_degrees()}  (rank order innermost first: "
              f"{', '.join(reversed(layout.axis_names))})"]
     for axis in layout.axis_names:
-        lines.append(f"  {axis} groups: {layout.groups(axis)}")
+        groups = layout.group_array(axis)
+        if layout.world_size <= SHOWN_ALL:
+            lines.append(f"  {axis} groups: {groups.tolist()}")
+            continue
+        rows = [_short_list(g.tolist()) for g in groups[:SHOWN_GROUPS]]
+        more = f", ... ({len(groups)} groups of {groups.shape[1]})" if len(groups) > SHOWN_GROUPS else ""
+        lines.append(f"  {axis} groups: [{', '.join(rows)}{more}]")
     return "\n".join(lines)
+
+
+def _short_list(xs: list[int]) -> str:
+    return str(xs) if len(xs) <= 2 * SHOWN_GROUPS else f"[{', '.join(map(str, xs[:SHOWN_GROUPS]))}, ..., {xs[-1]}]"
+
+
+def _check_backend(backend: str) -> None:
+    """A torch.distributed backend this torch build has, before any rank starts the bootstrap
+    (torch's own errors are an AssertionError or a RuntimeError traceback on every rank)."""
+    import torch.distributed as dist
+
+    have = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if getattr(dist, f"is_{b}_available", lambda: False)()]
+    if backend not in have:
+        raise ConfigError(f"--backend {backend!r}: this torch build has {', '.join(have) or 'no backend'}"
+                          + (" (nccl needs a CUDA build of torch and a GPU)" if backend == "nccl" else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -98,6 +98,17 @@ def model_weights(source: Checkpoint | str | os.PathLike) -> dict[str, torch.Ten
     return out
 
 
+def out_file(out: str | os.PathLike) -> Path:
+    """``out`` can be written as a file: not a directory, in a directory that exists -- said
+    in one line before any weight is read (the writers' own errors are tracebacks)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"output {out} is a directory: expected a file path, e.g. {out}/<name>")
+    if not out.parent.is_dir():
+        raise ConfigError(f"output {out}: directory {out.parent} does not exist (create it first)")
+    return out
+
+
 def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "safetensors") -> int:
     """Consolidated model weights for inference: ``safetensors``, ``torch`` (torch.save), or
     ``hf`` (a Hugging Face Llama directory ``out``: :mod:`hpcml.models.transformer.hf`). Returns bytes."""
@@ -107,6 +118,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
         from hpcml.models.transformer.hf import export_hf
 
         return export_hf(path, out)["bytes"]
+    out_file(out)
     with Checkpoint(path) as ck:
         weights, source, model = model_weights(ck), ck.path, ck.extra.get("model")
     if fmt_name == "safetensors":
@@ -127,6 +139,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> int:
     """One self-contained HDF5 file: every tensor as a real dataset (read checked), attributes kept."""
     import numpy as np
 
+    out_file(out)
     with Checkpoint(path) as ck, h5py.File(Path(str(out) + ".tmp"), "w") as g:
         ck.check_index()
         tmp = Path(g.filename)
