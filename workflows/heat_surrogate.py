@@ -78,6 +78,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--crash-sim", default=None, help="reliability test: SIM:STEP kills simulation SIM at STEP on attempt 0")
     a("--crash-trainer-at", type=int, default=None,
       help="reliability test: the first training job kills itself (SIGKILL) after this gradient step")
+    a("--crash-trainer-times", type=int, default=1, help="reliability test: that many training jobs in a row crash")
+    a("--crash-trainer-rank", type=int, default=0, help="reliability test: the trainer rank that kills itself")
+    a("--trainer-restarts", type=int, default=1,
+      help="relaunches of a failed training job (it resumes from its checkpoint); past them the run fails")
     a("--no-report", action="store_true", help="skip report.png")
     a("--quiet", action="store_true", help="no progress display")
     # the training job's own flags (set by the driver)
@@ -90,6 +94,18 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.sim_steps < args.every:
         p.error(f"--sim-steps {args.sim_steps} < --every {args.every}: the simulations would output nothing")
+    for name in ("ckpt_every", "trainer_restarts", "crash_trainer_times", "crash_trainer_rank", "retries"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr {args.lr}: expected a finite learning rate > 0")
+    from hpcml.errors import ConfigError
+    from hpcml.stream.buffer import BufferConfig
+
+    try:  # the trainer's own checks, here in the driver: one line now, not an MPI_Abort later
+        BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark)
+    except ConfigError as e:
+        p.error(f"--capacity {args.capacity} --watermark {args.watermark}: {e}")
     return args
 
 
@@ -116,9 +132,15 @@ def driver(args) -> dict:
     from hpcml.stream import new_secret
 
     t0, started = time.perf_counter(), time.time()
-    site = load_site(args.site)
     run_dir = Path(args.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        site = load_site(args.site)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as e:  # usage errors: one line, exit 2 as argparse's
+        print(f"heat_surrogate: error: {e}" if isinstance(e, ConfigError) else f"heat_surrogate: error: --run-dir "
+              f"{run_dir}: {e.strerror}; expected a directory (or a path to create one) under a directory",
+              file=sys.stderr)
+        sys.exit(2)
     secret_file = run_dir / "stream.key"
     new_secret(secret_file)  # reused when the directory has one (its campaign is resumed or refused)
     for sub in ("data", "val"):
@@ -141,7 +163,8 @@ def driver(args) -> dict:
     # (HPCML_CAMPAIGN_ID) and whether to resume (HPCML_RESUME, also on a relaunch)
     train_argv = [sys.executable, str(Path(__file__).resolve()), "--role", "train", *_forward(args, site)]
     ranks = args.train_ranks if args.train_ranks is not None or site.has_gpus else site.train_ranks(args.train_nodes)
-    training = TrainingJob(argv=train_argv, ranks=ranks, nodes=args.train_nodes, env=stream_env, max_restarts=1)
+    training = TrainingJob(argv=train_argv, ranks=ranks, nodes=args.train_nodes, env=stream_env,
+                           max_restarts=args.trainer_restarts)
     site_options = {k: getattr(args, k) for k in ("nodes", "walltime", "account", "queue") if getattr(args, k)}
     campaign = Campaign(site=site, site_options=site_options, run_dir=run_dir, max_concurrent=args.max_concurrent,
                         retries=args.retries, env=stream_env, progress=not args.quiet)
@@ -233,7 +256,8 @@ def _forward(args, site) -> list[str]:
     """The driver's flags the training job needs too."""
     out = []
     for k in ("mode", "run_dir", "nx", "ny", "sim_steps", "every", "sims", "val_sims", "steps", "batch", "lr",
-              "buffer", "capacity", "watermark", "ckpt_every", "host", "seed", "crash_trainer_at"):
+              "buffer", "capacity", "watermark", "ckpt_every", "host", "seed", "crash_trainer_at",
+              "crash_trainer_times", "crash_trainer_rank"):
         v = getattr(args, k)
         if v is not None:
             out += [f"--{k.replace('_', '-')}", str(Path(v).resolve()) if k == "run_dir" else str(v)]
@@ -290,10 +314,14 @@ def train(args) -> None:
         source = FileSource(sorted((run_dir / "data").glob("sim_*.h5")), rank=rank, n_trainers=world, buffer=buffer,
                             field_names=("T",), param_names=PARAMS)
 
-    def crash_test(m: dict) -> None:  # --crash-trainer-at: the first training job dies at that step
-        if args.crash_trainer_at == m["step"] and rank == 0 and not (run_dir / ".trainer_crashed").exists():
-            (run_dir / ".trainer_crashed").write_text(str(m["step"]))
-            print(f"[train] reliability test: killing the training job after step {m['step']}", flush=True)
+    marker = run_dir / ".trainer_crashed"  # how many training jobs crashed so far
+    crashed = int(marker.read_text()) if marker.exists() else 0
+
+    def crash_test(m: dict) -> None:  # --crash-trainer-at: the first --crash-trainer-times jobs die at that step
+        if args.crash_trainer_at == m["step"] and rank == args.crash_trainer_rank and crashed < args.crash_trainer_times:
+            marker.write_text(str(crashed + 1))
+            print(f"[train] reliability test: killing trainer rank {rank} after step {m['step']} (crash "
+                  f"{crashed + 1} of {args.crash_trainer_times})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     config = OnlineConfig(steps=args.steps, batch=args.batch, ckpt_dir=str(run_dir / "checkpoints"),

@@ -63,8 +63,8 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
 
 ATTEMPT_SH = r"""#!/bin/bash
 # Written by hpcml.ensemble.attempts. Runs attempt K of one simulation in its own process
-# group; TERM then KILL it on timeout, on run_dir/sims/CANCEL or when this script is
-# signalled; leaves attempt_K.end = {"returncode", "end", "reason"}.
+# group; TERM then KILL it on timeout, on run_dir/sims/CANCEL, when the campaign's driver
+# is gone or when this script is signalled; leaves attempt_K.end = {"returncode", "end", "reason"}.
 # usage: attempt.sh SIM_DIR SIM_ID K TIMEOUT_S GRACE_S -- COMMAND...
 dir=$1 id=$2 k=$3 limit=$4 grace=$5
 shift 6
@@ -78,6 +78,15 @@ set -m
 "$@" &
 child=$!
 reason=
+# The driver that started the campaign died (kill -9, a lost login session): nothing may
+# outlive it. Checked where the driver runs (a zombie counts as dead); elsewhere Parsl's own
+# heartbeats end the workers.
+driver_gone() {
+    [ -n "$HPCML_DRIVER_PID" ] && [ "$HPCML_DRIVER_HOST" = "$(hostname)" ] || return 1
+    local state
+    state=$(awk '{print $3}' "/proc/$HPCML_DRIVER_PID/stat" 2>/dev/null) || return 0
+    [ -z "$state" ] || [ "$state" = Z ]
+}
 stop() {
     kill -TERM -- -"$child" 2>/dev/null
     local g=0
@@ -96,6 +105,7 @@ trap 'interrupted=1; echo interrupted >"$base.reason"; kill -TERM -- -"$child" 2
         n=$((n + 1))
         if [ -e "$here/CANCEL" ]; then echo cancelled >"$base.reason"
         elif [ "$limit" -gt 0 ] && [ "$n" -ge "$limit" ]; then echo timeout >"$base.reason"
+        elif driver_gone; then echo driver_gone >"$base.reason"
         else continue; fi
         stop
         exit 0

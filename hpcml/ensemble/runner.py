@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpcml import stop
-from hpcml.ensemble import attempts
+from hpcml.ensemble import attempts, watchdog
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.attempts import SIMS_DONE_FILE
 from hpcml.ensemble.campaign import Campaign, claim_run_dir, executor_label
@@ -193,7 +193,8 @@ class Run:
     def _prepare(self) -> None:
         if not self.sims:  # training alone: the simulations' files stay as they are
             return
-        env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_CAMPAIGN_ID": self.campaign_id, **self.c.env}
+        env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_CAMPAIGN_ID": self.campaign_id,
+               watchdog.ENV_DRIVER_PID: str(os.getpid()), watchdog.ENV_DRIVER_HOST: socket.gethostname(), **self.c.env}
         attempts.prepare(self.sims_dir, env)
         attempts.clear_cancel(self.sims_dir)
         (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)

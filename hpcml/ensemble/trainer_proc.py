@@ -19,13 +19,29 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcml.ensemble.attempts import tail_lines, tail_text
+from hpcml.ensemble import watchdog
+from hpcml.ensemble.attempts import tail_text
 from hpcml.ensemble.spec import TrainingJob
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import LaunchError
 from hpcml.log import get_logger
 
 logger = get_logger(__name__)
+
+
+_CAUSE = re.compile(r"\b[A-Z]\w*(Error|Exception|Interrupt)\b|\berror:|KILLED BY SIGNAL|Killed|Segmentation fault|"
+                    r"out of memory", re.I)
+_NOISE = re.compile(r"MPI_Abort|Abort\(\d+\)|^\[rank \d+\] (INFO|DEBUG|WARNING) |^={5,}|^\s*$|aborting the MPI job")
+
+
+def cause_line(path: Path, max_chars: int = 400) -> str | None:
+    """The last line of ``path``'s tail that says what went wrong (an exception, an error, a
+    signal), skipping the launcher's abort noise and log lines; None if there is none."""
+    for line in reversed(tail_text(path, 1 << 16).splitlines()):
+        line = line.strip()
+        if _CAUSE.search(line) and not _NOISE.search(line):
+            return line if len(line) <= max_chars else line[:max_chars - 3] + "..."
+    return None
 
 
 class TrainerProcess:
@@ -53,7 +69,8 @@ class TrainerProcess:
         logger.info("training job: %s", self.line)
         mode = "ab" if restart or append else "wb"
         with open(self.run_dir / "train.out", mode) as out, open(self.run_dir / "train.err", mode) as err:
-            self.proc = subprocess.Popen(self.line, shell=True, executable="/bin/bash", stdout=out, stderr=err,
+            # its own process group, under the watchdog that ends it if this driver dies
+            self.proc = subprocess.Popen(watchdog.command(["/bin/bash", "-c", self.line]), stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.returncode = None
         self.started = time.monotonic()
@@ -185,9 +202,15 @@ class TrainerProcess:
 
     # -- reporting ----------------------------------------------------------------------------
     def message(self, what: str) -> str:
-        tail = tail_lines(self.run_dir / "train.err", 3)
-        return (f"training job {what} after {(self.ended or time.monotonic()) - self.started:.1f} s "
-                f"(see {self.run_dir / 'train.err'}){': ' + ' / '.join(tail) if tail else ''}")
+        """One line: what happened, the restarts used, and the cause -- the last error line of
+        the job's output, not the MPI_Abort or log lines that follow it."""
+        used = (f"; {self.restarts} of {self.job.max_restarts} restart(s) used, none left"
+                if self.returncode not in (None, 0, NOT_FINISHED) and self.job.max_restarts else "")
+        err = self.run_dir / "train.err"
+        cause = cause_line(err) or cause_line(self.run_dir / "train.out") or " / ".join(
+            [line for line in tail_text(err).splitlines() if line.strip() and not _NOISE.search(line)][-3:])
+        return (f"training job {what} after {(self.ended or time.monotonic()) - self.started:.1f} s{used} "
+                f"(see {self.run_dir / 'train.err'}){': ' + cause if cause else ''}")
 
     def summary(self) -> dict:
         return {"argv": self.job.argv, "ranks": self.job.ranks, "nodes": self.job.nodes, "launch": self.line,

@@ -18,18 +18,45 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcml.errors import ConfigError
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.routing import route
-from hpcml.stream.source import pack_state, unpack_states
+from hpcml.stream.source import add_counters, history_of, pack_state, unpack_states
+
+
+def _bad(path, e: Exception) -> ConfigError:
+    return ConfigError(f"simulation file {path}: {type(e).__name__}: {e}; expected the kernels' HDF5 layout "
+                       f"(/fields/<name>, /time, /step, attributes sim_id and params: docs/kernels.md)")
+
+
+def _open(path: str | Path) -> h5py.File:
+    if not h5py.is_hdf5(path):  # the signature only: nothing else is parsed by HDF5 first
+        raise ValueError("not an HDF5 file")
+    return h5py.File(path, "r")
+
+
+def file_sim_id(path: str | Path) -> int:
+    """The simulation id of a file (its attribute only), or a one-line ConfigError."""
+    try:
+        with _open(path) as f:
+            return int(f.attrs["sim_id"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _bad(path, e) from None
 
 
 def read_samples(path: str | Path, field_names, param_names) -> list[Sample]:
-    """Every output step of one simulation file as samples."""
-    with h5py.File(path, "r") as f:
-        params = json.loads(f.attrs["params"])
-        p = np.array([params[n] for n in param_names], np.float32)
-        fields = np.stack([f[f"fields/{n}"][()] for n in field_names], axis=1).astype(np.float32)
-        times, steps, sim = f["time"][()], f["step"][()], int(f.attrs["sim_id"])
+    """Every output step of one simulation file as samples; ConfigError, in one line naming
+    the file, for one that is not an HDF5 file of the kernels' layout."""
+    try:
+        with _open(path) as f:
+            params = json.loads(f.attrs["params"])
+            p = np.array([params[n] for n in param_names], np.float32)
+            fields = np.stack([f[f"fields/{n}"][()] for n in field_names], axis=1).astype(np.float32)
+            times, steps, sim = f["time"][()], f["step"][()], int(f.attrs["sim_id"])
+        if not (fields.ndim >= 3 and len(times) == len(steps) == len(fields) and np.isfinite(p).all()):
+            raise ValueError(f"fields {fields.shape}, {len(times)} times, {len(steps)} steps, params {p.tolist()}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _bad(path, e) from None
     return [Sample(sim, int(s), float(t), p, fields[i]) for i, (s, t) in enumerate(zip(steps, times))]
 
 
@@ -49,16 +76,23 @@ class FileSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.t_first = self.t_last = None
+        self.error: str | None = None
 
     def _mine(self, sim: int) -> bool:
         return route(int(sim), self.n_trainers) == self.rank
 
     def _run(self) -> None:
+        try:
+            self._read_all()
+        except Exception as e:  # a bad file (or a bug): the loader fails every rank with this, no hang
+            self.error = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+            self.buffer.fail(f"trainer rank {self.rank}: {self.error}")
+
+    def _read_all(self) -> None:
         self.t_first = time.perf_counter()
         for path in self.files:
-            with h5py.File(path, "r") as f:
-                if not self._mine(int(f.attrs["sim_id"])):
-                    continue
+            if not self._mine(file_sim_id(path)):
+                continue
             for s in read_samples(path, self.field_names, self.param_names):
                 if (s.sim, s.step) in self.seen:  # read before a restart: in the checkpoint already
                     continue
@@ -84,10 +118,11 @@ class FileSource:
 
     def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
         with self._lock:
-            metas = unpack_states(states, self.buffer, self.seen, self._mine, self.rank)
+            metas = unpack_states(states, self.buffer, self.seen, self._mine, self.rank, self.n_trainers)
+            for i, meta in enumerate(metas):
+                if history_of(i, self.rank, self.n_trainers):
+                    add_counters(self.counters, meta["counters"], skip=("samples", "files"))
             self.counters["samples"] = len(self.seen)
-            if len(metas) == self.n_trainers:
-                self.counters["bytes"] = metas[self.rank]["counters"]["bytes"]
 
     def start(self) -> FileSource:
         self._thread = threading.Thread(target=self._run, name="hpcml-files", daemon=True)
@@ -101,6 +136,6 @@ class FileSource:
 
     def stats(self) -> dict:
         dt = (self.t_last - self.t_first) if self.t_last else 0.0
-        return {**self.counters, "dropped": {}, "intake_s": dt,
+        return {**self.counters, "dropped": {}, "error": self.error, "intake_s": dt,
                 "intake_mb_s": self.counters["bytes"] / 1e6 / dt if dt else 0.0,
                 "buffer": self.buffer.stats.as_dict(), "buffer_len": len(self.buffer)}

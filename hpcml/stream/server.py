@@ -43,7 +43,7 @@ from hpcml.errors import ConfigError
 from hpcml.stream import message, routing, transport
 from hpcml.stream.assembly import Assembler, Key, Partial
 from hpcml.stream.buffer import Buffer, Sample
-from hpcml.stream.source import pack_state, unpack_states
+from hpcml.stream.source import add_counters, history_of, pack_state, unpack_states
 
 logger = log.get_logger(__name__)
 
@@ -362,7 +362,7 @@ class StreamServer:
         keeps the simulations that route to this rank under the current trainer count."""
         mine = lambda sim: routing.route(int(sim), self.n_trainers) == self.rank  # noqa: E731
         with self._lock:
-            metas = unpack_states(states, self.buffer, self.seen, mine, self.rank)
+            metas = unpack_states(states, self.buffer, self.seen, mine, self.rank, self.n_trainers)
             for i, meta in enumerate(metas):
                 for k, v in meta["latest_attempt"].items():
                     if mine(k):
@@ -372,8 +372,7 @@ class StreamServer:
                         self.ends[int(k)] = {int(r): n for r, n in v.items()}
                 if meta["done"]:  # global: which simulations completed
                     self.done, self._done_at = meta["done"], time.monotonic()
-                if len(states) == self.n_trainers and i == self.rank:  # same trainer count:
-                    self.counters.update(meta["counters"])            # this rank's own continue
-                    self.dropped.update(meta["dropped"])
-            if len(states) != self.n_trainers:  # another trainer count: what this rank now owns
-                self.counters["samples"] = len(self.seen)
+                if history_of(i, self.rank, self.n_trainers):  # each saved history once, none lost
+                    add_counters(self.counters, meta["counters"])
+                    add_counters(self.dropped, meta["dropped"], skip=())
+            self.counters["samples"] = len(self.seen)  # exactly what this rank owns, whoever ingested it

@@ -50,16 +50,31 @@ def pack_state(buffer: Buffer, seen: Iterable[tuple[int, int]], meta: dict) -> d
     return out
 
 
+def history_of(saved_rank: int, rank: int, n_ranks: int) -> bool:
+    """Whether saved rank ``saved_rank``'s counters (its history: duplicates, drops, bytes,
+    buffer statistics) go on in rank ``rank`` of ``n_ranks`` now: its own number's, and rank
+    0 takes those of saved ranks that no longer exist -- each history once, none lost, on any
+    trainer count. Sample counts are not history: they are ``len(seen)`` of what a rank owns."""
+    return saved_rank == rank or (saved_rank >= n_ranks and rank == 0)
+
+
 def unpack_states(states: list[dict[str, np.ndarray]], buffer: Buffer, seen: set[tuple[int, int]],
-                  keep: Callable[[int], bool], rank: int) -> list[dict]:
+                  keep: Callable[[int], bool], rank: int, n_ranks: int) -> list[dict]:
     """Put the saved samples and keys of the simulations ``keep`` selects back into ``buffer``
-    and ``seen`` (``states`` in saved-rank order; the buffer's counters go on from saved rank
-    ``rank``'s, once); each saved rank's meta, in order."""
+    and ``seen`` (``states`` in saved-rank order; the buffer's counters go on as
+    :func:`history_of` says); each saved rank's meta, in order."""
     metas = []
     for i, st in enumerate(states):
         meta = json.loads(bytes(st["meta_json"]).decode())
         seen.update((int(a), int(b)) for a, b in st.get("seen", np.zeros((0, 2), np.int64)).tolist() if keep(a))
         buffer.load_state({k[len("buffer/"):]: v for k, v in st.items() if k.startswith("buffer/")}, meta["buffer"],
-                          keep=keep, counters=i == rank)
+                          keep=keep, counters=history_of(i, rank, n_ranks))
         metas.append(meta)
     return metas
+
+
+def add_counters(into: dict[str, int], saved: dict, skip: tuple[str, ...] = ("samples",)) -> None:
+    """Saved counters added to ``into`` (numbers only), except the sample count."""
+    for k, v in saved.items():
+        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool):
+            into[k] = into.get(k, 0) + v

@@ -517,6 +517,43 @@ def test_restored_buffer_counters_are_the_own_rank_s_once():
     for rank, expect in ((0, (20, 800, 200)), (1, (30, 500, 125))):
         fresh = Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1))
         seen: set = set()
-        unpack_states(states, fresh, seen, keep=lambda sim: True, rank=rank)
+        unpack_states(states, fresh, seen, keep=lambda sim: True, rank=rank, n_ranks=2)
         assert (fresh.stats.ingested, fresh.stats.served, fresh.stats.batches) == expect
         assert fresh.stats.reuse_hist == {0: 5} and seen == {(0, 0), (1, 0)}
+    # onto one rank: it takes both histories, each once (before: rank 1's was lost)
+    fresh, seen = Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1)), set()
+    unpack_states(states, fresh, seen, keep=lambda sim: True, rank=0, n_ranks=1)
+    assert (fresh.stats.ingested, fresh.stats.served, fresh.stats.batches, fresh.stats.reuse_hist) == (
+        50, 1300, 325, {0: 10})
+
+
+def test_server_counters_survive_restores_onto_any_trainer_count():
+    """Issue 12: the summary's sample counts after restarts must equal the checkpointed
+    stream state on any number of trainer ranks; histories (duplicates, drops) once each."""
+    srvs = [_server(n_trainers=2, rank=r, policy="fifo", capacity=16, watermark=16) for r in range(2)]
+    try:
+        for s in range(4):
+            field = np.full((4, 4), s, np.float32)
+            _send_all(_producers(srvs[route(s, 2)], s, 0, field, nranks=1), (1, 2, 3), field)
+        _wait(lambda: sum(v.counters["samples"] for v in srvs) == 12)
+        for v in srvs:
+            v.counters["duplicates"], v.dropped["stale_attempt"] = 1 + v.rank, 10 * (1 + v.rank)
+        states = [v.state() for v in srvs]
+    finally:
+        for v in srvs:
+            v.stop()
+    for n in (1, 2, 3):  # restart on 1, the same 2, or 3 trainer ranks, twice in a row
+        again = states
+        for _ in range(2):
+            new = [_server(n_trainers=n, rank=r, policy="fifo", capacity=16, watermark=16) for r in range(n)]
+            try:
+                for v in new:
+                    v.load_state(again)
+                assert sum(v.counters["samples"] for v in new) == 12 == sum(len(v.seen) for v in new)
+                assert [v.counters["samples"] for v in new] == [len(v.seen) for v in new]
+                assert sum(v.counters["duplicates"] for v in new) == 3
+                assert sum(v.dropped.get("stale_attempt", 0) for v in new) == 30
+                again = [v.state() for v in new]
+            finally:
+                for v in new:
+                    v.stop()

@@ -323,7 +323,10 @@ def test_a_stranger_costs_no_message_and_the_token_is_not_the_secret():
         s.linger = 0
         s.connect(srv.endpoint)
         for step in range(50):  # valid messages, signed with the secret, but no handshake
-            s.send_multipart(_signed(_header(sim=1, step=step)))
+            try:  # once the handshake has failed the socket has no peer: a blocking send would wait for ever
+                s.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         ok = transport.push_socket(ctx, SECRET)
         ok.connect(srv.endpoint)
         ok.send_multipart(_signed(_header(sim=2)))
@@ -367,3 +370,29 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
     finally:
         ctx.destroy(linger=0)
         srv.stop()
+
+
+def test_a_garbage_simulation_file_fails_the_loader_in_one_line_not_a_hang(tmp_path):
+    """Issue 12: a file of random bytes among the simulations' files killed the file source's
+    thread, and training waited for ever; now every loader round raises with the file named."""
+    from mpi4py import MPI
+
+    from hpcml.stream.files import FileSource, read_samples
+    from hpcml.stream.loader import StreamLoader
+
+    bad = tmp_path / "sim_00000.h5"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ConfigError) as info:
+        read_samples(bad, ("T",), ("alpha",))
+    assert str(info.value) == (f"simulation file {bad}: ValueError: not an HDF5 file; expected the kernels' HDF5 "
+                               f"layout (/fields/<name>, /time, /step, attributes sim_id and params: docs/kernels.md)")
+    src = FileSource([bad], rank=0, n_trainers=1, buffer=Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1)),
+                     field_names=("T",), param_names=("alpha",)).start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(LaunchError, match=rf"this rank's: trainer rank 0: simulation file {bad}: ValueError: not "
+                                              rf"an HDF5 file"):
+            StreamLoader(src, MPI.COMM_SELF, batch_size=2).next_batch()
+        assert time.perf_counter() - t0 < 5 and src.stats()["error"].startswith(f"simulation file {bad}")
+    finally:
+        src.stop()

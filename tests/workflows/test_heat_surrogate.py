@@ -80,7 +80,7 @@ def test_trainer_killed_resumes_from_checkpoint_while_simulations_reconnect(tmp_
     s, run_dir = run(tmp_path, "--crash-trainer-at", "30", "--ckpt-every", "20", "--steps", "200",
                      "--sim-steps", "4000", "--every", "400", ok=False)  # long simulations: still running at the kill
     out = (run_dir / "train.out").read_text()
-    assert "killing the training job after step 30" in out
+    assert "killing trainer rank 0 after step 30 (crash 1 of 1)" in out
     resumed = [line for line in out.splitlines() if "resumed at step" in line]
     assert len(resumed) == 1 and "resumed at step 20 " in resumed[0], out[-2000:]
     assert s["gradient_steps"] == 200 and s["sims_completed"] == 6 and s["sims_failed"] == 0
@@ -95,6 +95,87 @@ def test_trainer_killed_resumes_from_checkpoint_while_simulations_reconnect(tmp_
         assert (s["_returncode"], s["status"]) == (0, "ok"), s["_stderr"][-2000:]
     metrics = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[:30] == list(range(1, 31)) and metrics[30:] == list(range(21, 201))  # resumed at 21
+    assert s["samples_ingested"] == _checkpointed_samples(run_dir)  # the summary is the stream state
+
+
+def _checkpointed_samples(run_dir: Path) -> int:
+    """Samples the latest checkpoint's stream state holds, over every saved trainer rank, each once."""
+    from hpcml.train.online import load_source_states
+
+    keys = [tuple(k) for st in load_source_states(run_dir / "checkpoints") for k in st["seen"].tolist()]
+    assert len(keys) == len(set(keys))
+    return len(keys)
+
+
+def test_trainer_killed_twice_on_another_rank_then_restarts_exhausted(tmp_path):
+    """Issue 12: the summary after restarts matches the checkpointed stream state on 2 trainer
+    ranks (it said 28 ingested with 158 in the checkpoint); the restart policy is explicit
+    (--trainer-restarts), and past it the run writes summary.json with the reason and fails."""
+    long = ["--ckpt-every", "20", "--steps", "120", "--sim-steps", "4000", "--every", "400", "--crash-trainer-at", "30",
+            "--crash-trainer-times", "2", "--crash-trainer-rank", "1"]
+    s, run_dir = run(tmp_path, *long, "--trainer-restarts", "2", ok=False)
+    out = (run_dir / "train.out").read_text()
+    resumed = (run_dir / "train.err").read_text().count("INFO hpcml.train.online: resumed at step 20 from")
+    assert "killing trainer rank 1 after step 30 (crash 2 of 2)" in out and resumed == 2
+    assert s["gradient_steps"] == 120 and s["sims_completed"] == 6
+    assert s["samples_ingested"] == _checkpointed_samples(run_dir) and s["duplicate_samples"] == 0
+    assert s["samples_ingested"] + s["samples_missing"] == 60
+    assert (s["_returncode"], s["status"]) == ((1, "failed") if s["samples_missing"] else (0, "ok")), s["_stderr"]
+    # one restart allowed, two crashes: the run stops, says why, and exits non-zero
+    s, run_dir = run(tmp_path, *long, "--trainer-restarts", "1", name="exhausted", ok=False)
+    assert (s["_returncode"], s["status"]) == (1, "failed")
+    (why,) = s["problems"]
+    assert why.startswith("training job exited with code 9 after ") and "1 of 1 restart(s) used, none left" in why
+    assert why.endswith("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"), why
+    assert "Traceback" not in s["_stderr"] and s["_stderr"].strip().splitlines()[-1] == f"heat_surrogate: failed: {why}"
+
+
+def test_nothing_outlives_a_killed_driver(tmp_path):
+    """Issue 12: `kill -9` of the driver left the trainer's mpiexec, its proxy and both ranks
+    waiting for ever; now the trainer's watchdog and the attempts' wrapper end them."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "workflows" / "heat_surrogate.py"), "--run-dir", str(run_dir),
+                             *SMALL, "--steps", "100000", "--sim-steps", "40000", "--every", "4000", "--no-report"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while not (run_dir / "endpoints.json").exists():  # the trainer is up, the simulations start
+            assert time.monotonic() - t0 < 120 and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(3)
+        before = _processes_of(run_dir, proc.pid)
+        assert len(before) >= 6, before  # watchdog, bash, mpiexec, proxy, 2 ranks; and simulations
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t1 = time.monotonic()
+        while _processes_of(run_dir, proc.pid) and time.monotonic() - t1 < 10:
+            time.sleep(0.2)
+        left = _processes_of(run_dir, proc.pid)
+        assert left == [], left
+    finally:
+        _kill_everything_of(run_dir)
+
+
+def _processes_of(run_dir: Path, driver: int) -> list[str]:
+    """Live (not zombie) processes of this campaign, by command line or environment."""
+    import os
+
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in (os.getpid(), driver):
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            if (str(run_dir).encode() in cmd or f"HPCML_RUN_DIR={run_dir}".encode() in (d / "environ").read_bytes()) \
+                    and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(cmd.replace(b"\0", b" ").decode(errors="replace")[:120])
+        except OSError:
+            continue
+    return found
 
 
 def _kill_everything_of(run_dir: Path) -> int:
@@ -170,13 +251,29 @@ def test_resume_after_a_hard_kill_runs_again_what_the_checkpoint_lacks(tmp_path)
     assert finished - held, "the kill came before any simulation finished after the last save: nothing tested"
 
 
-@pytest.mark.parametrize("bad", [["--sims", "0"], ["--sim-steps", "10", "--every", "40"]])
-def test_bad_arguments_fail_in_one_line(tmp_path, bad):
+@pytest.mark.parametrize("bad, says", [
+    (["--sims", "0"], "--sims must be >= 1, got 0"),
+    (["--sim-steps", "10", "--every", "40"], "--sim-steps 10 < --every 40"),
+    (["--watermark", "300", "--capacity", "256"], "--capacity 256 --watermark 300: buffer needs capacity >= 1 and "
+                                                  "0 <= watermark <= capacity, got capacity 256, watermark 300"),
+    (["--lr", "-1"], "--lr -1.0: expected a finite learning rate > 0"),
+    (["--lr", "nan"], "--lr nan: expected a finite learning rate > 0"),
+    (["--trainer-restarts", "-1"], "--trainer-restarts must be >= 0, got -1"),
+    (["--site", "nosuchsite"], "nosuchsite"),
+    (["--run-dir", "FILE/x"], "--run-dir {tmp}/FILE/x: Not a directory; expected a directory (or a path to create "
+                              "one) under a directory"),
+])
+def test_bad_arguments_fail_in_one_line(tmp_path, bad, says):
+    """Issue 12: a trainer config error used to surface as the driver's traceback of MPI_Abort
+    lines, --site and --run-dir as tracebacks: each is one line now, before anything starts."""
+    (tmp_path / "FILE").write_text("a regular file")
+    bad = [b.replace("FILE", str(tmp_path / "FILE")) for b in bad]
     proc = subprocess.run([sys.executable, str(ROOT / "workflows" / "heat_surrogate.py"), "--run-dir",
                            str(tmp_path / "x"), *bad], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "error:" in last and bad[1] in last
+    lines = proc.stderr.strip().splitlines()
+    assert "error:" in lines[-1] and says.format(tmp=tmp_path) in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x").exists()
 
 
 def test_offline_mode_trains_from_the_files_at_equal_steps(tmp_path):
@@ -195,7 +292,7 @@ def test_offline_trainer_killed_resumes_and_reads_every_sample_once(tmp_path):
     s, run_dir = run(tmp_path, "--mode", "offline", "--steps", "100", "--crash-trainer-at", "30", "--ckpt-every", "20",
                      name="off-crash")
     out = (run_dir / "train.out").read_text()
-    assert "killing the training job after step 30" in out and "[train] resumed at step 20 " in out, out[-2000:]
+    assert "killing trainer rank 0 after step 30 (crash 1 of 1)" in out and "[train] resumed at step 20 " in out, out[-2000:]
     assert (s["status"], s["gradient_steps"], s["samples_missing"], s["duplicate_samples"]) == ("ok", 100, 0, 0)
     assert s["samples_ingested"] == 6 * OUTPUTS
     import h5py
