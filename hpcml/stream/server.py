@@ -265,6 +265,8 @@ class StreamServer:
         if len(cfg.field_names) * math.prod(gshape) * 4 > cfg.max_sample_bytes:
             return self._drop("too_large")
         params = np.array([h["params"][n] for n in cfg.param_names], np.float32)
+        if not np.isfinite(params).all():  # finite in JSON, not in float32 (e.g. 1e300)
+            return self._drop("bad_header")
         if h["nranks"] == 1 and len(cfg.field_names) == 1:  # one box is the whole sample: keep the frame, no copy
             if shape != gshape:
                 return self._drop("incomplete_cover")
