@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hpcml import env
 from hpcml.errors import ConfigError, HpcmlError
@@ -138,9 +139,11 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
 
 
 def _ckpt_convert(args: argparse.Namespace) -> None:
+    from hpcml.ckpt.tools import out_dir
     from hpcml.models.transformer import TransformerConfig, torchtitan
 
     cfg = TransformerConfig.preset(args.model) if args.model else None
+    out_dir(args.dst)
     if args.to == "dcp":
         done = torchtitan.to_dcp(args.src, args.dst, cfg, titan_fused_qkv=args.titan_qkv == "fused")
     else:
@@ -156,6 +159,8 @@ def _cmd_job(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise ConfigError("hpcml job needs the command after --, e.g. hpcml job ... -- python train.py")
+    if args.script is not None:
+        _check_out_file("--script", args.script)
     spec = jobscript.job_spec(site=args.site, command=cmd, nodes=args.nodes, walltime=args.walltime,
                               account=args.account, queue=args.queue, ranks=args.ranks, driver=args.driver,
                               name=args.name, warn_s=args.warn_s, requeue=not args.no_requeue,
@@ -179,6 +184,16 @@ def _cmd_job(args: argparse.Namespace) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _check_out_file(flag: str, path: str) -> None:
+    """``path`` can be written as a file: said before anything is rendered or submitted
+    (``open`` would say only "Is a directory" or "No such file or directory")."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p} is a directory: expected a file path, e.g. {p}/<name>")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {p}: directory {p.parent} does not exist (create it first)")
 
 
 def _degrees(args: argparse.Namespace) -> dict[str, int]:
@@ -268,14 +283,14 @@ def _short_list(xs: list[int]) -> str:
 
 
 def _check_backend(backend: str) -> None:
-    """A torch.distributed backend this torch build has, before any rank starts the bootstrap
-    (torch's own errors are an AssertionError or a RuntimeError traceback on every rank)."""
-    import torch.distributed as dist
+    """A torch.distributed backend this torch build has, before any rank builds the grid
+    (:func:`hpcml.grid.torch_dist.init` checks it again, for API callers)."""
+    from hpcml.grid.torch_dist import check_backend
 
-    have = [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if getattr(dist, f"is_{b}_available", lambda: False)()]
-    if backend not in have:
-        raise ConfigError(f"--backend {backend!r}: this torch build has {', '.join(have) or 'no backend'}"
-                          + (" (nccl needs a CUDA build of torch and a GPU)" if backend == "nccl" else ""))
+    try:
+        check_backend(backend)
+    except ConfigError as e:
+        raise ConfigError(f"--{e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

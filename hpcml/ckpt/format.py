@@ -71,6 +71,9 @@ def resolve(path: str | os.PathLike) -> Path:
                               f"checked), or a checkpoint of format 1.x, which this hpcml does not read")
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    if not p.is_dir():  # e.g. a plain HDF5 file (once a KeyError), or a shard of a checkpoint
+        raise CheckpointError(f"no checkpoint at {p}: it is a file; expected a checkpoint directory (a step_N "
+                              f"with {MANIFEST}, or the run directory with '{LATEST}')")
     raise CheckpointError(f"no checkpoint at {p}: expected {MANIFEST} or a '{LATEST}' file")
 
 

@@ -26,7 +26,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[dict]:
     """Every ``step_N`` under ``root`` with its size and whether ``latest`` names it."""
     root = Path(root)
     if not root.is_dir():
-        raise CheckpointError(f"no checkpoint directory at {root}")
+        why = "it is a file" if root.exists() else "the path does not exist"
+        raise CheckpointError(f"no checkpoint directory at {root}: {why}; expected the run directory that holds "
+                              f"its step_N checkpoints")
     latest = (root / fmt.LATEST).read_text().strip() if (root / fmt.LATEST).is_file() else None
     out = []
     for p in sorted(root.iterdir()):
@@ -105,7 +107,21 @@ def out_file(out: str | os.PathLike) -> Path:
     if out.is_dir():
         raise ConfigError(f"output {out} is a directory: expected a file path, e.g. {out}/<name>")
     if not out.parent.is_dir():
+        if out.parent.exists():
+            raise ConfigError(f"output {out}: {out.parent} is a file, expected a directory")
         raise ConfigError(f"output {out}: directory {out.parent} does not exist (create it first)")
+    return out
+
+
+def out_dir(out: str | os.PathLike) -> Path:
+    """``out`` can be made a directory: no file at it or on the way to it (``mkdir`` would
+    say only "Not a directory")."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"output directory {out}: {p} is a file, expected a directory or a new path")
+            return out
     return out
 
 
@@ -117,7 +133,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
     if fmt_name == "hf":
         from hpcml.models.transformer.hf import export_hf
 
-        return export_hf(path, out)["bytes"]
+        return export_hf(path, out_dir(out))["bytes"]
     out_file(out)
     with Checkpoint(path) as ck:
         weights, source, model = model_weights(ck), ck.path, ck.extra.get("model")

@@ -32,17 +32,41 @@ def _check_axes(names: Iterable[str]) -> tuple[str, ...]:
     return names
 
 
+#: :func:`fitting_degrees` gives up (returns []) past this many candidate layouts, or on a
+#: world size past 2^40 (its divisors take too long to list): a suggestion, never a hang.
+MAX_FIT_OPTIONS = 4096
+MAX_FIT_WORLD = 1 << 40
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def fitting_degrees(world_size: int, wanted: dict[str, int]) -> list[dict[str, int]]:
-    """The largest model-parallel degrees (each at most the wanted one, dp left to take the
-    rest) whose product divides ``world_size``: what a job that lost ranks can still run."""
+    """The largest model-parallel degrees (each dividing the wanted one, dp left to take the
+    rest) whose product divides ``world_size``: what a job that lost ranks can still run.
+
+    Only divisors of ``gcd(wanted, world_size)`` can fit, so a huge wanted degree costs
+    nothing (``tp=10**20`` once looped 10^20 times); [] when the search would be too large."""
     axes = [a for a in reversed(AXES) if a != "dp" and wanted.get(a, 1) > 1]
+    if not 1 <= world_size <= MAX_FIT_WORLD:
+        return []
     options: list[dict[str, int]] = [{}]
     for a in axes:
-        options = [{**o, a: d} for o in options for d in range(1, wanted[a] + 1) if wanted[a] % d == 0]
-    fits = [o for o in options if world_size % math.prod(o.values(), start=1) == 0]
-    dominated = lambda o: any(p != o and all(p[a] >= o[a] for a in axes) for p in fits)  # noqa: E731
-    best = [o for o in fits if not dominated(o)]
-    return sorted(best, key=lambda o: (-math.prod(o.values(), start=1), [-o[a] for a in axes]))
+        divisors, grown = _divisors(math.gcd(wanted[a], world_size)), []
+        for o in options:
+            known = math.prod(o.values(), start=1)
+            grown += [{**o, a: d} for d in divisors if world_size % (known * d) == 0]
+            if len(grown) > MAX_FIT_OPTIONS:
+                return []
+        options = grown
+    # p dominates o (p >= o on every axis, p != o) only with a larger product: compare with the front so far
+    best: list[dict[str, int]] = []
+    for o in sorted(options, key=lambda o: (-math.prod(o.values(), start=1), [-o[a] for a in axes])):
+        if not any(all(p[a] >= o[a] for a in axes) for p in best):
+            best.append(o)
+    return best
 
 
 def _what_fits(world_size: int, given: dict[str, int | None]) -> str:
@@ -52,6 +76,8 @@ def _what_fits(world_size: int, given: dict[str, int | None]) -> str:
     if need == 1 or world_size < 1:
         return ""
     fits = [" * ".join(f"{a}({d})" for a, d in o.items() if d > 1) for o in fitting_degrees(world_size, wanted)]
+    if not fits:  # too many to search: the multiple alone
+        return f"; run on a multiple of {need} ranks"
     fit = f"only dp({world_size})" if fits == [""] else f"{', or '.join(fits)} (dp takes the rest)"
     return f"; {world_size} ranks fit {fit}, or run on a multiple of {need} ranks"
 

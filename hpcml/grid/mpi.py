@@ -67,6 +67,8 @@ def _combo_key(axes: str | Sequence[str]) -> tuple[str, ...]:
     for n in names:
         if n not in AXES:
             raise GridError(f"unknown axis {n!r}: expected one of {', '.join(AXES)}")
+    if not names:
+        raise GridError("an empty combination of axes in combos: expected one or more of " + ", ".join(AXES))
     return tuple(a for a in AXES if a in names)
 
 
@@ -117,8 +119,9 @@ class ProcessGrid:
         try:
             layout, wanted = self._resolve(layout, combos, degrees)
             mine, problem = f"{layout.describe_degrees()}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
-        except (GridError, TypeError, ValueError) as e:
-            mine, problem = None, f"{type(e).__name__}: {e}" if not isinstance(e, GridError) else str(e)
+        except Exception as e:  # any bad argument (a str for a Layout...): still reach the allgather
+            text = " ".join(str(e).split())  # one line, whatever the exception said
+            mine, problem = None, text if isinstance(e, GridError) else f"{type(e).__name__}: {text}"
         # -- the first collective: every rank's arguments and node, so that all raise the same
         # error or none does (one allgather; a rank-dependent argument would otherwise build
         # inconsistent groups or hang in a Split some rank never calls)
@@ -136,14 +139,20 @@ class ProcessGrid:
         self._warn_spanning_tp()
 
     def _resolve(self, layout: Layout | None, combos, degrees: dict[str, int]) -> tuple[Layout, list[tuple[str, ...]]]:
-        """The layout and the groups to build, from this rank's arguments (no communication)."""
+        """The layout and the groups to build, from this rank's arguments (no communication):
+        the axes, then the other combinations in a canonical order (the same set given in any
+        order, or with repeats, builds the same Splits in the same order on every rank)."""
         if layout is None:
             layout = Layout.from_degrees(self.world_size, degrees)
         elif degrees:
             raise GridError(f"give either a layout or degrees, not both (got {sorted(degrees)})")
+        elif not isinstance(layout, Layout):
+            raise GridError(f"layout {layout!r}: expected a Layout (hpcml.grid.Layout) or degrees such as tp=2")
         if layout.world_size != self.world_size:
             raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
-        return layout, [(a,) for a in layout.axis_names] + [_combo_key(c) for c in combos]
+        axes = [(a,) for a in layout.axis_names]
+        extra = {_combo_key(c) for c in combos} - set(axes)
+        return layout, axes + sorted(extra, key=lambda k: [AXES.index(a) for a in k])
 
     def _cpu_sharing(self) -> tuple[int, int]:
         """This rank's CPUs, and the ranks of its host whose CPUs overlap them: masks are

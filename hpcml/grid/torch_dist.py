@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpcml import env, log
-from hpcml.errors import LaunchError
+from hpcml.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
     from hpcml.grid.mpi import ProcessGrid
@@ -89,6 +89,69 @@ def _pick_address(grid: ProcessGrid, interface: str | None) -> tuple[str, int]:
     return addr, port
 
 
+def available_backends() -> list[str]:
+    """The torch.distributed backends this torch build has (nccl only on a CUDA build)."""
+    return [b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if getattr(dist, f"is_{b}_available", lambda: False)()]
+
+
+def check_backend(backend: str) -> None:
+    """Raise ConfigError unless this torch build has ``backend`` (torch's own errors are an
+    AssertionError or a RuntimeError traceback, on one rank while the others wait)."""
+    have = available_backends()
+    if backend not in have:
+        raise ConfigError(f"backend {backend!r}: this torch build has {', '.join(have) or 'no backend'}"
+                          + (" (nccl needs a CUDA build of torch and a GPU)" if backend == "nccl" else ""))
+
+
+def _setup(grid: ProcessGrid, backend: str | None, interface: str | None) -> tuple[str, torch.device, tuple | None]:
+    """This rank's backend, device and existing process group (rank, size), and rank 0's
+    rendezvous address: local work only, any error raised here is told to every rank."""
+    auto_backend, device_type = default_backend()
+    backend = backend or auto_backend
+    if not isinstance(backend, str):
+        raise ConfigError(f"backend {backend!r}: expected a name such as gloo or nccl")
+    check_backend(backend)
+    if backend == "gloo":
+        device_type = "cpu"
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice wins; else share this host's cores
+        torch.set_num_threads(grid.threads_per_rank)
+    if interface and backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        module = getattr(torch, device_type)
+        device = torch.device(device_type, env.device_index(grid.local_rank, module.device_count()))
+        module.set_device(device)
+    joined = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    return backend, device, joined
+
+
+def _agree(grid: ProcessGrid, views: list[tuple]) -> None:
+    """Raise the same one-line error on every rank unless every rank could start and chose
+    the same backend and device type, and all or none had joined a process group already."""
+    from hpcml.grid.mpi import _ranks
+
+    problems = [(r, v[1]) for r, v in enumerate(views) if v[1] is not None]
+    if problems:
+        (r, (kind, msg)), others = problems[0], [q for q, _ in problems[1:]]
+        error = ConfigError if kind == "ConfigError" else LaunchError
+        if len(problems) == len(views) and len({p for _, p in problems}) == 1:
+            raise error(msg)
+        raise error(f"torch.distributed on rank {r}: {msg}" + (f" (and on rank(s) {_ranks(others)})" if others else ""))
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(views):
+        groups.setdefault(v[2], []).append(r)
+    if len(groups) > 1:
+        told = "; ".join(f"rank(s) {_ranks(rs)} {m}" for m, rs in groups.items())
+        raise ConfigError(f"torch.distributed set-ups differ across ranks: {told}; every rank must pass the same "
+                          f"backend and see the same kind of device")
+    for r, v in enumerate(views):
+        if v[3] is not None and v[3] != (r, grid.world_size):
+            raise LaunchError(f"torch.distributed already initialised as rank {v[3][0]} of {v[3][1]} on MPI rank "
+                              f"{r} of {grid.world_size}")
+
+
 def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None = None,
          timeout_s: float = 600.0, check: bool = True) -> TorchDist:
     """Initialise torch.distributed on ``grid`` and build a DeviceMesh with the same axes.
@@ -97,50 +160,36 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     rank 0 advertises; with gloo it also becomes ``GLOO_SOCKET_IFNAME`` unless that is set.
     ``check`` verifies that every mesh axis holds the same ranks as the MPI sub-communicator
     and the layout (local work, no collective).
+
+    One allgather comes before torch does anything collective: every rank's backend and
+    device type (or the error it met), rank 0's rendezvous address, every rank's device.
+    A backend unknown on one rank, or different on some, raises the same error on all
+    (it once left the others in the rendezvous until ``timeout_s``).
     """
-    auto_backend, device_type = default_backend()
-    backend = backend or auto_backend
-    if backend == "gloo":
-        device_type = "cpu"
-    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice wins; else share this host's cores
-        torch.set_num_threads(grid.threads_per_rank)
     interface = interface or os.environ.get("HPCML_SOCKET_IFNAME") or None
-    if interface and backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-
-    if device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        module = getattr(torch, device_type)
-        device = torch.device(device_type, env.device_index(grid.local_rank, module.device_count()))
-        module.set_device(device)
-
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (grid.rank, grid.world_size):
-            raise LaunchError(f"torch.distributed already initialised as rank {dist.get_rank()} of "
-                              f"{dist.get_world_size()}, but MPI says rank {grid.rank} of {grid.world_size}")
-        addr, port = "", 0
-    else:
-        try:
-            picked: tuple[str, int] | BaseException = _pick_address(grid, interface) if grid.rank == 0 else ("", 0)
-        except (LaunchError, OSError) as e:  # tell every rank, do not leave them waiting
-            picked = LaunchError(str(e))
-        picked = grid.comm.bcast(picked, root=0)
-        if isinstance(picked, BaseException):
-            raise picked
-        addr, port = picked
+    device, joined, addr, port, problem = torch.device("cpu"), None, "", 0, None
+    try:
+        backend, device, joined = _setup(grid, backend, interface)
+        if grid.rank == 0 and joined is None:
+            addr, port = _pick_address(grid, interface)
+    except Exception as e:  # whatever failed here, every rank must still reach the allgather
+        problem = ("ConfigError" if isinstance(e, ConfigError) else "LaunchError", " ".join(str(e).split()))
+    setup = f"gave backend {backend} on {device.type}, {'in' if joined else 'not in'} a process group"
+    views = grid.comm.allgather((str(device), problem, setup, joined, addr, port))
+    _agree(grid, views)
+    addr, port = views[0][4], views[0][5]
+    if joined is None:
         host = f"[{addr}]" if ":" in addr else addr
         logger.info("torch.distributed: %s rendezvous at %s:%d, %d ranks", backend, addr, port, grid.world_size)
         dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=grid.rank,
                                 world_size=grid.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
-    key = (device_type, grid.layout.mesh_shape, grid.layout.axis_names, id(dist.distributed_c10d._get_default_group()))
+    key = (device.type, grid.layout.mesh_shape, grid.layout.axis_names, id(dist.distributed_c10d._get_default_group()))
     if key not in _MESHES:  # a mesh's sub-groups cost collectives: build each layout's once per process group
-        _MESHES[key] = init_device_mesh(device_type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
+        _MESHES[key] = init_device_mesh(device.type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
     mesh = _MESHES[key]
-    device_names = grid.comm.allgather(str(device))
-    result = TorchDist(backend=backend, device=device, mesh=mesh, device_names=device_names,
-                       master_addr=addr, master_port=port)
+    result = TorchDist(backend=backend, device=device, mesh=mesh, device_names=[v[0] for v in views],
+                       master_addr=addr if joined is None else "", master_port=port if joined is None else 0)
     if check:
         check_mesh(grid, mesh)
     return result

@@ -121,6 +121,24 @@ def test_torch_bootstrap_from_mpi(comm, torch_grid, torch_bootstrap):
     assert [r.torch for r in results if len(r.axes) == 1] == [r.expected for r in results if len(r.axes) == 1]
 
 
+def test_torch_backend_bad_on_one_rank_raises_the_same_error_on_every_rank(comm, torch_bootstrap):
+    """Issue 12: a backend this build lacks on one rank raised there alone while the others
+    waited in the rendezvous until the timeout; init's one allgather comes first now."""
+    from hpcml.errors import ConfigError
+
+    grid = ProcessGrid()
+    try:
+        with pytest.raises(ConfigError) as info:
+            grid.init_torch(backend="nccl" if comm.rank == WORLD - 1 else None)
+        msg = str(info.value)
+        assert comm.allgather(msg) == [msg] * WORLD
+        assert msg == (f"torch.distributed on rank {WORLD - 1}: backend 'nccl': this torch build has gloo (nccl "
+                       f"needs a CUDA build of torch and a GPU)")
+        assert grid.init_torch().backend == "gloo"  # nothing was left half-made
+    finally:
+        grid.free()
+
+
 def test_describe_shows_devices_after_torch(torch_grid):
     lines = torch_grid.describe().splitlines()
     assert "torch backend gloo" in lines[0]
@@ -166,6 +184,24 @@ def test_rank_dependent_arguments_raise_the_same_error_on_every_rank(comm):
     # the same mistake on every rank keeps its own message
     msg = _raised_everywhere(comm, tp=3)
     assert msg.startswith("cannot infer dp: tp(3)")
+    # an argument of the wrong type on one rank (once an AttributeError there, a hang elsewhere)
+    msg = _raised_everywhere(comm, layout="tp=2" if comm.rank == 0 else None)
+    assert msg == "ProcessGrid arguments on rank 0: layout 'tp=2': expected a Layout (hpcml.grid.Layout) or " \
+        "degrees such as tp=2"
     grid = ProcessGrid()  # and the next grid builds: nothing was left half-made
     assert comm.allgather(grid.group("dp")) == [list(range(WORLD))] * WORLD
     grid.free()
+
+
+def test_the_same_combos_in_any_order_agree_and_build_the_same_groups(comm):
+    """The agreement compares a canonical form: order, repeats and plain axes in ``combos``
+    do not matter, and every rank builds its Splits in that one order."""
+    combos = [("tp", "dp"), ("cp", "dp"), ("dp", "tp"), ("pp",)]
+    grid = ProcessGrid(combos=combos[::-1] if comm.rank % 2 else combos)
+    try:
+        assert list(grid._comms) == [("pp",), ("dp",), ("cp",), ("tp",), ("dp", "cp"), ("dp", "tp")]
+        assert grid.comm_ranks(("tp", "dp")) == grid.group(("dp", "tp")) == list(range(WORLD))
+    finally:
+        grid.free()
+    assert _raised_everywhere(comm, combos=[("dp", "cp"), ()]) == ("an empty combination of axes in combos: expected "
+                                                                  "one or more of pp, dp, ep, cp, tp")

@@ -3,12 +3,17 @@ value and what was expected, exit 2, and write nothing."""
 
 from __future__ import annotations
 
+import time
+
 import h5py
 import pytest
 import torch
 
 from hpcml import ckpt
+from hpcml.ckpt import tools
 from hpcml.cli import MAX_PRINT_WORLD, main
+from hpcml.errors import CheckpointError, ConfigError, GridError
+from hpcml.grid.layout import Layout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -46,13 +51,44 @@ def saved(tmp_path_factory):
     return root, plain
 
 
-@pytest.mark.parametrize("cmd", ["inspect", "verify", "ls"])
-def test_ckpt_on_a_plain_hdf5_file_is_one_line(capsys, saved, cmd):
+def _not_a_checkpoint(path) -> str:
+    return (f"no checkpoint at {path}: it is a file; expected a checkpoint directory (a step_N with manifest.json, "
+            f"or the run directory with 'latest')")
+
+
+@pytest.mark.parametrize("cmd, rc, head", [(["inspect"], 2, "hpcml: error: "), (["verify"], 1, "hpcml ckpt verify: "),
+                                           (["export", "OUT"], 2, "hpcml: error: "),
+                                           (["consolidate", "OUT"], 2, "hpcml: error: ")])
+def test_ckpt_on_a_plain_hdf5_file_is_one_line(capsys, saved, tmp_path, cmd, rc, head):
+    """Issue 12: a plain HDF5 file (once a KeyError traceback) is named, with what was expected."""
     _, plain = saved
-    rc = main(["ckpt", cmd, str(plain)])
-    err = capsys.readouterr().err
-    assert rc in (1, 2) and len(err.splitlines()) == 1 and str(plain) in err
-    assert "expected manifest.json or a 'latest' file" in err or "no checkpoint directory at" in err
+    args = ["ckpt", cmd[0], str(plain)] + [str(tmp_path / "out")] * (len(cmd) - 1)
+    assert main(args) == rc
+    assert capsys.readouterr().err == f"{head}{_not_a_checkpoint(plain)}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ckpt_api_says_the_same_line_as_the_cli(saved, tmp_path):
+    """The validation is the library's: the tools raise (or verify returns) the CLI's message."""
+    _, plain = saved
+    with pytest.raises(CheckpointError) as info:
+        tools.inspect(plain)
+    assert str(info.value) == _not_a_checkpoint(plain)
+    with pytest.raises(CheckpointError, match="it is a file"):
+        ckpt.Checkpoint(plain)
+    assert tools.verify(plain) == [_not_a_checkpoint(plain)]
+    for where, why in [(plain, "it is a file"), (tmp_path / "none", "the path does not exist")]:
+        with pytest.raises(CheckpointError) as info:
+            tools.list_checkpoints(where)
+        assert str(info.value) == (f"no checkpoint directory at {where}: {why}; expected the run directory that "
+                                   f"holds its step_N checkpoints")
+
+
+def test_ckpt_ls_on_a_file_is_one_line(capsys, saved):
+    _, plain = saved
+    assert main(["ckpt", "ls", str(plain)]) == 2
+    assert capsys.readouterr().err == (f"hpcml: error: no checkpoint directory at {plain}: it is a file; expected "
+                                       f"the run directory that holds its step_N checkpoints\n")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
@@ -70,3 +106,48 @@ def test_ckpt_export_into_a_missing_directory_or_onto_one(capsys, saved, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
     assert main(["ckpt", "export", str(root), str(tmp_path / "m"), "--format", fmt]) == 0  # and a good path works
     assert (tmp_path / "m").stat().st_size > 48
+
+
+def test_ckpt_outputs_under_a_file_are_one_line(capsys, saved, tmp_path):
+    """A file where a directory must be: mkdir's "Not a directory" named nothing expected."""
+    root, plain = saved
+    under = plain / "sub"
+    assert main(["ckpt", "export", str(root), str(under)]) == 2
+    assert capsys.readouterr().err == f"hpcml: error: output {under}: {plain} is a file, expected a directory\n"
+    for args in (["export", str(root), str(under / "hf"), "--format", "hf"], ["convert", str(root), str(under),
+                                                                           "--to", "dcp", "--model", "tiny"]):
+        assert main(["ckpt", *args]) == 2
+        assert capsys.readouterr().err == (f"hpcml: error: output directory {args[2]}: {plain} is a file, expected "
+                                           f"a directory or a new path\n")
+    with pytest.raises(ConfigError, match=f"^output directory {under}: {plain} is a file"):
+        tools.export(root, under, "hf")
+
+
+@pytest.mark.parametrize("script, message", [
+    ("NODIR/job.sh", "--script {tmp}/NODIR/job.sh: directory {tmp}/NODIR does not exist (create it first)"),
+    (".", "--script {tmp} is a directory: expected a file path, e.g. {tmp}/<name>"),
+])
+@pytest.mark.parametrize("submit", [[], ["--submit"]])
+def test_job_script_path_is_checked_before_anything_is_written(capsys, tmp_path, script, message, submit):
+    path = tmp_path / script if script != "." else tmp_path
+    args = ["job", "--site", "local", "--nodes", "1", "--walltime", "00:10:00", "--script", str(path), *submit,
+            "--", "true"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"hpcml: error: {message.format(tmp=tmp_path)}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tp", [10**20, 2**63 - 1])
+def test_a_huge_degree_is_refused_at_once(capsys, tp):
+    """Issue 12 follow-up: the "what fits" hint counted to the wanted degree (tp 10^20: > 10 min
+    at 100% CPU, on every rank before ProcessGrid's agreement); it lists divisors of gcd now."""
+    t0 = time.perf_counter()
+    assert main(["grid", "--world", "8", "--tp", str(tp)]) == 2
+    fits = "tp(8) (dp takes the rest)" if tp % 8 == 0 else "only dp(8)"
+    assert capsys.readouterr().err == (f"hpcml: error: cannot infer dp: tp({tp}) * pp(1) = {tp} does not divide "
+                                       f"world size 8; 8 ranks fit {fits}, or run on a multiple of {tp} ranks\n")
+    # four huge highly composite degrees: too many candidates to search, so the multiple alone
+    with pytest.raises(GridError) as info:
+        Layout(world_size=720720, tp=720720, cp=720720, ep=720720, pp=720720)
+    assert str(info.value).endswith(f"does not divide world size 720720; run on a multiple of {720720 ** 4} ranks")
+    assert time.perf_counter() - t0 < 1.0

@@ -81,25 +81,32 @@ def test_empty_mpi_test_run_is_not_a_failure(tmp_path, n):
     assert "no tests ran" in out.stdout
 
 
-def test_rank_dependent_grid_arguments_on_3_ranks_fail_fast_not_hang():
+def test_rank_dependent_grid_arguments_on_3_ranks_fail_fast_not_hang(tmp_path):
     """Issue 12: combos that differ by rank hung > 60 s on 3 ranks (a Split some rank never
-    called). Now every rank raises the same one-line GridError from the first collective."""
+    called). Now every rank raises the same one-line GridError from the first collective --
+    also when one rank's own arguments are broken (it reaches the allgather with its error)."""
     code = textwrap.dedent("""
         import sys
         from mpi4py import MPI
         from hpcml.errors import GridError
         from hpcml.grid import ProcessGrid
         r = MPI.COMM_WORLD.rank
-        try:
-            ProcessGrid(combos=[("dp", "cp")] + ([("tp", "dp")] if r == 1 else []))
-        except GridError as e:
-            print(f"[{r}] {e}", flush=True)
-            sys.exit(2)
+        with open(f"{sys.argv[1]}/{r}.txt", "w") as out:  # a file per rank: mpiexec may interleave stdout
+            for kw in (dict(combos=[("dp", "cp")] + ([("tp", "dp")] if r == 1 else [])),
+                       dict(layout="tp=3" if r == 2 else None)):
+                try:
+                    ProcessGrid(**kw)
+                except GridError as e:
+                    out.write(f"{e}\\n")
+        sys.exit(2)
     """)
     t0 = time.monotonic()
-    out = mpiexec(3, sys.executable, "-c", code, timeout=60)
-    assert time.monotonic() - t0 < 30 and out.returncode != 0, out.stderr
-    msg = ("ProcessGrid arguments differ across ranks: rank(s) 0, 2 gave pp(1) x dp(3) x cp(1) x tp(1), combos "
-           "[['dp', 'cp']]; rank(s) 1 gave pp(1) x dp(3) x cp(1) x tp(1), combos [['dp', 'cp'], ['dp', 'tp']]; every "
-           "rank must pass the same degrees and combos")
-    assert sorted(out.stdout.splitlines()) == [f"[{r}] {msg}" for r in range(3)]
+    out = mpiexec(3, sys.executable, "-c", code, str(tmp_path), timeout=60)
+    assert time.monotonic() - t0 < 10 and out.returncode == 2, out.stderr  # every rank went on to exit(2)
+    combos = ("ProcessGrid arguments differ across ranks: rank(s) 0, 2 gave pp(1) x dp(3) x cp(1) x tp(1), combos "
+              "[['dp', 'cp']]; rank(s) 1 gave pp(1) x dp(3) x cp(1) x tp(1), combos [['dp', 'cp'], ['dp', 'tp']]; "
+              "every rank must pass the same degrees and combos")
+    layout = ("ProcessGrid arguments on rank 2: layout 'tp=3': expected a Layout (hpcml.grid.Layout) or degrees such "
+              "as tp=2")
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    assert got == {f"{r}.txt": f"{combos}\n{layout}\n" for r in range(3)}
