@@ -36,13 +36,14 @@ def layout_case(world: int, degrees: dict[str, int], repeat: int) -> dict:
     import torch
 
     from hpcml.grid import Layout
+    from hpcml.grid.layout import DENSE_AXES
 
     lay = Layout.from_degrees(world, degrees)
-    sets = [(a,) for a in lay.axis_names] + [("dp", "cp")]
+    sets = [(a,) for a in DENSE_AXES] + [("dp", "cp")]
     ours = _best(lambda: [lay.group_array(s) for s in sets], repeat)
 
     shape = lay.mesh_shape
-    names = lay.axis_names
+    names = DENSE_AXES
 
     def device_mesh_way():
         mesh = torch.arange(world).view(shape)

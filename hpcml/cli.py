@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpcml import env
 from hpcml.errors import ConfigError, HpcmlError
-from hpcml.grid.layout import AXES
+from hpcml.grid.layout import DEGREE_AXES, DENSE_AXES, EXPERT_AXES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,9 +33,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("grid", help="print a process-grid layout, or build and check it under mpiexec")
     p.add_argument("--world", type=int, help="world size (default: the launcher's, or MPI's with --check)")
-    for axis in AXES:
-        p.add_argument(f"--{axis}", type=int, default=None if axis == "dp" else 1,
-                       help=f"degree of {axis} (-1: infer{'; default: the rest' if axis == 'dp' else ''})")
+    for axis in DEGREE_AXES:
+        p.add_argument(f"--{axis}", type=int, default=None if axis in ("dp", "etp") else 1,
+                       help=f"degree of {axis}" + (" (default: tp)" if axis == "etp" else " (ep folds over cp x dp)"
+                                                  if axis == "ep" else f" (-1: infer{'; default: the rest' if axis == 'dp' else ''})"))
     p.add_argument("--json", action="store_true", help="print one JSON object with the groups")
     p.add_argument("--check", action="store_true",
                    help="build the real grid (MPI and torch.distributed) and check every group communicates")
@@ -197,7 +198,7 @@ def _check_out_file(flag: str, path: str) -> None:
 
 
 def _degrees(args: argparse.Namespace) -> dict[str, int]:
-    return {a: getattr(args, a) for a in AXES if getattr(args, a) is not None}
+    return {a: getattr(args, a) for a in DEGREE_AXES if getattr(args, a) is not None}
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -265,8 +266,10 @@ def _cmd_grid(args: argparse.Namespace) -> int:
 
 
 def _layout_text(layout) -> str:
-    lines = [f"world {layout.world_size} = {layout.describe_degrees()}  (rank order innermost first: "
-             f"{', '.join(reversed(layout.axis_names))})"]
+    order = ", ".join(a for a in reversed(DENSE_AXES))
+    if layout.moe:
+        order = f"dense {order}; experts {', '.join(reversed(EXPERT_AXES))}"
+    lines = [f"world {layout.world_size} = {layout.describe_degrees()}  (rank order innermost first: {order})"]
     for axis in layout.axis_names:
         groups = layout.group_array(axis)
         if layout.world_size <= SHOWN_ALL:
@@ -300,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.cmd, extra = extra, []
     if extra:
         if args.command == "grid" and extra[0].startswith("--"):
-            parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(AXES)}")
+            parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(DEGREE_AXES)}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt, "job": _cmd_job}[args.command](args)

@@ -39,7 +39,8 @@ def check_grid(grid: ProcessGrid) -> list[GroupCheck]:
         torch_sum = None
         if grid.torch is not None and len(key) == 1:
             t = torch.tensor([grid.rank], dtype=torch.int64, device=grid.torch.device)
-            dist.all_reduce(t, group=grid.torch.mesh.get_group(key[0]))
+            mesh = grid.torch.mesh if key[0] in grid.torch.mesh.mesh_dim_names else grid.torch.expert_mesh
+            dist.all_reduce(t, group=mesh.get_group(key[0]))
             torch_sum = int(t.item())
         results.append(GroupCheck(axes=key, expected=expected, mpi=mpi_sum, torch=torch_sum))
     bad = [r for r in results if not r.ok]

@@ -152,6 +152,8 @@ class ProcessGrid:
             raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
         axes = [(a,) for a in layout.axis_names]
         extra = {_combo_key(c) for c in combos} - set(axes)
+        for key in extra:
+            layout.group_index(0, key)  # a combination mixing dense and expert axes fails here, on every rank
         return layout, axes + sorted(extra, key=lambda k: [AXES.index(a) for a in k])
 
     def _cpu_sharing(self) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpcml import env, log
 from hpcml.errors import ConfigError, LaunchError
+from hpcml.grid.layout import DENSE_AXES, EXPERT_AXES
 
 if TYPE_CHECKING:
     from hpcml.grid.mpi import ProcessGrid
@@ -42,6 +43,9 @@ class TorchDist:
     backend: str
     device: torch.device
     mesh: DeviceMesh
+    """The dense mesh, axes ``pp, dp, cp, tp``."""
+    expert_mesh: DeviceMesh | None
+    """The expert mesh over the same ranks, axes ``pp, edp, ep, etp`` (None without MoE axes)."""
     device_names: list[str]
     master_addr: str
     master_port: int
@@ -184,22 +188,33 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
         dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=grid.rank,
                                 world_size=grid.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
-    key = (device.type, grid.layout.mesh_shape, grid.layout.axis_names, id(dist.distributed_c10d._get_default_group()))
+    lay, pg = grid.layout, id(dist.distributed_c10d._get_default_group())
+    key = (device.type, lay.mesh_shape, pg)
     if key not in _MESHES:  # a mesh's sub-groups cost collectives: build each layout's once per process group
-        _MESHES[key] = init_device_mesh(device.type, grid.layout.mesh_shape, mesh_dim_names=grid.layout.axis_names)
-    mesh = _MESHES[key]
-    result = TorchDist(backend=backend, device=device, mesh=mesh, device_names=[v[0] for v in views],
+        _MESHES[key] = init_device_mesh(device.type, lay.mesh_shape, mesh_dim_names=DENSE_AXES)
+    mesh, expert_mesh = _MESHES[key], None
+    if lay.moe:  # the same ranks in Megatron's expert order (pp, edp, ep, etp): experts' groups
+        key = (device.type, "expert", lay.expert_mesh_shape, pg)
+        if key not in _MESHES:
+            ranks = torch.arange(lay.world_size).reshape(lay.expert_mesh_shape)
+            _MESHES[key] = DeviceMesh(device.type, ranks, mesh_dim_names=EXPERT_AXES)
+        expert_mesh = _MESHES[key]
+    result = TorchDist(backend=backend, device=device, mesh=mesh, expert_mesh=expert_mesh,
+                       device_names=[v[0] for v in views],
                        master_addr=addr if joined is None else "", master_port=port if joined is None else 0)
     if check:
-        check_mesh(grid, mesh)
+        check_mesh(grid, mesh, expert_mesh)
     return result
 
 
-def check_mesh(grid: ProcessGrid, mesh: DeviceMesh) -> None:
+def check_mesh(grid: ProcessGrid, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:
     """Raise unless each mesh axis, each MPI sub-communicator and the layout name the same ranks."""
     for axis in grid.layout.axis_names:
         want = grid.group(axis)
-        got_torch = dist.get_process_group_ranks(mesh.get_group(axis))
+        on = mesh if axis in DENSE_AXES else expert_mesh
+        if on is None:
+            raise LaunchError(f"rank {grid.rank}: no expert mesh to check the {axis} group against")
+        got_torch = dist.get_process_group_ranks(on.get_group(axis))
         got_mpi = grid.comm_ranks(axis)
         if not (want == sorted(got_torch) == got_mpi):
             raise LaunchError(f"rank {grid.rank}: {axis} group disagrees: layout {want}, "

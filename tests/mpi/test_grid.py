@@ -17,9 +17,10 @@ WORLD = MPI.COMM_WORLD.Get_size()
 
 
 def layouts_for(world: int) -> list[dict]:
-    found = [{}, {"tp": world}, {"pp": world}, {"cp": world}]
+    found = [{}, {"tp": world}, {"pp": world}, {"cp": world}, {"ep": world}]
     if world == 4:
-        found += [{"tp": 2}, {"tp": 2, "pp": 2}, {"cp": 2, "tp": 2}, {"cp": 2}, {"pp": 2, "cp": 2}]
+        found += [{"tp": 2}, {"tp": 2, "pp": 2}, {"cp": 2, "tp": 2}, {"cp": 2}, {"pp": 2, "cp": 2},
+                  {"ep": 2}, {"ep": 2, "tp": 2}, {"ep": 2, "cp": 2}, {"ep": 2, "tp": 2, "etp": 1}]
     return found
 
 
@@ -139,6 +140,25 @@ def test_torch_backend_bad_on_one_rank_raises_the_same_error_on_every_rank(comm,
         grid.free()
 
 
+@pytest.mark.skipif(WORLD != 4, reason="4 ranks")
+def test_expert_mesh_folds_ep_over_dp(comm, torch_bootstrap):
+    """Issue 13: ep 2 with tp 2 on 4 ranks: dense dp keeps both tp groups' partners, the
+    experts' mesh (pp, edp, ep, etp) is Megatron's "tp-ep-dp-pp" over the same ranks."""
+    import torch.distributed as dist
+
+    grid = ProcessGrid(tp=2, ep=2)
+    try:
+        grid.init_torch()
+        em = grid.torch.expert_mesh
+        assert em.mesh_dim_names == ("pp", "edp", "ep", "etp") and em.mesh.shape == (1, 1, 2, 2)
+        assert sorted(dist.get_process_group_ranks(em.get_group("ep"))) == [comm.rank % 2, comm.rank % 2 + 2]
+        assert sorted(dist.get_process_group_ranks(grid.torch.mesh.get_group("dp"))) == [comm.rank % 2, comm.rank % 2 + 2]
+        assert grid.coords == {"pp": 0, "dp": comm.rank // 2, "cp": 0, "tp": comm.rank % 2, "ep": comm.rank // 2, "edp": 0}
+        assert all(r.ok and r.torch is not None for r in check_grid(grid) if len(r.axes) == 1)
+    finally:
+        grid.free()
+
+
 def test_describe_shows_devices_after_torch(torch_grid):
     lines = torch_grid.describe().splitlines()
     assert "torch backend gloo" in lines[0]
@@ -204,4 +224,4 @@ def test_the_same_combos_in_any_order_agree_and_build_the_same_groups(comm):
     finally:
         grid.free()
     assert _raised_everywhere(comm, combos=[("dp", "cp"), ()]) == ("an empty combination of axes in combos: expected "
-                                                                  "one or more of pp, dp, ep, cp, tp")
+                                                                  "one or more of pp, dp, cp, tp, edp, ep, etp")

@@ -41,7 +41,7 @@ def test_grid_text(capsys):
     (["--world", "8", "--tp", "3"], "hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 8; "
      "8 ranks fit only dp(8), or run on a multiple of 3 ranks"),
     (["--world", "8", "--tp", "3", "--dp", "1", "--pp", "2"], "hpcml: error: tp(3) * dp(1) * pp(2) = 6 != world size 8"),
-    (["--world", "8", "--xp", "2"], "hpcml: error: unknown axis 'xp': expected one of pp, dp, ep, cp, tp"),
+    (["--world", "8", "--xp", "2"], "hpcml: error: unknown axis 'xp': expected one of pp, dp, ep, cp, tp, etp"),
     (["--world", "8", "--tp", "0"], "hpcml: error: degree of tp must be a positive integer or -1 (inferred), got 0"),
     (["--world", "8", "--tp", "-4"], "hpcml: error: degree of tp must be a positive integer or -1 (inferred), got -4"),
     (["--world", "8", "--tp", "-1", "--dp", "-1"],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpcml.errors import GridError, HpcmlError
-from hpcml.grid.layout import AXES, Layout
+from hpcml.grid.layout import DENSE_AXES, EXPERT_AXES, Layout
 
 
 def test_megatron_order_tp_dp_pp_on_8():
@@ -52,7 +52,8 @@ def test_groups_partition_the_world(world, degrees):
         for rank in (0, world // 3, world - 1):
             members = lay.group_of(rank, axes)
             assert rank in members and members == arr[lay.group_index(rank, axes)].tolist()
-            others = {a for a in AXES if a not in axes}
+            arrangement = DENSE_AXES if all(a in DENSE_AXES for a in axes) else EXPERT_AXES
+            others = {a for a in arrangement if a not in axes}
             assert all({k: v for k, v in lay.coords(m).items() if k in others} ==
                        {k: v for k, v in lay.coords(rank).items() if k in others} for m in members)
 
@@ -93,7 +94,7 @@ def test_bad_layouts_say_the_numbers(kwargs, message):
 
 
 def test_unknown_axis_and_rank_checks():
-    with pytest.raises(GridError, match="unknown axis 'xp': expected one of pp, dp, ep, cp, tp"):
+    with pytest.raises(GridError, match="unknown axis 'xp': expected one of pp, dp, ep, cp, tp, etp"):
         Layout.from_degrees(8, {"xp": 2})
     lay = Layout(world_size=8, tp=2)
     with pytest.raises(GridError, match="rank 8 outside world size 8"):
