@@ -118,7 +118,7 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
                 print(f"model: {model.get('type')} {json.dumps(model.get('config'))}")
             width = max(len(n) for n in info["tensors"]) if info["tensors"] else 4
             for name, t in info["tensors"].items():
-                extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim") if k in t)
+                extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim", "experts") if k in t)
                 print(f"  {name:<{width}}  {str(t['shape']):<14} {t['dtype']:<9} {t['bytes']:>10} B  "
                       f"{t['pieces']} piece(s)  {t['partition']}{extra}")
     elif c == "verify":

@@ -11,19 +11,29 @@ import functools
 import torch
 
 from hpcml.models.transformer import Transformer, TransformerConfig, cross_entropy
+from hpcml.models.transformer.moe import moe_layers
 from hpcml.train import SyntheticTokens, TrainConfig
 from hpcml.train.loop import make_optimizer
 
 
-@functools.lru_cache(maxsize=8)
 def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """(losses, gradient norms before clipping, final parameters by name)."""
+    return reference_run_with_stats(model_cfg, cfg)[:3]
+
+
+@functools.lru_cache(maxsize=8)
+def reference_run_with_stats(model_cfg: TransformerConfig, cfg: TrainConfig):
+    """:func:`reference_run` and, for a MoE model, each step's mean Switch aux loss over
+    layers, micro-batches and sequences (the MoE layer's own statistics, no engine)."""
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg)
+    moes = moe_layers(model)
     opt, sched = make_optimizer(model.parameters(), cfg)
     data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len, seed=cfg.seed)
     n_micro = cfg.global_batch // cfg.micro_batch
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
+    for moe in moes:  # balancing gradients follow the micro-batch mean, as the loss does
+        moe.grad_scale = 1.0 / n_micro
     for step in range(cfg.steps):
         tokens = data.global_batch(step, cfg.global_batch)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -35,6 +45,10 @@ def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig) -> tuple[list[
         losses.append(total / n_micro)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))))
         opt.step()
+        if moes:
+            aux.append(sum(m.last.get("aux", 0.0) / m.last["calls"] for m in moes) / len(moes))
+        for moe in moes:
+            moe.update_bias()
         opt.zero_grad(set_to_none=True)
         sched.step()
-    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}, aux

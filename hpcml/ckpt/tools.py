@@ -55,6 +55,8 @@ def inspect(path: str | os.PathLike) -> dict:
             spec = fused_spec(t["attrs"])
             if spec is not None:
                 tensors[name]["fused_widths"], tensors[name]["fused_dim"] = spec
+            if isinstance(t["attrs"].get("experts"), int):  # a MoE layer's stacked experts, expert index first
+                tensors[name]["experts"] = t["attrs"]["experts"]
         shards = [{"file": f, "bytes": v["bytes"]} for f, v in sorted(m["files"].items()) if f != fmt.INDEX]
         return {"path": str(ck.path), "step": ck.step, "format_version": m["format_version"],
                 "hpcml_version": str(m.get("hpcml_version", "?")), "world_size": m["world_size"],

@@ -57,9 +57,10 @@ class ParallelModel:
     schedule: object | None = None
     has_first: bool = True
     has_last: bool = True
-    grad_sync: dp.GradAllReduce | None = None
+    grad_syncs: list[dp.GradAllReduce] = field(default_factory=list)
     tp_enabled: bool = False
     _params: list[nn.Parameter] = field(default_factory=list)
+    _pipeline_warm: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
@@ -84,6 +85,17 @@ class ParallelModel:
         autocast = autocast or contextlib.nullcontext()
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if self.schedule is not None:
+            reset = getattr(self.plan, "reset_stats", None)
+            if reset is not None and not self._pipeline_warm:
+                # torch's pipeline infers stage shapes by running the first micro-batches once
+                # more: run a throw-away step, so statistics the model keeps (MoE loads) stay exact
+                with self.loss_context(), autocast:
+                    self.schedule.step(*(inputs if self.has_first else ()), target=targets if self.has_last else None,
+                                       losses=[] if self.has_last else None)
+                for part in self.parts:
+                    part.zero_grad(set_to_none=True)
+                    reset(part)
+            self._pipeline_warm = True
             losses: list[torch.Tensor] = []
             args = inputs if self.has_first else ()
             with self.loss_context(), autocast:
@@ -91,6 +103,9 @@ class ParallelModel:
                                    losses=losses if self.has_last else None)
             return float(torch.stack([loss.detach().float() for loss in losses]).mean()) if self.has_last else None
         model = self.parts[0]
+        scale = getattr(self.plan, "set_grad_scale", None)
+        if scale is not None:
+            scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
         chunks = zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro))
@@ -104,8 +119,27 @@ class ParallelModel:
         return total / n_micro
 
     def sync_grads(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync()
+        for sync in self.grad_syncs:
+            sync()
+
+    def after_step(self) -> None:
+        """After the optimizer step: the plan's per-step updates (MoE balancing biases)."""
+        hook = getattr(self.plan, "after_step", None)
+        for part in self.parts if hook is not None else ():
+            hook(part)
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return tuple(getattr(self.plan, "stat_names", ()))
+
+    def step_stats(self) -> list[float]:
+        """This rank's shares of the plan's statistics of the last step (:attr:`stat_names`, e.g.
+        MoE balancing losses): summed over all ranks, they are the step's values."""
+        out = [0.0] * len(self.stat_names)
+        for part in self.parts if out else ():
+            shares = self.plan.step_stats(part, self.grid.layout)
+            out = [o + shares[k] for o, k in zip(out, self.stat_names)]
+        return out
 
     def local_sq_grad_norm(self) -> torch.Tensor:
         lay = self.grid.layout
@@ -145,9 +179,12 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     data_mesh = dp_mesh(mesh, lay)
     if isinstance(plan, DataParallelPlan) and data_mesh is not None:  # a plain module: start equal, as DDP does
         dp.broadcast_params(list(model.parameters()), data_mesh.get_group())
+    expert_params: list[nn.Parameter] = []
     for part in parts:
         if lay.tp > 1:
             plan.apply_tp(part, mesh["tp"], config)
+        if hasattr(plan, "apply_moe"):
+            expert_params += plan.apply_moe(part, grid, data_mesh)
         if lay.cp > 1:
             plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         if config.activation_checkpointing:
@@ -159,8 +196,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
                            tp_enabled=lay.tp > 1, _params=params,
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
-    if data_mesh is not None and not config.fsdp:
-        result.grad_sync = dp.GradAllReduce(params, data_mesh.get_group(), lay.dp * lay.cp)
+    if not config.fsdp:
+        result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
                                             config.pp_schedule, n_microbatches, loss_fn)

@@ -32,13 +32,16 @@ class GradAllReduce:
     collective costs milliseconds. Tensor-parallel DTensor gradients reduce their local shards.
     """
 
-    def __init__(self, params: list[nn.Parameter], group, group_size: int) -> None:
+    def __init__(self, params: list[nn.Parameter], group, group_size: int, divide_by: int | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group, self.group_size = group, group_size
+        self.divide_by = group_size if divide_by is None else divide_by
+        """Sum over the group, then divide by this: the group size for a mean; the data ranks
+        for experts, whose local gradient already sums the tokens of their ep peers."""
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if self.group_size == 1:
+        if self.divide_by == 1 and self.group_size == 1 or not self.params:
             return
         grads = []
         for p in self.params:
@@ -46,8 +49,9 @@ class GradAllReduce:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        flat /= self.group_size
+        if self.group_size > 1:
+            dist.all_reduce(flat, group=self.group)
+        flat /= self.divide_by
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -66,3 +70,18 @@ def broadcast_params(params: list[nn.Parameter], group) -> None:
     for p in params:
         p.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
+
+
+def data_parallel_syncs(params: list[nn.Parameter], expert_params: list[nn.Parameter], grid,
+                        data_mesh: DeviceMesh | None) -> list[GradAllReduce]:
+    """The gradient reductions of a replicated (DDP) model: dense weights averaged over dp x cp;
+    with MoE axes, the experts summed over edp (their replicas) and divided by dp x cp."""
+    lay = grid.layout
+    data = lay.dp * lay.cp
+    if not lay.moe:
+        return [GradAllReduce(params, data_mesh.get_group(), data)] if data_mesh is not None else []
+    experts = {id(p) for p in expert_params}
+    dense = [p for p in params if id(p) not in experts]
+    syncs = [GradAllReduce(dense, data_mesh.get_group(), data)] if data_mesh is not None else []
+    edp_group = grid.torch.expert_mesh.get_group("edp") if lay.edp > 1 else None
+    return syncs + [GradAllReduce(expert_params, edp_group, lay.edp, divide_by=data)]

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpcml import ckpt, log
 from hpcml import stop as stop_flag
@@ -76,10 +77,14 @@ def make_optimizer(params, cfg: LoopConfig, schedule: WarmupCosine | None = None
     """AdamW without decay on 1-D parameters (norms, biases), and the warmup + cosine schedule."""
     params = list(params)
     schedule = schedule or WarmupCosine.of(cfg)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
+    # one group per (decay, mesh): foreach kernels take plain tensors or DTensors of one mesh, not
+    # a mix (a MoE model has plain routers, tp-sharded attention and ep-sharded experts)
+    groups: dict[tuple, list] = {}
+    for p in params:
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((p.dim() >= 2, id(mesh)), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
+                             for (decay, _), ps in groups.items()] or [{"params": []}],
                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
     # a lambda, so LambdaLR's state_dict never carries the schedule (its resume rule is ours)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s))
@@ -156,20 +161,23 @@ class TrainLoop:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 else None
         loss = self.model.forward_backward(x, y, self.n_micro(), autocast)
         self.model.sync_grads()
-        share = torch.zeros(3, dtype=torch.float64)
+        names = self.model.stat_names
+        share = torch.zeros(3 + len(names), dtype=torch.float64)
         share[0] = self.model.local_sq_grad_norm()
         if loss is not None:  # last pipeline stage: every (dp, cp, tp) rank holds one share of the mean
             share[1] = loss / (lay.dp * lay.cp * lay.tp)
         share[2] = float(self.stop_requested or stop_flag.requested() is not None)
+        share[3:] = torch.tensor(self.model.step_stats(), dtype=torch.float64)
         share = share.to(self.device)
         dist.all_reduce(share)  # the step's one collective beyond the engines' own
-        sq_norm, global_loss, stop = share.tolist()
+        sq_norm, global_loss, stop, *stats = share.tolist()
         grad_norm = math.sqrt(sq_norm)
         if cfg.grad_clip > 0:
             from hpcml.parallel.clip import scale_grads
 
             scale_grads(self.model.parameters(), grad_norm, cfg.grad_clip)
         self.optimizer.step()
+        self.model.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -179,7 +187,7 @@ class TrainLoop:
         self.step += 1
         m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
                              **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
-                             "stop": stop > 0, "time": time.time(), **(extra or {})}
+                             "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)), **(extra or {})}
         self.history.append(m)
         self._report(m, max(cfg.steps, self.step))
         return m
@@ -228,11 +236,18 @@ class TrainLoop:
         """Step, optimizer hyper-parameters and schedule; a changed ``steps`` stretches the
         schedule from the saved step (:mod:`hpcml.train.schedule`)."""
         self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
+        # parameter groups are one per (decay, mesh): another layout may have another count
+        n = len(self.optimizer.param_groups)
+        state = {k: ([v[0]] * n if isinstance(v, list) and v and k in ("base_lrs", "_last_lr") else v)
+                 for k, v in extra["scheduler"].items()}
+        self.scheduler.load_state_dict(state)
         saved = extra.get("schedule") or {"steps": extra["train_config"]["steps"], "anchor": None}
         self.schedule.resume(self.step, saved)
-        for group, saved_group in zip(self.optimizer.param_groups, extra["param_groups"]):
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items()})
+        for group in self.optimizer.param_groups:  # the saved group of the same kind (decayed or not)
+            same = [g for g in extra["param_groups"] if (g.get("weight_decay", 0) > 0) == (group["weight_decay"] > 0)]
+            saved_group = (same or extra["param_groups"])[0]
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items()
+                          if k != "weight_decay" or same})
             group["lr"] = group["initial_lr"] * self.schedule(self.step)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if int(saved["steps"]) != self.config.steps and self.grid.rank == 0:

@@ -3,12 +3,12 @@ how tp, cp, pp, activation checkpointing and FSDP apply to it, kept next to the 
 torchtitan keeps ``models/<name>/infra/parallelize.py``."""
 
 from hpcml.models.transformer.model import (
-    PRESETS,
     Transformer,
     TransformerConfig,
     apply_rope,
     cross_entropy,
     rope_tables,
 )
+from hpcml.models.transformer.presets import PRESETS
 
 __all__ = ["PRESETS", "Transformer", "TransformerConfig", "apply_rope", "cross_entropy", "rope_tables"]

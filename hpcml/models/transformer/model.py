@@ -54,6 +54,31 @@ class TransformerConfig:
     """One ``attention.wqkv`` projection, ``cat([wq, wk, wv])``, instead of three (same function and parameters)."""
     fused_mlp: bool = False
     """One ``feed_forward.w13`` projection, ``cat([w1, w3])`` (gate, up), instead of two."""
+    # -- mixture of experts (hpcml.models.transformer.moe); n_experts 0: every block dense --
+    n_experts: int = 0
+    """Experts of each MoE feed-forward (0: a dense model)."""
+    moe_top_k: int = 2
+    moe_every: int = 1
+    """Block i is MoE when (i + 1) % moe_every == 0 (1: all; 2: every other, as GShard)."""
+    moe_hidden: int | None = None
+    """Each expert's SwiGLU width; None: as ``hidden``."""
+    moe_shared_hidden: int = 0
+    """Width of a shared expert every token goes through (0: none)."""
+    moe_score: str = "softmax"
+    """Router scores: softmax or sigmoid (computed in fp32)."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k weights to sum to 1 (always for sigmoid)."""
+    moe_balance: str = "aux"
+    """aux: Switch auxiliary loss; bias: aux-loss-free per-expert bias (DeepSeek-V3); none."""
+    moe_aux_coef: float = 0.01
+    moe_z_coef: float = 0.001
+    """Router z-loss coefficient (0: none)."""
+    moe_bias_rate: float = 0.001
+    """Bias update per step of aux-loss-free balancing."""
+    moe_capacity: float | None = None
+    """Capacity factor: an expert takes at most factor * tokens * k / E assignments, the rest dropped; None: dropless."""
+    moe_grouped_mm: bool = True
+    """Experts as one grouped matmul per projection; False: a loop over experts (the reference)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple", "vocab_multiple"):
@@ -70,6 +95,22 @@ class TransformerConfig:
             raise ConfigError(f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for rotary")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.n_experts:
+            from hpcml.models.transformer.moe_config import check_moe
+
+            check_moe(self)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has a MoE feed-forward."""
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.hidden
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
 
     @property
     def kv_heads(self) -> int:
@@ -97,18 +138,22 @@ class TransformerConfig:
     def padded_vocab(self) -> int:
         return _round_up(self.vocab_size, self.vocab_multiple)
 
-    def num_params(self, embeddings: bool = True) -> int:
-        """Parameter count (embedding and output included unless ``embeddings=False``)."""
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count (embedding and output included unless ``embeddings=False``);
+        ``active``: those one token uses (top-k of each MoE layer's experts)."""
+        from hpcml.models.transformer.moe_config import moe_params
+
         hd = self.head_dim
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.kv_heads)
         mlp = 3 * self.dim * self.hidden
-        per_layer = attn + mlp + 2 * self.dim
+        total, used = moe_params(self) if self.n_experts else (0, 0)
+        ffn = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * (used if active else total)
         emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + self.dim + (emb if embeddings else 0)
+        return self.n_layers * (attn + 2 * self.dim) + ffn + self.dim + (emb if embeddings else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters + causal attention scores (PaLM's count)."""
-        matmul = self.num_params(embeddings=False) - self.n_layers * 2 * self.dim - self.dim
+        """Training FLOPs per token: 6 x active matmul parameters + causal attention scores (PaLM's count)."""
+        matmul = self.num_params(embeddings=False, active=True) - self.n_layers * 2 * self.dim - self.dim
         matmul += self.padded_vocab * self.dim  # the output projection is a matmul, the embedding lookup is not
         return 6 * matmul + 6 * self.n_layers * self.dim * seq_len  # 12*l*h*s/2 for a causal mask
 
@@ -141,11 +186,17 @@ class TransformerConfig:
                          "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
                                   "(x[i], x[i + head_dim/2])"},
                 "norm": {"type": "rmsnorm", "eps": self.norm_eps}, "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))",
-                "tie_embeddings": self.tie_embeddings, "fused_widths": self.fused_widths}
+                "tie_embeddings": self.tie_embeddings, "fused_widths": self.fused_widths,
+                **({"moe": {"layers": [i for i in range(self.n_layers) if self.is_moe(i)],
+                            "experts": self.n_experts, "top_k": self.moe_top_k, "expert_hidden": self.expert_hidden,
+                            "layout": "feed_forward.experts.w1/w3 [expert, hidden, dim], w2 [expert, dim, hidden]: "
+                                      "row e is global expert e"}} if self.n_experts else {})}
 
     @classmethod
     def preset(cls, name: str, **overrides) -> TransformerConfig:
         """A named size: ``tiny`` (tests), ``small`` (~125M), Megatron-LM Table 1, Llama 13B/30B/65B."""
+        from hpcml.models.transformer.presets import PRESETS
+
         if name not in PRESETS:
             raise ConfigError(f"unknown transformer preset {name!r}: expected one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
@@ -156,6 +207,8 @@ def _fits(value, kind: str) -> bool:
     if value is None:
         return kind.endswith("| None")
     kind = kind.removesuffix(" | None")
+    if kind == "str":
+        return isinstance(value, str)
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "int":
@@ -163,36 +216,6 @@ def _fits(value, kind: str) -> bool:
     if kind == "float":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return False
-
-
-def _megatron(h: int, heads: int, layers: int) -> TransformerConfig:
-    # Megatron-LM (Narayanan et al. 2021) Table 1: vocab 51200, seq 2048, GELU 4h; a SwiGLU of 8h/3 has the same 12lh^2.
-    return TransformerConfig(vocab_size=51200, dim=h, n_heads=heads, n_layers=layers, max_seq_len=2048,
-                             ffn_multiple=128, vocab_multiple=128)
-
-
-PRESETS: dict[str, TransformerConfig] = {
-    "tiny": TransformerConfig(vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
-                              max_seq_len=64),
-    "small": TransformerConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024,
-                               tie_embeddings=True, ffn_multiple=256),
-    "megatron-1.7b": _megatron(2304, 24, 24),
-    "megatron-3.6b": _megatron(3072, 32, 30),
-    "megatron-7.5b": _megatron(4096, 32, 36),
-    "megatron-18b": _megatron(6144, 48, 40),
-    "megatron-39b": _megatron(8192, 64, 48),
-    "megatron-76b": _megatron(10240, 80, 60),
-    "megatron-145b": _megatron(12288, 96, 80),
-    "megatron-310b": _megatron(16384, 128, 96),
-    "megatron-530b": _megatron(20480, 128, 105),
-    "megatron-1t": _megatron(25600, 160, 128),
-    "llama-13b": TransformerConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
-                                   max_seq_len=2048),
-    "llama-30b": TransformerConfig(vocab_size=32000, dim=6656, n_layers=60, n_heads=52, ffn_hidden=17920,
-                                   max_seq_len=2048),
-    "llama-65b": TransformerConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, ffn_hidden=22016,
-                                   max_seq_len=2048),
-}
 
 
 class RMSNorm(nn.Module):
@@ -259,15 +282,16 @@ class CausalAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, hidden: int | None = None) -> None:
         super().__init__()
+        hidden = hidden or cfg.hidden
         if cfg.fused_mlp:  # tensor-parallel rank r holds [w1_r; w3_r] (its plan)
-            self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)
-            self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+            self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)
+            self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
         else:  # (registration order w1, w2, w3 fixes the initialisation's random draws)
-            self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-            self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
-            self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+            self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+            self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+            self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "w13"):
@@ -277,12 +301,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if moe:
+            from hpcml.models.transformer.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
         self.activation_checkpointing = False
         """Recompute this block's activations in backward (set by its plan); keeps parameter names."""
 
@@ -303,7 +332,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.padded_vocab, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
@@ -323,9 +352,11 @@ class Transformer(nn.Module):
         """Normal(0, init_std) for matrices, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith("expert_bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
             else:
                 nn.init.normal_(p, std=std)

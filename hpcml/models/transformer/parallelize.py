@@ -31,6 +31,8 @@ from hpcml.ckpt.state import fused_attrs
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.model import Transformer, TransformerConfig, cross_entropy
+from hpcml.models.transformer.moe import MoE, moe_layers
+from hpcml.models.transformer.moe_plan import apply_moe
 from hpcml.parallel.config import ParallelConfig, split_layers
 from hpcml.parallel.tp import FusedColwiseParallel
 from hpcml.parallel.ulysses import UlyssesAttention
@@ -57,6 +59,10 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
         raise ConfigError(f"tie_embeddings needs tp 1 and pp 1, got tp {tp}, pp {pp}")
     if config.sequence_parallel and cp > 1:
         raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
+    if model.n_experts:
+        check_moe_plan(model, layout, config)
+    elif layout.moe:
+        raise ConfigError(f"ep {layout.ep} (etp {layout.etp}) needs a MoE model: n_experts is 0")
     n_stages = pp * config.n_stages_per_rank
     if pp > 1 or config.layers_per_stage is not None:
         if config.layers_per_stage is not None:
@@ -67,6 +73,24 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
         elif model.n_layers < n_stages:
             raise ConfigError(f"n_layers {model.n_layers} < pipeline stages {n_stages} "
                               f"(pp {pp} x {config.n_stages_per_rank} stages per rank)")
+
+
+def check_moe_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig) -> None:
+    """The MoE part of :func:`check_plan`: experts split evenly over ep, tp slices of every
+    expert (expert tensor parallelism is tp's: etp = tp)."""
+    if model.n_experts % layout.ep:
+        raise ConfigError(f"n_experts {model.n_experts} is not divisible by ep {layout.ep}")
+    if layout.etp != layout.tp:
+        raise ConfigError(f"etp {layout.etp} != tp {layout.tp}: the transformer's experts are tensor-parallel over "
+                          f"tp itself (leave etp unset)")
+    for name, value in (("expert hidden", model.expert_hidden), ("moe_shared_hidden", model.moe_shared_hidden)):
+        if value % layout.tp:
+            raise ConfigError(f"{name} {value} is not divisible by tp {layout.tp}")
+    if config.sequence_parallel:
+        raise ConfigError("sequence_parallel with a MoE model is not supported: tokens stay replicated over tp")
+    if config.fsdp and layout.ep > 1:
+        raise ConfigError(f"fsdp with ep {layout.ep} > 1 is not supported yet: experts are sharded over ep and "
+                          f"replicated over edp {layout.edp}; use fsdp=False (DDP) with ep")
 
 
 def stage_layers(model: TransformerConfig, n_stages: int, config: ParallelConfig) -> list[list[int]]:
@@ -94,21 +118,26 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
     fused = model.config.fused_widths
     qkv, w13 = fused.get("attention.wqkv.weight"), fused.get("feed_forward.w13.weight")
     for block in model.layers.values():
+        # a MoE block's dense MLP is its shared expert (its routed experts are sharded by apply_moe)
+        ffn = "feed_forward.shared_expert" if isinstance(block.feed_forward, MoE) else "feed_forward"
+        has_ffn = ffn == "feed_forward" or block.feed_forward.shared_expert is not None
         block_plan: dict = {
             **({"attention.wqkv": FusedColwiseParallel(qkv)} if qkv else
                {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel()}),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            **({"feed_forward.w13": FusedColwiseParallel(w13)} if w13 else
-               {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()}),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        # The sub-block input enters as one replicated DTensor, so the input gradients of
-        # q, k, v (and of w1, w3) add up as partial sums and are all-reduced once, not once
-        # per projection; with sequence parallelism that one reduction is a reduce-scatter.
-        block_plan.update({
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        })
+        if has_ffn:
+            block_plan.update({
+                **({f"{ffn}.w13": FusedColwiseParallel(w13)} if w13 else
+                   {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel()}),
+                f"{ffn}.w2": RowwiseParallel(output_layouts=seq),
+                # The sub-block input enters as one replicated DTensor, so the input gradients of
+                # q, k, v (and of w1, w3) add up as partial sums and are all-reduced once, not once
+                # per projection; with sequence parallelism that one reduction is a reduce-scatter.
+                ffn: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            })
+        block_plan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                     desired_input_layouts=(Replicate(), None, None))
         if sp:
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, mesh, block_plan)
@@ -148,6 +177,44 @@ class TransformerPlan:
         for block in part.layers.values():
             block.attention.core = UlyssesAttention(block.attention.core, group)
 
+    def apply_moe(self, part: Transformer, grid, data_mesh: DeviceMesh | None) -> list:
+        """Shard each MoE layer's experts over ep (and tp), give it its dispatch and groups;
+        returns the expert parameters (their gradients reduce over edp, not dp x cp)."""
+        return apply_moe(part, grid, data_mesh)
+
+    def after_step(self, part: Transformer) -> None:
+        for moe in moe_layers(part):
+            moe.update_bias()
+
+    def reset_stats(self, part: Transformer) -> None:
+        """Forget the statistics of forwards that were no training (a pipeline's shape inference)."""
+        for moe in moe_layers(part):
+            moe.last = {}
+            moe.load_local.zero_()
+
+    def set_grad_scale(self, part: Transformer, scale: float) -> None:
+        for moe in moe_layers(part):
+            moe.grad_scale = scale
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        """Per-step statistics :meth:`step_stats` gives (the training loop's metrics)."""
+        return ("moe_aux", "moe_z", "moe_load_max_over_mean") if self.config.n_experts else ()
+
+    def step_stats(self, part: Transformer, layout: Layout) -> dict[str, float]:
+        """This rank's share of the step's balancing statistics, each a mean over the model's
+        MoE layers, micro-batches and sequences once summed over all ranks (one all-reduce of
+        the expert loads over dp x cp first, for the load ratio and the bias update)."""
+        n = max(1, self.config.n_moe_layers)
+        out = dict.fromkeys(self.stat_names, 0.0)
+        for moe in moe_layers(part):
+            moe.reduce_load()
+            calls = max(1, moe.last.get("calls", 1))
+            out["moe_aux"] += moe.last.get("aux", 0.0) / (calls * layout.dp * layout.tp * n)
+            out["moe_z"] += moe.last.get("z", 0.0) / (calls * layout.dp * layout.cp * layout.tp * n)
+            out["moe_load_max_over_mean"] += moe.last["load_max_over_mean"] / (layout.world_size // layout.pp * n)
+        return out
+
     def apply_activation_checkpointing(self, part: Transformer) -> None:
         for block in part.layers.values():
             block.activation_checkpointing = True
@@ -163,6 +230,11 @@ class TransformerPlan:
         attrs = {**vocab, **{f"optim/{n[6:]}/{s}": a for n, a in vocab.items() for s in ("exp_avg", "exp_avg_sq")}}
         attrs.update(fused_attrs({f"layers.{i}.{name}": widths for i in range(cfg.n_layers)
                                   for name, widths in cfg.fused_widths.items()}))
+        for i in (i for i in range(cfg.n_layers) if cfg.is_moe(i)):  # row e of an expert tensor is global expert e
+            for w in ("w1", "w2", "w3"):
+                name = f"layers.{i}.feed_forward.experts.{w}"
+                a = {"experts": cfg.n_experts, "expert_dim": 0}
+                attrs.update({f"model/{name}": a, **{f"optim/{name}/{st}": dict(a) for st in ("exp_avg", "exp_avg_sq")}})
         return attrs
 
 
