@@ -81,7 +81,7 @@ def load_balance(args) -> list[dict]:
 
     rows = []
     for scheme, kw in (("none", dict(moe_balance="none", moe_z_coef=0.0)), ("aux (Switch + z)", dict(moe_balance="aux")),
-                       ("aux-loss-free bias", dict(moe_balance="bias", moe_bias_rate=0.01))):
+                       ("aux-loss-free bias", dict(moe_balance="bias"))):
         cfg = TransformerConfig.preset("tiny-moe", **kw)
         torch.manual_seed(0)
         model = Transformer(cfg)
@@ -141,6 +141,7 @@ def comm(args) -> dict:
     ep.dispatch.sent_bytes = 0
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         ep.dispatch(x[order // k], counts, ep.experts)
+    counted = ep.dispatch.sent_bytes
     buffers = [e.input_shapes[0] for e in prof.events() if e.name == "gloo:all_to_all" and e.input_shapes
                and e.input_shapes[0]]
     token_elems = sum(s[0] * s[1] for s in buffers if s[-1] == d)  # tokens: [rows, d]; counts: [ep, E/ep]
@@ -158,13 +159,14 @@ def comm(args) -> dict:
     out = torch.empty_like(buf)
     raw = _best(lambda: [dist.all_to_all_single(out, buf, group=group) for _ in range(4)], args.repeat)
     ep.dispatch.sent_bytes = 0
-    run(ep)
+    run(ep)  # the layer's own (learned, unbalanced) routing
     from mpi4py import MPI
 
     times = grid.comm.allreduce(t_ep, op=MPI.MAX)
     return {"ranks": p, "tokens_per_rank": n, "top_k": k, "dim": d, "experts": args.experts,
             "theory_bytes_fwd": theory, "profiled_bytes_fwd": profiled, "profiled_over_theory": profiled / theory,
-            "dispatcher_bytes_fwd": ep.dispatch.sent_bytes, "dispatcher_over_theory": ep.dispatch.sent_bytes / theory,
+            "dispatcher_bytes_fwd": counted, "dispatcher_over_theory": counted / theory,
+            "router_routing_bytes_fwd": ep.dispatch.sent_bytes, "router_routing_over_balanced": ep.dispatch.sent_bytes / theory,
             "count_all_to_all_elems": count_elems,
             "ep1_tokens_per_s": n / t_ep1, f"ep{p}_tokens_per_s": n / t_ep, f"ep{p}_over_ep1": t_ep1 / t_ep,
             "slowest_rank_ep_s": times, "raw_all_to_all_x4_s": raw, "ep_layer_minus_ep1_s": t_ep - t_ep1,

@@ -5,6 +5,8 @@
     mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 10 --ckpt-dir ck --ckpt-every 5
     mpiexec -n 2 python workflows/llm_pretrain.py --steps 20 --ckpt-dir ck --resume   # any layout resumes
     mpiexec -n 2 python workflows/llm_pretrain.py --init-from llama-dir --tp 2 --steps 20   # fine-tune a HF Llama
+    mpiexec -n 4 python workflows/llm_pretrain.py --model tiny-moe --ep 4 --steps 20   # experts over 4 ranks
+    mpiexec -n 4 python workflows/llm_pretrain.py --moe 8x2 --ep 2 --tp 2 --moe-balance bias
     hpcml job --site frontier --nodes 1-2 --walltime 02:00:00 -- python workflows/llm_pretrain.py \
         --tp 8 --ckpt-dir ck --ckpt-every 50 --auto-resume    # requeued on the walltime or a lost node
 
@@ -40,6 +42,14 @@ from hpcml.train.checkpointing import CheckpointHook, load_trainer
 from hpcml.train.recipe import build_llm_trainer
 
 
+def moe_fields(spec: str) -> dict:
+    """``--moe 8x2`` -> n_experts 8, top-2 (``8``: top-2)."""
+    parts = spec.lower().split("x")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--moe {spec!r}: expected E or ExK with integers, e.g. 8x2")
+    return {"n_experts": int(parts[0]), "moe_top_k": int(parts[1]) if len(parts) == 2 else 2}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="model preset (default tiny)")
@@ -50,6 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--cp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE; folds over cp x dp)")
+    p.add_argument("--moe", default=None, metavar="E[xK]",
+                   help="make the preset a mixture of experts: E experts, top-K (default 2), e.g. 8x2")
+    p.add_argument("--moe-balance", default=None, choices=["aux", "bias", "none"],
+                   help="MoE balancing: Switch aux + z loss, aux-loss-free bias, or none")
+    p.add_argument("--moe-every", type=int, default=None, help="every Nth block is MoE (default 1: all)")
+    p.add_argument("--moe-capacity", type=float, default=None, help="capacity factor (default: dropless)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters over dp (FSDP2); default replicates (DDP)")
     p.add_argument("--zero2", action="store_true", help="with --fsdp: keep parameters gathered after forward")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
@@ -94,6 +111,16 @@ def main(argv=None) -> int:
             model_cfg = TransformerConfig.preset(args.model or "tiny")
         if args.seq_len > model_cfg.max_seq_len:
             model_cfg = replace(model_cfg, max_seq_len=args.seq_len)
+        if args.moe:
+            model_cfg = replace(model_cfg, **moe_fields(args.moe))
+        moe_kw = {k: v for k, v in (("moe_balance", args.moe_balance), ("moe_every", args.moe_every),
+                                    ("moe_capacity", args.moe_capacity)) if v is not None}
+        if moe_kw and not model_cfg.n_experts:
+            raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in moe_kw)} "
+                              f"need{'s' if len(moe_kw) == 1 else ''} a MoE model: give --moe "
+                              f"E[xK] or a MoE preset (tiny-moe, mixtral-8x7b, grin-moe)")
+        if moe_kw:
+            model_cfg = replace(model_cfg, **moe_kw)
         if args.fused_qkv or args.fused_mlp:
             model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
@@ -103,7 +130,7 @@ def main(argv=None) -> int:
                             seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                             bf16=args.bf16, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                             run_dir=args.run_dir, progress=not args.no_progress)
-        degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp}
+        degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
         if args.dp is not None:
             degrees["dp"] = args.dp
         if (args.resume or args.auto_resume) and not args.ckpt_dir:
@@ -138,8 +165,9 @@ def main(argv=None) -> int:
     trainer.close()
     unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning)
     if trainer.grid.rank == 0:
+        moe = {k: [m[k] for m in history] for k in trainer.model.stat_names}  # MoE balancing, per step
         print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
-                          "steps": [m["step"] for m in history]}))
+                          "steps": [m["step"] for m in history], **moe}))
         if unfinished and args.ckpt_dir:
             print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, checkpoint saved: "
                   f"exit {NOT_FINISHED} (not finished; rerun with --resume or --auto-resume)", file=sys.stderr)

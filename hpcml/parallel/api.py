@@ -189,15 +189,22 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
             plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         if config.activation_checkpointing:
             plan.apply_activation_checkpointing(part)
-        if config.fsdp and data_mesh is not None:
+        if config.fsdp and data_mesh is not None and lay.moe:
+            edp = grid.torch.expert_mesh["edp"] if lay.edp > 1 else None
+            dp.apply_fsdp_moe(part, plan.fsdp_units(part), plan.expert_modules(part), data_mesh, edp,
+                              config.reshard_after_forward)
+        elif config.fsdp and data_mesh is not None:
             dp.apply_fsdp(part, plan.fsdp_units(part), data_mesh, config.reshard_after_forward)
 
-    params = [p for part in parts for p in part.parameters()]
+    params = [p for part in parts for p in part.parameters()]  # after FSDP: its sharded parameters
     result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
                            tp_enabled=lay.tp > 1, _params=params,
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if not config.fsdp:
         result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)
+    elif lay.moe:  # experts: FSDP's mean over edp (or nothing, edp 1) -> the sum over edp / (dp x cp)
+        sharded = [p for part in parts for ex in plan.expert_modules(part) for p in ex.parameters()]
+        result.grad_syncs = [dp.GradAllReduce(sharded, None, 1, divide_by=lay.dp * lay.cp // lay.edp)]
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
                                             config.pp_schedule, n_microbatches, loss_fn)

@@ -24,6 +24,26 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, resha
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
+def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Module], mesh: DeviceMesh,
+                   expert_mesh: DeviceMesh | None, reshard_after_forward: bool = True) -> None:
+    """:func:`apply_fsdp` for a model whose ``experts`` are sharded over ep: each experts module
+    is its own unit over the expert-data-parallel mesh (edp; its DTensors on ep make the FSDP
+    + EP 2-D layout torchtitan uses). FSDP averages their gradients over edp; they need the
+    sum over edp divided by dp x cp, so the engine divides them by ep afterwards (gloo has no
+    PREMUL_SUM for ``set_gradient_divide_factor``). With edp 1 (``expert_mesh`` None) the
+    experts stay out of FSDP (``ignored_params``)."""
+    ignored: set[nn.Parameter] = set()
+    for ex in experts:
+        if expert_mesh is None:
+            ignored |= set(ex.parameters())
+            continue
+        fully_shard(ex, mesh=expert_mesh, reshard_after_forward=reshard_after_forward)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=(ignored & set(unit.parameters())) or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+
+
 class GradAllReduce:
     """Average gradients over a process group with one flat all-reduce (DDP without hooks).
 

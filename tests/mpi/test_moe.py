@@ -31,7 +31,8 @@ LAYOUTS = [("ep4", {"ep": 4}, {}, MODEL), ("ep2", {"ep": 2}, {}, MODEL),
            ("ep2xtp2", {"ep": 2, "tp": 2}, {}, MODEL), ("ep2xpp2", {"ep": 2, "pp": 2}, {}, MODEL),
            ("ep4xcp2", {"ep": 4, "cp": 2}, {}, MODEL),
            ("ep2-bias-sigmoid", {"ep": 2}, {}, replace(MODEL, moe_balance="bias", moe_score="sigmoid")),
-           ("tp2xdp2-ep1", {"tp": 2}, {}, MODEL)]
+           ("tp2xdp2-ep1", {"tp": 2}, {}, MODEL), ("ep2-fsdp", {"ep": 2}, {"fsdp": True}, MODEL),
+           ("ep4-fsdp", {"ep": 4}, {"fsdp": True}, MODEL)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,7 +63,8 @@ def test_moe_layout_matches_single_process(comm, name, degrees, pkw, model):
         assert rel(full.detach(), ref_params[pname]) < RTOL, pname
         if pname.endswith("experts.w1") and degrees.get("ep", 1) > 1:
             ep = degrees["ep"]
-            assert p.to_local().shape[0] == model.n_experts // ep  # each rank holds its experts only
+            edp = WORLD // ep if pkw.get("fsdp") else 1  # FSDP shards each expert set over edp too
+            assert p.to_local().shape[0] == model.n_experts // ep // edp  # each rank holds its experts only
         seen.append(pname)
     assert {n for names in comm.allgather(seen) for n in names} == set(ref_params)
     trainer.close()

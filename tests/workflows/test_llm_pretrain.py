@@ -49,3 +49,24 @@ def test_bad_layout_is_one_line_on_every_rank_exit():
     assert out.stderr.strip().splitlines() == [
         "llm_pretrain: error: cannot infer dp: tp(8) * pp(1) = 8 does not divide world size 4; "
         "4 ranks fit tp(4) (dp takes the rest), or run on a multiple of 8 ranks"]
+
+
+def test_moe_with_ep_matches_one_process_and_reports_balance():
+    """Issue 13: ``--moe 8x2 --ep 2 --tp 2`` on 4 ranks trains the one-process MoE (losses and
+    the Switch aux loss per step); a MoE option on a dense model is one line, exit 2."""
+    args = [*ARGS, "--moe", "8x2", "--moe-every", "2"]
+    one = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=ENV, timeout=300,
+                         cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    ref = json.loads(one.stdout.strip().splitlines()[-1])
+    out = mpiexec(4, sys.executable, SCRIPT, "--ep", "2", "--tp", "2", *args, timeout=300)
+    got = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2, "ep": 2, "edp": 1}
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert got["moe_aux"] == pytest.approx(ref["moe_aux"], rel=1e-4) and all(0.9 < a < 2 for a in ref["moe_aux"])
+    bad = subprocess.run([sys.executable, SCRIPT, *ARGS, "--moe-capacity", "1.25"], capture_output=True, text=True,
+                         env=ENV, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "llm_pretrain: error: --moe-capacity needs a MoE model: give --moe E[xK] or a MoE preset "
+        "(tiny-moe, mixtral-8x7b, grin-moe)")

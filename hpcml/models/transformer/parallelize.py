@@ -88,9 +88,6 @@ def check_moe_plan(model: TransformerConfig, layout: Layout, config: ParallelCon
             raise ConfigError(f"{name} {value} is not divisible by tp {layout.tp}")
     if config.sequence_parallel:
         raise ConfigError("sequence_parallel with a MoE model is not supported: tokens stay replicated over tp")
-    if config.fsdp and layout.ep > 1:
-        raise ConfigError(f"fsdp with ep {layout.ep} > 1 is not supported yet: experts are sharded over ep and "
-                          f"replicated over edp {layout.edp}; use fsdp=False (DDP) with ep")
 
 
 def stage_layers(model: TransformerConfig, n_stages: int, config: ParallelConfig) -> list[list[int]]:
@@ -181,6 +178,10 @@ class TransformerPlan:
         """Shard each MoE layer's experts over ep (and tp), give it its dispatch and groups;
         returns the expert parameters (their gradients reduce over edp, not dp x cp)."""
         return apply_moe(part, grid, data_mesh)
+
+    def expert_modules(self, part: Transformer) -> list:
+        """Each MoE layer's experts: their own FSDP unit over edp."""
+        return [moe.experts for moe in moe_layers(part)]
 
     def after_step(self, part: Transformer) -> None:
         for moe in moe_layers(part):
