@@ -149,6 +149,15 @@ def test_export_refusals(tmp_path):
         hf.export_hf(path, tmp_path / "full")
     with pytest.raises(ConfigError, match="export format 'onnx' unknown"):
         ckpt.tools.export(path, tmp_path / "o", "onnx")
+    # a mixture of experts has no Llama form: one line, nothing written (issue 13)
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    _, moe = saved(moe_dir, TransformerConfig.preset("tiny-moe", n_layers=1))
+    with pytest.raises(ConfigError, match=r"a mixture-of-experts model \(8 experts\) has no Hugging Face Llama form"):
+        hf.export_hf(moe, tmp_path / "hf-moe")
+    assert not (tmp_path / "hf-moe").exists()
+    info = ckpt.tools.inspect(moe)["tensors"]["model/layers.0.feed_forward.experts.w2"]
+    assert info["experts"] == 8 and info["shape"] == [8, 64, 64]
 
 
 @pytest.mark.parametrize("change,match", [

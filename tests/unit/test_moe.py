@@ -142,3 +142,36 @@ def test_config_round_trips_through_a_checkpoints_json():
     with pytest.raises(ConfigError, match="moe_score=3"):
         TransformerConfig.from_dict({**cfg.to_dict(), "moe_score": 3})
     assert TINY.describe()["moe"]["layers"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("degrees,pkw,model,message", [
+    ({"ep": 3}, {}, replace(TINY, n_experts=8), "n_experts 8 is not divisible by ep 3"),
+    ({"ep": 2, "tp": 2, "etp": 1}, {}, TINY, "etp 1 != tp 2: the transformer's experts are tensor-parallel over tp "
+                                            "itself (leave etp unset)"),
+    ({"tp": 2}, {"sequence_parallel": True}, TINY, "sequence_parallel with a MoE model is not supported: tokens stay "
+                                                   "replicated over tp"),
+    ({"ep": 2}, {}, TransformerConfig.preset("tiny"), "ep 2 (etp 1) needs a MoE model: n_experts is 0"),
+    ({"tp": 4}, {}, replace(TINY, moe_hidden=66), "expert hidden 66 is not divisible by tp 4"),
+])
+def test_bad_moe_plans_fail_before_any_collective(degrees, pkw, model, message):
+    from hpcml.grid import Layout
+    from hpcml.models.transformer.parallelize import check_plan
+    from hpcml.parallel import ParallelConfig
+
+    with pytest.raises(ConfigError) as info:
+        check_plan(model, Layout.from_degrees(12 if degrees.get("ep") == 3 else 8, degrees), ParallelConfig(**pkw))
+    assert str(info.value) == message
+
+
+def test_capacity_factor_drops_assignments_past_capacity():
+    torch.manual_seed(0)
+    dropless, capped = MoE(TINY), MoE(replace(TINY, moe_capacity=0.5))
+    for p in dropless.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    capped.load_state_dict(dropless.state_dict())
+    x = torch.randn(2, 16, TINY.dim)
+    assert capped.capacity(32) == 4  # 0.5 * 32 tokens * 2 / 8 experts
+    a, b = dropless(x), capped(x)
+    assert not torch.allclose(a, b)  # some assignments were dropped: those tokens got less
+    # an expert over capacity keeps its first assignments in token order: the first token is served in full
+    assert torch.allclose(a[0, 0], b[0, 0], atol=1e-6)

@@ -231,6 +231,9 @@ def export_hf(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"export directory {out} exists and is not empty: name a new one")
     cfg = config_from_checkpoint(ckpt_path)  # before reading any weight
+    if cfg.n_experts:
+        raise ConfigError(f"{ckpt_path}: a mixture-of-experts model ({cfg.n_experts} experts) has no Hugging Face "
+                          f"Llama form; export --format safetensors keeps its experts (expert index first)")
     weights = to_hf_weights(model_weights(ckpt_path), cfg)
     read_s = time.perf_counter() - t0
     if dtype is not None:
