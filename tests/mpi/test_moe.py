@@ -120,8 +120,8 @@ def test_grid_expert_groups_are_megatrons(comm):
 @pytest.mark.skipif(WORLD != 4, reason="4 ranks")
 def test_moe_checkpoint_resumes_on_another_ep_degree(comm):
     """Experts are saved under their global index: a checkpoint of ep 4 resumes on ep 2 (with
-    tp 2), ep 1 and a dense-dp layout with the next-step losses of one uninterrupted process,
-    each rank reading about the bytes of its own experts."""
+    tp 2), ep 1 (dense dp 4) and ep 4 with the next-step losses of one uninterrupted process,
+    each rank reading about the bytes of its own experts; and along a chain ep4 -> ep2 -> ep1."""
     import shutil
     import tempfile
 
@@ -147,7 +147,14 @@ def test_moe_checkpoint_resumes_on_another_ep_degree(comm):
                 # a rank's expert weights (and their moments) are 1/ep of all of them
                 assert local * degrees["ep"] * degrees.get("tp", 1) == sum(p.numel() for p in experts)
             assert report.read_amplification < 1.5  # reads what it needs, not the whole file
+            if degrees == {"ep": 2}:  # the chain ep4 -> ep2 -> ep1: ep2 saves at step 5 for ep1 below
+                chained = save_trainer(trainer, f"{root}/chain").path
             trainer.close()
+        last = build_llm_trainer(MODEL, TRAIN, ParallelConfig(), dp=4)  # ep 1: every rank all experts
+        load_trainer(last, chained)
+        assert last.step == 5
+        assert [m["loss"] for m in last.fit(7)] == pytest.approx(ref_losses[5:7], rel=RTOL)
+        last.close()
         # hpcml ckpt inspect: each expert tensor says how many experts its first dimension holds
         info = inspect(path)["tensors"]
         w1 = info["model/layers.0.feed_forward.experts.w1"]
