@@ -32,7 +32,8 @@ LAYOUTS = [("ep4", {"ep": 4}, {}, MODEL), ("ep2", {"ep": 2}, {}, MODEL),
            ("ep4xcp2", {"ep": 4, "cp": 2}, {}, MODEL),
            ("ep2-bias-sigmoid", {"ep": 2}, {}, replace(MODEL, moe_balance="bias", moe_score="sigmoid")),
            ("tp2xdp2-ep1", {"tp": 2}, {}, MODEL), ("ep2-fsdp", {"ep": 2}, {"fsdp": True}, MODEL),
-           ("ep4-fsdp", {"ep": 4}, {"fsdp": True}, MODEL)]
+           ("ep4-fsdp", {"ep": 4}, {"fsdp": True}, MODEL),
+           ("fsdp4-bias", {"dp": 4}, {"fsdp": True}, replace(MODEL, moe_balance="bias", moe_bias_rate=0.01))]
 
 
 @pytest.fixture(autouse=True, scope="module")

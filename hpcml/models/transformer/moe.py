@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpcml.parallel.ep import copy_to_group, local_tensor, reduce_from_group
 
@@ -225,7 +226,13 @@ class MoE(nn.Module):
         bias = self.router.expert_bias
         if bias is not None and self.load.sum() > 0:
             step = torch.sign(self.load.mean() - self.load).to(torch.float32) * self.bias_rate
-            local_tensor(bias).add_(step.to(local_tensor(bias).device))
+            local = local_tensor(bias)
+            if isinstance(bias, DTensor):  # sharded (FSDP): this rank's rows of the step
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                shape, offset = compute_local_shape_and_global_offset(bias.shape, bias.device_mesh, bias.placements)
+                step = step[offset[0]:offset[0] + shape[0]]
+            local.add_(step.to(local.device))
         self.last = {}
 
 
