@@ -98,10 +98,10 @@ def data_parallel_syncs(params: list[nn.Parameter], expert_params: list[nn.Param
     with MoE axes, the experts summed over edp (their replicas) and divided by dp x cp."""
     lay = grid.layout
     data = lay.dp * lay.cp
-    if not lay.moe:
-        return [GradAllReduce(params, data_mesh.get_group(), data)] if data_mesh is not None else []
-    experts = {id(p) for p in expert_params}
+    experts = {id(p) for p in expert_params} if lay.moe else set()  # ep 1: experts are dense weights
     dense = [p for p in params if id(p) not in experts]
     syncs = [GradAllReduce(dense, data_mesh.get_group(), data)] if data_mesh is not None else []
-    edp_group = grid.torch.expert_mesh.get_group("edp") if lay.edp > 1 else None
-    return syncs + [GradAllReduce(expert_params, edp_group, lay.edp, divide_by=data)]
+    if lay.moe:
+        edp_group = grid.torch.expert_mesh.get_group("edp") if lay.edp > 1 else None
+        syncs.append(GradAllReduce(expert_params, edp_group, lay.edp, divide_by=data))
+    return syncs

@@ -5,9 +5,9 @@ The layer knows no ranks. Its plan (:mod:`hpcml.models.transformer.parallelize`)
 * ``dispatch``: how permuted tokens reach the experts and come back -- here, the local
   experts are all of them; under expert parallelism :class:`hpcml.parallel.ep.AllToAllDispatch`
   (an all-to-all of counts, then of tokens, and the reverse);
-* ``data_group`` / ``data_ranks``: the dense data-parallel group (dp x cp) over which the
-  routing statistics are summed, so the balancing losses are those of the global batch and
-  the same on every layout;
+* ``data_group``: the dense data-parallel group (dp x cp) over which the step's expert loads
+  are summed (load ratio, bias update); ``cp_group``/``cp_ranks``: a sequence split over cp
+  sums its routing counts there, so the per-sequence aux loss is the same on every layout;
 * ``tp_group``: with expert tensor parallelism, the tokens are the same on every tp rank
   and each holds a slice of every expert's hidden width.
 
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from hpcml.ckpt.state import local_piece
 from hpcml.parallel.ep import copy_to_group, local_tensor, reduce_from_group
 
 
@@ -226,13 +226,8 @@ class MoE(nn.Module):
         bias = self.router.expert_bias
         if bias is not None and self.load.sum() > 0:
             step = torch.sign(self.load.mean() - self.load).to(torch.float32) * self.bias_rate
-            local = local_tensor(bias)
-            if isinstance(bias, DTensor):  # sharded (FSDP): this rank's rows of the step
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                shape, offset = compute_local_shape_and_global_offset(bias.shape, bias.device_mesh, bias.placements)
-                step = step[offset[0]:offset[0] + shape[0]]
-            local.add_(step.to(local.device))
+            local, _, offset = local_piece(bias)  # sharded (FSDP): this rank's rows of the step
+            local.add_(step[offset[0]:offset[0] + local.shape[0]].to(local.device))
         self.last = {}
 
 
