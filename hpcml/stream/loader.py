@@ -10,6 +10,10 @@ Time accounting, after the first batch (i.e. once the buffer passed its watermar
 ``starved_s`` -- this rank had no batch ready (the stream did not keep up): the trainer-idle
 time; ``agree_s`` -- in the agreement all-reduce (its latency plus waiting for slower ranks
 to finish their step, which is load imbalance, not starvation).
+A rank that waits for the others in the agreement sleeps between tests of a non-blocking
+all-reduce instead of spinning in a blocking one: MPICH busy-polls, and a trainer that shares
+its cores with the simulations that feed it (one node, or an oversubscribed laptop) would
+otherwise starve them -- it waits for their data at full speed.
 A source that died (:meth:`Buffer.fail <hpcml.stream.buffer.Buffer.fail>`) fails every rank
 at the same round with :class:`~hpcml.errors.LaunchError`: loud, and no rank left waiting.
 """
@@ -24,6 +28,20 @@ import numpy as np
 from hpcml.errors import LaunchError
 from hpcml.stream.buffer import Sample
 from hpcml.stream.source import SampleSource
+
+#: Sleep between tests of the agreement all-reduce while others are not there yet.
+AGREE_NAP_S = 0.0005
+
+
+def agree_min(comm, flags: np.ndarray, nap_s: float = AGREE_NAP_S) -> None:
+    """``flags`` <- their MIN over ``comm``, in place, waiting without spinning a core."""
+    from mpi4py import MPI
+
+    if comm.Get_size() == 1:
+        return
+    req = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
+    while not req.Test():
+        time.sleep(nap_s)
 
 
 class StreamLoader:
@@ -42,8 +60,6 @@ class StreamLoader:
         self.rounds = 0
 
     def next_batch(self) -> list[Sample] | None:
-        from mpi4py import MPI
-
         buf = self.server.buffer
         flags = np.zeros(4, np.int32)
         starved = agree = 0.0
@@ -55,7 +71,7 @@ class StreamLoader:
             flags[:] = (int(ready), int(ready or not buf.exhausted(self.batch_size)), int(not self.should_stop()),
                         int(buf.error is None))
             t1 = time.perf_counter()
-            self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
+            agree_min(self.comm, flags)
             starved += t1 - t0
             agree += time.perf_counter() - t1
             self.rounds += 1

@@ -210,3 +210,23 @@ def test_dropped_messages_fail_the_run_except_a_superseded_attempt(comm, tmp_pat
         if comm.rank == 0:
             assert result.summary["dropped_messages"] == drops
             assert (result.status, result.problems) == (("failed", [problem]) if problem else ("ok", []))
+
+
+def test_the_agreement_waits_for_late_ranks_without_spinning_a_core(comm):
+    """A trainer rank whose batch is ready waits in the agreement for the others; MPICH's
+    blocking all-reduce would spin a core there that the simulations feeding it need."""
+    import time
+
+    from hpcml.stream.loader import agree_min
+
+    late = 0.4
+    flags = np.array([comm.rank + 5, 1 - (comm.rank == comm.size - 1)], np.int32)
+    comm.Barrier()
+    if comm.rank == 0:
+        time.sleep(late)  # the late rank
+    wall, cpu = time.perf_counter(), time.process_time()
+    agree_min(comm, flags)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert flags.tolist() == [5, 0]
+    if comm.rank != 0:  # waited about `late` seconds, nearly all of them asleep
+        assert wall > 0.5 * late and cpu < 0.3 * wall, (wall, cpu)

@@ -22,10 +22,21 @@ from tests.slurm.scenarios import ENV, HEAT, PY, ROOT, job, sh, submit, wait_don
 SIMS, OUTPUTS = 6, 400 // 40
 SMALL = ["--sims", str(SIMS), "--val-sims", "1", "--nx", "16", "--ny", "16", "--sim-steps", "400", "--every", "40",
          "--max-concurrent", "3", "--steps", "150", "--ckpt-every", "25", "--quiet", "--no-report"]
+# Simulations of a few seconds each (the same 10 outputs, further apart): the warning must
+# find one running, which sub-second ones on a loaded host did not always allow.
+LONG = [*SMALL[:SMALL.index("--sim-steps")], "--sim-steps", "200000", "--every", "20000",
+        *SMALL[SMALL.index("--every") + 2:]]
 
 
 def provenance(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "provenance.jsonl").read_text().splitlines()]
+
+
+def running(run_dir: Path) -> list[int]:
+    """The simulations with an attempt started and not ended (``sims/sim_N/attempt_K.start``
+    without its ``.end``)."""
+    return sorted(int(p.parent.name.split("_")[1]) for p in (run_dir / "sims").glob("sim_*/attempt_*.start")
+                  if not p.with_suffix(".end").exists())
 
 
 def seen_keys(run_dir: Path) -> np.ndarray:
@@ -56,11 +67,12 @@ def test_pilot_campaign_from_a_login_shell(tmp_path):
 
 def test_one_allocation_campaign_split_by_the_walltime_warning(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [PY, HEAT, "--site", "slurm-local", "--resume", "--run-dir", str(run_dir), *SMALL]
+    cmd = [PY, HEAT, "--site", "slurm-local", "--resume", "--run-dir", str(run_dir), *LONG]
     job_id = submit(tmp_path, "campaign", nodes="2", walltime="00:10:00", cmd=cmd, driver=True)
-    # the warning comes once three simulations are done and others still run
+    # the warning comes once three simulations are done and another has just started
     wait_until(lambda: (run_dir / "provenance.jsonl").exists() and
-               sum(r["status"] == "ok" for r in provenance(run_dir)) >= 3, 300, "three finished simulations")
+               sum(r["status"] == "ok" for r in provenance(run_dir)) >= 3 and running(run_dir), 300,
+               "three finished simulations and a running one")
     sh("scancel", "--signal=USR1", "--batch", job_id, check=True)
     record = wait_done(job_id, 400)
     text = (tmp_path / f"campaign-{job_id}.out").read_text()
