@@ -79,23 +79,30 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
-def _agree(views: list[tuple[str | None, str | None]]) -> None:
-    """Raise the same GridError on every rank unless every rank built the same arguments."""
-    problems = [(r, p) for r, (_, p) in enumerate(views) if p is not None]
-    if len(problems) == len(views) and len({p for _, p in problems}) == 1:
-        raise GridError(problems[0][1])  # the same mistake everywhere: its own message
-    if problems:
-        r, p = problems[0]
-        others = [q for q, _ in problems[1:]]
-        raise GridError(f"ProcessGrid arguments on rank {r}: {p}" + (f" (and on rank(s) {_ranks(others)})"
-                                                                        if others else ""))
-    groups: dict[str, list[int]] = {}
-    for r, (m, _) in enumerate(views):
-        groups.setdefault(m, []).append(r)
+def agree(problems: list[str | None], choices: list, *, where: str, differ: str, what: str,
+          error: type[Exception] = GridError, differ_error: type[Exception] | None = None) -> None:
+    """Raise the same one-line error on every rank (each holds every rank's view, gathered):
+    a problem some rank found (the message itself when every rank found the same one), else
+    ``choices`` that differ across ranks. ``where`` heads a problem ("X on rank 3: ..."),
+    ``differ`` and ``what`` the differing message ("Y differ across ranks: ...; every rank must ...")."""
+    found = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if found and len(found) == len(problems) and len({p for _, p in found}) == 1:
+        raise error(found[0][1])  # the same mistake everywhere: its own message
+    if found:
+        (r, p), others = found[0], [q for q, _ in found[1:]]
+        raise error(f"{where} on rank {r}: {p}" + (f" (and on rank(s) {_ranks(others)})" if others else ""))
+    groups: dict[object, list[int]] = {}
+    for r, c in enumerate(choices):
+        groups.setdefault(c, []).append(r)
     if len(groups) > 1:
-        told = "; ".join(f"rank(s) {_ranks(rs)} gave {m}" for m, rs in groups.items())
-        raise GridError(f"ProcessGrid arguments differ across ranks: {told}; every rank must pass the same "
-                        f"degrees and combos")
+        told = "; ".join(f"rank(s) {_ranks(rs)} {c}" for c, rs in groups.items())
+        raise (differ_error or error)(f"{differ} differ across ranks: {told}; {what}")
+
+
+def _agree(views: list[tuple[str | None, str | None]]) -> None:
+    """Every rank's ``(arguments, problem)``: the same GridError on every rank unless all agree."""
+    agree([p for _, p in views], [f"gave {m}" for m, _ in views], where="ProcessGrid arguments",
+          differ="ProcessGrid arguments", what="every rank must pass the same degrees and combos")
 
 
 class ProcessGrid:

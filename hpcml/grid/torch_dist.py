@@ -134,22 +134,13 @@ def _setup(grid: ProcessGrid, backend: str | None, interface: str | None) -> tup
 def _agree(grid: ProcessGrid, views: list[tuple]) -> None:
     """Raise the same one-line error on every rank unless every rank could start and chose
     the same backend and device type, and all or none had joined a process group already."""
-    from hpcml.grid.mpi import _ranks
+    from hpcml.grid.mpi import agree
 
-    problems = [(r, v[1]) for r, v in enumerate(views) if v[1] is not None]
-    if problems:
-        (r, (kind, msg)), others = problems[0], [q for q, _ in problems[1:]]
-        error = ConfigError if kind == "ConfigError" else LaunchError
-        if len(problems) == len(views) and len({p for _, p in problems}) == 1:
-            raise error(msg)
-        raise error(f"torch.distributed on rank {r}: {msg}" + (f" (and on rank(s) {_ranks(others)})" if others else ""))
-    groups: dict[str, list[int]] = {}
-    for r, v in enumerate(views):
-        groups.setdefault(v[2], []).append(r)
-    if len(groups) > 1:
-        told = "; ".join(f"rank(s) {_ranks(rs)} {m}" for m, rs in groups.items())
-        raise ConfigError(f"torch.distributed set-ups differ across ranks: {told}; every rank must pass the same "
-                          f"backend and see the same kind of device")
+    problem = next((v[1] for v in views if v[1] is not None), None)
+    error = ConfigError if problem is not None and problem[0] == "ConfigError" else LaunchError
+    agree([None if v[1] is None else v[1][1] for v in views], [v[2] for v in views],
+          where="torch.distributed", differ="torch.distributed set-ups", error=error, differ_error=ConfigError,
+          what="every rank must pass the same backend and see the same kind of device")
     for r, v in enumerate(views):
         if v[3] is not None and v[3] != (r, grid.world_size):
             raise LaunchError(f"torch.distributed already initialised as rank {v[3][0]} of {v[3][1]} on MPI rank "

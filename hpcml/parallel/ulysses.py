@@ -13,39 +13,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpcml.parallel.ep import all_to_all
+
 
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, concatenate the received along ``gather_dim``."""
+    """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, concatenate the
+    received along ``gather_dim`` (differentiable: the even-split case of :func:`ep.all_to_all`)."""
     p = dist.get_world_size(group)
-    send = torch.cat([c.contiguous().flatten() for c in x.chunk(p, dim=scatter_dim)])
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    shape = list(x.shape)
-    shape[scatter_dim] //= p
-    parts = recv.chunk(p)
-    return torch.cat([part.view(shape) for part in parts], dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+    chunks = all_to_all(torch.stack(x.chunk(p, dim=scatter_dim)), [1] * p, [1] * p, group)
+    return torch.cat(chunks.unbind(0), dim=gather_dim)
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/P, H, D] -> [B, S, H/P, D] over ``group`` (differentiable)."""
-    return _AllToAll.apply(x, 2, 1, group)
+    return _all_to_all(x, 2, 1, group)
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S, H/P, D] -> [B, S/P, H, D] over ``group`` (differentiable)."""
-    return _AllToAll.apply(x, 1, 2, group)
+    return _all_to_all(x, 1, 2, group)
 
 
 def bytes_per_layer(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, p: int, elem_bytes: int = 4) -> int:
