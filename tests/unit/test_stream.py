@@ -1,5 +1,6 @@
-"""The streaming path in one process: wire format, routing, buffers, and a real ZeroMQ
-server thread fed by real producers over loopback."""
+"""The streaming path in one process: a real ZeroMQ server thread fed by real producers over
+loopback (assembly, dedup, retries, backpressure, state and restores). The wire format is
+tested in test_stream_message.py, the buffers in test_stream_buffer.py."""
 
 from __future__ import annotations
 
@@ -9,141 +10,11 @@ import numpy as np
 import pytest
 import zmq
 
-from hpcml.errors import ConfigError
-from hpcml.stream import Buffer, BufferConfig, Producer, Sample, message, route, write_endpoints
+from hpcml.stream import Buffer, BufferConfig, Producer, message, route, write_endpoints
 from hpcml.stream import producer as producer_mod
 from hpcml.stream import transport
 from hpcml.stream.server import ServerConfig, StreamServer
-
-SECRET = b"k" * 32
-CAMPAIGN = "test-campaign"
-
-
-def _header(**kw):
-    h = {"kind": "data", "campaign": CAMPAIGN, "sim": 3, "attempt": 0, "rank": 0, "nranks": 1, "step": 5, "t": 0.5,
-         "global_shape": [4, 3], "offset": [0, 0], "shape": [4, 3], "fields": [["T", "float32"]],
-         "params": {"alpha": 0.1}}
-    h.update(kw)
-    return h
-
-
-def test_message_round_trip_is_exact():
-    a = np.arange(12, dtype=np.float32).reshape(4, 3)
-    frames = message.encode(SECRET, _header(), [a])
-    msg = message.decode(SECRET, [bytes(f) for f in frames], CAMPAIGN)
-    assert msg.kind == "data" and msg.header["step"] == 5
-    np.testing.assert_array_equal(msg.arrays["T"], a)
-    assert msg.nbytes == 48
-
-
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda f: f[:2] + [f[-1]], "unauthenticated"),  # a payload frame dropped: the MAC covers every frame
-    (lambda f: [f[0], f[1], b"x" * 48, f[-1]], "unauthenticated"),      # payload tampered
-    (lambda f: [b"nope"] + f[1:], "malformed"),
-    (lambda f: f[:-1] + [b"short"], "malformed"),
-])
-def test_tampered_messages_are_rejected_with_a_reason(mutate, reason):
-    frames = [bytes(f) for f in message.encode(SECRET, _header(), [np.zeros((4, 3), np.float32)])]
-    with pytest.raises(message.MessageError) as e:
-        message.decode(SECRET, mutate(frames), CAMPAIGN)
-    assert e.value.reason == reason
-
-
-@pytest.mark.parametrize("header, payload, reason", [
-    (_header(), np.zeros((2, 3), np.float32), "truncated"),               # authenticated but short payload
-    (_header(offset=[2, 0]), np.zeros((4, 3), np.float32), "bad_header"),  # box outside the grid
-    (_header(campaign="other"), np.zeros((4, 3), np.float32), "wrong_campaign"),
-    (_header(kind="exec"), np.zeros((4, 3), np.float32), "bad_header"),
-    (_header(fields=[["T", "object"]]), np.zeros((4, 3), np.float32), "bad_header"),
-    (_header(rank=1), np.zeros((4, 3), np.float32), "bad_header"),          # rank >= nranks
-    (_header(global_shape=[], offset=[], shape=[]), np.zeros(1, np.float32), "bad_header"),  # 0-D
-    (_header(global_shape=[2] * 4, offset=[0] * 4, shape=[2] * 4), np.zeros(16, np.float32), "bad_header"),  # 4-D
-    (_header(offset=[0]), np.zeros((4, 3), np.float32), "bad_header"),     # offset of another rank than the field
-])
-def test_authenticated_but_invalid_messages_are_rejected(header, payload, reason):
-    with pytest.raises(message.MessageError) as e:
-        message.decode(SECRET, [bytes(f) for f in message.encode(SECRET, header, [payload])], CAMPAIGN)
-    assert e.value.reason == reason
-
-
-@pytest.mark.parametrize("gshape, offset, shape", [([8], [4], [4]), ([4, 6, 5], [0, 3, 0], [4, 3, 5])])
-def test_message_round_trip_of_1d_and_3d_blocks(gshape, offset, shape):
-    a = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
-    h = _header(global_shape=gshape, offset=offset, shape=shape, fields=[["T", "float64"]])
-    msg = message.decode(SECRET, [bytes(f) for f in message.encode(SECRET, h, [a])], CAMPAIGN)
-    assert msg.arrays["T"].shape == tuple(shape)
-    np.testing.assert_array_equal(msg.arrays["T"], a)
-
-
-def test_wrong_secret_is_unauthenticated():
-    frames = [bytes(f) for f in message.encode(b"x" * 32, _header(), [np.zeros((4, 3), np.float32)])]
-    with pytest.raises(message.MessageError, match="unauthenticated"):
-        message.decode(SECRET, frames, CAMPAIGN)
-
-
-def test_routing_gives_every_trainer_a_simulation_and_balances_exactly():
-    """Simulations 0..S-1 on n <= S trainer ranks: every rank gets one, counts differ by at most 1."""
-    for n_sims in range(1, 33):
-        for n in range(1, n_sims + 1):
-            counts = np.bincount([route(s, n) for s in range(n_sims)], minlength=n)
-            assert len(counts) == n and counts.min() >= 1 and counts.max() - counts.min() <= 1, (n_sims, n, counts)
-    assert [route(s, 2) for s in range(3)] == [0, 1, 0]  # the user's case: 3 simulations, 2 trainer ranks
-    assert route(np.int64(7), 3) == 1                      # ids read from files are numpy integers
-    with pytest.raises(ConfigError, match="n_trainers must be >= 1, got 0"):
-        route(1, 0)
-    with pytest.raises(ConfigError, match="^sim_id -1: expected an integer >= 0$"):
-        route(-1, 2)
-
-
-def _sample(i: int) -> Sample:
-    return Sample(sim=i, step=0, t=0.0, params=np.zeros(1, np.float32), fields=np.full((1, 2, 2), i, np.float32))
-
-
-def test_fifo_serves_in_order_and_applies_backpressure():
-    b = Buffer(BufferConfig(policy="fifo", capacity=4, watermark=2))
-    for i in range(4):
-        assert b.put(_sample(i), timeout=0)
-    assert not b.put(_sample(9), timeout=0)  # full: the server must wait
-    assert [s.sim for s in b.get(2)] == [0, 1]
-    assert b.put(_sample(4), timeout=0)
-    assert [s.sim for s in b.get(2)] == [2, 3]
-    assert b.get(1) is None  # 1 left < watermark 2 while the stream is live
-    b.end()
-    assert [s.sim for s in b.get(1)] == [4] and b.exhausted(1)
-    assert b.stats.reuse_hist == {1: 5}
-
-
-def test_firo_draws_randomly_without_reuse_and_drains():
-    b = Buffer(BufferConfig(policy="firo", capacity=16, watermark=8, seed=1))
-    for i in range(16):
-        b.put(_sample(i))
-    got = [s.sim for s in b.get(4)] + [s.sim for s in b.get(4)]
-    assert len(set(got)) == 8 and got != sorted(got)  # random out, never twice
-    got += [s.sim for s in b.get(4)]  # 8 left = the watermark: still served
-    assert b.get(4) is None  # 4 left < watermark 8 while the stream is live
-    b.end()
-    rest = []
-    while (batch := b.get(4)) is not None:
-        rest += [s.sim for s in batch]
-    assert sorted(got + rest) == list(range(16))
-
-
-def test_reservoir_reuses_and_evicts():
-    b = Buffer(BufferConfig(policy="reservoir", capacity=4, watermark=4, seed=0))
-    for i in range(4):
-        b.put(_sample(i))
-    for _ in range(5):
-        assert len(b.get(2)) == 2
-    assert len(b) == 4 and sum(s.reuse for s in b._items) == 10
-    assert b.put(_sample(100), timeout=0)  # never blocks: evicts
-    assert len(b) == 4 and b.stats.evicted == 1 and 100 in [s.sim for s in b._items]
-
-
-def test_buffer_config_errors_name_the_values():
-    with pytest.raises(ConfigError, match="capacity 4, watermark 5"):
-        BufferConfig(capacity=4, watermark=5)
-    with pytest.raises(ConfigError, match="'lifo' unknown"):
-        BufferConfig(policy="lifo")
+from tests.unit.test_stream_message import CAMPAIGN, SECRET, _header
 
 
 def _server(n_trainers=1, rank=0, policy="fifo", capacity=64, watermark=1):
@@ -409,65 +280,6 @@ def test_three_1d_simulations_reach_both_trainer_ranks_through_from_env(tmp_path
     finally:
         for v in srvs:
             v.stop()
-
-
-_BASE = dict(endpoint="tcp://127.0.0.1:9", secret=SECRET, campaign=CAMPAIGN, sim_id=0, attempt=0, rank=0, nranks=1,
-             params={"alpha": 0.5}, global_shape=(8, 4), offset=(0, 0), local_shape=(8, 4))
-
-
-@pytest.mark.parametrize("kw, error", [
-    (dict(global_shape=(), offset=(), local_shape=()),
-     "simulation 0 rank 0: global_shape () has 0 dimensions, expected 1 to 3"),
-    (dict(global_shape=(2,) * 4, offset=(0,) * 4, local_shape=(2,) * 4),
-     "simulation 0 rank 0: global_shape (2, 2, 2, 2) has 4 dimensions, expected 1 to 3"),
-    (dict(global_shape=128, offset=(0,), local_shape=(128,)),
-     "simulation 0 rank 0: global_shape=128 is not a sequence of integers, expected e.g. (nx,), (nx, ny) or "
-     "(nx, ny, nz)"),
-    (dict(offset=(0,)), "simulation 0 rank 0: offset (0,) and local_shape (8, 4) need 2 entries like global_shape "
-                        "(8, 4)"),
-    (dict(nranks=2, offset=(4, 0)),
-     "simulation 0 rank 0: the block at offset (4, 0) of local_shape (8, 4) lies outside global_shape (8, 4)"),
-    (dict(nranks=2, local_shape=(0, 4)),
-     "simulation 0 rank 0: global_shape (8, 4) and local_shape (0, 4) need entries >= 1, offset (0, 0) entries >= 0"),
-    (dict(local_shape=(4, 4)), "simulation 0 rank 0: a one-rank simulation sends the whole field: local_shape (4, 4) "
-                               "must be global_shape (8, 4)"),
-    (dict(rank=2, nranks=2), "simulation 0 rank 2: rank 2 of nranks 2, expected 0 <= rank < nranks <= 1048576"),
-    (dict(sim_id=-1), "simulation -1 rank 0: sim_id -1, attempt 0: expected integers in 0..9007199254740991"),
-    (dict(sim_id=2**64), "simulation 18446744073709551616 rank 0: sim_id 18446744073709551616, attempt 0: expected "
-                         "integers in 0..9007199254740991"),
-    (dict(params={"alpha": float("nan")}), "simulation 0 rank 0: params['alpha']=nan: expected a finite number"),
-    (dict(params={"alpha": "fast"}), "simulation 0 rank 0: params['alpha']='fast': expected a finite number"),
-    (dict(fields=("T", "T")), "simulation 0 rank 0: fields ('T', 'T'): expected 1 to 16 distinct names (strings)"),
-])
-def test_producer_refuses_at_construction_what_the_server_would_drop(kw, error):
-    with pytest.raises(ConfigError) as e:
-        Producer(**{**_BASE, **kw})
-    assert str(e.value) == error
-
-
-@pytest.mark.parametrize("step, fields, error", [
-    (1, {"T": np.zeros((8, 4), np.complex64)},
-     "field 'T' has dtype complex64, expected real numbers (sent as float32, float64 as float64)"),
-    (1, {"T": np.full((8, 4), "x")}, "field 'T' has dtype <U1, expected real numbers (sent as float32, float64 as "
-                                     "float64)"),
-    (1, {"U": np.zeros((8, 4))}, "fields ['U'] are not the declared fields ['T']"),
-    (1, {}, "0 fields, expected 1 to 16"),
-    (-1, {"T": np.zeros((8, 4))}, "step=-1: expected an integer in 0..9007199254740991"),
-    (1.5, {"T": np.zeros((8, 4))}, "step=1.5: expected an integer in 0..9007199254740991"),
-    (10**30, {"T": np.zeros((8, 4))}, f"step={10**30}: expected an integer in 0..9007199254740991"),
-])
-def test_producer_refuses_at_send_what_the_server_would_drop(step, fields, error):
-    p, q = Producer(**_BASE, fields=("T",)), Producer(**_BASE)
-    try:
-        with pytest.raises(ConfigError) as e:
-            p.send(step, 0.0, fields)
-        assert str(e.value) == f"simulation 0 rank 0: {error}" and p.n_sent == 0
-        with pytest.raises(ConfigError) as e:  # nothing declared: names are still checked
-            q.send(1, 0.0, {"T": np.zeros((8, 4)), 3: np.zeros((8, 4))})
-        assert str(e.value) == "simulation 0 rank 0: field name 3 is not a string"
-    finally:
-        for x in (p, q):
-            x._ctx.destroy(linger=0)
 
 
 def test_restore_onto_more_trainers_follows_the_routing():
