@@ -22,6 +22,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 MAX_LATEST_BYTES = 256
 STEP_RE = re.compile(r"^step_(\d{8,})$")
+OLD_SUFFIX = ".old"  # a step moved aside while a re-save of it commits (see hpcml.ckpt.index.commit)
 
 #: name recorded in a tensor's 'dtype' attribute -> numpy dtype stored in HDF5
 #: (bfloat16 as its 16-bit pattern, since numpy has no bfloat16)
@@ -60,6 +61,10 @@ def resolve(path: str | os.PathLike) -> Path:
         if not STEP_RE.match(name):
             raise CheckpointError(f"{latest} names {name[:60]!r}: expected a step name like step_00000100")
         target = p / name
+        old = p / (name + OLD_SUFFIX)
+        if not target.exists() and not target.is_symlink() and old.is_dir() and not old.is_symlink() \
+                and (old / MANIFEST).is_file():
+            return old  # a re-save killed between its two renames: the copy `latest` named, moved aside
         if target.is_symlink() or not target.is_dir():
             raise CheckpointError(f"{latest} names {name}, which is {'a symlink' if target.is_symlink() else 'missing'}: "
                                   "a step is a directory beside it")

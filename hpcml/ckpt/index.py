@@ -104,15 +104,12 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
-def _point_latest(root: Path, name: str | None) -> None:
-    """``latest`` names ``name`` (write + rename, fsynced); None removes it."""
-    if name is None:
-        (root / fmt.LATEST).unlink(missing_ok=True)
-    else:
-        latest_tmp = root / (fmt.LATEST + ".tmp")
-        latest_tmp.write_text(name + "\n")
-        fsync_path(latest_tmp)
-        latest_tmp.rename(root / fmt.LATEST)
+def _point_latest(root: Path, name: str) -> None:
+    """``latest`` names ``name`` (write + rename, fsynced)."""
+    latest_tmp = root / (fmt.LATEST + ".tmp")
+    latest_tmp.write_text(name + "\n")
+    fsync_path(latest_tmp)
+    latest_tmp.rename(root / fmt.LATEST)
     fsync_path(root)
 
 
@@ -123,26 +120,28 @@ def _complete_steps(root: Path, but: Path) -> list[Path]:
 
 def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
     """``tmp`` becomes ``final``, then ``latest`` names it (each step fsynced); ``keep``
-    prunes to the newest K checkpoints. No crash point leaves ``latest`` naming a step
-    without its files: re-saving a step swaps the two directories atomically, or, where the
-    file system cannot, first points ``latest`` at the newest other complete step."""
+    prunes to the newest K checkpoints. No crash point leaves ``latest`` without a complete
+    step to read: re-saving a step swaps the two directories atomically, or, where the file
+    system cannot (Lustre, NFS), moves the old copy aside to ``step_N.old`` first, which
+    :func:`~hpcml.ckpt.format.resolve` reads while ``step_N`` is missing."""
     fsync_path(tmp)
     if final.exists():
         if _exchange(tmp, final):  # tmp now holds the old copy
             fsync_path(root)
             shutil.rmtree(tmp, ignore_errors=True)
         else:
-            others = _complete_steps(root, final)
-            _point_latest(root, others[-1].name if others else None)
-            old = root / (final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = root / (final.name + fmt.OLD_SUFFIX)
+            shutil.rmtree(old, ignore_errors=True)  # latest names final, which is complete
             final.rename(old)
+            fsync_path(root)  # the old copy is findable as step_N.old before step_N changes
             tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
     fsync_path(root)
     _point_latest(root, final.name)
+    for old in root.glob(f"step_*{fmt.OLD_SUFFIX}"):  # latest names a complete step now
+        if fmt.STEP_RE.match(old.name[:-len(fmt.OLD_SUFFIX)]) and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
     if keep:
         steps = _complete_steps(root, final)
         for old in steps[: max(0, len(steps) - (keep - 1))]:

@@ -35,27 +35,58 @@ def test_resaving_a_step_swaps_it_whole(tmp_path):
     assert _values(tmp_path, 4) == (2, 3.0) and tools.verify(tmp_path) == []
 
 
-def test_a_crash_inside_a_resave_leaves_latest_on_a_complete_step(tmp_path, monkeypatch):
-    """Where the file system cannot swap two directories atomically: ``latest`` moves to the
-    newest other complete step before the old copy goes; a crash between the two renames
-    then resumes from that step, never from a name without files."""
-    ckpt.save(tmp_path, 1, _state(4, 1.0))
-    ckpt.save(tmp_path, 2, _state(4, 2.0))
+def _crash_between_the_renames(monkeypatch, step_name: str) -> None:
+    """The file system cannot swap two directories atomically, and the save is killed after
+    the old copy moved aside, before the new one took its name."""
     monkeypatch.setattr(index, "_exchange", lambda a, b: False)
     real = Path.rename
 
     def crash(self, target):
-        if self.name.endswith(".tmp") and Path(target).name == "step_00000002":
+        if self.name.endswith(".tmp") and Path(target).name == step_name:
             raise KeyboardInterrupt("killed between the renames")
         return real(self, target)
     monkeypatch.setattr(Path, "rename", crash)
+
+
+@pytest.mark.parametrize("steps_before", [[1, 2], [2]], ids=["with-an-older-step", "the-only-step"])
+def test_a_crash_inside_a_resave_resumes_from_the_copy_latest_named(tmp_path, monkeypatch, steps_before):
+    """Where the file system cannot swap directories (Lustre, NFS): the old copy of the step
+    is moved aside to ``step_N.old`` and read from there while ``step_N`` is missing, so
+    nothing saved is lost, even when it is the only step. The next save cleans up."""
+    for step in steps_before:
+        ckpt.save(tmp_path, step, _state(4, float(step)))
+    _crash_between_the_renames(monkeypatch, "step_00000002")
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(tmp_path, 2, _state(4, 3.0))
     monkeypatch.undo()
-    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
-    assert _values(tmp_path, 4) == (1, 1.0)
-    ckpt.save(tmp_path, 2, _state(4, 3.0))  # the next save cleans up and commits
-    assert _values(tmp_path, 4) == (2, 3.0)
+    assert not (tmp_path / "step_00000002").exists() and (tmp_path / "step_00000002.old").is_dir()
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+    assert _values(tmp_path, 4) == (2, 2.0)  # the committed copy, bit for bit
+    assert ckpt.Checkpoint(tmp_path).path.name == "step_00000002.old"
+    ckpt.save(tmp_path, 2, _state(4, 3.0))  # the next save commits and removes the copy aside
+    assert _values(tmp_path, 4) == (2, 3.0) and not (tmp_path / "step_00000002.old").exists()
+    assert tools.verify(tmp_path) == []
+
+
+def test_a_crash_after_a_resave_of_another_step_leaves_no_copy_aside(tmp_path, monkeypatch):
+    """A crash mid-re-save, a resume from the copy aside, then a save of a later step: the
+    stale ``step_N.old`` goes once ``latest`` names the new step; a symlink named like one is
+    neither read nor followed."""
+    ckpt.save(tmp_path, 2, _state(4, 2.0))
+    _crash_between_the_renames(monkeypatch, "step_00000002")
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(tmp_path, 2, _state(4, 3.0))
+    monkeypatch.undo()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    (tmp_path / "step_00000002.old").rename(outside)
+    (tmp_path / "step_00000002.old").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(CheckpointError, match="names step_00000002, which is missing"):
+        ckpt.Checkpoint(tmp_path)
+    (tmp_path / "step_00000002.old").unlink()
+    outside.rename(tmp_path / "step_00000002.old")
+    ckpt.save(tmp_path, 3, _state(4, 4.0))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")) == ["latest", "step_00000003"]
+    assert _values(tmp_path, 4) == (3, 4.0)
 
 
 @pytest.fixture
