@@ -9,7 +9,9 @@ import subprocess
 from tests.slurm.scenarios import ENV, LLM, PY, ROOT, final_losses, job, metrics, segments, sh, submit, \
     wait_done, wait_until
 
-STEPS = 80
+# Long enough that the warning always lands mid-training: Slurm sends it by 60 s into the
+# 2-minute job, and 80 steps once finished in 51 s on a quiet host, before any warning came.
+STEPS = 160
 ARGS = ["--tp", "2", "--steps", str(STEPS), "--seed", "0", "--no-progress"]
 
 
