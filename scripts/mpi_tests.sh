@@ -7,8 +7,8 @@ set -uo pipefail
 n=$1; shift
 PY=${PY:-.venv/bin/python}
 MPIEXEC=${MPIEXEC:-mpiexec}
-MPI_TIMEOUT=${MPI_TIMEOUT:-2100}  # the whole launch: 4 ranks on 2 cores take ~15-20 min
-TEST_TIMEOUT=${TEST_TIMEOUT:-300}  # 4 ranks on 2 cores: the slowest test takes ~120 s
+MPI_TIMEOUT=${MPI_TIMEOUT:-2100}  # the whole launch, a backstop: 4 ranks on 2 cores take ~2 min (pinned by the grid)
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}  # 4 ranks on 2 cores: the slowest test takes ~10 s
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
 for attempt in 1 2; do

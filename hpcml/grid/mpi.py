@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcml import env, log
 from hpcml.errors import GridError
+from hpcml.grid import cpus
 from hpcml.grid.layout import AXES, Layout
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ logger = log.get_logger(__name__)
 
 #: Combined axes built by default: dp x cp is the gradient-reduction group.
 DEFAULT_COMBOS: tuple[tuple[str, ...], ...] = (("dp", "cp"),)
+_PIN_LOGGED = False  # the pinning is told once per process
 
 
 def world_comm() -> MPI.Comm:
@@ -125,6 +127,7 @@ class ProcessGrid:
         log.configure(self.rank)
         try:
             layout, wanted = self._resolve(layout, combos, degrees)
+            self._cpu_bind = cpus.bind_policy()
             mine, problem = f"{layout.describe_degrees()}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
         except Exception as e:  # any bad argument (a str for a Layout...): still reach the allgather
             text = " ".join(str(e).split())  # one line, whatever the exception said
@@ -164,23 +167,33 @@ class ProcessGrid:
         return layout, axes + sorted(extra, key=lambda k: [AXES.index(a) for a in k])
 
     def _cpu_sharing(self) -> tuple[int, int]:
-        """This rank's CPUs, and the ranks of its host whose CPUs overlap them: masks are
-        exchanged within a host only, a few hundred ranks at most at any scale.
+        """This rank's CPUs, and the ranks of its host whose CPUs overlap them; an unbound rank
+        that, with its sharers, outnumbers its CPUs is pinned to one (:mod:`hpcml.grid.cpus`).
+        Masks are exchanged within a host only, a few hundred ranks at most at any scale.
 
         The host is the kernel's host name, not MPI's shared-memory domain: under a launcher
         that reports several logical nodes on one machine (two slurmd on one host, srun's
         PMI node ids) MPI counts them apart, and each rank would take every core."""
         import zlib
 
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        mask = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         name = socket.gethostname()
         host = self.comm.Split(color=zlib.crc32(name.encode()) & 0x7FFFFFFF, key=self.rank)
-        try:
-            mine = set(cpus)
-            return len(cpus), sum(1 for other, theirs in host.allgather((name, cpus))
-                                  if other == name and mine & set(theirs))  # a crc collision: not the same host
+        try:  # a crc collision is not the same host: share() compares the names
+            me, views = host.Get_rank(), host.allgather((name, mask))
         finally:
             host.Free()
+        plan = cpus.share(me, views, policy=self._cpu_bind)
+        if plan.pinned:
+            os.sched_setaffinity(0, plan.cpus)  # this thread; threads started later (gloo's) inherit it
+            global _PIN_LOGGED
+            if me == 0 and not _PIN_LOGGED:
+                _PIN_LOGGED = True
+                logger.info("%d unbound ranks share %d CPUs on %s: each pinned to one CPU, round-robin, so none "
+                            "starves while another spins (HPCML_CPU_BIND=none leaves them; mpiexec -bind-to core "
+                            "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m in views if n == name
+                                                                             and m == mask), len(mask), name)
+        return len(plan.cpus), plan.sharers
 
     # -- node map -----------------------------------------------------------------------------
     @property
