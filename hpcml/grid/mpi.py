@@ -185,15 +185,25 @@ class ProcessGrid:
             host.Free()
         plan = cpus.share(me, views, policy=self._cpu_bind)
         if plan.pinned:
-            os.sched_setaffinity(0, plan.cpus)  # this thread; threads started later (gloo's) inherit it
-            global _PIN_LOGGED
-            if me == 0 and not _PIN_LOGGED:
-                _PIN_LOGGED = True
-                logger.info("%d unbound ranks share %d CPUs on %s: each pinned to one CPU, round-robin, so none "
-                            "starves while another spins (HPCML_CPU_BIND=none leaves them; mpiexec -bind-to core "
-                            "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m in views if n == name
-                                                                             and m == mask), len(mask), name)
+            try:
+                os.sched_setaffinity(0, plan.cpus)  # this thread; threads started later (gloo's) inherit it
+            except OSError as e:  # a sandbox that forbids it: run unpinned, as before
+                logger.warning("could not pin rank %d to CPU %s (%s): it stays on CPUs %s", self.rank, plan.cpus, e, mask)
+                plan = cpus.share(me, views, policy="none")
+            else:
+                self._log_pinning(me, views)
         return len(plan.cpus), plan.sharers
+
+    @staticmethod
+    def _log_pinning(me: int, views: list[tuple[str, list[int]]]) -> None:
+        global _PIN_LOGGED
+        name, mask = views[me]
+        if me == 0 and not _PIN_LOGGED:
+            _PIN_LOGGED = True
+            logger.info("%d unbound ranks share %d CPUs on %s: each pinned to one CPU, round-robin, so none "
+                        "starves while another spins (HPCML_CPU_BIND=none leaves them; mpiexec -bind-to core "
+                        "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m in views if (n, m) == (name, mask)),
+                        len(mask), name)
 
     # -- node map -----------------------------------------------------------------------------
     @property
