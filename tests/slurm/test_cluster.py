@@ -30,22 +30,17 @@ def test_grid_under_srun_sees_two_nodes_though_they_share_a_host():
 
 
 def test_ranks_on_both_logical_nodes_share_the_cores_of_their_one_host():
-    """n1 and n2 are one machine: its 4 ranks share its cores. (MPI's shared-memory split
-    counts srun's nodes apart: a rank per node would take every core, 4x oversubscribed,
-    training ran ~10x slower.) srun binds nothing here, so the 4 unbound ranks outnumber the
-    host's CPUs and are pinned round-robin, one CPU each, two ranks to a CPU."""
+    """n1 and n2 are one machine: the 4 ranks share its cores, so each takes a quarter of
+    them for its threads. (MPI's shared-memory split counts srun's nodes apart: a rank per
+    node would take every core, 4x oversubscribed, training ran ~10x slower.) Ranks of two
+    launcher nodes are not pinned, though they outnumber the cores (docs/grid.md "CPUs")."""
     code = ("import os; from hpcml.grid import ProcessGrid; n = len(os.sched_getaffinity(0)); g = ProcessGrid(); "
-            "print('sharing', g.rank, g.cpus, g.cpu_sharers, n, *sorted(os.sched_getaffinity(0)), flush=True)")
+            "print('sharing', g.rank, g.cpus, g.cpu_sharers, n, len(os.sched_getaffinity(0)), flush=True)")
     out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", PY, "-c", code, timeout=180, check=True)
     rows = sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
                   if line.startswith("sharing"))
     assert [r[0] for r in rows] == [0, 1, 2, 3], out.stdout
-    launch = rows[0][3]
-    if launch >= 4:  # a host with 4 or more cores: nobody oversubscribes, nobody is pinned
-        assert all(r[1:4] == (launch, 4, launch) for r in rows), out.stdout
-    else:
-        assert [r[1:3] for r in rows] == [(1, len(range(r % launch, 4, launch))) for r in range(4)], out.stdout
-        assert [r[4] for r in rows] == [r % launch for r in range(4)], out.stdout
+    assert all(sharers == 4 and cpus == before == after for _, cpus, sharers, before, after in rows), out.stdout
 
 
 def test_grid_under_mpiexec_inside_sbatch_sees_two_nodes(tmp_path):
