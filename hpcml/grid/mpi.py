@@ -180,15 +180,12 @@ class ProcessGrid:
         name = socket.gethostname()
         host = self.comm.Split(color=zlib.crc32(name.encode()) & 0x7FFFFFFF, key=self.rank)
         try:  # a crc collision is not the same host: share() compares the names
-            me, gathered = host.Get_rank(), host.allgather((name, mask, self.node_names[self.rank]))
+            me, views = host.Get_rank(), host.allgather((name, mask, os.getsid(0)))
         finally:
             host.Free()
-        views = [(h, m) for h, m, _ in gathered]
-        # Several launcher nodes on one host (two slurmd on one machine): MPI talks between them
-        # through its network module, and pinned there a checkpoint commit took 208 s in the
-        # Slurm node-loss test. Pinning is kept to ranks of one node, where it was measured.
-        one_node = len({n for h, _, n in gathered if h == name}) == 1
-        plan = cpus.share(me, views, policy=self._cpu_bind if one_node else "none")
+        # The session is the scheduler group (autogroup): ranks that share one (srun's tasks of
+        # a node) are left unpinned, where pinning split their group unevenly over the CPUs.
+        plan = cpus.share(me, views, policy=self._cpu_bind)
         if plan.pinned:
             try:
                 os.sched_setaffinity(0, plan.cpus)  # this thread; threads started later (gloo's) inherit it
@@ -200,14 +197,14 @@ class ProcessGrid:
         return len(plan.cpus), plan.sharers
 
     @staticmethod
-    def _log_pinning(me: int, views: list[tuple[str, list[int]]]) -> None:
+    def _log_pinning(me: int, views: list[tuple[str, list[int], int]]) -> None:
         global _PIN_LOGGED
-        name, mask = views[me]
+        name, mask, _ = views[me]
         if me == 0 and not _PIN_LOGGED:
             _PIN_LOGGED = True
             logger.info("%d unbound ranks share %d CPUs on %s: each pinned to one CPU, round-robin, so none "
                         "starves while another spins (HPCML_CPU_BIND=none leaves them; mpiexec -bind-to core "
-                        "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m in views if (n, m) == (name, mask)),
+                        "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m, _ in views if (n, m) == (name, mask)),
                         len(mask), name)
 
     # -- node map -----------------------------------------------------------------------------

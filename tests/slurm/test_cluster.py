@@ -32,8 +32,9 @@ def test_grid_under_srun_sees_two_nodes_though_they_share_a_host():
 def test_ranks_on_both_logical_nodes_share_the_cores_of_their_one_host():
     """n1 and n2 are one machine: the 4 ranks share its cores, so each takes a quarter of
     them for its threads. (MPI's shared-memory split counts srun's nodes apart: a rank per
-    node would take every core, 4x oversubscribed, training ran ~10x slower.) Ranks of two
-    launcher nodes are not pinned, though they outnumber the cores (docs/grid.md "CPUs")."""
+    node would take every core, 4x oversubscribed, training ran ~10x slower.) The ranks of a
+    node share a session (srun's), so they are not pinned, though they outnumber the cores
+    (docs/grid.md "CPUs")."""
     code = ("import os; from hpcml.grid import ProcessGrid; n = len(os.sched_getaffinity(0)); g = ProcessGrid(); "
             "print('sharing', g.rank, g.cpus, g.cpu_sharers, n, len(os.sched_getaffinity(0)), flush=True)")
     out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", PY, "-c", code, timeout=180, check=True)
@@ -41,6 +42,13 @@ def test_ranks_on_both_logical_nodes_share_the_cores_of_their_one_host():
                   if line.startswith("sharing"))
     assert [r[0] for r in rows] == [0, 1, 2, 3], out.stdout
     assert all(sharers == 4 and cpus == before == after for _, cpus, sharers, before, after in rows), out.stdout
+    # the same ranks, each in a session of its own (as Hydra starts them): pinned round-robin
+    out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", "setsid", "-w", PY, "-c", code, timeout=180, check=True)
+    rows = sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
+                  if line.startswith("sharing"))
+    n = rows[0][3]
+    assert [(cpus, sharers, after) for _, cpus, sharers, _, after in rows] == [(1, len(range(r % n, 4, n)), 1)
+                                                                                for r in range(4)], out.stdout
 
 
 def test_grid_under_mpiexec_inside_sbatch_sees_two_nodes(tmp_path):
