@@ -35,20 +35,22 @@ def test_ranks_on_both_logical_nodes_share_the_cores_of_their_one_host():
     node would take every core, 4x oversubscribed, training ran ~10x slower.) The ranks of a
     node share a session (srun's), so they are not pinned, though they outnumber the cores
     (docs/grid.md "CPUs")."""
-    code = ("import os; from hpcml.grid import ProcessGrid; n = len(os.sched_getaffinity(0)); g = ProcessGrid(); "
-            "print('sharing', g.rank, g.cpus, g.cpu_sharers, n, len(os.sched_getaffinity(0)), flush=True)")
-    out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", PY, "-c", code, timeout=180, check=True)
-    rows = sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
-                  if line.startswith("sharing"))
-    assert [r[0] for r in rows] == [0, 1, 2, 3], out.stdout
-    assert all(sharers == 4 and cpus == before == after for _, cpus, sharers, before, after in rows), out.stdout
+    def sharing(*wrapper: str) -> tuple[list[tuple[int, ...]], str]:
+        """(rank, grid cpus, sharers, CPUs before the grid, CPUs after) of each of 4 srun ranks."""
+        code = ("import os; from hpcml.grid import ProcessGrid; n = len(os.sched_getaffinity(0)); g = ProcessGrid(); "
+                "print('sharing', g.rank, g.cpus, g.cpu_sharers, n, len(os.sched_getaffinity(0)), flush=True)")
+        out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", *wrapper, PY, "-c", code, timeout=180, check=True)
+        return sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
+                      if line.startswith("sharing")), out.stdout
+
+    rows, text = sharing()
+    assert [r[0] for r in rows] == [0, 1, 2, 3], text
+    assert all(sharers == 4 and cpus == before == after for _, cpus, sharers, before, after in rows), text
     # the same ranks, each in a session of its own (as Hydra starts them): pinned round-robin
-    out = sh("srun", "-N2", "--ntasks-per-node=2", "--mpi=pmi2", "setsid", "-w", PY, "-c", code, timeout=180, check=True)
-    rows = sorted(tuple(int(x) for x in line.split()[1:]) for line in out.stdout.splitlines()
-                  if line.startswith("sharing"))
+    rows, text = sharing("setsid", "-w")
     n = rows[0][3]
     assert [(cpus, sharers, after) for _, cpus, sharers, _, after in rows] == [(1, len(range(r % n, 4, n)), 1)
-                                                                                for r in range(4)], out.stdout
+                                                                                for r in range(4)], text
 
 
 def test_grid_under_mpiexec_inside_sbatch_sees_two_nodes(tmp_path):
