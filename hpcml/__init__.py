@@ -6,6 +6,7 @@ MPI, so a simulation or a login-node tool starts fast)::
     grid = hpcml.ProcessGrid(tp=2)                 # named parallel axes over MPI ranks
     model = hpcml.parallelize(model, grid, ...)    # FSDP2 / DTensor / pipelining / Ulysses
     hpcml.train_online(trainer, source, grid=grid, config=hpcml.OnlineConfig(...))
+    sys.exit(hpcml.train_surrogate(model, params=..., fields=..., scales=...))   # a campaign's trainer
     hpcml.Campaign(site="local", ...).run(sims, training=...)
     hpcml.save(ckpt_dir, step, tensors, comm=comm); hpcml.load(ckpt_dir, tensors)
 """
@@ -22,6 +23,7 @@ _EXPORTS = {
     "parallelize": "hpcml.parallel", "ParallelConfig": "hpcml.parallel",
     "Trainer": "hpcml.train", "TrainConfig": "hpcml.train", "FieldTrainer": "hpcml.train",
     "FieldTrainConfig": "hpcml.train", "FieldScales": "hpcml.train",
+    "train_surrogate": "hpcml.train", "Contract": "hpcml.contract",
     "train_online": "hpcml.train.online", "OnlineConfig": "hpcml.train.online", "OnlineResult": "hpcml.train.online",
     "Campaign": "hpcml.ensemble", "SimSpec": "hpcml.ensemble", "TrainingJob": "hpcml.ensemble",
     "load_site": "hpcml.ensemble",
@@ -29,17 +31,19 @@ _EXPORTS = {
     "BufferConfig": "hpcml.stream",
     "save": "hpcml.ckpt", "load": "hpcml.ckpt",
 }
-_SUBMODULES = {"ckpt", "ensemble", "env", "errors", "grid", "log", "models", "parallel", "stop", "stream", "train"}
+_SUBMODULES = {"ckpt", "contract", "ensemble", "env", "errors", "grid", "lifeline", "log", "models", "net", "parallel",
+               "stop", "stream", "train"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ckpt import load, save
+    from hpcml.contract import Contract
     from hpcml.ensemble import Campaign, SimSpec, TrainingJob, load_site
     from hpcml.grid import Layout, ProcessGrid
     from hpcml.parallel import ParallelConfig, parallelize
     from hpcml.stream import Buffer, BufferConfig, Producer, StreamServer
-    from hpcml.train import FieldScales, FieldTrainConfig, FieldTrainer, TrainConfig, Trainer
+    from hpcml.train import FieldScales, FieldTrainConfig, FieldTrainer, TrainConfig, Trainer, train_surrogate
     from hpcml.train.online import OnlineConfig, OnlineResult, train_online
 
 

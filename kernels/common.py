@@ -324,9 +324,9 @@ def make_sink(args: argparse.Namespace, decomp: Decomposition, params: dict[str,
     if args.stream:
         from hpcml.stream import Producer  # lazily: the file-only path never imports the streaming stack
 
-        sinks.append(Producer.from_env(comm=decomp.comm, params=params, global_shape=decomp.global_shape,
-                                       offset=decomp.offset, local_shape=decomp.local_shape, fields=field_names,
-                                       copy=False))  # march() sends fresh float32 copies it never touches again
+        sinks.append(Producer.from_campaign(comm=decomp.comm, params=params, global_shape=decomp.global_shape,
+                                            offset=decomp.offset, local_shape=decomp.local_shape, fields=field_names,
+                                            copy=False))  # march() sends fresh float32 copies it never touches again
     if not sinks:
         return None
     return sinks[0] if len(sinks) == 1 else FanOut(*sinks)

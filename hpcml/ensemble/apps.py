@@ -3,10 +3,22 @@
     import parsl
     from hpcml.ensemble import apps
     parsl.load(my_config)                          # yours: any executors, retries, providers
+    run = apps.claim("runs/mine")                  # the run directory: refused if it holds a campaign
     points = apps.design("lhs", bounds, 8, seed=0).result()
-    futs = [apps.simulation(SimSpec(sim_id=i, params=p, argv=[...]), run_dir=run) for i, p in enumerate(points)]
+    train = apps.training(TrainingJob(argv=[...], steps=500, batch=8), run_dir=run.run_dir)
+    futs = [apps.simulation(SimSpec(sim_id=i, params=p, argv=[...]), run_dir=run.run_dir) for i, p in enumerate(points)]
     ...your own @python_app steps on the futures...
-    apps.mark_done(run, futs)                      # tells a streaming trainer the campaign is over
+    apps.mark_done(run.run_dir, futs)              # the end of the campaign: the trainer's stream ends on it
+
+Every entry point claims its run directory first (:mod:`hpcml.ensemble.rundir`), as the
+:class:`~hpcml.ensemble.Campaign` does: :func:`claim` explicitly (``resume=True`` continues
+the campaign the directory holds), or the first :func:`simulation`, :func:`training` or
+:func:`mark_done` of this process (``resume=False``). A directory that holds a campaign is
+refused in one line, and the files an earlier run left for the other side
+(``endpoints.json``, ``sims_done.json``) are removed and could not be read anyway: they
+carry their run. The simulations and the training job get the campaign's contract
+(:mod:`hpcml.contract`): a trainer script reads it with ``Contract.from_env()`` (or
+``StreamServer.from_campaign``, ``OnlineConfig.from_campaign``, ``train_surrogate``).
 
 A simulation is an MPI ``bash_app`` with its stream identity (``HPCML_SIM_ID``,
 ``HPCML_ATTEMPT``) and the exactly-once bookkeeping of :mod:`hpcml.ensemble.attempts`:
@@ -19,23 +31,87 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import shlex
+import socket
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcml.ensemble import attempts
+from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, SECRET_FILE, Contract, write_done
+from hpcml.ensemble import attempts, ledger, rundir
 from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
 
-__all__ = ["SimulationFuture", "design", "mark_done", "provenance", "simulation", "simulation_app", "training"]
+__all__ = ["RunHandle", "SimulationFuture", "claim", "design", "mark_done", "provenance", "simulation",
+           "simulation_app", "training"]
 
-def simulation_app(executors: str | list[str] = "all"):
+
+@dataclass
+class RunHandle:
+    """This process's claim on a run directory: the campaign, this run, the contract."""
+
+    run_dir: Path
+    campaign: str
+    run: str
+    contract: Contract
+    non_streaming: set[int] = field(default_factory=set)
+    """Simulations submitted with ``SimSpec(stream=False)``: the trainer does not wait for them."""
+
+
+_runs: dict[Path, RunHandle] = {}
+
+
+def claim(run_dir: str | Path, *, resume: bool = False, stream: bool = True) -> RunHandle:
+    """Claim ``run_dir`` for this workflow (once per process; later calls return the same
+    handle). ``resume``: continue the campaign it holds; without it, a directory holding a
+    campaign is refused (ConfigError, one line). ``stream``: the training job takes the
+    simulations' stream (the secret ``run_dir/stream.key`` is made, the endpoints file named)."""
+    from hpcml.stream.routing import new_secret
+
+    path = Path(run_dir).resolve()
+    if path in _runs:
+        return _runs[path]
+    c = rundir.claim(path, resume=resume, entry="apps")
+    streams = {}
+    if stream:
+        new_secret(path / SECRET_FILE)
+        streams = dict(secret_file=str(path / SECRET_FILE), endpoints_file=str(path / ENDPOINTS_FILE),
+                       done_file=str(path / DONE_FILE))
+    contract = Contract(run_dir=str(path), campaign=c.campaign, run=c.run, resume=resume and c.held,
+                        driver_pid=os.getpid(), driver_host=socket.gethostname(), **streams)
+    handle = _runs[path] = RunHandle(path, c.campaign, c.run, contract)
+    sim_side = Contract(run_dir=str(path), campaign=c.campaign, run=c.run, driver_pid=contract.driver_pid,
+                        driver_host=contract.driver_host, **{k: v for k, v in streams.items() if k != "done_file"})
+    attempts.prepare(path / "sims", sim_side.to_env())
+    attempts.clear_cancel(path / "sims")
+    rundir.clear_done(path)
+    return handle
+
+
+def _handle(run_dir: str | Path) -> RunHandle:
+    return _runs.get(Path(run_dir).resolve()) or claim(run_dir)
+
+
+def _executors(executors: str | Sequence[str]) -> str | list[str]:
+    """Parsl takes "all" or a list of labels: one label given as a string becomes a list."""
+    if executors == "all":
+        return "all"
+    if isinstance(executors, str):
+        return [executors]
+    labels = list(executors)
+    if not labels or not all(isinstance(x, str) and x for x in labels):
+        raise ConfigError(f"executors={executors!r}: expected 'all', a label, or a list of labels")
+    return labels
+
+
+def simulation_app(executors: str | Sequence[str] = "all"):
     """The simulation ``bash_app`` itself (what :func:`simulation` and the Campaign submit)."""
     from parsl import bash_app
 
-    return bash_app(attempts.hpcml_sim, executors=executors)
+    return bash_app(attempts.hpcml_sim, executors=_executors(executors))
 
 
 def _launch(site: Site | str | None, launch: str | None, ranks: int) -> tuple[str, dict]:
@@ -60,12 +136,16 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
         raise ConfigError(f"spec must be a SimSpec, got {type(spec).__name__}")
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 or None, got {timeout_s}")
-    run_dir = Path(run_dir).resolve()
-    sims_dir = run_dir / "sims"
-    if env is not None or not (sims_dir / "attempt.sh").exists():  # None: keep the environment set before
-        attempts.prepare(sims_dir, {"HPCML_RUN_DIR": str(run_dir), **(env or {})})
+    executors = _executors(executors)
+    handle = _handle(run_dir)
+    run_dir, sims_dir = handle.run_dir, handle.run_dir / "sims"
+    if env is not None:  # None: keep the environment set before
+        sim_side = {k: v for k, v in handle.contract.to_env().items() if k not in _TRAINER_ONLY}
+        attempts.prepare(sims_dir, {**sim_side, **env})
+    rundir.record_spec(run_dir, spec)
+    if spec.stream is False:
+        handle.non_streaming.add(spec.sim_id)
     directory = attempts.sim_dir(run_dir, spec.sim_id)
-    directory.mkdir(parents=True, exist_ok=True)
     first = attempts.next_attempt(directory)
     prefix, resources = _launch(site, launch, spec.ranks)
     app_future = simulation_app(executors)(str(directory), spec.sim_id, prefix, spec.command(),
@@ -104,31 +184,39 @@ def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
 
 
 def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int]]:
-    """Wait for the simulations' futures (:func:`simulation`'s) and write ``run_dir/sims_done.json`` (which
-    completed, which failed): a streaming trainer ends its stream on it."""
+    """Wait for the simulations' futures (:func:`simulation`'s) and write this run's done
+    record (``run_dir/sims_done.json``: which completed, which failed, how many samples each
+    streamed): a streaming trainer ends its stream on it, and counts what it lacks."""
+    handle = _handle(run_dir)
     completed, failed = [], []
     for f in futures:
         (failed if f.exception() is not None else completed).append(f.sim_id)
-    done = {"completed": sorted(completed), "failed": sorted(failed)}
-    attempts.write_json(Path(run_dir) / attempts.SIMS_DONE_FILE, done)
-    return done
+    streaming = set(completed) - handle.non_streaming
+    record = ledger.done_record(handle.contract, completed, failed, streaming)
+    write_done(handle.run_dir / DONE_FILE, record)
+    return {"completed": record.completed, "failed": record.failed}
 
 
 def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None = None,
-             executors: str | list[str] = "all"):
-    """The training job as a bash_app (its stdout/stderr in ``run_dir/train.out|err``).
+             executors: str | Sequence[str] = "all"):
+    """The training job as a bash_app (its stdout/stderr in ``run_dir/train.out|err``), with
+    the campaign's contract in its environment (run directory, campaign, run, stream, done
+    record, ``job.steps`` and ``job.batch``; a trainer exits once this workflow's process is gone).
 
-    Parsl's retries rerun it after a failure: give ``job.argv`` a resume flag so a rerun
-    continues from its checkpoint. For supervision (restarts, the walltime warning,
+    Parsl's retries rerun it after a failure; give ``job.argv`` nothing special: a rerun
+    of a trainer built on :func:`~hpcml.train.online.train_online` resumes from its
+    checkpoint when ``resume`` was claimed. For supervision (restarts, the walltime warning,
     cancelling simulations when it fails) use the :class:`~hpcml.ensemble.Campaign`.
     """
     from parsl import bash_app
 
+    executors = _executors(executors)
     s = load_site(site if site is not None else "local")
-    run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = _handle(run_dir)
+    run_dir = handle.run_dir
     line = s.train_line(job.argv, nodes=job.nodes, ranks=job.ranks)
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {"HPCML_RUN_DIR": str(run_dir), **job.env}.items())
+    contract = handle.contract.replace(steps=job.steps, batch=job.batch)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**contract.to_env(), **job.env}.items())
 
     def hpcml_train(line: str, env: str, stdout: str = "", stderr: str = "") -> str:
         return f"export {env}; exec {line}" if env else f"exec {line}"
@@ -138,10 +226,14 @@ def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None =
 
 
 def design(kind: str, bounds: Mapping[str, Sequence[float]], n: int, *, seed: int = 0,
-           executors: str | list[str] = "all"):
+           executors: str | Sequence[str] = "all"):
     """:func:`hpcml.ensemble.design.design` as a python_app: its AppFuture of parameter dicts."""
     from parsl import python_app
 
     from hpcml.ensemble.design import design as make
 
-    return python_app(make, executors=executors)(kind, dict(bounds), n, seed=seed)
+    return python_app(make, executors=_executors(executors))(kind, dict(bounds), n, seed=seed)
+
+
+#: The contract's parts only the training job gets.
+_TRAINER_ONLY = ("HPCML_SIMS_DONE_FILE", "HPCML_RESUME", "HPCML_TRAIN_STEPS", "HPCML_TRAIN_BATCH")

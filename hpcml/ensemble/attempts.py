@@ -25,9 +25,6 @@ RESULT_MARKER = "HPCML_SIM_RESULT"
 """Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""
 CANCEL_FILE = "CANCEL"
 """Created in ``run_dir/sims`` to stop every running attempt and every retry."""
-SIMS_DONE_FILE = "sims_done.json"
-"""Written in ``run_dir`` once no simulation is left ({"completed": [...], "failed": [...]});
-its path is ``$HPCML_SIMS_DONE_FILE`` for the trainer, whose stream ends on it."""
 PROVENANCE_FILE = "provenance.jsonl"
 """One JSON record per ended attempt, in ``run_dir``."""
 _CANCELLED_RC = 125
@@ -71,7 +68,7 @@ shift 6
 here=$(cd "$(dirname "$0")" && pwd)
 base=$dir/attempt_$k
 [ -f "$here/env.sh" ] && . "$here/env.sh"
-export HPCML_SIM_ID=$id HPCML_ATTEMPT=$k
+export HPCML_SIM_ID=$id HPCML_ATTEMPT=$k HPCML_STREAM_RECORD=$base.stream.json
 exec >"$base.out" 2>"$base.err" </dev/null
 printf '%q ' "$@" >"$base.cmd"  # the command as launched: $PARSL_MPI_PREFIX expanded
 set -m
@@ -180,7 +177,7 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
     else:  # no end record: the wrapper itself was killed, the worker lost, or the file not yet visible
         rc, t_end, reason = missing_end_rc, None, None
     sig = exit_signal(rc, tail_text(out) + tail_text(err))
-    if reason in ("timeout", "cancelled", "interrupted"):
+    if reason in ("timeout", "cancelled", "interrupted", "driver_gone"):
         status = reason
     elif rc == 0:
         status = "ok"
@@ -193,6 +190,7 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
         "sim_id": sim_id, "attempt": k, "params": dict(params), "status": status,
         "returncode": rc, "signal": sig,
         "samples_sent": result.get("samples_sent") if result else None, "result": result,
+        "streamed": stream_record(directory, k),
         "start": t_start, "end": t_end,
         "duration_s": round(t_end - t_start, 3) if t_start is not None and t_end is not None else None,
         "host": start.get("host"), "launch": launch, "argv": list(argv),
@@ -253,6 +251,36 @@ def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
         if isinstance(rec, dict) and (sim_id is None or rec.get("sim_id") == sim_id):
             out.append(rec)
     return out
+
+
+def record_orphans(run_dir: Path) -> int:
+    """Provenance records for the attempts that have none: their driver was killed while they
+    ran (the wrapper ended them, ``driver_gone``, or was killed itself: ``lost``). How many."""
+    recorded = {(r.get("sim_id"), r.get("attempt")) for r in read_provenance(run_dir)}
+    n = 0
+    for d in sorted((Path(run_dir) / "sims").glob("sim_*")):
+        try:
+            sim = int(d.name[4:])
+        except ValueError:
+            continue
+        spec = read_json(d / "spec.json") or {}
+        k = 0
+        while (d / f"attempt_{k}.start").exists():
+            if (sim, k) not in recorded:
+                rec = attempt_record(Path(run_dir), d, sim_id=sim, params=spec.get("params") or {},
+                                     argv=spec.get("argv") or [], launch="", k=k, missing_end=True)
+                with open(Path(run_dir) / PROVENANCE_FILE, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                n += 1
+            k += 1
+    return n
+
+
+def stream_record(directory: Path, k: int) -> int | None:
+    """Samples attempt ``k`` streamed (its Producer's record), or None: it created no Producer."""
+    rec = read_json(directory / f"attempt_{k}.stream.json")
+    n = rec.get("n_sent") if rec else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def completed_sims(run_dir: Path) -> dict[int, dict]:
@@ -338,12 +366,6 @@ def describe(exc: BaseException) -> str:
     code = getattr(exc, "exitcode", None)
     text = f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
     return text + "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def iso(t: float) -> str:

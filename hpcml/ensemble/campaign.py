@@ -22,19 +22,13 @@ Where it runs decides how (``mode="auto"``):
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcml.ensemble.attempts import iso, write_json
 from hpcml.ensemble.site import SIMS_LABEL, Site, load_site, shell_join, walltime_seconds
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 from hpcml.errors import ConfigError
@@ -50,10 +44,6 @@ __all__ = ["Campaign", "CampaignResult", "SimSpec", "TrainingJob"]  # the helper
 logger = get_logger(__name__)
 
 MODES = ("auto", "allocation", "pilot")
-#: The campaign a run directory holds: its id and definition, written on first use.
-IDENTITY_FILE = "campaign_id.json"
-#: What a campaign leaves in its run directory; without an identity file, an older version's run.
-STATE = ("campaign.json", "training.json", "provenance.jsonl", "sims_done.json", "metrics.jsonl", "checkpoints")
 
 
 @dataclass(kw_only=True)
@@ -97,6 +87,9 @@ class Campaign:
     handle_signals: bool = True
     """SIGUSR1 and SIGTERM to the driver (the walltime warning) stop the campaign cleanly
     (the handlers are installed in the main thread only, for the duration of ``run``)."""
+    stream_host: str | None = None
+    """The address a streaming trainer's servers bind (the contract's): default, the site's
+    stream interface (``hsn0``) on the trainer's node, else loopback."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
@@ -188,22 +181,30 @@ class Campaign:
             ready_timeout_s: float | None = None, train_timeout_s: float | None = None,
             resume: bool = False, kept: Collection[int] | Callable[[], Collection[int]] | None = None
             ) -> CampaignResult:
-        """Start ``training``, wait for ``ready_file``, run every simulation, wait for the
-        trainer to exit.
+        """Start ``training``, wait for its stream endpoints (``ready_file``), run every
+        simulation, write the done record, wait for the trainer to exit.
 
         The run directory holds one campaign (``campaign_id.json``, written on first use):
         one that holds this campaign's simulations or training job already is refused
-        unless ``resume``, and one that holds another campaign is refused even then.
+        unless ``resume``, and one that holds another campaign is refused even then
+        (:mod:`hpcml.ensemble.rundir`). A streaming training job (``TrainingJob(stream=True)``,
+        or a ``ready_file``) gets the campaign's contract (:mod:`hpcml.contract`): the
+        stream's secret (``run_dir/stream.key``, made here), endpoints file (``ready_file``,
+        default ``run_dir/endpoints.json``), done record, steps and batch.
         ``resume``: simulations that completed in an earlier run in this run directory
-        (their provenance says ``ok``) are not run again -- of those, with ``kept``, only the
-        ones whose results are kept (in the trainer's checkpoint, in files): a simulation that
-        finished after the trainer's last save runs again, and its samples come again
-        (a callable: called once the run directory is known to hold this campaign).
+        (their provenance says ``ok``) are not run again if their results are kept -- every
+        sample of a streaming one in the trainer's latest checkpoint, the files of the
+        others; ``kept`` (ids, or a callable called once the directory is known to hold
+        this campaign) overrides that rule. A simulation that finished after the trainer's
+        last save runs again, and its samples come again.
         With a walltime the campaign stops itself ``SAVE_MARGIN_S`` before it if no warning
         came; ``ready_timeout_s`` defaults to 300 s locally, ``train_timeout_s`` to none.
-        Raises :class:`~hpcml.errors.LaunchError` if the trainer fails or exits before the
-        simulations are done (the remaining ones are cancelled first); returns an
-        ``interrupted`` result after a walltime warning. No simulations: see :meth:`train`.
+        Raises :class:`~hpcml.errors.LaunchError` if the trainer fails, exits before the
+        simulations are done (the remaining ones are cancelled first) or lacks samples of
+        completed simulations (the message names them), or if a streaming simulation
+        completes without streaming -- the error carries the run's :class:`CampaignResult` as
+        ``.result``; returns an ``interrupted`` result after a walltime warning. No
+        simulations: see :meth:`train`.
         """
         sims = list(sims)
         ids = [s.sim_id for s in sims]
@@ -217,8 +218,8 @@ class Campaign:
             raise ConfigError("nothing to run: give simulations, a training job (training=) or both")
         if ready_file is not None and training is None:
             raise ConfigError(f"ready_file {ready_file} given without a training job to write it")
-        if training is not None and (training.stream if training.stream is not None else ready_file is not None):
-            check_stream_ranks(sims, self.train_ranks(training))
+        if streaming(training, ready_file):
+            check_stream_ranks([s for s in sims if s.stream is not False], self.train_ranks(training))
         from hpcml.ensemble.runner import Run
 
         return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
@@ -233,6 +234,12 @@ class Campaign:
         is ``run_dir/training.json`` (``campaign.json`` keeps the simulations'). The same
         as ``run([], training=training)``."""
         return self.run([], training=training, train_timeout_s=train_timeout_s, resume=resume)
+
+
+def streaming(training: TrainingJob | None, ready_file) -> bool:
+    """Whether the training job takes the simulations' stream: ``stream=True``, or (None) when
+    ``run()`` waits for a ready file (the endpoints the trainer publishes)."""
+    return training is not None and (training.stream if training.stream is not None else ready_file is not None)
 
 
 def check_stream_ranks(sims: Sequence[SimSpec], ranks: int) -> None:
@@ -251,73 +258,6 @@ def check_stream_ranks(sims: Sequence[SimSpec], ranks: int) -> None:
         raise ConfigError(f"{n} for {ranks} trainer ranks leave rank(s) {idle} without data "
                           f"(each simulation streams to the rank hpcml.stream.route(sim_id, {ranks}) names): use "
                           f"fewer trainer ranks or more simulations")
-
-
-# --- the run directory's campaign ---------------------------------------------------------------
-
-def definition(sims: Sequence[SimSpec], training: TrainingJob | None) -> dict[str, Any]:
-    """What makes two runs one campaign: the simulations' ids, parameters and argv -- not
-    rank counts, environments, Campaign settings or the training argv, which a resumed job
-    may change (more steps: the trainer's resume rule, docs/parallel.md). Only the parts
-    given (a training-only run defines no simulations); the training argv is recorded."""
-    d: dict[str, Any] = {}
-    if sims:
-        canon = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
-                           sort_keys=True)
-        d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(canon.encode()).hexdigest()[:16]}
-    if training is not None:
-        d["training"] = {"argv": list(training.argv)}
-    return d
-
-
-def claim_run_dir(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | None, *,
-                  resume: bool) -> tuple[str, bool]:
-    """(campaign id, whether ``run_dir`` held it before): record the campaign in ``run_dir``
-    on first use, so that a reused directory never hands one campaign's checkpoints,
-    metrics and provenance to another. ConfigError, before anything is written, for a
-    directory holding another campaign, or holding these parts of this one without ``resume``.
-    A part not yet recorded (the training job after the simulations' phase) is added."""
-    path, now = run_dir / IDENTITY_FILE, definition(sims, training)
-    where = f"run directory {run_dir}"
-    try:
-        rec = json.loads(path.read_text())
-        if not isinstance(rec, dict) or not isinstance(rec.get("campaign_id"), str):
-            raise ValueError("no campaign_id")
-    except FileNotFoundError:
-        rec = None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: {path.name} is unreadable ({e}); expected the campaign's id and definition: "
-                          f"use a new directory") from None
-    if rec is None:
-        old = [n for n in STATE if (run_dir / n).exists()]
-        if old and not resume:
-            raise ConfigError(f"{where} holds an earlier campaign ({', '.join(old)}) with no {IDENTITY_FILE}: resume "
-                              f"it (resume=True) or use a new directory")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:40] or "campaign"
-        rec = {"campaign_id": f"{name}-{uuid.uuid4().hex[:8]}", "created": iso(time.time()), **now}
-        if old:
-            logger.warning("%s holds an earlier campaign (%s) with no %s: resuming it as campaign %s", where,
-                           ", ".join(old), IDENTITY_FILE, rec["campaign_id"])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        try:  # exclusive: two drivers starting in one directory at once
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise ConfigError(f"{where}: another driver started a campaign in it just now; use a new "
-                              f"directory") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(rec, indent=1) + "\n")
-        return rec["campaign_id"], bool(old)
-    cid, both = rec["campaign_id"], [k for k in now if k in rec]
-    if both and not resume:
-        raise ConfigError(f"{where} holds campaign {cid} (started {rec.get('created', '?')}): resume it "
-                          f"(resume=True) or use a new directory")
-    if "simulations" in both and rec["simulations"] != now["simulations"]:
-        was, got = (f"{v['simulations']['count']} simulations, digest {v['simulations']['digest']}" for v in (rec, now))
-        raise ConfigError(f"{where} holds campaign {cid}, defined with other simulations ({was}; given {got}): resume "
-                          f"it unchanged or use a new directory")
-    if any(rec.get(k) != now[k] for k in now):  # a new part, or the training job's latest argv (e.g. more --steps)
-        write_json(path, {**rec, **now})
-    return cid, True
 
 
 def executor_label(cfg: Any) -> str:

@@ -1,4 +1,4 @@
-"""One status line for a campaign: simulations done/running/failed/retried and the trainer's step.
+"""One status line for a campaign: simulations done/running/failed/retried/cancelled and the trainer's step.
 
 On a terminal the line is rewritten in place (a few times a second at most); into a log
 file or a pipe it becomes a plain line every ``every_s`` seconds, so a batch job's output
@@ -57,10 +57,12 @@ class ProgressLine:
         self._last_text = ""
         self._open = False
 
-    def format(self, *, done: int, running: int, failed: int, retried: int, train: str | None = None) -> str:
+    def format(self, *, done: int, running: int, failed: int, retried: int, cancelled: int = 0,
+               train: str | None = None) -> str:
         parts = [f"campaign {time.monotonic() - self.t0:6.1f}s"]
         if self.total:  # training alone (offline) has no simulations to count
-            parts.append(f"sims {done}/{self.total} done, {running} running, {failed} failed, {retried} retried")
+            parts.append(f"sims {done}/{self.total} done, {running} running, {failed} failed, {retried} retried"
+                         + (f", {cancelled} cancelled" if cancelled else ""))
         if train is not None:
             parts.append(train)
         return " | ".join(parts)

@@ -1,36 +1,36 @@
 """One execution of :meth:`hpcml.ensemble.campaign.Campaign.run`: the mutable state and the loop.
 
-Order of things: claim the run directory for the campaign, prepare it, start the trainer,
-load Parsl, wait for the trainer's ready file, submit simulations (at most
-``max_concurrent`` in flight), write ``sims_done.json``, wait for the trainer; with no
-simulations (offline training) Parsl is never loaded. A walltime warning (SIGUSR1/SIGTERM)
-at any point: stop submitting, cancel what runs, ask the trainer to save and stop (SIGUSR1, in
-that order, so the trainer's last save holds every sample of every finished simulation),
-return ``interrupted``.
+Order of things: claim the run directory (:mod:`hpcml.ensemble.rundir`: refused, or
+resumed, before anything is read), write the contract (:mod:`hpcml.contract`) into the
+trainer's and the simulations' environments, start the trainer, load Parsl, wait for the
+trainer's endpoints, submit simulations (:mod:`hpcml.ensemble.simpool`), write the done
+record (with what each simulation streamed), wait for the trainer, read its accounting;
+with no simulations (offline training) Parsl is never loaded. A walltime warning
+(SIGUSR1/SIGTERM) at any point: stop submitting, cancel what runs, ask the trainer to save
+and stop (SIGUSR1, in that order, so the trainer's last save holds every sample of every
+finished simulation), return ``interrupted``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from hpcml import stop
-from hpcml.ensemble import attempts, watchdog
+from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, write_done, write_json
+from hpcml.ensemble import attempts, ledger, rundir
 from hpcml.ensemble.apps import simulation_app
-from hpcml.ensemble.attempts import SIMS_DONE_FILE
-from hpcml.ensemble.campaign import Campaign, claim_run_dir, executor_label
+from hpcml.ensemble.campaign import Campaign, executor_label, streaming
 from hpcml.ensemble.progress import ProgressLine, last_json_line
+from hpcml.ensemble.simpool import Sim, SimPool
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 from hpcml.ensemble.trainer_proc import TrainerProcess
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import LaunchError
+from hpcml.errors import ConfigError, LaunchError
 from hpcml.log import get_logger
 
 logger = get_logger(__name__)
@@ -42,22 +42,9 @@ SAVE_MARGIN_S = 60.0
 LAST_SECONDS_S = 5.0
 #: A trainer's save window after a stop request when there is no walltime (a signal to a local driver).
 SAVE_WINDOW_S = 120.0
-
-
-@dataclass(kw_only=True)
-class _Sim:
-    spec: SimSpec
-    dir: Path
-    first: int
-    """Attempt number this run's first attempt gets (attempts continue across re-runs)."""
-    submitted: float = 0.0
-    finished: float = 0.0
-    recorded: dict[int, dict] = field(default_factory=dict)
-    claimed: int = 0
-    """Attempts claimed so far in this run (ended or not)."""
-    outcome: str = "pending"
-    skipped: bool = False
-    """Completed in an earlier run of this campaign (resume): not run again."""
+#: Between SIGTERM and SIGKILL for a training job that is ended (before a relaunch, or at the end):
+#: time to take in what is queued (``quiesce``, 10 s at most) and save it.
+TRAINER_SAVE_S = 30.0
 
 
 class Run:
@@ -66,21 +53,25 @@ class Run:
     def __init__(self, c: Campaign, sims: list[SimSpec], training: TrainingJob | None, ready_file: Path | None, *,
                  ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool,
                  kept: set[int] | Callable[[], Collection[int]] | None = None) -> None:
-        self.c, self.training, self.ready_file, self.resume, self.kept = c, training, ready_file, resume, kept
+        self.c, self.training, self.resume, self.kept = c, training, resume, kept
         self.ready_timeout_s, self.train_timeout_s = ready_timeout_s, train_timeout_s
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
-        self.sims_dir = self.run_dir / "sims"
-        self.sims = [_Sim(spec=s, dir=attempts.sim_dir(self.run_dir, s.sim_id), first=0) for s in sims]
+        self.streams = streaming(training, ready_file)
+        self.ready_file = ready_file if ready_file is not None or not self.streams else self.run_dir / ENDPOINTS_FILE
+        self.sims = [Sim(spec=s, dir=attempts.sim_dir(self.run_dir, s.sim_id),
+                         streams=self.streams and s.stream is not False) for s in sims]
+        self.pool = SimPool(c, self.run_dir, self.sims, check=self._check_trainer, stopping=self._stopping,
+                            show=self._show)
+        self.pool.on_complete = self._completed
         self.prov_path = self.run_dir / attempts.PROVENANCE_FILE
         self.trainer: TrainerProcess | None = None
+        self.contract: Contract | None = None
         self.parsl_load_s = 0.0
         self.retries: int | None = None
         self.error: str | None = None
         self.stop_reason: str | None = None
         self.deadline: float | None = c.deadline
-        self.campaign_id: str | None = None
-        self.held = False
-        """The run directory held this campaign before this run (it continues: ``HPCML_RESUME``)."""
+        self.samples: dict | None = None
         self.progress = ProgressLine(len(sims), enabled=c.progress, every_s=c.progress_every_s)
 
     # -- time and stopping ------------------------------------------------------------------------
@@ -107,6 +98,8 @@ class Run:
     def execute(self) -> CampaignResult:
         t0 = time.monotonic()
         self.started_at = time.time()
+        if self.sims:
+            _refuse_loaded_parsl()  # before the run directory is touched
         previous = stop.install() if self.c.handle_signals else {}
         try:
             return self._execute(t0)
@@ -123,18 +116,24 @@ class Run:
             train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0, sims=bool(self.sims))
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,
                         ",".join(train_hosts) or "-", ",".join(sim_hosts) or "-")
-        self.campaign_id, self.held = claim_run_dir(self.run_dir, [s.spec for s in self.sims], self.training,
-                                                    resume=self.resume)
-        self._prepare()
+        self.claim = rundir.claim(self.run_dir, [s.spec for s in self.sims], self.training, resume=self.resume)
+        try:
+            self.contract = self._contract()
+            self._prepare()
+            return self._go(t0, alloc is None, train_hosts, sim_hosts)
+        finally:
+            rundir.release(self.run_dir)
+
+    def _go(self, t0: float, pilot: bool, train_hosts: tuple[str, ...], sim_hosts: tuple[str, ...]) -> CampaignResult:
+        failure: BaseException | None = None
         try:
             if self.ready_file is not None:
                 self.ready_file.unlink(missing_ok=True)  # a stale one would send sims to an old trainer
             if self.training is not None:
-                pilot = alloc is None
                 self.trainer = TrainerProcess(self.training,
                                               line=lambda job: self.c.train_line(job, train_hosts, allocate=pilot),
                                               run_dir=self.run_dir, env=self._trainer_env(),
-                                              grace_s=self.c.cancel_grace_s)
+                                              grace_s=max(self.c.cancel_grace_s, TRAINER_SAVE_S))
                 self.trainer.start(append=self.resume)
             pending = [s for s in self.sims if not s.skipped]
             if pending:
@@ -142,11 +141,11 @@ class Run:
             else:
                 self._wait_ready()
             if self.sims and not self._stopping():
-                self._write_sims_done()
+                self._write_done()
             if self.trainer is not None:
                 self._wait_trainer()
         except BaseException as e:
-            self.error = self.error or f"{type(e).__name__}: {e}"
+            self.error, failure = self.error or f"{type(e).__name__}: {e}", e
             if self.trainer is not None:
                 self.trainer.stop()
             raise
@@ -154,11 +153,12 @@ class Run:
             self.progress.close()
             result = self._result(time.monotonic() - t0)
             # a training-only run (offline) keeps the simulations' record
-            attempts.write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"),
-                                self._summary(result))
+            write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"), self._summary(result))
+            if failure is not None:
+                failure.result = result  # what was done before it failed, for the caller's own report
         return result
 
-    def _run_parsl(self, pending: list[_Sim], sim_hosts: tuple[str, ...]) -> None:
+    def _run_parsl(self, pending: list[Sim], sim_hosts: tuple[str, ...]) -> None:
         import parsl
 
         cfg = self.c.make_config([s.spec for s in pending] or [s.spec for s in self.sims], sim_hosts)
@@ -168,15 +168,15 @@ class Run:
         try:
             parsl.load(cfg)
         except Exception as e:
-            hint = "; a Campaign loads its own: clean up the other first" if "already" in str(e) else ""
-            raise LaunchError(f"parsl.load failed ({type(e).__name__}: {e}){hint}") from e
+            raise LaunchError(f"parsl.load failed ({type(e).__name__}: {e})") from e
         self.parsl_load_s = time.monotonic() - t
         logger.info("Parsl loaded in %.2f s (executor %s, retries %s)", self.parsl_load_s, label, self.retries)
         try:
             self._wait_ready()
-            self._run_sims(pending, simulation_app([label]))
+            self.pool.run(pending, simulation_app([label]))
+            self._show(force=True)
         except BaseException:
-            self._cancel_inflight()
+            self.pool.cancel()
             raise
         finally:
             try:
@@ -190,35 +190,72 @@ class Run:
             timeout = self.ready_timeout_s if self.ready_timeout_s is not None else 300.0 if local else None
             self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
 
+    # -- the contract ---------------------------------------------------------------------------
+    def _contract(self) -> Contract:
+        from hpcml.stream.routing import new_secret
+
+        env = {**self.c.env, **(self.training.env if self.training else {})}
+        stream: dict = {}
+        if self.streams:
+            secret = env.get(ENV["secret_file"]) or str(self.run_dir / SECRET_FILE)
+            new_secret(secret)  # reused when it exists
+            stream = dict(secret_file=secret, endpoints_file=env.get(ENV["endpoints_file"]) or str(self.ready_file),
+                          stream_host=self.c.stream_host,
+                          stream_interface=None if self.c.stream_host or self.c.site is None
+                          else self.c.site.stream_interface)
+        t = self.training
+        if self.sims:  # the end of the campaign, for any trainer that waits for it (streaming or not)
+            stream["done_file"] = str(self.run_dir / DONE_FILE)
+        return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
+                        resume=self.resume and self.claim.held, steps=t.steps if t else None,
+                        batch=t.batch if t else None, n_sims=len(self.sims), deadline=self.deadline,
+                        driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
+
+    def _trainer_env(self) -> dict[str, str]:
+        return self.contract.to_env()
+
     def _prepare(self) -> None:
         if not self.sims:  # training alone: the simulations' files stay as they are
             return
-        env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_CAMPAIGN_ID": self.campaign_id,
-               watchdog.ENV_DRIVER_PID: str(os.getpid()), watchdog.ENV_DRIVER_HOST: socket.gethostname(), **self.c.env}
-        attempts.prepare(self.sims_dir, env)
-        attempts.clear_cancel(self.sims_dir)
-        (self.run_dir / SIMS_DONE_FILE).unlink(missing_ok=True)
+        c = self.contract
+        sim_side = Contract(run_dir=c.run_dir, campaign=c.campaign, run=c.run, secret_file=c.secret_file,
+                            endpoints_file=c.endpoints_file, driver_pid=c.driver_pid, driver_host=c.driver_host)
+        attempts.prepare(self.pool.sims_dir, {**sim_side.to_env(), **self.c.env})
+        attempts.clear_cancel(self.pool.sims_dir)
+        rundir.clear_done(self.run_dir)
         done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()
-        kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
-        skip = done & set(kept) if kept is not None else done
-        lost = done - skip
+        if done:
+            kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
+            if kept is None:
+                kept = ledger.kept(self.run_dir, done, {s.spec.sim_id for s in self.sims if s.streams})
+            skip = done & set(kept)
+        else:
+            skip = set()
         for s in self.sims:
-            s.dir.mkdir(exist_ok=True)
+            rundir.record_spec(self.run_dir, s.spec)
             s.first = attempts.next_attempt(s.dir)
             if s.spec.sim_id in skip:
                 s.outcome, s.skipped = "completed", True
         if done:
+            lost = sorted(done - skip)
             logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again%s",
                         sum(s.skipped for s in self.sims), len(self.sims),
-                        f"; {len(lost)} finished after the last save and run again: {sorted(lost)}" if lost else "")
+                        f"; {len(lost)} finished after the last save and run again: {lost}" if lost else "")
 
-    def _trainer_env(self) -> dict[str, str]:
-        env = {"HPCML_RUN_DIR": str(self.run_dir), "HPCML_N_SIMS": str(len(self.sims)),
-               "HPCML_SIMS_DONE_FILE": str(self.run_dir / SIMS_DONE_FILE), "HPCML_CAMPAIGN_ID": self.campaign_id,
-               "HPCML_RESUME": "1" if self.resume and self.held else "0"}
-        if self.deadline is not None:
-            env["HPCML_JOB_DEADLINE"] = f"{self.deadline:.0f}"
-        return env
+    def _completed(self, s: Sim) -> None:
+        """A streaming simulation that completed without streaming fails the campaign at once:
+        the trainer would wait for its samples, and every other simulation would be wasted."""
+        if s.streams and attempts.stream_record(s.dir, s.first + s.claimed - 1) is None:
+            self.error = (f"simulation {s.spec.sim_id} completed without streaming (no hpcml.stream.Producer of it "
+                          f"was closed: run without its stream option, or without producer.close()?), but the training "
+                          f"job takes its stream; SimSpec(stream=False) if it writes files instead (see {s.dir})")
+            raise LaunchError(self.error)
+
+    def _write_done(self) -> None:
+        completed = [s.spec.sim_id for s in self.sims if s.outcome == "completed"]
+        failed = [s.spec.sim_id for s in self.sims if s.outcome != "completed"]
+        write_done(self.run_dir / DONE_FILE, ledger.done_record(
+            self.contract, completed, failed, {s.spec.sim_id for s in self.sims if s.streams}))
 
     # -- training job -----------------------------------------------------------------------------
     def _check_trainer(self) -> None:
@@ -240,85 +277,22 @@ class Run:
         rc = t.wait(timeout_s=self.train_timeout_s, tick=self._show, poll_s=self.c.poll_s,
                     stop_requested=self._stopping, save_window=self._save_window)
         self._show(force=True)
+        t.reap()  # nothing of it may outlive the campaign (a launcher's orphaned ranks)
+        self.samples = ledger.samples(ledger.trainer_summary(self.contract))
         if rc == NOT_FINISHED:
             self.stop_reason = self.stop_reason or "trainer saved and stopped (exit 75)"
         elif rc != 0 and self.stop_reason is not None:  # the last periodic checkpoint is what resumes
             logger.error(t.message(f"exited with code {rc} while stopping, not 75: the next run resumes from "
                                    f"its last periodic checkpoint"))
-        elif rc != 0:
-            self.error = t.message(f"exited with code {rc}")
+        elif rc != 0 or (self.samples or {}).get("missing"):
+            missing = (self.samples or {}).get("missing")
+            self.error = ledger.missing_line(self.samples) if missing else t.message(f"exited with code {rc}")
             raise LaunchError(self.error)
-
-    # -- simulations --------------------------------------------------------------------------
-    def _run_sims(self, pending: list[_Sim], app) -> None:
-        queue = deque(pending)
-        self.inflight: dict[concurrent.futures.Future, _Sim] = {}
-        while queue or self.inflight:
-            self._check_trainer()
-            if self._stopping():
-                self._cancel_inflight()
-                return
-            while queue and len(self.inflight) < self.c.max_concurrent:
-                s = queue.popleft()
-                s.submitted, s.outcome = time.monotonic(), "running"
-                limit = math.ceil(self.c.sim_timeout_s) if self.c.sim_timeout_s else 0
-                fut = app(str(s.dir), s.spec.sim_id, self.c.sim_prefix(s.spec.ranks), s.spec.command(), limit,
-                          math.ceil(self.c.cancel_grace_s),
-                          parsl_resource_specification=self.c.resource_spec(s.spec.ranks))
-                self.inflight[fut] = s
-            done, _ = concurrent.futures.wait(list(self.inflight), timeout=self.c.poll_s,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
-            for fut in done:
-                self._finish(self.inflight.pop(fut), fut)
-            for s in self.inflight.values():
-                self._record_attempts(s, final=False)
-            self._show()
-        self._show(force=True)
-
-    def _cancel_inflight(self) -> None:
-        """Stop running attempts (the wrappers see CANCEL within a second) and wait for them."""
-        inflight = getattr(self, "inflight", {})
-        (self.sims_dir / attempts.CANCEL_FILE).touch()
-        for s in self.sims:
-            if s.outcome == "pending":
-                s.outcome = "cancelled"
-        if not inflight:
-            return
-        logger.warning("cancelling %d running simulation(s)", len(inflight))
-        done, not_done = concurrent.futures.wait(list(inflight), timeout=self.c.cancel_grace_s + 15)
-        for fut in done:
-            self._finish(inflight.pop(fut), fut, cancelled=True)
-        for fut in not_done:
-            s = inflight.pop(fut)
-            self._record_attempts(s, final=True)
-            s.outcome = "cancelled"
-            logger.error("simulation %d did not stop within %.0f s of cancellation", s.spec.sim_id,
-                         self.c.cancel_grace_s + 15)
-
-    def _finish(self, s: _Sim, fut: concurrent.futures.Future, *, cancelled: bool = False) -> None:
-        s.finished = time.monotonic()
-        exc = fut.exception()
-        self._record_attempts(s, final=True, exc=exc, ok=exc is None)
-        if exc is None:
-            s.outcome = "completed"
-        elif cancelled or (self.sims_dir / attempts.CANCEL_FILE).exists():
-            s.outcome = "cancelled"
-        else:
-            s.outcome = "failed"
-            logger.warning("simulation %d failed after %d attempt(s): %s", s.spec.sim_id, len(s.recorded),
-                           attempts.describe(exc))
-
-    def _record_attempts(self, s: _Sim, *, final: bool, exc: BaseException | None = None, ok: bool = False) -> None:
-        spec = s.spec
-        s.claimed = attempts.record_ended(self.run_dir, s.dir, sim_id=spec.sim_id, params=spec.params,
-                                          argv=spec.command(), launch=self.c.sim_prefix(spec.ranks), first=s.first,
-                                          recorded=s.recorded, final=final, exc=exc, ok=ok)
 
     # -- reporting ------------------------------------------------------------------------------
     def _show(self, force: bool = False) -> None:
         if not self.progress.due(force):
             return
-        counts = {o: sum(s.outcome == o for s in self.sims) for o in ("completed", "running", "failed", "cancelled")}
         train = None
         if self.trainer is not None and self.trainer.proc is not None:
             rec = last_json_line(self.run_dir / "metrics.jsonl")
@@ -326,18 +300,12 @@ class Run:
             train = f"train step {step if step is not None else '-'}"
             if self.trainer.poll() is not None:
                 train += f" (exited {self.trainer.returncode})"
-        self.progress.update(force=force, done=counts["completed"], running=counts["running"],
-                             failed=counts["failed"] + counts["cancelled"],
-                             retried=sum(s.claimed > 1 for s in self.sims), train=train)
-
-    def _write_sims_done(self) -> None:
-        attempts.write_json(self.run_dir / SIMS_DONE_FILE, {
-            "completed": [s.spec.sim_id for s in self.sims if s.outcome == "completed"],
-            "failed": [s.spec.sim_id for s in self.sims if s.outcome != "completed"]})
+        n = self.pool.counts()
+        self.progress.update(force=force, done=n["completed"], running=n["running"], failed=n["failed"],
+                             cancelled=n["cancelled"], retried=n["retried"], train=train)
 
     def _result(self, wall_s: float) -> CampaignResult:
-        overheads = sorted((s.finished - s.submitted) - sum(d) for s in self.sims
-                           if s.finished and (d := [r["duration_s"] for r in s.recorded.values()]) and None not in d)
+        overheads = self.pool.overheads()
         by = lambda o: [s.spec.sim_id for s in self.sims if s.outcome == o]  # noqa: E731
         complete = all(s.outcome == "completed" for s in self.sims) and (
             self.trainer is None or self.trainer.returncode == 0)
@@ -353,14 +321,31 @@ class Run:
             task_overhead_s=round(overheads[len(overheads) // 2], 4) if overheads else None,
             training_returncode=self.trainer.returncode if self.trainer else None, error=self.error,
             skipped=[s.spec.sim_id for s in self.sims if s.skipped], interrupted=interrupted,
-            campaign_id=self.campaign_id)
+            campaign_id=getattr(self, "claim", None) and self.claim.campaign,
+            run_id=getattr(self, "claim", None) and self.claim.run, samples=self.samples)
 
     def _summary(self, r: CampaignResult) -> dict:
         d = asdict(r)
         d["attempts"] = {str(k): v for k, v in r.attempts.items()}
-        d.update(version=1, status=r.status, started=attempts.iso(self.started_at), ended=attempts.iso(time.time()),
+        d.update(version=2, status=r.status, started=attempts.iso(self.started_at), ended=attempts.iso(time.time()),
                  host=socket.gethostname(), max_concurrent=self.c.max_concurrent, retries=self.retries,
                  sim_timeout_s=self.c.sim_timeout_s, provenance=self.prov_path.name, ok=r.ok,
                  stop_reason=self.stop_reason, deadline=self.deadline, pid=os.getpid(),
-                 training=None if self.trainer is None else self.trainer.summary())
+                 training=None if self.trainer is None else self.trainer.summary(),
+                 cumulative={"sims_completed": sorted(attempts.completed_sims(self.run_dir)),
+                             "samples": self.samples})  # every run of the campaign, not only this one
         return d
+
+
+def _refuse_loaded_parsl() -> None:
+    """A Campaign loads its own Parsl config: one already loaded is refused before anything is written."""
+    import parsl
+    from parsl.errors import NoDataFlowKernelError
+
+    try:
+        parsl.dfk()
+    except NoDataFlowKernelError:
+        return
+    raise ConfigError("a Parsl config is already loaded in this process: a Campaign loads its own; call "
+                      "parsl.dfk().cleanup() and parsl.clear() first, or drive your own config with "
+                      "hpcml.ensemble.apps")

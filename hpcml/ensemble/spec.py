@@ -19,8 +19,15 @@ class SimSpec:
     params: dict[str, float]
     argv: list[str]
     ranks: int = 2
+    stream: bool | None = None
+    """Whether it streams to the campaign's training job. None: when the training job takes
+    a stream. False: it writes files (e.g. held-out simulations), and the trainer does not
+    wait for its samples. A streaming simulation that completes without having streamed
+    (no Producer: run without its stream flag) fails the campaign at once, naming it."""
 
     def __post_init__(self) -> None:
+        if self.stream is not None and not isinstance(self.stream, bool):
+            raise ConfigError(f"sim {self.sim_id}: stream must be True, False or None, got {self.stream!r}")
         if not isinstance(self.sim_id, int) or isinstance(self.sim_id, bool) or self.sim_id < 0:
             raise ConfigError(f"sim_id must be an int >= 0, got {self.sim_id!r}")
         if not isinstance(self.ranks, int) or self.ranks < 1:
@@ -57,10 +64,19 @@ class TrainingJob:
     stream: bool | None = None
     """Whether the simulations of the same ``run()`` stream into it, each to one rank
     (``hpcml.stream.route``): then every rank needs a simulation, which ``run()`` checks
-    before anything starts. None: streaming when ``run()`` waits for a ``ready_file`` (the
-    endpoints the trainer publishes); False: it reads files (offline)."""
+    before anything starts, and the campaign makes the stream's secret and publishes its
+    endpoints (the contract, :mod:`hpcml.contract`). None: streaming when ``run()`` has
+    simulations; False: it reads files (offline)."""
+    steps: int | None = None
+    """Gradient steps, handed to the trainer in the contract (None: the trainer's own)."""
+    batch: int | None = None
+    """Samples per step and trainer rank, likewise."""
 
     def __post_init__(self) -> None:
+        for name in ("steps", "batch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"training {name} must be an int >= 1 or None, got {v!r}")
         if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"training argv must be a non-empty list of strings, got {self.argv!r}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
@@ -100,11 +116,18 @@ class CampaignResult:
     """Stopped by the walltime warning (SIGUSR1/SIGTERM) after saving: run it again with ``resume``."""
     campaign_id: str | None = None
     """The campaign the run directory holds (``campaign_id.json``); the trainer's ``HPCML_CAMPAIGN_ID``."""
+    run_id: str | None = None
+    """This run of the campaign (the trainer's ``HPCML_RUN_ID``)."""
+    samples: dict | None = None
+    """The training job's exactly-once accounting, over every job of the campaign (its
+    ``train_summary.json`` of this run): ``expected`` (what the completed simulations
+    streamed), ``ingested``, ``missing``, ``duplicates``, ``untrained`` (never in a batch);
+    None without a streaming trainer that reported."""
 
     @property
     def ok(self) -> bool:
         return (not self.failed and not self.cancelled and self.error is None and not self.interrupted
-                and self.training_returncode in (None, 0))
+                and self.training_returncode in (None, 0) and not (self.samples or {}).get("missing"))
 
     @property
     def status(self) -> str:

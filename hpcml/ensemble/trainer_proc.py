@@ -15,10 +15,12 @@ import re
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
+from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE
 from hpcml.ensemble import watchdog
 from hpcml.ensemble.attempts import tail_text
 from hpcml.ensemble.spec import TrainingJob
@@ -34,6 +36,39 @@ _CAUSE = re.compile(r"\b[A-Z]\w*(Error|Exception|Interrupt)\b|\berror:|KILLED BY
 _NOISE = re.compile(r"MPI_Abort|Abort\(\d+\)|^\[rank \d+\] (INFO|DEBUG|WARNING) |^={5,}|^\s*$|aborting the MPI job")
 
 
+def launch_pids(launch: str) -> list[int]:
+    """The processes of this host (this user's, readable) whose environment carries the
+    training-job launch token ``launch``."""
+    needle = f"{ENV['launch']}={launch}".encode()
+    me, out = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                data = f.read()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and b"\0" + needle + b"\0" in b"\0" + data + b"\0":
+            out.append(int(name))
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def write_json_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+
+
 def cause_line(path: Path, max_chars: int = 400) -> str | None:
     """The last line of ``path``'s tail that says what went wrong (an exception, an error, a
     signal), skipping the launcher's abort noise and log lines; None if there is none."""
@@ -44,9 +79,23 @@ def cause_line(path: Path, max_chars: int = 400) -> str | None:
     return None
 
 
+#: Exit statuses after which a relaunch would fail the same way (or lose nothing more).
+NO_RELAUNCH = (0, NOT_FINISHED, INCOMPLETE, CONFIG_ERROR)
+
+
 class TrainerProcess:
     """Start, watch, restart, signal and stop the training job; its output goes to
-    ``run_dir/train.out`` and ``train.err`` (appended on a restart)."""
+    ``run_dir/train.out`` and ``train.err`` (appended on a restart).
+
+    Each launch gets a token (``HPCML_TRAINER_LAUNCH``), written to ``run_dir/trainer.lease``
+    before it starts. Before a relaunch, and when it is stopped, every process of the
+    earlier launch is ended and waited for: its process group, and on this host every
+    process whose environment carries its token (MPI launchers start ranks in sessions of
+    their own; a killed watchdog leaves the launcher orphaned) -- TERM first, so its ranks
+    save what they hold, KILL after the grace period. Ranks elsewhere see the lease change
+    and exit by themselves (:mod:`hpcml.lifeline`). So a relaunch never finds its ports held
+    by the job it replaces.
+    """
 
     def __init__(self, job: TrainingJob, *, line: Callable[[TrainingJob], str], run_dir: Path,
                  env: Mapping[str, str], grace_s: float) -> None:
@@ -56,6 +105,8 @@ class TrainerProcess:
         self.returncode: int | None = None
         self.started = self.ended = 0.0
         self.restarts = 0
+        self.launch: str | None = None
+        self.launches: list[str] = []
 
     # -- life ---------------------------------------------------------------------------------
     def start(self, *, restart: bool = False, append: bool = False) -> None:
@@ -65,7 +116,13 @@ class TrainerProcess:
         if restart and job.restart_argv:
             job = TrainingJob(**{**asdict(job), "argv": job.restart_argv})
         self.line = self._line(job)
-        env = {**os.environ, **self.env, **job.env, **({"HPCML_RESUME": "1"} if restart else {})}
+        if self.launch is not None:  # TERM first: its ranks save what they hold and exit; the rest is killed
+            self.reap(self.launch)
+        self.launch = uuid.uuid4().hex[:16]
+        self.launches.append(self.launch)
+        write_json_text(self.run_dir / LEASE_FILE, self.launch)  # ranks of the earlier launch elsewhere see it, go
+        env = {**os.environ, **self.env, **job.env, ENV["launch"]: self.launch,
+               **({ENV["resume"]: "1"} if restart else {})}
         logger.info("training job: %s", self.line)
         mode = "ab" if restart or append else "wb"
         with open(self.run_dir / "train.out", mode) as out, open(self.run_dir / "train.err", mode) as err:
@@ -74,6 +131,39 @@ class TrainerProcess:
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.returncode = None
         self.started = time.monotonic()
+
+    def reap(self, launch: str | None = None) -> list[int]:
+        """End every process of ``launch`` (default: the current one) on this host -- TERM, then
+        KILL after the grace period -- and wait until none is left; the pids that survived
+        (none, unless the kernel holds them in an uninterruptible state)."""
+        launch = launch or self.launch
+        if launch is None:
+            return []
+        pgid = self.proc.pid if self.proc is not None else None
+        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 5.0)):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pgid = None
+            left = launch_pids(launch)
+            for pid in left:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + wait_s
+            while (left or pgid is not None) and time.monotonic() < deadline:
+                if self.proc is not None:
+                    self.proc.poll()  # reap our own child (the watchdog), else it stays a zombie
+                time.sleep(0.1)
+                left = launch_pids(launch)
+                pgid = pgid if pgid is not None and _group_alive(pgid) else None
+            if not left and pgid is None:
+                return []
+        if left:
+            logger.error("processes %s of the training job's launch %s outlived SIGKILL", left, launch)
+        return left
 
     def poll(self) -> int | None:
         """The exit status once it has exited (recorded the first time it is seen)."""
@@ -87,9 +177,10 @@ class TrainerProcess:
         return self.proc is not None and self.poll() is None
 
     def restart_if_allowed(self) -> bool:
-        """Relaunch after a failure while restarts are left; False when it stays down."""
+        """Relaunch after a failure while restarts are left; False when it stays down (and for
+        the exits a relaunch cannot change: :data:`NO_RELAUNCH`)."""
         rc = self.poll()
-        if rc in (None, 0, NOT_FINISHED) or self.restarts >= self.job.max_restarts:
+        if rc is None or rc in NO_RELAUNCH or self.restarts >= self.job.max_restarts:
             return False
         self.restarts += 1
         logger.warning("training job exited with code %s: restart %d of %d (it resumes from its checkpoint)",
@@ -133,21 +224,13 @@ class TrainerProcess:
                 pass
 
     def stop(self) -> None:
-        """TERM the process group, KILL it after the grace period (a submitted batch job is
-        cancelled through its scheduler first)."""
-        if not self.running:
+        """End the job and everything of it (:meth:`reap`; a submitted batch job is cancelled
+        through its scheduler first)."""
+        if self.proc is None:
             return
-        self._scheduler(None)
-        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        if self.running:
+            self._scheduler(None)
+        self.reap()
         self.poll()
 
     # -- waiting --------------------------------------------------------------------------------

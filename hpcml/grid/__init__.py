@@ -2,8 +2,7 @@
 
 ``Layout`` is the pure arithmetic (no MPI); ``ProcessGrid`` builds it on an MPI
 communicator; ``ProcessGrid.init_torch()`` bootstraps torch.distributed and a DeviceMesh
-with the same rank map. ``interface_address`` (in :mod:`hpcml.grid.torch_dist`, which
-imports torch) loads on first use.
+with the same rank map. ``interface_address`` is :func:`hpcml.net.interface_address`.
 """
 
 from hpcml.grid.layout import AXES, Layout
@@ -14,7 +13,7 @@ __all__ = ["AXES", "Layout", "ProcessGrid", "install_abort_handler", "interface_
 
 def __getattr__(name: str):
     if name == "interface_address":
-        from hpcml.grid.torch_dist import interface_address
+        from hpcml.net import interface_address
 
         return interface_address
     raise AttributeError(f"module 'hpcml.grid' has no attribute {name!r}")

@@ -12,10 +12,8 @@ Environment overrides: ``HPCML_MASTER_ADDR``, ``HPCML_MASTER_PORT``, ``HPCML_SOC
 from __future__ import annotations
 
 import datetime
-import fcntl
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,13 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hpcml import env, log
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.layout import DENSE_AXES, EXPERT_AXES
+from hpcml.net import free_port, interface_address
 
 if TYPE_CHECKING:
     from hpcml.grid.mpi import ProcessGrid
 
 logger = log.get_logger(__name__)
 
-_SIOCGIFADDR = 0x8915
 _MESHES: dict[tuple, DeviceMesh] = {}
 
 
@@ -49,25 +47,6 @@ class TorchDist:
     device_names: list[str]
     master_addr: str
     master_port: int
-
-
-def interface_address(ifname: str) -> str:
-    """IPv4 address of network interface ``ifname`` (Linux), e.g. ``hsn0`` -> ``10.x.y.z``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
-        except OSError as e:
-            names = ", ".join(n for _, n in socket.if_nameindex())
-            raise LaunchError(f"network interface {ifname!r} has no IPv4 address ({e.strerror}); "
-                              f"interfaces here: {names}") from None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def free_port(addr: str) -> int:
-    """A TCP port that is free on ``addr`` now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def default_backend() -> tuple[str, str]:

@@ -1,8 +1,9 @@
 """Field surrogates of simulations: what the ensembles' streamed samples train.
 
 Two shapes of the same question, "what is the field for these parameters?":
-``MLPSurrogate`` maps (parameters, time) straight to the whole field; ``ConvSurrogate``
-advances a field by one output interval, with the parameters as constant input channels.
+``MLPSurrogate`` maps (parameters, time) straight to the whole field, on a 1-D, 2-D or 3-D
+grid; ``ConvSurrogate`` advances a 2-D field by one output interval, with the parameters as
+constant input channels.
 Neither knows about ranks: parallelism is applied from outside (``hpcml.parallel``).
 
 ``num_flops_per_sample`` counts forward FLOPs as 2 x multiply-adds of the linear and
@@ -12,7 +13,10 @@ step costs about 3x that, which is what MFU divides by.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -45,38 +49,102 @@ def _check_params(params: torch.Tensor, n_params: int, batch: int) -> None:
         raise ValueError(f"params must have shape [B={batch}, n_params={n_params}], got {list(params.shape)}")
 
 
-@dataclass(frozen=True, kw_only=True)
+_AXES = ("nx", "ny", "nz")
+
+
+def _grid(shape: Sequence[int] | None, nx: int | None = None, ny: int | None = None,
+          nz: int | None = None) -> tuple[int, ...]:
+    """The field's grid from ``shape`` and/or the older per-axis spelling, validated."""
+    given = dict(zip(_AXES, (nx, ny, nz)))
+    for name, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if shape is None:
+        legacy = tuple(v for v in (nx, ny, nz) if v is not None)
+        if not legacy:
+            raise ConfigError("MLPSurrogateConfig needs the field's grid: shape=(nx,), (nx, ny) or (nx, ny, nz), "
+                              "or nx= (ny=, nz=), got neither")
+        if None in (nx, ny, nz)[:len(legacy)]:
+            raise ConfigError(f"nx, ny, nz must be given in that order, got nx={nx}, ny={ny}, nz={nz}")
+        return legacy
+    expected = "shape must be (nx,), (nx, ny) or (nx, ny, nz) with ints >= 1"
+    if not isinstance(shape, (tuple, list)) or not 1 <= len(shape) <= 3:
+        raise ConfigError(f"{expected}, got {shape!r}")
+    try:
+        dims = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
+    except TypeError:
+        dims = ()
+    if len(dims) != len(shape) or min(dims) < 1:
+        raise ConfigError(f"{expected}, got {shape!r}")
+    for i, (name, value) in enumerate(given.items()):
+        if value is not None and (i >= len(dims) or dims[i] != value):
+            raise ConfigError(f"{name}={value} disagrees with shape={dims}: give one spelling of the grid, "
+                              "or make them agree")
+    return dims
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
 class MLPSurrogateConfig:
-    """Shape of the (parameters, t) -> field MLP. ``repr()`` rebuilds it."""
+    """Shape of the (parameters, t) -> field MLP. ``repr()`` rebuilds it.
+
+    The field's grid is ``shape=(nx,)``, ``(nx, ny)`` or ``(nx, ny, nz)``. The older spelling
+    ``nx=..., ny=...`` (and ``nz=...``) builds the same config; ``cfg.nx``, ``cfg.ny`` and
+    ``cfg.nz`` read the axes of ``shape`` back (None past its end). ``replace(cfg, shape=...)``
+    changes the grid; ``replace`` does not take nx/ny/nz.
+    """
 
     n_params: int
     """Scalar simulation parameters per sample (e.g. diffusivity, boundary temperatures)."""
-    nx: int
-    """Grid points along x: the output field is [nx, ny]."""
-    ny: int
-    """Grid points along y."""
+    shape: tuple[int, ...]
+    """The field's grid, (nx,), (nx, ny) or (nx, ny, nz): one sample's output has this shape."""
     hidden: int = 256
     """Width of every hidden layer."""
     depth: int = 3
     """Hidden layers (each Linear + activation); the output layer comes on top."""
     activation: str = "gelu"
     """Nonlinearity after each hidden layer: "gelu", "relu" or "silu"."""
+    nx: int = field(init=False, repr=False, compare=False)
+    """shape[0] (read-only)."""
+    ny: int | None = field(init=False, repr=False, compare=False)
+    """shape[1], or None for a 1-D field (read-only)."""
+    nz: int | None = field(init=False, repr=False, compare=False)
+    """shape[2], or None for a 1-D or 2-D field (read-only)."""
 
-    def __post_init__(self) -> None:
-        _at_least(self, 1, "n_params", "nx", "ny", "hidden", "depth")
+    def __init__(self, *, n_params: int, shape: Sequence[int] | None = None, nx: int | None = None,
+                 ny: int | None = None, nz: int | None = None, hidden: int = 256, depth: int = 3,
+                 activation: str = "gelu") -> None:
+        # Written out rather than generated: nx/ny/nz are constructor aliases of shape, but init=False
+        # fields, so that replace(cfg, shape=...) does not carry the old grid's nx/ny along into a conflict.
+        for name, value in (("n_params", n_params), ("hidden", hidden), ("depth", depth), ("activation", activation)):
+            object.__setattr__(self, name, value)
+        _at_least(self, 1, "n_params", "hidden", "depth")
         if self.activation not in _ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} unknown: expected one of {', '.join(_ACTIVATIONS)}")
+        grid = _grid(shape, nx, ny, nz)
+        object.__setattr__(self, "shape", grid)
+        for i, name in enumerate(_AXES):
+            object.__setattr__(self, name, grid[i] if i < len(grid) else None)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MLPSurrogateConfig:
-        """A named size: ``tiny`` (tests, 16 x 16 grid) or ``small`` (64 x 64 grid, ~2.9M parameters)."""
-        presets = {"tiny": cls(n_params=3, nx=16, ny=16, hidden=64, depth=2),
-                   "small": cls(n_params=4, nx=64, ny=64, hidden=512, depth=4)}
+        """A named size: ``tiny`` (tests, 16 x 16 grid) or ``small`` (64 x 64 grid, ~2.9M parameters).
+
+        ``shape=`` replaces the grid; ``nx``/``ny``/``nz`` edit it axis by axis
+        (``preset("tiny", nz=4)`` is 16 x 16 x 4, ``ny=None`` makes it 1-D).
+        """
+        presets = {"tiny": cls(n_params=3, shape=(16, 16), hidden=64, depth=2),
+                   "small": cls(n_params=4, shape=(64, 64), hidden=512, depth=4)}
+        axes = {axis: overrides.pop(axis) for axis in _AXES if axis in overrides}
+        if axes and name in presets:
+            edited = {**dict(zip(_AXES, presets[name].shape)), **axes}
+            overrides["shape"] = _grid(overrides["shape"], **axes) if "shape" in overrides else _grid(None, **edited)
         return _pick("MLP surrogate", presets, name, overrides)
 
 
 class MLPSurrogate(nn.Module):
-    """(params [B, n_params], t [B] or [B, 1]) -> field [B, nx, ny].
+    """(params [B, n_params], t [B] or [B, 1]) -> field [B, *cfg.shape]: [B, nx], [B, nx, ny] or [B, nx, ny, nz].
 
     Time is one more input feature, so one model answers for any t without stepping;
     the whole field comes out of the last Linear, flattened, and is reshaped to the grid.
@@ -89,7 +157,7 @@ class MLPSurrogate(nn.Module):
         layers: list[nn.Module] = []
         for a, b in zip(dims, dims[1:]):
             layers += [nn.Linear(a, b), _ACTIVATIONS[cfg.activation]()]
-        layers.append(nn.Linear(dims[-1], cfg.nx * cfg.ny))
+        layers.append(nn.Linear(dims[-1], math.prod(cfg.shape)))
         self.net = nn.Sequential(*layers)
 
     def forward(self, params: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +166,11 @@ class MLPSurrogate(nn.Module):
         if t.shape not in ((batch,), (batch, 1)):
             raise ValueError(f"t must have shape [B={batch}] or [B={batch}, 1], got {list(t.shape)}")
         x = torch.cat([params, t.reshape(batch, 1).to(params.dtype)], dim=1)
-        return self.net(x).view(batch, self.config.nx, self.config.ny)
+        return self.net(x).view(batch, *self.config.shape)
+
+    def output_shape(self) -> tuple[int, ...]:
+        """One sample's field shape, without the batch axis: ``cfg.shape``, to check against the data."""
+        return self.config.shape
 
     def num_flops_per_sample(self) -> int:
         """Forward FLOPs per sample: 2 x multiply-adds of the Linear layers."""
@@ -109,7 +181,8 @@ class MLPSurrogate(nn.Module):
 class ConvSurrogateConfig:
     """Shape of the field(t) -> field(t + dt) convolutional stepper. ``repr()`` rebuilds it.
 
-    The grid size is not part of it: convolutions apply to any nx x ny.
+    The grid size is not part of it: convolutions apply to any nx x ny. 2-D fields only
+    (``Conv2d``); for 1-D or 3-D fields use ``MLPSurrogate``.
     """
 
     n_params: int
@@ -136,6 +209,8 @@ class ConvSurrogateConfig:
 
 class ConvSurrogate(nn.Module):
     """(field at t [B, nx, ny] or [B, 1, nx, ny], params [B, n_params]) -> field at t + dt [B, nx, ny].
+
+    2-D fields only (the layers are ``Conv2d``); ``MLPSurrogate`` takes 1-D and 3-D fields.
 
     Residual: the network predicts the increment, so a zero network is the identity and
     small time steps start from a good guess. Parameters are broadcast to constant

@@ -129,6 +129,12 @@ class Buffer:
             self._cond.notify_all()
             return True
 
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until a FIFO/FIRO put would succeed (a reservoir always takes one)."""
+        with self._cond:
+            return self.config.policy == "reservoir" or self._cond.wait_for(
+                lambda: len(self._items) < self.config.capacity, timeout)
+
     def end(self) -> None:
         """No more samples will come: FIFO/FIRO drain below the watermark."""
         with self._cond:
@@ -191,10 +197,11 @@ class Buffer:
             self._cond.notify_all()
 
     # -- checkpointing: plain arrays and JSON, never pickle ---------------------------------
-    def state(self) -> tuple[dict[str, np.ndarray], dict]:
-        """(arrays, JSON) of the buffer's contents and counters."""
+    def state(self, also: list[Sample] | tuple = ()) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, JSON) of the buffer's contents and counters; ``also``: samples on their
+        way in (taken by the source, not yet put), saved as if they were in."""
         with self._cond:
-            items = list(self._items)
+            items = list(self._items) + list(also)
             meta = {"seq": self._seq, "ended": self.ended, "stats": self.stats.as_dict(),
                     "rng": self._rng.bit_generator.state, "config": vars(self.config)}
         if not items:

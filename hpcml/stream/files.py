@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import numpy as np
 
 from hpcml.errors import ConfigError
 from hpcml.stream.buffer import Buffer, Sample
+from hpcml.stream.message import MessageError
 from hpcml.stream.routing import route
+from hpcml.stream.schema import SampleSchema
 from hpcml.stream.source import add_counters, history_of, pack_state, unpack_states
 
 
@@ -44,20 +47,30 @@ def file_sim_id(path: str | Path) -> int:
         raise _bad(path, e) from None
 
 
-def read_samples(path: str | Path, field_names, param_names) -> list[Sample]:
+def read_samples(path: str | Path, field_names, param_names, schema: SampleSchema | None = None) -> list[Sample]:
     """Every output step of one simulation file as samples; ConfigError, in one line naming
-    the file, for one that is not an HDF5 file of the kernels' layout."""
+    the file, for one that is not an HDF5 file of the kernels' layout or that breaks the
+    trainer's ``schema`` (other fields, parameters or grid than the samples before it)."""
+    schema = schema or SampleSchema(field_names, param_names)
     try:
         with _open(path) as f:
             params = json.loads(f.attrs["params"])
-            p = np.array([params[n] for n in param_names], np.float32)
-            fields = np.stack([f[f"fields/{n}"][()] for n in field_names], axis=1).astype(np.float32)
-            times, steps, sim = f["time"][()], f["step"][()], int(f.attrs["sim_id"])
-        if not (fields.ndim >= 3 and len(times) == len(steps) == len(fields) and np.isfinite(p).all()):
-            raise ValueError(f"fields {fields.shape}, {len(times)} times, {len(steps)} steps, params {p.tolist()}")
+            sim = int(f.attrs["sim_id"])
+            names = sorted(f["fields"]) if "fields" in f else []
+            shape = f[f"fields/{schema.field_names[0]}"].shape[1:] if schema.field_names[0] in names else ()
+            if not isinstance(params, dict):
+                raise ValueError(f"attribute params is {type(params).__name__}, expected a JSON object")
+            schema.check(sim, names, params, shape)  # the file's first sample fixes the grid below
+            p = schema.params_vector(params)
+            fields = np.stack([f[f"fields/{n}"][()] for n in schema.field_names], axis=1).astype(np.float32)
+            times, steps = f["time"][()], f["step"][()]
+        if not (fields.ndim >= 3 and len(times) == len(steps) == len(fields)):
+            raise ValueError(f"fields {fields.shape}, {len(times)} times, {len(steps)} steps")
+    except MessageError as e:
+        raise ConfigError(f"simulation file {path}: {e}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _bad(path, e) from None
-    return [Sample(sim, int(s), float(t), p, fields[i]) for i, (s, t) in enumerate(zip(steps, times))]
+    return [schema.sample(sim, int(s), float(t), p, fields[i]) for i, (s, t) in enumerate(zip(steps, times))]
 
 
 class FileSource:
@@ -69,8 +82,11 @@ class FileSource:
     def __init__(self, files, *, rank: int, n_trainers: int, buffer: Buffer, field_names, param_names) -> None:
         self.files = sorted(Path(f) for f in files)
         self.rank, self.n_trainers, self.buffer = rank, n_trainers, buffer
-        self.field_names, self.param_names = tuple(field_names), tuple(param_names)
+        self.schema = SampleSchema(field_names, param_names)
+        self.field_names, self.param_names = self.schema.field_names, self.schema.param_names
         self.counters = {"samples": 0, "bytes": 0, "files": 0, "duplicates": 0}
+        self.expected: dict[int, int] = {}
+        """Samples in each file of this rank read so far: a file is read whole or fails the run."""
         self.seen: set[tuple[int, int]] = set()
         self._lock = threading.Lock()  # a sample is in the buffer and in ``seen`` together, or in neither
         self._stop = threading.Event()
@@ -93,7 +109,10 @@ class FileSource:
         for path in self.files:
             if not self._mine(file_sim_id(path)):
                 continue
-            for s in read_samples(path, self.field_names, self.param_names):
+            samples = read_samples(path, self.field_names, self.param_names, self.schema)
+            if samples:
+                self.expected[samples[0].sim] = len({x.step for x in samples})
+            for s in samples:
                 if (s.sim, s.step) in self.seen:  # read before a restart: in the checkpoint already
                     continue
                 while True:
@@ -112,14 +131,21 @@ class FileSource:
     def quiesce(self) -> None:
         """Nothing is in flight between a file and the buffer."""
 
+    def accounting(self) -> dict:
+        with self._lock:
+            ingested = Counter(sim for sim, _ in self.seen)
+            return {"expected": dict(self.expected), "ingested": {s: ingested[s] for s in set(ingested) |
+                                                                  set(self.expected)}}
+
     def state(self) -> dict[str, np.ndarray]:
         with self._lock:
-            return pack_state(self.buffer, self.seen, {"counters": self.counters})
+            return pack_state(self.buffer, self.seen, {"counters": self.counters, "schema": self.schema.state()})
 
     def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
         with self._lock:
             metas = unpack_states(states, self.buffer, self.seen, self._mine, self.rank, self.n_trainers)
             for i, meta in enumerate(metas):
+                self.schema.load_state(meta.get("schema") or {})
                 if history_of(i, self.rank, self.n_trainers):
                     add_counters(self.counters, meta["counters"], skip=("samples", "files"))
             self.counters["samples"] = len(self.seen)

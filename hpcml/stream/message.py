@@ -17,9 +17,9 @@ receiver checks the MAC first and then every number in the header against the pa
 sizes before it touches the arrays: anything malformed or unauthenticated raises
 :class:`MessageError`, which the server counts and drops.
 
-Kinds: ``data`` (one rank's subdomain of one output step), ``end`` (a simulation rank is
-done: how many messages it sent), ``campaign_done`` (the launcher says which simulations
-completed and which failed for good, so trainers know when the stream has ended).
+Kinds: ``data`` (one rank's subdomain of one output step) and ``end`` (a simulation rank is
+done: how many messages it sent). The end of the campaign is not a message: the driver
+writes it into the run directory (:class:`hpcml.contract.DoneRecord`).
 Importing this module must stay cheap (no torch): simulations import it.
 """
 
@@ -52,7 +52,7 @@ MAX_ID = 2**53 - 1
 MAX_RANKS = 2**20
 #: Largest frame a server reads by default (``ZMQ_MAXMSGSIZE``): one field of one rank's block.
 MAX_FRAME_BYTES = 1 << 30
-KINDS = ("data", "end", "campaign_done")
+KINDS = ("data", "end")
 
 
 class MessageError(HpcmlError, ValueError):
@@ -176,12 +176,6 @@ def _decode(secret: bytes, frames: list, campaign: str) -> Message:
     _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header", f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
     _need(h.get("campaign") == campaign, "wrong_campaign", f"campaign={_short(h.get('campaign'))}")
     payloads = raw[2:-1]
-    if h["kind"] == "campaign_done":
-        for key in ("completed", "failed"):
-            _need(isinstance(h.get(key), list) and all(_is_int(x) for x in h[key]), "bad_header",
-                  f"{key}={_short(h.get(key))}, expected a list of simulation ids in 0..{MAX_ID}")
-        _need(not payloads, "malformed", "campaign_done message with payload")
-        return Message(h)
     sim, attempt, rank = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank"))
     nranks = _ints(h, "nranks", None, 1, MAX_RANKS)[0]
     _need(rank < nranks, "bad_header", f"rank {rank} of {nranks}")

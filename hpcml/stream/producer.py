@@ -26,15 +26,12 @@ import numpy as np
 import zmq
 
 from hpcml import log
+from hpcml.contract import ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints, write_stream_record
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.stream import message, routing, transport
 
 logger = log.get_logger(__name__)
 
-ENV_ENDPOINTS_FILE = "HPCML_STREAM_ENDPOINTS_FILE"
-ENV_SECRET_FILE = "HPCML_STREAM_SECRET_FILE"
-ENV_SIM_ID = "HPCML_SIM_ID"
-ENV_ATTEMPT = "HPCML_ATTEMPT"
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -141,21 +138,30 @@ class Producer:
             self.fields = names
 
     @classmethod
-    def from_env(cls, *, comm, params: dict[str, float], global_shape, offset, local_shape, fields=None,
-                 sim_id: int | None = None, attempt: int | None = None, **kw) -> Producer:
-        """Build from what the campaign put in the environment (endpoints and secret files,
-        simulation id, attempt); ``comm`` is the simulation's communicator."""
-        ep_file = os.environ.get(ENV_ENDPOINTS_FILE)
-        secret_file = os.environ.get(ENV_SECRET_FILE)
-        if not ep_file or not secret_file:
-            raise ConfigError(f"streaming needs {ENV_ENDPOINTS_FILE} and {ENV_SECRET_FILE} in the environment")
+    def from_campaign(cls, *, comm, params: dict[str, float], global_shape, offset, local_shape, fields=None,
+                      sim_id: int | None = None, attempt: int | None = None, contract: Contract | None = None,
+                      **kw) -> Producer:
+        """The producer of this simulation rank in the campaign that started it: the secret,
+        campaign and run from the contract (:meth:`~hpcml.contract.Contract.from_env`), the
+        simulation id and attempt from the attempt wrapper, and the trainer rank this
+        simulation routes to from this run's ``endpoints.json``, waited for up to
+        ``HPCML_STREAM_WAIT_S`` (120 s) -- an earlier run's file is never used. ``comm`` is the
+        simulation's communicator."""
+        c = contract or Contract.from_env()
+        if not c.streams:
+            raise ConfigError(f"campaign {c.campaign!r} gives this simulation no stream (no secret or endpoints "
+                              f"file: {ENV['secret_file']}, {ENV['endpoints_file']}); the campaign's training job "
+                              f"does not take a stream")
         sim = _env_int(ENV_SIM_ID) if sim_id is None else sim_id
-        campaign, endpoints = routing.read_endpoints(ep_file, timeout_s=float(os.environ.get(
-            "HPCML_STREAM_WAIT_S", "120")))
-        return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(secret_file),
-                   campaign=campaign, sim_id=sim, attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
+        _, endpoints = read_endpoints(c.endpoints_file, timeout_s=float(os.environ.get("HPCML_STREAM_WAIT_S", "120")),
+                                      contract=c)
+        return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),
+                   campaign=c.campaign, sim_id=sim, attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
                    rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=global_shape,
                    offset=offset, local_shape=local_shape, fields=fields, **kw)
+
+    from_env = from_campaign
+    """The former name of :meth:`from_campaign`."""
 
     def _send(self, frames: list) -> None:
         t0 = time.perf_counter()
@@ -227,21 +233,5 @@ class Producer:
         self._sock.close()  # lingers until queued messages are sent (at most send_timeout_s)
         self._ctx.term()
         self._closed = True
-
-
-def announce_done(endpoints_file: str | os.PathLike, secret_file: str | os.PathLike, completed: list[int],
-                  failed: list[int], timeout_s: float = 60.0) -> None:
-    """Tell every trainer rank that the campaign is over: which simulations completed and
-    which failed for good. Trainers end the stream once the completed ones' data is in."""
-    campaign, endpoints = routing.read_endpoints(endpoints_file)
-    secret = routing.read_secret(secret_file)
-    ctx = zmq.Context()
-    header = {"kind": "campaign_done", "campaign": campaign, "completed": sorted(completed), "failed": sorted(failed)}
-    for ep in endpoints:
-        s = transport.push_socket(ctx, secret, timeout_s=timeout_s)
-        s.connect(ep)
-        try:
-            s.send_multipart(message.encode(secret, header))
-        finally:
-            s.close()
-    ctx.term()
+        if self.rank == 0:  # what this simulation streamed, for the driver's done record
+            write_stream_record(self.n_sent, self.bytes_sent, self.sim_id, self.attempt)

@@ -9,22 +9,23 @@ fails: a rank without a sample). When the trainer count changes most simulations
 a restore reads every saved rank's state anyway, so nothing is lost or taken twice.
 
 Rendezvous between a training job and simulations launched separately: the trainer
-writes ``endpoints.json`` (one ZeroMQ address per data-parallel rank, written atomically);
-the campaign passes its path and the secret file's path to every simulation
-(``HPCML_STREAM_ENDPOINTS_FILE``, ``HPCML_STREAM_SECRET_FILE``). The secret is 32 random
-bytes in a file readable by its owner only.
+writes ``endpoints.json`` (one ZeroMQ address per data-parallel rank, with the campaign
+and run, written atomically: :func:`hpcml.contract.write_endpoints`); the campaign's
+contract (:mod:`hpcml.contract`) names it and the secret file for every simulation. The
+secret is 32 random bytes in a file readable by its owner only.
 """
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import secrets
-import time
 from pathlib import Path
 
-from hpcml.errors import ConfigError, LaunchError
+from hpcml.contract import read_endpoints, write_endpoints
+from hpcml.errors import ConfigError
+
+__all__ = ["new_secret", "read_endpoints", "read_secret", "route", "write_endpoints"]
 
 
 def route(sim_id: int, n_trainers: int) -> int:
@@ -62,29 +63,3 @@ def read_secret(path: str | os.PathLike) -> bytes:
     if len(key) < 16:
         raise ConfigError(f"stream secret in {path} has {len(key)} bytes, expected >= 16")
     return key
-
-
-def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str]) -> None:
-    """Publish the trainers' addresses (index = dp rank), atomically."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"campaign": campaign, "endpoints": endpoints, "time": time.time()}))
-    tmp.rename(path)
-
-
-def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0) -> tuple[str, list[str]]:
-    """(campaign id, endpoints), waiting up to ``timeout_s`` for the file to appear."""
-    path = Path(path)
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() >= deadline:
-            raise LaunchError(f"stream endpoints file {path} does not exist (is the training job up?)")
-        time.sleep(0.1)
-    try:
-        d = json.loads(path.read_text())
-        campaign, endpoints = str(d["campaign"]), [str(e) for e in d["endpoints"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"stream endpoints file {path} is malformed: {e}") from None
-    if not endpoints:
-        raise ConfigError(f"stream endpoints file {path} lists no endpoints")
-    return campaign, endpoints

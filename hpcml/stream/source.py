@@ -34,6 +34,11 @@ class SampleSource(Protocol):
     def stats(self) -> dict:
         """Counters: at least ``samples``, ``bytes``, ``duplicates``, ``dropped`` (reason -> n)."""
 
+    def accounting(self) -> dict:
+        """``{"expected": {sim: samples it should give, or None if unknown}, "ingested": {sim: samples
+        taken}}`` for this rank's simulations, restarts included: what the run's summary
+        counts as missing (no silent loss)."""
+
     def state(self) -> dict[str, np.ndarray]:
         """This rank's state as named arrays, consistent at one instant."""
 
@@ -41,9 +46,10 @@ class SampleSource(Protocol):
         """Restore from every saved rank's :meth:`state`, keeping what routes to this rank now."""
 
 
-def pack_state(buffer: Buffer, seen: Iterable[tuple[int, int]], meta: dict) -> dict[str, np.ndarray]:
-    """A source's state as arrays: ``buffer/*``, ``seen`` [N, 2] int64 and ``meta_json``."""
-    arrays, buffer_meta = buffer.state()
+def pack_state(buffer: Buffer, seen: Iterable[tuple[int, int]], meta: dict, also=()) -> dict[str, np.ndarray]:
+    """A source's state as arrays: ``buffer/*``, ``seen`` [N, 2] int64 and ``meta_json``
+    (``also``: samples taken in but not yet in the buffer, saved as if they were)."""
+    arrays, buffer_meta = buffer.state(also)
     out = {f"buffer/{k}": v for k, v in arrays.items()}
     out["seen"] = np.array(sorted(seen), dtype=np.int64).reshape(-1, 2)
     out["meta_json"] = np.frombuffer(json.dumps({**meta, "buffer": buffer_meta}).encode(), dtype=np.uint8).copy()

@@ -1,11 +1,12 @@
 """Training: one loop (:mod:`hpcml.train.loop`) under the LLM trainer and the field
 surrogates' trainer, their checkpoints, online training from sample sources, and
-deterministic data."""
+deterministic data; a campaign's training job in one call (:func:`train_surrogate`)."""
 
 from hpcml.train.data import SyntheticTokens
 from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
 from hpcml.train.loop import LoopConfig, Stateful, TrainLoop
+from hpcml.train.surrogate_job import train_surrogate
 from hpcml.train.trainer import TrainConfig, Trainer
 
 __all__ = ["FieldScales", "FieldTrainConfig", "FieldTrainer", "LoopConfig", "Stateful", "SyntheticTokens",
-           "TrainConfig", "TrainLoop", "Trainer"]
+           "TrainConfig", "TrainLoop", "Trainer", "train_surrogate"]

@@ -4,6 +4,7 @@ scheduler's warning signal, restored on any layout."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,38 +54,53 @@ class CheckpointHook:
     a signal is synchronous, since the job is about to end. ``overlap`` (with
     ``async_save``): the snapshot copy also runs beside the next forward and backward, the
     next optimizer step waiting for it -- a gain only where the copy does not take the
-    compute's cores (measured in docs/benchmarks.md). Call :meth:`close` before exit.
+    compute's cores (measured in docs/benchmarks.md). ``state``: what else each save holds,
+    as ``(tensors, extra JSON)`` taken at the moment of the save (online training's sample
+    source). Call :meth:`close` before exit.
     """
 
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
-                 signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool = False) -> None:
+                 signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool = False,
+                 state: Callable[[], tuple[dict[str, torch.Tensor], dict]] | None = None) -> None:
         self.root, self.every, self.keep = Path(root), every, keep
-        self.async_save, self.overlap = async_save, overlap
+        self.async_save, self.overlap, self.state = async_save, overlap, state
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
+        self.last_step: int | None = None
+        """The step of the last save started (None: none yet)."""
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
         if metrics.get("stop"):
-            self.close()
-            self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
-        elif self.async_save and self.saver is None:
+            self.save(trainer)
+            return
+        if self.async_save and self.saver is None:
             # at the first step: start the writer and fill its staging buffer in the background,
             # so the first save blocks only for its copy (collective: every rank runs hooks)
             self.saver = ckpt.AsyncSaver(trainer.grid.comm)
             self.saver.reserve(trainer.state_tensors(), tensor_attrs=trainer.tensor_attrs())
             if self.overlap:  # the next optimizer step, the first thing to change the saved tensors, waits
                 trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
-        if not metrics.get("stop") and self.every and trainer.step % self.every == 0:
+        if self.every and trainer.step % self.every == 0:
             if not self.async_save:
-                self.saved.append(save_trainer(trainer, self.root, keep=self.keep).path)
+                self.save(trainer)
                 return
+            tensors, extra = self.state() if self.state is not None else ({}, {})
             self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver,
-                                                overlap=self.overlap))
+                                                overlap=self.overlap, extra_tensors=tensors, extra=extra))
             self.saved.append(self.root / f"step_{trainer.step:08d}")
+            self.last_step = trainer.step
+
+    def save(self, trainer: TrainLoop) -> None:
+        """Save now, synchronously, after committing any save in flight (collective)."""
+        self.close()
+        tensors, extra = self.state() if self.state is not None else ({}, {})
+        self.saved.append(save_trainer(trainer, self.root, keep=self.keep, extra_tensors=tensors, extra=extra).path)
+        self.last_step = trainer.step
 
     def close(self) -> None:
         """Wait for a save in flight and commit it (collective)."""
         if self.saver is not None:
             self.saver.close()
+            self.saver = None

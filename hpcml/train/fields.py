@@ -9,6 +9,7 @@ every restart uses the same one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -82,12 +83,13 @@ class FieldTrainer(TrainLoop):
     The weights start as dp rank 0's on every rank."""
 
     def __init__(self, model: nn.Module, grid: ProcessGrid, config: FieldTrainConfig, scales: FieldScales,
-                 parallel: ParallelConfig | None = None) -> None:
+                 parallel: ParallelConfig | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         if grid.torch is None:
             grid.init_torch()
         self.scales = scales
         self.module = model
-        super().__init__(parallelize(model, grid, parallel, loss_fn=nn.functional.mse_loss), config)
+        super().__init__(parallelize(model, grid, parallel, loss_fn=loss_fn or nn.functional.mse_loss), config)
 
     def inputs(self, batch) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         params = np.stack([s.params for s in batch])
@@ -95,6 +97,25 @@ class FieldTrainer(TrainLoop):
         p, tt = self.scales.inputs(params, t)
         y = self.scales.target(np.stack([s.fields[0] for s in batch]))
         return (p.to(self.device), tt.to(self.device)), y.to(self.device)
+
+    @torch.no_grad()
+    def check_batch(self, batch) -> str | None:
+        """The model's output for one sample against that sample's field (collective under FSDP)."""
+        x, y = self.inputs(batch[:1])
+        self.module.eval()
+        try:
+            out = self.module(*x)
+        except (RuntimeError, ValueError) as e:  # e.g. a Linear of the wrong width: torch's words, one line
+            return (f"the model cannot take simulation {batch[0].sim}'s sample ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:300]})")
+        finally:
+            self.module.train()
+        got, want = tuple(out.shape[1:]), tuple(y.shape[1:])
+        if got != want:
+            return (f"the model's output per sample is {list(got)}, but simulation {batch[0].sim}'s field is "
+                    f"{list(want)}: the model must output the simulation's grid (e.g. MLPSurrogateConfig(shape="
+                    f"{want}))")
+        return None
 
     def step_metrics(self, batch, dt: float) -> dict[str, Any]:
         return {"samples_per_s": len(batch) * self.grid.layout.dp / dt}

@@ -143,6 +143,12 @@ class TrainLoop:
         """(model inputs, targets) on this rank's device."""
         raise NotImplementedError
 
+    def check_batch(self, batch: Any) -> str | None:
+        """Why this model cannot train on ``batch`` (the first one: e.g. its output's shape is
+        not the targets'), in one line, or None; online training agrees on it over the ranks
+        before the first step, so a deterministic mistake fails at once, on every rank."""
+        return None
+
     def n_micro(self) -> int:
         return 1
 

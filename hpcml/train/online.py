@@ -6,25 +6,29 @@ own), and owns everything around the steps that a run at a centre needs:
 
 - resume: model, optimizer, schedule, step and the source's state (buffer contents and the
   keys already taken) from the latest checkpoint, on any number of trainer ranks;
-- checkpoints every ``ckpt_every`` steps and at the end, the source's state beside the model;
+- checkpoints every ``ckpt_every`` steps (asynchronous with ``async_save``: the LLM loop's
+  :class:`~hpcml.train.checkpointing.CheckpointHook`), at the end and on a stop, the
+  source's state beside the model;
 - the walltime warning (:mod:`hpcml.stop`): every rank takes in what was already sent,
   saves and returns ``stopped`` (the caller exits :data:`hpcml.env.NOT_FINISHED`);
+- one agreement per step among the ranks (:class:`~hpcml.stream.loader.StreamLoader`):
+  every rank has a batch, the stream goes on, no stop was asked, the source lives;
 - the drain: after the last step it keeps taking the stream in until it ends, so no
   simulation blocks on a trainer that left;
-- the summary of every rank's counters, and what went wrong (no silent success).
+- the summary: exactly-once accounting of the whole campaign (:mod:`hpcml.train.online_report`)
+  and what went wrong -- a run that lost samples is not ``ok``.
 
-The trainer is any :class:`~hpcml.train.loop.TrainLoop` whose ``inputs`` takes a list of
-samples (:class:`~hpcml.train.fields.FieldTrainer` is one): its checkpoints are the same as
-the offline trainers' (:mod:`hpcml.train.checkpointing`), with the source's state and the
-campaign id beside them. A checkpoint of another campaign is never resumed.
+Steps and batch are the trainer's (``trainer.config.steps``, ``trainer.config.batch``): set
+in one place. The trainer is any :class:`~hpcml.train.loop.TrainLoop` whose ``inputs`` takes
+a list of samples (:class:`~hpcml.train.fields.FieldTrainer` is one). A checkpoint of another
+campaign is never resumed. In a campaign, :meth:`OnlineConfig.from_campaign` reads all of
+it from the driver's contract (:mod:`hpcml.contract`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,232 +36,278 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcml import log
+from hpcml import lifeline, log
+from hpcml.contract import Contract, write_json
 from hpcml.errors import ConfigError
 from hpcml.stream.source import SampleSource
+from hpcml.train.online_report import BENIGN_DROPS, problems, summarize
+from hpcml.train.online_state import check_campaign, load_source_states, simulations_in, source_tensors
 
 if TYPE_CHECKING:
     from hpcml.train.loop import TrainLoop
 
+__all__ = ["BENIGN_DROPS", "OnlineConfig", "OnlineResult", "OnlineRun", "check_campaign", "load_source_states",
+           "simulations_in", "train_online"]
+
 logger = log.get_logger(__name__)
 
-_STATE = re.compile(r"^stream/rank_(\d{5})/(.+)$")
-
-BENIGN_DROPS = frozenset({"stale_attempt"})
-"""Drops that lose nothing: a retried simulation's older attempt, superseded by the new one.
-Any other dropped message fails the run (its data never reached training)."""
+_SOURCE_METHODS = ("start", "stop", "quiesce", "stats", "accounting", "state", "load_state")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OnlineConfig:
-    """How long to train and how to survive: ``repr()`` rebuilds it."""
+    """How to keep a run: checkpoints, resume, where to report. ``repr()`` rebuilds it."""
 
-    steps: int
-    """Gradient steps at most (training also ends with the stream)."""
-    batch: int
-    """Samples per step on each trainer rank."""
     ckpt_dir: str | None = None
     """Where checkpoints go (``None``: none, and a stop cannot be resumed)."""
     ckpt_every: int = 0
     """Save every N steps (0: only at the end and on a stop)."""
     keep: int = 2
     """Checkpoints kept."""
+    async_save: bool = False
+    """Periodic saves overlap training (a writer process per rank, as the LLM loop's)."""
     resume: bool = False
     """Continue from ``ckpt_dir``'s latest checkpoint, if it has one."""
     endpoints_file: str | None = None
-    """Where to publish the sources' endpoints once all are listening (the Campaign waits for
-    it); default ``$HPCML_STREAM_ENDPOINTS_FILE`` when the source has an endpoint."""
+    """Where to publish the sources' endpoints once all are listening (the campaign's
+    simulations wait for it)."""
     campaign: str = ""
     """The campaign id: written with the endpoints and into every checkpoint; a resume
     refuses a checkpoint that holds another campaign ("": no check)."""
+    run: str = ""
+    """This run of the campaign (the driver's): the endpoints file says it."""
+    summary_file: str | None = None
+    """Where rank 0 writes the summary (the campaign reads it: ``train_summary.json``)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "keep"):
+        for name in ("keep", "ckpt_every"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= 1")
-        if isinstance(self.ckpt_every, bool) or not isinstance(self.ckpt_every, int) or self.ckpt_every < 0:
-            raise ConfigError(f"OnlineConfig.ckpt_every={self.ckpt_every!r}: expected an integer >= 0")
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "keep" else 0):
+                raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= {1 if name == 'keep' else 0}")
         if self.resume and not self.ckpt_dir:
             raise ConfigError("OnlineConfig.resume=True needs ckpt_dir: there is nothing to resume from")
+
+    @classmethod
+    def from_campaign(cls, contract: Contract | None = None, **overrides: Any) -> OnlineConfig:
+        """The config the campaign's contract implies: checkpoints in ``run_dir/checkpoints``,
+        resume when the driver says so, the campaign and run, the endpoints and summary files."""
+        c = contract or Contract.from_env()
+        base = dict(ckpt_dir=str(c.ckpt_dir), resume=c.resume, campaign=c.campaign, run=c.run,
+                    endpoints_file=c.endpoints_file if c.streams else None, summary_file=str(c.summary_file))
+        return cls(**{**base, **overrides})
 
 
 @dataclass
 class OnlineResult:
     status: str
-    """``ok`` (trained, stream ended), ``stopped`` (saved on a stop request: resume it) or
-    ``failed`` (see ``problems``)."""
+    """``ok`` (trained, stream ended, nothing lost), ``stopped`` (saved on a stop request:
+    resume it) or ``failed`` (see ``problems``)."""
     steps: int
     resumed_at: int | None = None
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the run should know that does not fail it (samples never trained on)."""
     summary: dict[str, Any] = field(default_factory=dict)
     """Every rank's counters summed (rank 0; empty elsewhere)."""
+    missing: int = 0
+    """Samples of completed simulations that never reached training (every rank knows)."""
+
+    @property
+    def incomplete(self) -> bool:
+        """Failed only for samples that never arrived: the training itself ran."""
+        return self.status == "failed" and self.missing > 0 and len(self.problems) == 1
 
 
-# -- the source's state in a checkpoint ------------------------------------------------------
-def source_tensors(source: SampleSource, rank: int) -> dict:
-    """``stream/rank_NNNNN/<name>`` tensors of this rank's source state."""
-    import torch
-
-    return {f"stream/rank_{rank:05d}/{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in
-            source.state().items() if v.size}
-
-
-def load_source_states(ckpt_path) -> list[dict[str, np.ndarray]]:
-    """Every saved rank's source state from checkpoint ``ckpt_path`` (plain HDF5, no pickle)."""
-    from hpcml import ckpt
-
-    states: dict[int, dict[str, np.ndarray]] = {}
-    for name, t in ckpt.read_tensors(ckpt_path, "stream/").items():
-        m = _STATE.match(name)
-        if m:
-            states.setdefault(int(m.group(1)), {})[m.group(2)] = t.numpy()
-    for st in states.values():
-        st.setdefault("seen", np.zeros((0, 2), np.int64))
-    return [states[r] for r in sorted(states)]
-
-
-def simulations_in(ckpt_path, outputs: int) -> set[int]:
-    """Simulations of which checkpoint ``ckpt_path`` holds at least ``outputs`` samples
-    (every output): their data survives a restart, so a resumed campaign need not run them
-    again. One that finished after the save is not among them."""
-    seen = Counter(int(sim) for st in load_source_states(ckpt_path) for sim, _ in st["seen"].tolist())
-    return {sim for sim, n in seen.items() if n >= outputs}
-
-
-def check_campaign(ckpt_dir, campaign: str) -> None:
-    """Refuse to resume ``ckpt_dir``'s latest checkpoint when it holds another campaign than ``campaign``."""
-    from hpcml import ckpt
-
-    if not campaign:
-        return
-    path, step, extra = ckpt.read_extra(ckpt_dir)
-    saved = extra.get("campaign", "")
-    if saved != campaign:
-        raise ConfigError(f"checkpoint {path} (step {step}) belongs to campaign {saved or 'unknown'!r}, not "
-                          f"{campaign!r}: resume that campaign, or use a new run directory")
-
-
-# -- the loop --------------------------------------------------------------------------------
 def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
                  on_step: Callable[[dict], None] | None = None) -> OnlineResult:
-    """Train until ``config.steps`` or the end of the stream, then drain and save; collective
-    over ``grid.comm``. ``on_step(metrics)`` runs after each step (and its checkpoint)."""
-    from mpi4py import MPI
+    """Train until ``trainer.config.steps`` or the end of the stream, then drain and save;
+    collective over ``grid.comm``. ``on_step(metrics)`` runs after each step (and its checkpoint)."""
+    return OnlineRun(trainer, source, grid=grid, config=config, on_step=on_step).run()
 
-    from hpcml import stop
-    from hpcml.stream.loader import StreamLoader
-    from hpcml.stream.routing import write_endpoints
-    from hpcml.train.checkpointing import load_trainer, save_trainer
 
-    comm, rank = grid.comm, grid.rank
-    ckpt_dir = Path(config.ckpt_dir) if config.ckpt_dir else None
-    resumed_at = None
-    if config.resume and (ckpt_dir / "latest").exists():
-        check_campaign(ckpt_dir, config.campaign)  # every rank, before any collective
-        report = load_trainer(trainer, ckpt_dir)
-        source.load_state(load_source_states(report.path))
-        resumed_at = trainer.step
-        if rank == 0:
-            logger.info("resumed at step %d from %s (saved on %s); buffer %d samples", trainer.step, report.path,
-                        report.layout, len(source.buffer))
-    source.start()
-    endpoint = getattr(source, "endpoint", None)
-    endpoints = comm.gather(endpoint)
-    target = config.endpoints_file or (os.environ.get("HPCML_STREAM_ENDPOINTS_FILE") if endpoint else None)
-    if rank == 0 and target:  # last: the Campaign starts no simulation before every server listens
-        write_endpoints(target, config.campaign, endpoints)
+class OnlineRun:
+    """One online training run: resume, train, drain, report (see the module docstring)."""
 
-    saved = {"step": None, "samples": -1}  # what the last save holds: the end skips a save of the same state
+    def __init__(self, trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
+                 on_step: Callable[[dict], None] | None = None) -> None:
+        from hpcml.stream.loader import StreamLoader
+        from hpcml.train.checkpointing import CheckpointHook
 
-    def save() -> None:
-        if ckpt_dir is not None:
-            saved.update(step=trainer.step, samples=int(source.stats()["samples"]))
-            save_trainer(trainer, ckpt_dir, keep=config.keep, extra_tensors=source_tensors(source, rank),
-                         extra={"campaign": config.campaign})
+        lacking = [m for m in _SOURCE_METHODS if not callable(getattr(source, m, None))]
+        if lacking or not hasattr(source, "buffer"):
+            raise ConfigError(f"source {type(source).__name__} lacks {lacking or ['buffer']}: a sample source "
+                              f"implements hpcml.stream.source.SampleSource")
+        self.batch = getattr(trainer.config, "batch", None)
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ConfigError(f"trainer.config.batch={self.batch!r}: online training takes the per-rank batch from "
+                              f"the trainer's config (FieldTrainConfig(batch=...)), an integer >= 1")
+        self.trainer, self.source, self.grid, self.config, self.on_step = trainer, source, grid, config, on_step
+        self.comm, self.rank = grid.comm, grid.rank
+        self.steps = trainer.config.steps
+        self.hook = None if not config.ckpt_dir else CheckpointHook(
+            config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
+            state=lambda: (source_tensors(source, self.rank), {"campaign": config.campaign}))
+        self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping)
+        self.resumed_at: int | None = None
+        self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
+        self.drained = 0
 
-    def stopped() -> OnlineResult:  # every rank, together: keep what arrived, save, say "not finished"
-        source.quiesce()
-        save()
+    @staticmethod
+    def _stopping() -> bool:
+        from hpcml import stop
+
+        return stop.requested() is not None
+
+    # -- phases ---------------------------------------------------------------------------------
+    def run(self) -> OnlineResult:
+        lifeline.start()  # in a campaign: exit if the driver or this launch is gone
+        self._resume()
+        self._start()
+        t0 = time.perf_counter()
+        self._train()
+        if self.loader.stopped:
+            return self._stopped()
+        train_s = time.perf_counter() - t0
+        if not self._drain():
+            return self._stopped()
+        return self._finish(train_s)
+
+    def _resume(self) -> None:
+        from hpcml.train.checkpointing import load_trainer
+
+        cfg = self.config
+        if not (cfg.resume and (Path(cfg.ckpt_dir) / "latest").exists()):
+            return
+        check_campaign(cfg.ckpt_dir, cfg.campaign)  # every rank, before any collective
+        report = load_trainer(self.trainer, cfg.ckpt_dir)
+        if self.trainer.step > self.steps:  # every rank read the same step: all raise, nothing hangs
+            raise ConfigError(f"resumed at step {self.trainer.step} from {report.path}, past steps={self.steps}: "
+                              f"nothing would be trained; give steps >= {self.trainer.step} (the learning-rate "
+                              f"schedule stretches from the saved step)")
+        self.source.load_state(load_source_states(report.path))
+        self.resumed_at = self.trainer.step
+        self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
+        if self.rank == 0:
+            logger.info("resumed at step %d from %s (saved on %s); buffer %d samples%s", self.trainer.step,
+                        report.path, report.layout, len(self.source.buffer),
+                        "; the step budget is spent: only the stream is taken in" if self.trainer.step == self.steps
+                        else "")
+
+    def _start(self) -> None:
+        from hpcml.contract import write_endpoints
+
+        self.source.start()
+        endpoint = getattr(self.source, "endpoint", None)
+        endpoints = self.comm.gather(endpoint)
+        if self.rank == 0 and self.config.endpoints_file and endpoint is not None:
+            # last: the campaign starts no simulation before every server listens
+            write_endpoints(self.config.endpoints_file, self.config.campaign, endpoints, self.config.run)
+
+    def _train(self) -> None:
+        buffer, first = self.source.buffer, True
+        while self.trainer.step < self.steps:
+            batch = self.loader.next_batch()
+            if batch is None:
+                break
+            if first:
+                self._check_first(batch)
+                first = False
+            m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer),
+                                                      "ingested": int(self.source.stats()["samples"])})
+            if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
+                self.hook(self.trainer, {**m, "stop": False})
+                if self.hook.last_step == self.trainer.step:  # the source's state was taken at the call
+                    self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
+            if self.on_step is not None:
+                self.on_step(m)
+
+    def _check_first(self, batch) -> None:
+        """The trainer's own check of the data (the model's output against the samples' shape),
+        agreed by every rank before the first step: one rank's error is raised on all."""
+        problem = self.trainer.check_batch(batch)
+        first = batch[0] if batch else None
+        shape = (first.sim, list(np.shape(first.fields))) if hasattr(first, "fields") else None
+        views = self.comm.allgather((problem, shape))
+        found = [p for p, _ in views if p]
+        shapes = {tuple(s[1]): s[0] for _, s in views if s is not None}
+        if not found and len(shapes) > 1:
+            (a, sa), (b, sb) = list(shapes.items())[:2]
+            found = [f"simulation {sa}'s samples are {list(a)} (fields x grid), simulation {sb}'s {list(b)}: every "
+                     f"sample of a training must share one grid"]
+        if found:
+            raise ConfigError(found[0])
+
+    def _save(self) -> None:
+        if self.hook is not None:
+            self.hook.save(self.trainer)
+            self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
+
+    def _stopped(self) -> OnlineResult:
+        """Every rank, together: keep what arrived, save, say "not finished"."""
+        from hpcml import stop
+
+        self.source.quiesce()
+        self.source.stop()  # nothing taken in after the save below could be kept: take nothing more
+        self._save()
         stop.finished()
-        source.stop()
-        if rank == 0:
-            logger.info("stopped by signal at step %d%s", trainer.step, " after saving" if ckpt_dir else
-                        " (no ckpt_dir: nothing saved)")
-        return OnlineResult("stopped" if ckpt_dir else "failed", trainer.step, resumed_at,
-                            [] if ckpt_dir else ["stopped with no ckpt_dir: the run cannot be resumed"])
+        ckpt = self.hook is not None
+        if self.rank == 0:
+            logger.info("stopped by signal at step %d%s", self.trainer.step,
+                        " after saving" if ckpt else " (no ckpt_dir: nothing saved)")
+        return OnlineResult("stopped" if ckpt else "failed", self.trainer.step, self.resumed_at,
+                            [] if ckpt else ["stopped with no ckpt_dir: the run cannot be resumed"])
 
-    stopping = lambda: stop.requested() is not None  # noqa: E731
-    loader = StreamLoader(source, comm, config.batch, should_stop=stopping)
-    buffer = source.buffer
-    t_train = time.perf_counter()
-    while trainer.step < config.steps:
-        batch = loader.next_batch()
-        if batch is None:
-            break
-        m = trainer.train_step(batch, extra={"buffer_len": len(buffer)})
-        if config.ckpt_every and trainer.step % config.ckpt_every == 0:
-            save()
-        if on_step is not None:
-            on_step(m)
-    if loader.stopped:
-        return stopped()
-    train_s = time.perf_counter() - t_train
-    # keep the stream flowing until it ends everywhere; the ranks agree every round (all
-    # ended, or a stop on any), so they leave together
-    drained = 0
-    flags = np.zeros(3, np.int32)
-    while True:
-        ended = buffer.ended  # read first: once ended, the count below is final
-        unchanged = saved["step"] == trainer.step and saved["samples"] == source.stats()["samples"] and not drained
-        flags[:] = (int(ended), int(not stopping()), int(unchanged))
-        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)  # [all ended, none asked to stop, no state new since the save]
-        if not flags[1]:
-            return stopped()
-        if flags[0]:
-            break
-        if buffer.config.policy == "reservoir":  # never blocks the stream: just wait for its end
-            time.sleep(0.05)
-        else:
-            drained += len(buffer.get(1, timeout=0.05) or [])
-    if not flags[2]:  # the last periodic save already holds this state otherwise
-        save()
-    stats = comm.gather({**source.stats(), "unused": loader.unused() + drained, "starved_s": loader.starved_s,
-                         "agree_s": loader.agree_s, "train_s": train_s,
-                         "since_first_batch_s": time.perf_counter() - loader.t_first_batch
-                         if loader.t_first_batch else 0.0})
-    source.stop()
-    result = OnlineResult("ok", trainer.step, resumed_at)
-    if trainer.step == 0:
-        result.problems.append("the trainer took 0 gradient steps")
-    if rank == 0:
-        result.summary = _summary(stats, trainer, config, grid.layout.world_size)
-        died = [f"trainer rank {r}: {s['error']}" for r, s in enumerate(stats) if s.get("error")]
-        if died:
-            result.problems.append(f"the sample source died ({'; '.join(died)}): data sent after that was lost")
-        empty = [r for r, s in enumerate(stats) if s["samples"] == 0]
-        if empty:
-            result.problems.append(f"trainer rank(s) {empty} received no sample")
-        dropped = {k: n for k, n in result.summary["dropped_messages"].items() if k not in BENIGN_DROPS}
-        if dropped:
-            why = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
-            result.problems.append(f"{sum(dropped.values())} message(s) were dropped ({why}): see the trainer's log")
-    result.status = "failed" if result.problems else "ok"
-    return result
+    def _drain(self) -> bool:
+        """Keep the stream flowing until it ends on every rank (they agree each round, so they
+        leave together); False if a stop came first."""
+        from hpcml.stream.loader import agree_min
 
+        buffer, flags = self.source.buffer, np.zeros(2, np.int32)
+        while True:
+            flags[:] = (int(buffer.ended), int(not self._stopping()))  # ended read first: the count is then final
+            agree_min(self.comm, flags)
+            if not flags[1]:
+                return False
+            if flags[0]:
+                return True
+            if buffer.config.policy == "reservoir":  # never blocks the stream: just wait for its end
+                time.sleep(0.05)
+            else:
+                self.drained += len(buffer.get(1, timeout=0.05) or [])
 
-def _summary(stats: list[dict], trainer, config: OnlineConfig, world: int) -> dict:
-    busy = sum(s["since_first_batch_s"] for s in stats)
-    history = getattr(trainer, "history", [])
-    return {"samples_ingested": sum(s["samples"] for s in stats),
-            "duplicate_samples": sum(s.get("duplicates", 0) for s in stats),
-            "dropped_messages": dict(sum((Counter(s.get("dropped", {})) for s in stats), Counter())),
-            "intake_mb_s": sum(s.get("intake_mb_s", 0.0) for s in stats),
-            "bytes_ingested": sum(s.get("bytes", 0) for s in stats),
-            "samples_unused": sum(s["unused"] for s in stats),
-            "samples_trained": trainer.step * config.batch * world, "gradient_steps": trainer.step,
-            "final_loss": history[-1]["loss"] if history else None,
-            "trainer_idle_fraction": sum(s["starved_s"] for s in stats) / busy if busy else 0.0,
-            "agreement_fraction": sum(s["agree_s"] for s in stats) / busy if busy else 0.0,
-            "train_s": max(s["train_s"] for s in stats),
-            "buffer": {"per_rank": [s.get("buffer", {}) for s in stats]}, "train_ranks": world}
+    def _finish(self, train_s: float) -> OnlineResult:
+        changed = self._saved != (self.trainer.step, int(self.source.stats()["samples"])) or self.drained
+        if self.hook is not None and self.comm.allreduce(int(bool(changed))):
+            self._save()  # the last periodic save holds this state otherwise
+        if self.hook is not None:
+            self.hook.close()
+        loader = self.loader
+        stats = self.comm.gather({**self.source.stats(), "accounting": self.source.accounting(),
+                                  "unused": loader.unused() + self.drained, "starved_s": loader.starved_s,
+                                  "agree_s": loader.agree_s, "train_s": train_s,
+                                  "since_first_batch_s": time.perf_counter() - loader.t_first_batch
+                                  if loader.t_first_batch else 0.0})
+        self.source.stop()
+        result = OnlineResult("ok", self.trainer.step, self.resumed_at)
+        if self.rank == 0:
+            history = getattr(self.trainer, "history", [])
+            result.summary = summarize(stats, steps=self.trainer.step, batch=self.batch,
+                                       world=self.grid.layout.world_size,
+                                       final_loss=history[-1]["loss"] if history else None)
+            result.problems, result.notes = problems(result.summary, stats, self.trainer.step)
+            for note in result.notes:
+                logger.warning(note)
+        result.problems, result.notes, result.missing = self.comm.bcast(  # one outcome on every rank
+            (result.problems, result.notes, result.summary.get("samples_missing", 0)))
+        result.status = "failed" if result.problems else "ok"
+        if self.rank == 0 and self.config.summary_file:
+            self.write_summary(result)
+        return result
+
+    def write_summary(self, result: OnlineResult, **more: Any) -> None:
+        """Rank 0: the summary file the campaign reads (its campaign and run say whose it is)."""
+        write_json(self.config.summary_file, {
+            **result.summary, **more, "status": result.status, "problems": result.problems, "notes": result.notes,
+            "resumed_at": result.resumed_at, "campaign": self.config.campaign, "run": self.config.run,
+            "time": time.time(), "pid": os.getpid()})
+

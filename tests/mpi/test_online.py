@@ -65,7 +65,7 @@ def test_stopped_then_resumed_takes_every_sample_once(comm, tmp_path_factory):
 
     try:
         first = train_online(trainer, source, grid=grid, on_step=warn_at_5,
-                             config=OnlineConfig(steps=steps, batch=4, ckpt_dir=ckpt_dir, ckpt_every=100))
+                             config=OnlineConfig(ckpt_dir=ckpt_dir, ckpt_every=100))
     finally:
         stop.clear()
         for s in stop.STOP_SIGNALS:  # train_online ignores late warnings once decided; this process goes on
@@ -75,7 +75,7 @@ def test_stopped_then_resumed_takes_every_sample_once(comm, tmp_path_factory):
 
     trainer, source = _trainer_and_source(grid, files, steps)  # a new job: fresh objects, resume
     second = train_online(trainer, source, grid=grid,
-                          config=OnlineConfig(steps=steps, batch=4, ckpt_dir=ckpt_dir, ckpt_every=100, resume=True))
+                          config=OnlineConfig(ckpt_dir=ckpt_dir, ckpt_every=100, resume=True))
     assert (second.status, second.steps, second.resumed_at, second.problems) == ("ok", steps, 5, [])
     seen = np.concatenate([st["seen"] for st in load_source_states(ckpt_dir)])
     keys = {tuple(k) for k in seen.tolist()}
@@ -93,17 +93,16 @@ def test_a_source_that_gives_nothing_fails_with_the_reason(comm, tmp_path_factor
     grid = ProcessGrid(dp=-1)
     grid.init_torch()
     trainer, source = _trainer_and_source(grid, [], 10)
-    result = train_online(trainer, source, grid=grid, config=OnlineConfig(steps=10, batch=4))
+    result = train_online(trainer, source, grid=grid, config=OnlineConfig())
     assert (result.status, result.steps) == ("failed", 0)
-    assert "the trainer took 0 gradient steps" in result.problems
-    if comm.rank == 0:
-        assert f"trainer rank(s) {list(range(comm.size))} received no sample" in result.problems
+    assert result.problems == ["the trainer took 0 gradient steps"] + [
+        f"trainer rank {r} received no sample" for r in range(comm.size)]  # the same outcome on every rank
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"steps": 0, "batch": 4}, "OnlineConfig.steps=0: expected an integer >= 1"),
-    ({"steps": 5, "batch": 4, "ckpt_every": -1}, "OnlineConfig.ckpt_every=-1: expected an integer >= 0"),
-    ({"steps": 5, "batch": 4, "resume": True}, "OnlineConfig.resume=True needs ckpt_dir"),
+    ({"keep": 0}, "OnlineConfig.keep=0: expected an integer >= 1"),
+    ({"ckpt_every": -1}, "OnlineConfig.ckpt_every=-1: expected an integer >= 0"),
+    ({"resume": True}, "OnlineConfig.resume=True needs ckpt_dir"),
 ])
 def test_bad_config_is_one_line_on_every_rank(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -117,15 +116,15 @@ def test_checkpoint_of_another_campaign_is_never_resumed(comm, tmp_path_factory)
     grid.init_torch()
     trainer, source = _trainer_and_source(grid, files, 3)
     first = train_online(trainer, source, grid=grid,
-                         config=OnlineConfig(steps=3, batch=4, ckpt_dir=ckpt_dir, campaign="blob-1"))
+                         config=OnlineConfig(ckpt_dir=ckpt_dir, campaign="blob-1"))
     assert (first.status, first.steps) == ("ok", 3)
     trainer, source = _trainer_and_source(grid, files, 6)
     with pytest.raises(ConfigError, match=r"belongs to campaign 'blob-1', not 'blob-2': resume that campaign, or "
                                           r"use a new run directory"):
-        train_online(trainer, source, grid=grid, config=OnlineConfig(steps=6, batch=4, ckpt_dir=ckpt_dir,
-                                                                     resume=True, campaign="blob-2"))
+        train_online(trainer, source, grid=grid, config=OnlineConfig(ckpt_dir=ckpt_dir,
+                                                    resume=True, campaign="blob-2"))
     assert trainer.step == 0  # refused before anything was loaded
-    again = train_online(trainer, source, grid=grid, config=OnlineConfig(steps=6, batch=4, ckpt_dir=ckpt_dir,
+    again = train_online(trainer, source, grid=grid, config=OnlineConfig(ckpt_dir=ckpt_dir,
                                                                          resume=True, campaign="blob-1"))
     assert (again.status, again.resumed_at, again.steps) == ("ok", 3, 6)
 
@@ -205,7 +204,7 @@ def test_dropped_messages_fail_the_run_except_a_superseded_attempt(comm, tmp_pat
         source = Dropping(files, rank=grid.rank, n_trainers=comm.size, buffer=plain.buffer, field_names=("u",),
                           param_names=("v", "w"))
         source.drops = drops if comm.rank == 0 else {}
-        result = train_online(trainer, source, grid=grid, config=OnlineConfig(steps=3, batch=4))
+        result = train_online(trainer, source, grid=grid, config=OnlineConfig())
         assert result.steps == 3
         if comm.rank == 0:
             assert result.summary["dropped_messages"] == drops
@@ -230,3 +229,137 @@ def test_the_agreement_waits_for_late_ranks_without_spinning_a_core(comm):
     assert flags.tolist() == [5, 0]
     if comm.rank != 0:  # waited about `late` seconds, nearly all of them asleep
         assert wall > 0.5 * late and cpu < 0.3 * wall, (wall, cpu)
+
+
+def _wave_files(comm, tmp_path_factory, n=96, sims=None) -> list[Path]:
+    """A user's own 1-D simulation: a travelling wave sin(2 pi (x - c t)) of speed c, amplitude a."""
+    sims = sims if sims is not None else range(2 * comm.size)
+    root = Path(comm.bcast(str(tmp_path_factory.mktemp("wave")) if comm.rank == 0 else None))
+    if comm.rank == 0:
+        x = np.linspace(0, 1, n, endpoint=False)
+        for sim in sims:
+            c, a = 0.5 + 0.1 * sim, 1.0 - 0.05 * sim
+            t = np.linspace(0.0, 1.0, N_OUT)
+            u = np.stack([a * np.sin(2 * np.pi * (x - c * ti)) for ti in t]).astype(np.float32)
+            with h5py.File(root / f"wave_{sim:03d}.h5", "w") as f:
+                f["fields/u"], f["time"], f["step"] = u, t, np.arange(N_OUT)
+                f.attrs["sim_id"], f.attrs["params"] = sim, json.dumps({"c": c, "a": a})
+    comm.Barrier()
+    return sorted(root.glob("wave_*.h5"))
+
+
+def _wave_run(grid, files, model, steps=6, **online):
+    scales = FieldScales(param_lo=(0.4, 0.0), param_hi=(2.0, 1.0), t_max=1.0)
+    trainer = FieldTrainer(model, grid, FieldTrainConfig(steps=steps, batch=2, progress=False), scales)
+    source = FileSource(files, rank=grid.rank, n_trainers=grid.layout.world_size, field_names=("u",),
+                        param_names=("c", "a"), buffer=Buffer(BufferConfig(policy="fifo", capacity=64, watermark=2)))
+    return train_online(trainer, source, grid=grid, config=OnlineConfig(**online))
+
+
+def test_a_1d_field_trains_with_the_shipped_mlp_and_async_checkpoints(comm, tmp_path_factory):
+    files = _wave_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    ckpt_dir = str(files[0].parent / "ckpt")
+    result = _wave_run(grid, files, MLPSurrogate(MLPSurrogateConfig(n_params=2, shape=(96,), hidden=32, depth=2)),
+                       steps=5, ckpt_dir=ckpt_dir, ckpt_every=2, async_save=True, keep=10)
+    assert (result.status, result.steps, result.problems) == ("ok", 5, [])
+    steps = sorted(p.name for p in Path(ckpt_dir).glob("step_*"))
+    assert steps == ["step_00000002", "step_00000004", "step_00000005"]  # async periodic saves, then the end
+    if comm.rank == 0:
+        s = result.summary
+        assert (s["samples_expected"], s["samples_ingested"], s["samples_missing"]) == (len(files) * N_OUT,) * 2 + (0,)
+    seen = np.concatenate([st["seen"] for st in load_source_states(ckpt_dir)])
+    assert len({tuple(k) for k in seen.tolist()}) == len(seen) == len(files) * N_OUT
+
+
+def test_a_model_of_the_wrong_shape_fails_on_every_rank_before_the_first_step(comm, tmp_path_factory):
+    files = _wave_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    wrong = MLPSurrogate(MLPSurrogateConfig(n_params=2, shape=(96, 1), hidden=8, depth=1))  # ny=1: not a 1-D field
+    with pytest.raises(ConfigError, match=r"the model's output per sample is \[96, 1\], but simulation \d+'s field "
+                                          r"is \[96\]: the model must output the simulation's grid"):
+        _wave_run(grid, files, wrong)
+    more = MLPSurrogate(MLPSurrogateConfig(n_params=3, shape=(96,), hidden=8, depth=1))  # 3 params, samples carry 2
+    with pytest.raises(ConfigError, match=r"the model cannot take simulation \d+'s sample \(ValueError: params must have "
+                                          r"shape \[B=1, n_params=3\], got \[1, 2\]\)"):
+        _wave_run(grid, files, more)
+
+
+def test_simulations_of_two_grids_are_refused_naming_both(comm, tmp_path_factory):
+    """Each rank's files are of one grid, but the ranks' grids differ: refused before a step."""
+    if comm.size < 2:
+        pytest.skip("needs two trainer ranks")
+    coarse = _wave_files(comm, tmp_path_factory, n=64, sims=range(0, 2 * comm.size, 2))  # rank 0's
+    fine = _wave_files(comm, tmp_path_factory, n=96, sims=range(1, 2 * comm.size, 2))    # rank 1's
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    from torch import nn
+
+    class Any1D(nn.Module):  # a model that takes any grid: only the data check can see the mix
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1))
+
+        def forward(self, p, t):
+            return self.w * torch.ones(p.shape[0], int(os.environ["HPCML_TEST_N"]))
+
+    import os
+
+    import torch
+    os.environ["HPCML_TEST_N"] = str(64 if comm.rank % 2 == 0 else 96)
+    with pytest.raises(ConfigError, match=r"simulation \d+'s samples are \[1, (64|96)\] \(fields x grid\), simulation "
+                                          r"\d+'s \[1, (96|64)\]: every sample of a training must share one grid"):
+        _wave_run(grid, coarse + fine, Any1D())
+    # within one rank, a file of another grid is refused by the schema, naming both simulations
+    from hpcml.stream.files import read_samples
+    from hpcml.stream.schema import SampleSchema
+
+    schema = SampleSchema(("u",), ("c", "a"))
+    read_samples(coarse[0], ("u",), ("c", "a"), schema)
+    with pytest.raises(ConfigError, match=r"wrong_shape: simulation 1's grid is 96 \(1-D\), simulation 0's 64 \(1-D\)"):
+        read_samples(fine[0], ("u",), ("c", "a"), schema)
+
+
+def test_resuming_past_the_step_budget_is_refused(comm, tmp_path_factory):
+    files = _wave_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    ckpt_dir = str(files[0].parent / "ckpt_past")
+    model = lambda: MLPSurrogate(MLPSurrogateConfig(n_params=2, shape=(96,), hidden=8, depth=1))  # noqa: E731
+    first = _wave_run(grid, files, model(), steps=5, ckpt_dir=ckpt_dir)
+    n = comm.size  # 12 samples a rank, 10 used in 5 steps of 2: the others are said, not a failure
+    assert (first.status, first.notes) == ("ok", [f"{2 * n} of {12 * n} ingested samples were never in a batch (the "
+                                                  f"step budget, 5 steps, ended before they were used): raise the "
+                                                  f"steps to train on all of them"])
+    with pytest.raises(ConfigError, match=r"resumed at step 5 from .*step_00000005, past steps=3: nothing would be "
+                                          r"trained; give steps >= 5"):
+        _wave_run(grid, files, model(), steps=3, ckpt_dir=ckpt_dir, resume=True)
+    again = _wave_run(grid, files, model(), steps=5, ckpt_dir=ckpt_dir, resume=True)  # the budget spent: drains
+    assert (again.status, again.resumed_at, again.steps) == ("ok", 5, 5)
+
+
+def test_samples_a_source_lacks_fail_the_run_naming_them(comm, tmp_path_factory):
+    """A source whose simulations sent more than it holds (a trainer that died after its last
+    save): the run is not ok, every rank knows, and the problem names the simulations."""
+    files = _wave_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+
+    class Lossy(FileSource):
+        def accounting(self) -> dict:
+            acc = super().accounting()
+            return {**acc, "expected": {s: n + 2 * (s == 0) for s, n in acc["expected"].items()}}
+
+    trainer = FieldTrainer(MLPSurrogate(MLPSurrogateConfig(n_params=2, shape=(96,), hidden=8, depth=1)), grid,
+                           FieldTrainConfig(steps=3, batch=2, progress=False),
+                           FieldScales(param_lo=(0.4, 0.0), param_hi=(2.0, 1.0), t_max=1.0))
+    source = Lossy(files, rank=grid.rank, n_trainers=comm.size, field_names=("u",), param_names=("c", "a"),
+                   buffer=Buffer(BufferConfig(policy="fifo", capacity=64, watermark=2)))
+    result = train_online(trainer, source, grid=grid, config=OnlineConfig())
+    assert (result.status, result.missing, result.incomplete) == ("failed", 2, True)
+    assert result.problems == [f"2 of {len(files) * N_OUT + 2} samples of completed simulations never reached "
+                               f"training (simulation 0: 2 of {N_OUT + 2} missing): a trainer that died lost what it "
+                               f"received after its last checkpoint; resume the campaign to run those simulations "
+                               f"again"]

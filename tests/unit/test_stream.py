@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from hpcml.stream import Buffer, BufferConfig, Producer, message, route, write_endpoints
-from hpcml.stream import producer as producer_mod
+from hpcml.contract import DoneRecord
+from hpcml.errors import ConfigError, LaunchError
 from hpcml.stream import transport
 from hpcml.stream.server import ServerConfig, StreamServer
 from tests.unit.test_stream_message import CAMPAIGN, SECRET, _header
@@ -61,7 +62,7 @@ def test_server_assembles_dedups_retries_and_ends():
         _send_all(a0, (1, 2), field)
         a0[0][0].send(3, 0.3, {"T": field[a0[0][1]] + 3})
         _wait(lambda: srv.counters["samples"] == 2 and srv.counters["messages"] == 5)
-        assert len(srv._assembly) == 1
+        assert len(srv.ingest.assembly) == 1
         # attempt 1 re-sends everything: steps 1, 2 are duplicates, the half of step 3 is discarded
         a1 = _producers(srv, 0, 1, field)
         _send_all(a1, (1, 2, 3), field)
@@ -77,13 +78,9 @@ def test_server_assembles_dedups_retries_and_ends():
             np.testing.assert_array_equal(got[step].fields[0], field + step)
             assert got[step].params.tolist() == [0.5] and got[step].t == pytest.approx(0.1 * step)
         assert not srv.buffer.ended
-        from hpcml.stream.producer import message as _m  # campaign_done through a raw socket
-        push = transport.push_socket(zmq.Context.instance(), SECRET)
-        push.connect(srv.endpoint)
-        push.send_multipart(_m.encode(SECRET, {"kind": "campaign_done", "campaign": CAMPAIGN, "completed": [0],
-                                               "failed": []}))
-        _wait(lambda: srv.buffer.ended)
-        push.close()
+        srv.campaign_done(DoneRecord(completed=[0], failed=[], streamed={0: 3}))  # all 3 in: it ends at once
+        _wait(lambda: srv.buffer.ended, timeout=2)
+        assert srv.accounting() == {"expected": {0: 3}, "ingested": {0: 3}}
     finally:
         srv.stop()
 
@@ -114,7 +111,7 @@ def test_backpressure_blocks_producers_and_memory_stays_bounded():
         p = _producers(srv, 0, 0, field, nranks=1)[0][0]
         p.send_timeout_s = 0.5
         p._sock.setsockopt(zmq.SNDTIMEO, 500)
-        from hpcml.errors import LaunchError
+        from hpcml.errors import ConfigError, LaunchError
         sent = 0
         with pytest.raises(LaunchError, match="took no data"):
             for step in range(200):
@@ -255,20 +252,30 @@ def test_fields_of_any_rank_assemble_bit_for_bit(shape, axis, nranks, dtype):
         srv.stop()
 
 
-def test_three_1d_simulations_reach_both_trainer_ranks_through_from_env(tmp_path, monkeypatch):
-    """The reported case: a 1-D solver, 3 simulations, 2 trainer ranks, producers built from the environment."""
+def test_three_1d_simulations_reach_both_trainer_ranks_through_from_campaign(tmp_path, monkeypatch):
+    """The reported case: a 1-D solver, 3 simulations, 2 trainer ranks, producers built from
+    the campaign's contract in the environment; an earlier run's endpoints file is never used."""
     from mpi4py import MPI
+
+    from hpcml.contract import Contract
 
     srvs = [_server(n_trainers=2, rank=r) for r in range(2)]
     try:
-        write_endpoints(tmp_path / "endpoints.json", CAMPAIGN, [v.endpoint for v in srvs])
+        write_endpoints(tmp_path / "endpoints.json", CAMPAIGN, [v.endpoint for v in srvs], run="old-run")
         (tmp_path / "stream.key").write_text(SECRET.hex())
-        monkeypatch.setenv(producer_mod.ENV_ENDPOINTS_FILE, str(tmp_path / "endpoints.json"))
-        monkeypatch.setenv(producer_mod.ENV_SECRET_FILE, str(tmp_path / "stream.key"))
+        contract = Contract(run_dir=str(tmp_path), campaign=CAMPAIGN, run="r1", secret_file=str(tmp_path / "stream.key"),
+                            endpoints_file=str(tmp_path / "endpoints.json"))
+        for k, v in contract.to_env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("HPCML_STREAM_WAIT_S", "0.3")
+        with pytest.raises(LaunchError, match="earlier run's .*'old-run'.* did not publish its own within 0.3 s"):
+            Producer.from_campaign(comm=MPI.COMM_SELF, params={"alpha": 0.1}, global_shape=(128,), offset=(0,),
+                                   local_shape=(128,), sim_id=0)
+        write_endpoints(tmp_path / "endpoints.json", CAMPAIGN, [v.endpoint for v in srvs], run="r1")
         u = np.sin(np.linspace(0, 2 * np.pi, 128, dtype=np.float32))
         for sim in range(3):
-            p = Producer.from_env(comm=MPI.COMM_SELF, params={"alpha": 0.1 * sim}, global_shape=(128,), offset=(0,),
-                                  local_shape=(128,), fields=("T",), sim_id=sim)
+            p = Producer.from_campaign(comm=MPI.COMM_SELF, params={"alpha": 0.1 * sim}, global_shape=(128,),
+                                       offset=(0,), local_shape=(128,), fields=("T",), sim_id=sim)
             p.send(1, 0.1, {"T": u + sim})
             p.close()
         _wait(lambda: [len(v.buffer) for v in srvs] == [2, 1])
@@ -369,3 +376,36 @@ def test_server_counters_survive_restores_onto_any_trainer_count():
             finally:
                 for v in new:
                     v.stop()
+
+
+def test_from_campaign_binds_the_contracts_interface_and_a_relaunch_takes_its_published_port(tmp_path):
+    """The stream on the fast network without reading a workflow's source: the contract names
+    the interface (``hsn0`` on a cluster; ``lo`` here), the server binds its address; a
+    relaunch within the run takes the port this run published."""
+    from hpcml.contract import Contract
+
+    (tmp_path / "stream.key").write_text(SECRET.hex())
+    c = Contract(run_dir=str(tmp_path), campaign=CAMPAIGN, run="r1", secret_file=str(tmp_path / "stream.key"),
+                 endpoints_file=str(tmp_path / "endpoints.json"), done_file=str(tmp_path / "sims_done.json"),
+                 stream_interface="lo")
+    buf = Buffer(BufferConfig(policy="fifo", capacity=4, watermark=1))
+    first = StreamServer.from_campaign(buf, rank=0, n_trainers=1, param_names=("alpha",), field_names=("T",),
+                                       contract=c)
+    try:
+        assert first.endpoint.startswith("tcp://127.0.0.1:") and first.config.done_file == c.done_file
+        write_endpoints(c.endpoints_file, CAMPAIGN, [first.endpoint], run="r1")
+    finally:
+        first.stop()
+    again = StreamServer.from_campaign(buf, rank=0, n_trainers=1, param_names=("alpha",), field_names=("T",),
+                                       contract=c)
+    again.stop()
+    assert again.endpoint == first.endpoint
+    other_run = StreamServer.from_campaign(buf, rank=0, n_trainers=1, param_names=("alpha",), field_names=("T",),
+                                           contract=c.replace(run="r2"))  # an earlier run's port is not taken
+    other_run.stop()
+    with pytest.raises(LaunchError, match=r"network interface 'nosuch0' has no IPv4 address .*; interfaces here: "):
+        StreamServer.from_campaign(buf, rank=0, n_trainers=1, param_names=("alpha",), field_names=("T",),
+                                   contract=c.replace(stream_interface="nosuch0"))
+    with pytest.raises(ConfigError, match=r"gives this trainer no stream"):
+        StreamServer.from_campaign(buf, rank=0, n_trainers=1, field_names=("T",),
+                                   contract=Contract(run_dir=str(tmp_path), campaign=CAMPAIGN))

@@ -162,7 +162,7 @@ def test_crash_retried_failure_exhausts_retries_trainer_alongside(tmp_path, caps
                  progress_every_s=0.1)
     sims = [_sim(tmp_path, 0), _sim(tmp_path, 1, "--crash-at-step", "1"), _sim(tmp_path, 2, "--fail-always")]
     job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "ok"], ranks=1,
-                      env={"TRAIN_EXTRA": "x"})
+                      env={"TRAIN_EXTRA": "x"}, stream=False)  # a ready file, but no stream: its sims write none
     res = c.run(sims, training=job, ready_file=run_dir / "ready", train_timeout_s=30)
 
     assert (res.completed, res.failed, res.retried) == ([0, 1], [2], [1, 2])
@@ -179,7 +179,9 @@ def test_crash_retried_failure_exhausts_retries_trainer_alongside(tmp_path, caps
         assert "deliberate failure" in (run_dir / recs[2, k]["stderr"]).read_text()
     assert res.samples_sent == 12
     saw = json.loads((run_dir / "trainer_saw.json").read_text())  # the trainer was told which sims ended how
-    assert saw == {"n_sims": "3", "done": {"completed": [0, 1], "failed": [2]}, "extra": "x"}
+    assert saw["done"]["run"] == res.run_id and saw["done"]["campaign"] == res.campaign_id
+    assert {**saw, "done": {k: saw["done"][k] for k in ("completed", "failed", "streamed")}} == {
+        "n_sims": "3", "done": {"completed": [0, 1], "failed": [2], "streamed": {}}, "extra": "x"}
     assert json.loads((run_dir / "campaign.json").read_text())["training"]["returncode"] == 0
     lines = capsys.readouterr().err.splitlines()  # not a terminal: plain progress lines
     assert any(line.endswith("| train step 7") for line in lines)
@@ -256,7 +258,7 @@ def test_training_failure_cancels_sims_and_raises(tmp_path):
     c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=2), max_concurrent=2, progress=False,
                  cancel_grace_s=2)
     sims = [_sim(tmp_path, i, "--sleep", "60", "--pid-dir", str(pid_dir)) for i in range(3)]
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail"], ranks=1)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail"], ranks=1, stream=False)
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"training job exited with code 3 after .* loss is nan at step 7"):
         c.run(sims, training=job, ready_file=run_dir / "ready")
@@ -283,7 +285,7 @@ def test_walltime_near_and_no_warning_the_campaign_stops_itself(tmp_path):
     c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), max_concurrent=1, progress=False,
                  cancel_grace_s=1, deadline=time.time() + 64)  # 4 s of campaign, then the margin
     sims = [_sim(tmp_path, i, "--sleep", "30") for i in range(3)]
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "save-on-usr1"], ranks=1)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "save-on-usr1"], ranks=1, stream=False)
     t0 = time.monotonic()
     res = c.run(sims, training=job, ready_file=run_dir / "ready")
     assert time.monotonic() - t0 < 30
@@ -313,7 +315,7 @@ def test_trainer_dying_before_ready_is_a_clear_error(tmp_path):
     run_dir.mkdir()
     (tmp_path / "trainer.py").write_text(TRAINER)
     c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), progress=False)
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "die-early"], ranks=1)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "die-early"], ranks=1, stream=False)
     with pytest.raises(LaunchError,
                        match=r"exited with code 2 before writing ready file .*ready.*could not bind its port"):
         c.run([_sim(tmp_path, 0)], training=job, ready_file=run_dir / "ready")

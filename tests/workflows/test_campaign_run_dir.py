@@ -86,6 +86,26 @@ def test_training_alone_continues_the_campaign_with_its_id(tmp_path):
     assert (relaunched.status, [r for _, r in _trained(tmp_path / "fresh")]) == ("ok", ["0", "1"])
 
 
+def test_a_campaign_refused_for_a_loaded_parsl_leaves_no_trace(tmp_path):
+    """The user's own Parsl config is loaded: a Campaign (which loads its own) is refused in
+    one line before it writes anything -- before, it had already claimed the directory."""
+    import parsl
+
+    run_dir = tmp_path / "run"
+    parsl.load(_config(tmp_path, retries=0))
+    try:
+        with pytest.raises(ConfigError, match=r"a Parsl config is already loaded in this process: a Campaign loads its "
+                                              r"own; call parsl.dfk\(\).cleanup\(\) and parsl.clear\(\) first, or "
+                                              r"drive your own config with hpcml.ensemble.apps"):
+            Campaign(run_dir=run_dir, site="local", progress=False).run([_sim(tmp_path, 0)])
+    finally:
+        parsl.dfk().cleanup()
+        parsl.clear()
+    assert not run_dir.exists()
+    res = Campaign(run_dir=run_dir, config=lambda: _config(tmp_path, retries=0), progress=False).run([_sim(tmp_path, 0)])
+    assert res.status == "ok"  # the same directory, untouched, takes the campaign afterwards
+
+
 def test_an_older_run_directory_without_identity_is_refused_unless_resumed(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -132,7 +152,7 @@ def test_trainer_failing_after_the_simulations_fails_the_campaign(tmp_path):
     run_dir.mkdir()
     (tmp_path / "trainer.py").write_text(TRAINER)
     c = Campaign(run_dir=run_dir, config=lambda: _config(tmp_path, retries=0), progress=False)
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail-at-end"], ranks=1)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail-at-end"], ranks=1, stream=False)
     with pytest.raises(LaunchError, match=r"training job exited with code 3 after .* could not save the last"):
         c.run([_sim(tmp_path, 0), _sim(tmp_path, 1)], training=job, ready_file=run_dir / "ready")
     summary = json.loads((run_dir / "campaign.json").read_text())

@@ -92,7 +92,9 @@ def test_trainer_killed_resumes_from_checkpoint_while_simulations_reconnect(tmp_
     assert s["samples_ingested"] + s["samples_missing"] == 6 * 10
     if s["samples_missing"]:
         assert (s["_returncode"], s["status"]) == (1, "failed")
-        assert f"{s['samples_missing']} of 60 samples were never ingested" in s["_stderr"].splitlines()[-1]
+        assert (f"{s['samples_missing']} of 60 samples of completed simulations never reached training (simulation "
+                in s["_stderr"].splitlines()[-1])
+        assert s["samples_missing"] == sum(s["missing_by_sim"].values())
     else:
         assert (s["_returncode"], s["status"]) == (0, "ok"), s["_stderr"][-2000:]
     metrics = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

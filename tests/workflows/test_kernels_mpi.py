@@ -134,4 +134,5 @@ def test_stream_without_the_campaign_environment_is_one_line_and_exit_2():
     out = launch(2, "gray_scott", "--stream")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gray_scott: error: ") and "HPCML_STREAM_ENDPOINTS_FILE" in lines[0]
+    assert lines == ["gray_scott: error: HPCML_RUN_DIR and HPCML_CAMPAIGN_ID not set: this process was not started "
+                     "by a campaign (hpcml.ensemble.Campaign or hpcml.ensemble.apps set them)"]

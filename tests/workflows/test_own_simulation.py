@@ -107,9 +107,9 @@ def test_online_trainer_killed_and_relaunched_by_the_campaign_loses_nothing(tmp_
            "HPCML_STREAM_SECRET_FILE": str(run_dir / "stream.key")}
     sims = _sims(every, lambda i: ["--stream", "--hold-file", str(release), "--hold-at", str(hold_at)])
     assert sorted(route(s.sim_id, TRAIN_RANKS) for s in sims) == [0, 0, 1, 1]  # 2 simulations per trainer rank
-    training = TrainingJob(argv=_train_argv("--mode", "online", "--outputs", str(outputs), "--steps", str(steps),
+    training = TrainingJob(argv=_train_argv("--mode", "online", "--steps", str(steps),
                                             "--ckpt-every", str(ckpt_every), "--keep", "100", "--watermark", str(watermark),
-                                            "--crash-after-hold", str(release),
+                                            "--crash-after-hold", "--release", str(release),
                                             "--hold-at", str(hold_at)),
                            ranks=TRAIN_RANKS, max_restarts=1)
     campaign = Campaign(run_dir=run_dir, site="local", max_concurrent=N_SIMS, retries=1, env=env, progress=False)
@@ -178,7 +178,7 @@ def test_offline_files_then_trainer_stopped_and_resumed_reads_every_sample_once(
     assert not (run_dir / "endpoints.json").exists()
 
     # phase 2: the trainer alone, FIFO (each sample used once), stopped by SIGUSR1 after step 6
-    training = TrainingJob(argv=_train_argv("--mode", "offline", "--data", str(data), "--outputs", str(outputs),
+    training = TrainingJob(argv=_train_argv("--mode", "offline", "--data", str(data),
                                             "--steps", str(steps), "--batch", str(batch), "--buffer", "fifo",
                                             "--capacity", "6", "--watermark", "2", "--ckpt-every", "100",
                                             "--stop-at", str(stop_at)),

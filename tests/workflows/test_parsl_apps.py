@@ -87,4 +87,7 @@ def test_apps_in_a_plain_parsl_script_with_user_steps(tmp_path):
             assert r["result"]["mine"] == "it's mine" and r["result"]["sim"] == str(r["sim_id"])
             assert r["result"]["attempt"] == str(r["attempt"]) and r["result"]["size"] == 2
             assert r["argv"][-4:] == ["--sim-id", str(r["sim_id"]), "--params-json", json.dumps(r["params"])]
-    assert json.loads((run / "trainer_saw.json").read_text()) == {"done": done, "tag": "t 1"}
+    saw = json.loads((run / "trainer_saw.json").read_text())  # the done record: its run, what each streamed
+    assert saw["tag"] == "t 1" and {k: saw["done"][k] for k in ("completed", "failed", "streamed")} == {
+        **done, "streamed": {"0": 0, "1": 0, "2": 0}}  # the walk simulations stream nothing
+    assert saw["done"]["run"] == json.loads((run / "campaign_id.json").read_text())["runs"][-1]["run"]

@@ -5,7 +5,7 @@ forward Euler), the grid split into one contiguous block per rank with one ghost
 side, filled by a periodic halo exchange. Start: u = amp sin(2 pi x). Parameters: nu, amp.
 
 Online (``--stream``) every rank streams its block of each output with
-``hpcml.stream.Producer.from_env``; offline (``--out PATH.h5``) the ranks write the HDF5 layout
+``hpcml.stream.Producer.from_campaign``; offline (``--out PATH.h5``) the ranks write the HDF5 layout
 ``hpcml.stream.files.FileSource`` reads (/fields/u [n_out, nx], /step, /time, attributes
 ``sim_id`` and ``params``), collectively, to ``PATH.tmp`` renamed to ``PATH`` at the end.
 
@@ -63,7 +63,7 @@ producer = None
 if args.stream:
     from hpcml.stream import Producer
 
-    producer = Producer.from_env(comm=comm, params=params, global_shape=(nx,), offset=(i0,), local_shape=(n,),
+    producer = Producer.from_campaign(comm=comm, params=params, global_shape=(nx,), offset=(i0,), local_shape=(n,),
                                  fields=("u",), sim_id=args.sim_id, copy=False)
 h5 = None
 if args.out:

@@ -1,0 +1,217 @@
+"""A run directory holds one campaign, claimed by every entry point before anything is read.
+
+The :class:`~hpcml.ensemble.Campaign` and the Parsl apps (:mod:`hpcml.ensemble.apps`) both
+call :func:`claim` first. It
+
+- locks the directory for this driver process (``.driver.lock``): a second driver in the
+  same directory at the same time is refused, whichever entry point it uses;
+- records the campaign on first use (``campaign_id.json``: an id and the definition's
+  digest) and refuses a directory that holds another campaign -- or this one, unless the
+  caller resumes it -- in one line, before anything else happens;
+- names this execution of the driver (a new ``run`` id, listed in ``campaign_id.json``)
+  and removes the protocol files an earlier run left (``endpoints.json``, the trainer's
+  lease; ``sims_done.json`` once this run has simulations), which carry their run and
+  could only mislead;
+- records, for a resumed directory, the attempts an earlier driver left without a
+  provenance line (it was killed while they ran).
+
+A simulation's definition is kept beside its attempts (``sims/sim_N/spec.json``): the
+same id with other parameters or another program is refused, so a workflow that submits
+simulations one by one cannot mix two designs in one directory either.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, LEASE_FILE, read_json, write_json
+from hpcml.ensemble import attempts
+from hpcml.ensemble.spec import SimSpec, TrainingJob
+from hpcml.errors import ConfigError
+from hpcml.log import get_logger
+
+logger = get_logger(__name__)
+
+#: The campaign a run directory holds: its id and definition, written on first use.
+IDENTITY_FILE = "campaign_id.json"
+#: What a campaign leaves in its run directory; without an identity file, an older version's run.
+STATE = ("campaign.json", "training.json", "provenance.jsonl", "sims_done.json", "metrics.jsonl", "checkpoints")
+LOCK_FILE = ".driver.lock"
+#: Written by one run for the other side; never read by another run (they carry their run id).
+#: The done record is also the simulations' record of a training-only run's campaign: it stays
+#: until a run with simulations starts (:func:`clear_done`).
+PROTOCOL_FILES = (ENDPOINTS_FILE, LEASE_FILE)
+
+_held: dict[Path, tuple[int, int]] = {}  # run_dir -> (lock fd, claims) held by this process
+
+
+@dataclass(frozen=True)
+class Claim:
+    """This driver's hold on a run directory."""
+
+    run_dir: Path
+    campaign: str
+    """The campaign the directory holds (the same in every run of it)."""
+    run: str
+    """This run (new at every claim)."""
+    held: bool
+    """The directory held this campaign before this claim (the run continues it)."""
+
+
+def definition(sims: Sequence[SimSpec], training: TrainingJob | None) -> dict[str, Any]:
+    """What makes two runs one campaign: the simulations' ids, parameters and argv -- not
+    rank counts, environments, Campaign settings or the training argv, which a resumed job
+    may change (more steps: the trainer's resume rule, docs/parallel.md). Only the parts
+    given (a training-only run defines no simulations); the training argv is recorded."""
+    d: dict[str, Any] = {}
+    if sims:
+        canon = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
+                           sort_keys=True)
+        d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(canon.encode()).hexdigest()[:16]}
+    if training is not None:
+        d["training"] = {"argv": list(training.argv)}
+    return d
+
+
+def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | None = None, *, resume: bool,
+          entry: str = "campaign") -> Claim:
+    """Claim ``run_dir`` for one run of a campaign (see the module docstring); ConfigError,
+    before anything is written, for a directory in use, holding another campaign, or
+    holding these parts of this one without ``resume``. Release with :func:`release`."""
+    run_dir = Path(run_dir).resolve()
+    where = f"run directory {run_dir}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{where}: {e.strerror}; expected a directory, or a path where one can be made") from None
+    created = _lock(run_dir)
+    try:
+        cid, held, rec = _identity(run_dir, sims, training, resume=resume)
+    except BaseException:
+        release(run_dir)
+        if created:  # refused: the directory is left as it was found
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
+        raise
+    run = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    rec.setdefault("runs", []).append({"run": run, "entry": entry, "started": attempts.iso(time.time()),
+                                       "host": socket.gethostname(), "pid": os.getpid()})
+    del rec["runs"][:-100]  # the last hundred runs: a record, bounded
+    write_json(run_dir / IDENTITY_FILE, rec)
+    for name in PROTOCOL_FILES:  # an earlier run's: they carry its run id, but a reader should not even look
+        (run_dir / name).unlink(missing_ok=True)
+    if held:
+        n = attempts.record_orphans(run_dir)
+        if n:
+            logger.warning("%s: %d attempt(s) of an earlier run ended without a provenance line (its driver was "
+                           "killed while they ran): recorded now", where, n)
+    return Claim(run_dir, cid, run, held)
+
+
+def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | None, *,
+              resume: bool) -> tuple[str, bool, dict]:
+    path, now = run_dir / IDENTITY_FILE, definition(sims, training)
+    where = f"run directory {run_dir}"
+    try:
+        rec = read_json(path, max_bytes=1 << 20)
+        if rec is not None and not isinstance(rec.get("campaign_id"), str):
+            raise ConfigError(f"{path}: no campaign_id")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {path.name} is unreadable ({e}); expected the campaign's id and definition: "
+                          f"use a new directory") from None
+    if rec is None:
+        old = [n for n in STATE if (run_dir / n).exists()]
+        if old and not resume:
+            raise ConfigError(f"{where} holds an earlier campaign ({', '.join(old)}) with no {IDENTITY_FILE}: resume "
+                              f"it (resume=True) or use a new directory")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:40] or "campaign"
+        rec = {"campaign_id": f"{name}-{uuid.uuid4().hex[:8]}", "created": attempts.iso(time.time()), **now}
+        if old:
+            logger.warning("%s holds an earlier campaign (%s) with no %s: resuming it as campaign %s", where,
+                           ", ".join(old), IDENTITY_FILE, rec["campaign_id"])
+        return rec["campaign_id"], bool(old), rec
+    cid, both = rec["campaign_id"], [k for k in now if k in rec]
+    if (both or not now) and not resume:
+        raise ConfigError(f"{where} holds campaign {cid} (started {rec.get('created', '?')}): resume it "
+                          f"(resume=True) or use a new directory")
+    if "simulations" in both and rec["simulations"] != now["simulations"]:
+        was, got = (f"{v['simulations']['count']} simulations, digest {v['simulations']['digest']}" for v in (rec, now))
+        raise ConfigError(f"{where} holds campaign {cid}, defined with other simulations ({was}; given {got}): resume "
+                          f"it unchanged or use a new directory")
+    return cid, True, {**rec, **now}  # a new part, or the training job's latest argv (e.g. more --steps)
+
+
+def _lock(run_dir: Path) -> bool:
+    """One driver per run directory at a time (re-entrant within this process); whether the
+    lock file was made here."""
+    if run_dir in _held:
+        fd, n = _held[run_dir]
+        _held[run_dir] = (fd, n + 1)
+        return False
+    path = run_dir / LOCK_FILE
+    created = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"run directory {run_dir} is in use by a running driver ({holder}): wait for it to end, "
+                          f"or use a new directory") from None
+    except OSError as e:  # a file system without flock (some NFS, Lustre mounted without it): go on, unguarded
+        logger.warning("run directory %s: cannot lock %s (%s): a second driver would not be stopped", run_dir,
+                       LOCK_FILE, e.strerror)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held[run_dir] = (fd, 1)
+    return created
+
+
+def release(run_dir: Path) -> None:
+    """Give up one claim of ``run_dir``; the lock goes with the last."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir not in _held:
+        return
+    fd, n = _held.pop(run_dir)
+    if n > 1:
+        _held[run_dir] = (fd, n - 1)
+        return
+    os.close(fd)  # the flock goes with it
+
+
+def clear_done(run_dir: Path) -> None:
+    """A run with simulations starts: an earlier run's done record goes."""
+    (Path(run_dir) / DONE_FILE).unlink(missing_ok=True)
+
+
+def held(run_dir: Path) -> bool:
+    return Path(run_dir).resolve() in _held
+
+
+def record_spec(run_dir: Path, spec: SimSpec) -> None:
+    """Keep ``spec``'s definition beside its attempts; ConfigError if that simulation was
+    defined otherwise before in this directory."""
+    d = attempts.sim_dir(run_dir, spec.sim_id)
+    d.mkdir(parents=True, exist_ok=True)
+    now = {"sim_id": spec.sim_id, "params": dict(spec.params), "argv": list(spec.argv)}
+    path = d / "spec.json"
+    try:
+        before = read_json(path, max_bytes=1 << 20)
+    except ConfigError:
+        before = None
+    if before is not None and {k: before.get(k) for k in now} != json.loads(json.dumps(now)):
+        raise ConfigError(f"simulation {spec.sim_id} of run directory {run_dir} was defined with params "
+                          f"{before.get('params')} and argv {before.get('argv')}, now {now['params']} and "
+                          f"{now['argv']}: one id is one simulation; use another id or a new directory")
+    if before is None:
+        write_json(path, now)

@@ -1,0 +1,69 @@
+"""A sample source's state inside a trainer checkpoint: plain HDF5 tensors, never pickle.
+
+Each trainer rank's source state (:meth:`~hpcml.stream.source.SampleSource.state`: buffer
+contents, the ``(sim, step)`` keys already taken, JSON meta) is saved as
+``stream/rank_NNNNN/<name>`` beside the model, and restored on any number of trainer ranks
+(every saved rank's state is read; each rank keeps what routes to it now).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+
+from hpcml.errors import ConfigError
+from hpcml.stream.source import SampleSource
+
+_STATE = re.compile(r"^stream/rank_(\d{5})/(.+)$")
+
+
+def source_tensors(source: SampleSource, rank: int) -> dict:
+    """``stream/rank_NNNNN/<name>`` tensors of this rank's source state."""
+    import torch
+
+    return {f"stream/rank_{rank:05d}/{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in
+            source.state().items() if v.size}
+
+
+def load_source_states(ckpt_path) -> list[dict[str, np.ndarray]]:
+    """Every saved rank's source state from checkpoint ``ckpt_path`` (plain HDF5, no pickle)."""
+    from hpcml import ckpt
+
+    states: dict[int, dict[str, np.ndarray]] = {}
+    for name, t in ckpt.read_tensors(ckpt_path, "stream/").items():
+        m = _STATE.match(name)
+        if m:
+            states.setdefault(int(m.group(1)), {})[m.group(2)] = t.numpy()
+    for st in states.values():
+        st.setdefault("seen", np.zeros((0, 2), np.int64))
+    return [states[r] for r in sorted(states)]
+
+
+def samples_in(ckpt_path) -> Counter[int]:
+    """Samples per simulation that checkpoint ``ckpt_path`` holds (every trainer rank's keys)."""
+    return Counter(int(sim) for st in load_source_states(ckpt_path) for sim, _ in st["seen"].tolist())
+
+
+def simulations_in(ckpt_path, outputs: int | dict[int, int]) -> set[int]:
+    """Simulations of which checkpoint ``ckpt_path`` holds every output (``outputs``: the
+    count of each, or one count for all): their data survives a restart, so a resumed
+    campaign need not run them again. One that finished after the save is not among them."""
+    held = samples_in(ckpt_path)
+    if isinstance(outputs, int):
+        return {sim for sim, n in held.items() if n >= outputs}
+    return {sim for sim, n in outputs.items() if held.get(sim, 0) >= n}
+
+
+def check_campaign(ckpt_dir, campaign: str) -> None:
+    """Refuse to resume ``ckpt_dir``'s latest checkpoint when it holds another campaign than ``campaign``."""
+    from hpcml import ckpt
+
+    if not campaign:
+        return
+    path, step, extra = ckpt.read_extra(ckpt_dir)
+    saved = extra.get("campaign", "")
+    if saved != campaign:
+        raise ConfigError(f"checkpoint {path} (step {step}) belongs to campaign {saved or 'unknown'!r}, not "
+                          f"{campaign!r}: resume that campaign, or use a new run directory")

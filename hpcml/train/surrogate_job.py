@@ -1,0 +1,157 @@
+"""A campaign's training job in one call: a trainer script is its model, its loss and this.
+
+    from hpcml import stop; stop.install()          # first: a walltime warning is a stop request
+    import sys
+    from hpcml.train import FieldScales, train_surrogate
+    model = MyModel(...)                            # (params [B, P], t [B]) -> field [B, *grid]
+    sys.exit(train_surrogate(model, params=("kappa", "u_top"), fields=("u",),
+                             scales=FieldScales(param_lo=(0.5, 0), param_hi=(1.5, 1), t_max=0.3)))
+
+It reads the campaign's contract (:mod:`hpcml.contract`: run directory, campaign, resume,
+stream, done record, steps and batch), builds the grid (every rank data-parallel), the
+:class:`~hpcml.train.fields.FieldTrainer`, the buffer and the source -- the stream server
+bound where the contract says, or ``files`` offline -- and runs
+:func:`~hpcml.train.online.train_online` with checkpoints in ``run_dir/checkpoints``. The
+model's output is checked against the samples before the first step. Rank 0 writes
+``run_dir/train_summary.json`` (with the held-out error of ``val_files``, and
+``report.png`` with ``report``). The return value is the exit status every rank should exit
+with: 0 done; :data:`~hpcml.env.NOT_FINISHED` (75) saved on a stop, resume it;
+:data:`~hpcml.contract.INCOMPLETE` (65) trained, but samples of completed simulations never
+arrived (named on stderr); :data:`~hpcml.contract.CONFIG_ERROR` (78) a mistake a relaunch
+would repeat (e.g. a model whose output is not the simulation's grid); 1 anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpcml import log, stop
+from hpcml.contract import CONFIG_ERROR, INCOMPLETE, Contract
+from hpcml.env import NOT_FINISHED
+from hpcml.errors import ConfigError
+from hpcml.stream.buffer import BufferConfig
+
+logger = log.get_logger(__name__)
+
+
+def _one(name: str, campaign: int | None, here: int | None) -> int | None:
+    if campaign is not None and here is not None and campaign != here:
+        raise ConfigError(f"{name}={here} here, but the campaign's TrainingJob({name}={campaign}): set it in one place")
+    return campaign if campaign is not None else here
+
+
+def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scales, steps: int | None = None,
+                    batch: int | None = None, config=None, buffer: BufferConfig | None = None, online=None,
+                    parallel=None, loss_fn: Callable | None = None, files: Sequence[str | Path] | None = None,
+                    val_files: Sequence[str | Path] | Callable[[], Sequence[str | Path]] = (), report: bool = False,
+                    server: Mapping[str, Any] | None = None, on_step: Callable[[dict], None] | None = None,
+                    contract: Contract | None = None, torch_threads: int | None = None) -> int:
+    """Train ``model`` on the campaign's samples (see the module docstring); the exit status.
+
+    ``params``/``fields``: the names a sample carries, in the model's order. ``steps`` and
+    ``batch`` come from the campaign (``TrainingJob(steps=, batch=)``) or from here -- not
+    both. ``val_files``: held-out simulations' files (or a callable giving them, called
+    after training: they may be written while it runs). ``config``: the other :class:`~hpcml.train.fields.FieldTrainConfig` options (lr,
+    warmup, ...); ``buffer``, ``online``, ``parallel``: their configs; ``server``: more
+    :class:`~hpcml.stream.server.ServerConfig` options (``end_grace_s``, ``hwm``...).
+    """
+    stop.install()  # idempotent: the script should have done it first
+    try:
+        c = contract or Contract.from_env()
+        steps, batch = _one("steps", c.steps, steps), _one("batch", c.batch, batch)
+    except ConfigError as e:
+        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR
+    try:
+        result, run, grid = _run(model, c, params, fields, scales, steps, batch, config, buffer, online, parallel,
+                                 loss_fn, files, server, on_step, torch_threads)
+    except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
+        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR
+    finally:
+        stop.finished()
+    if result.status == "stopped":
+        if grid.rank == 0:
+            print(f"[train] stopped at step {result.steps} after saving", flush=True)
+        return NOT_FINISHED
+    _report(run, result, val_files, params, fields, report, grid.rank)  # every rank: prediction may be collective
+    if result.status == "ok":
+        return 0
+    if grid.rank == 0:
+        print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
+    return INCOMPLETE if result.incomplete else 1
+
+
+def _run(model, c: Contract, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,
+         files, server, on_step, torch_threads):
+    import torch
+
+    from hpcml.grid import ProcessGrid, install_abort_handler
+    from hpcml.train.fields import FieldTrainConfig, FieldTrainer
+    from hpcml.train.online import OnlineConfig, OnlineRun
+
+    install_abort_handler()  # a rank that fails on a bug aborts the job instead of hanging it
+    cfg = config or FieldTrainConfig(run_dir=c.run_dir)
+    cfg = replace(cfg, **{k: v for k, v in (("steps", steps), ("batch", batch)) if v is not None},
+                  run_dir=cfg.run_dir or c.run_dir)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()  # one rank per GPU with the device's backend; gloo on CPU
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    rank, world = grid.rank, grid.layout.world_size
+    from hpcml.stream import Buffer
+
+    buf = Buffer(replace(buffer or BufferConfig(policy="reservoir", capacity=256, watermark=16),
+                         seed=(buffer.seed if buffer else 0) + rank))
+    if files is not None:
+        from hpcml.stream.files import FileSource
+
+        source = FileSource(files, rank=rank, n_trainers=world, buffer=buf, field_names=fields, param_names=params)
+    else:
+        from hpcml.stream.server import StreamServer
+
+        source = StreamServer.from_campaign(buf, rank=rank, n_trainers=world, param_names=params, field_names=fields,
+                                            contract=c, **dict(server or {}))
+    trainer = FieldTrainer(model, grid, cfg, scales, parallel, loss_fn)
+    ocfg = online or OnlineConfig.from_campaign(c, ckpt_every=max(1, cfg.steps // 20))
+    if files is not None:
+        ocfg = replace(ocfg, endpoints_file=None)
+    run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step)
+    result = run.run()
+    if rank == 0 and result.resumed_at is not None:
+        print(f"[train] resumed at step {result.resumed_at} from {ocfg.ckpt_dir}", flush=True)
+    return result, run, grid
+
+
+def _report(run, result, val_files, params, fields, report: bool, rank: int) -> None:
+    """The held-out error (every rank predicts: collective under FSDP); rank 0 writes the
+    summary file again with it, the report, and a line."""
+    import numpy as np
+
+    from hpcml.stream.files import read_samples
+
+    extra: dict[str, Any] = {}
+    files = val_files() if callable(val_files) else val_files
+    vals = [s for f in sorted(Path(v) for v in files) for s in read_samples(f, fields, params)]
+    if vals:
+        extra = {"val_rel_l2": run.trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
+                                                  np.stack([s.fields[0] for s in vals])),
+                 "val_samples": len(vals)}
+        last = max(vals, key=lambda v: v.t)
+        pred = run.trainer.predict(last.params[None], np.array([last.t]))[0]
+    if rank != 0:
+        return
+    result.summary.update(extra)
+    if run.config.summary_file:
+        run.write_summary(result, **extra)
+    if report and vals and run.trainer.config.run_dir:
+        from hpcml.train.field_report import write_report
+
+        write_report(run.trainer.config.run_dir, last, pred, result.summary)
+    keys = ("samples_ingested", "samples_missing", "duplicate_samples", "gradient_steps", "final_loss", "val_rel_l2")
+    print("[train] summary: " + ", ".join(f"{k}={result.summary[k]}" for k in keys if k in result.summary),
+          flush=True)

@@ -1,0 +1,251 @@
+"""The paths outside the project's own workflows, as a new user takes them: a simulation the
+project does not ship (1-D viscous Burgers on 2 MPI ranks, ``own_sim/burgers1d.py``), its
+trainer (``own_sim/train_burgers.py``: a model of its own and ``train_surrogate``), and the
+user's own drivers -- a Parsl workflow of their own on ``hpcml.ensemble.apps``, a Campaign
+script of their own. Each test is a finding of issue 22 that failed before: a run
+directory used twice (a silent 6-minute hang), samples lost to a trainer restart (reported
+``ok``), ``executors="label"`` (a typeguard error), simulations that do not stream (91 s to
+a vague failure), a watchdog killed by SIGKILL (an orphaned trainer holding the port).
+Real Parsl, real mpiexec, real ZeroMQ."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("parsl")
+
+HERE = Path(__file__).resolve().parent / "own_sim"
+ROOT = HERE.parents[2]
+SIM, TRAIN = str(HERE / "burgers1d.py"), str(HERE / "train_burgers.py")
+NX, NU_MAX = 32, 0.05
+BOUNDS = {"nu": (0.01, 0.05), "amp": (0.5, 1.0)}
+
+
+def t_max(steps: int) -> float:
+    return steps * 0.2 * (1.0 / NX) ** 2 / NU_MAX  # burgers1d.py's dt
+
+
+HEAD = f"""
+import json, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+PY, SIM, TRAIN = {sys.executable!r}, {SIM!r}, {TRAIN!r}
+BOUNDS = {BOUNDS!r}
+"""
+
+APPS_WORKFLOW = HEAD + textwrap.dedent("""
+    # a user's own Parsl workflow: their config, the campaign's pieces as apps, one executor label as a string
+    import parsl
+    from parsl.executors import ThreadPoolExecutor
+    from hpcml.ensemble import SimSpec, TrainingJob, apps
+    run_dir, resume, stream = sys.argv[1], "--resume" in sys.argv, "--no-stream" not in sys.argv
+    parsl.load(parsl.Config(executors=[ThreadPoolExecutor(label="mine", max_threads=4)], retries=1,
+                            run_dir=run_dir + ".parsl"))
+    t0 = time.monotonic()
+    try:
+        run = apps.claim(run_dir, resume=resume)
+        print("CLAIMED", round(time.monotonic() - t0, 3), flush=True)
+        points = apps.design("lhs", BOUNDS, 2, seed=3, executors="mine").result()
+        train = apps.training(TrainingJob(argv=[PY, TRAIN, "--nx", "32", "--t-max", sys.argv[2], "--ckpt-every", "10",
+                                                "--watermark", "2"], ranks=1, steps=20, batch=2),
+                              run_dir=run.run_dir, executors="mine")
+        futs = [apps.simulation(SimSpec(sim_id=i, params=p, ranks=2,
+                                        argv=[PY, SIM, "--nx", "32", "--steps", "200", "--every", "40"]
+                                        + (["--stream"] if stream else [])),
+                                run_dir=run.run_dir, launch="mpiexec -n {ranks}", executors="mine")
+                for i, p in enumerate(points)]
+        done = apps.mark_done(run.run_dir, futs)
+        t_done = time.monotonic()
+        rc = train.exception() and getattr(train.exception(), "exitcode", "?") or train.result()
+        print("RESULT", json.dumps({"done": done, "trainer": rc, "after_done_s": time.monotonic() - t_done}), flush=True)
+    finally:
+        parsl.dfk().cleanup()
+        parsl.clear()
+""")
+
+DRIVER = HEAD + textwrap.dedent("""
+    # a user's own Campaign driver
+    from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design
+    from hpcml.errors import LaunchError
+    run_dir, flags = sys.argv[1], json.loads(sys.argv[2])
+    sims = [SimSpec(sim_id=i, params=p, ranks=2, argv=[PY, SIM, "--nx", "32", *flags["sim"]])
+            for i, p in enumerate(design("lhs", BOUNDS, 4, seed=7))]
+    training = TrainingJob(argv=[PY, TRAIN, "--nx", "32", *flags["train"]], ranks=2, stream=True, steps=flags["steps"],
+                           batch=2, max_restarts=1)
+    campaign = Campaign(run_dir=run_dir, site="local", max_concurrent=4, retries=1, progress=False)
+    try:
+        result = campaign.run(sims, training=training, resume=flags.get("resume", False))
+    except LaunchError as e:
+        print("FAILED", e, flush=True)
+        sys.exit(1)
+    print("RESULT", json.dumps({"status": result.status, "samples": result.samples}), flush=True)
+    sys.exit(0 if result.ok else 1)
+""")
+
+
+def _script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _line(out: str, head: str) -> str:
+    lines = [x for x in out.splitlines() if x.startswith(head + " ")]
+    assert lines, out[-3000:]
+    return lines[-1][len(head) + 1:]
+
+
+def _why(run_dir: Path) -> str:
+    return "\n".join(f"--- {n}\n" + (run_dir / n).read_text()[-2500:] for n in ("train.out", "train.err")
+                     if (run_dir / n).exists())
+
+
+@pytest.mark.timeout(300)
+def test_a_parsl_workflow_run_twice_in_one_directory_is_refused_in_seconds_then_resumed(tmp_path):
+    wf = _script(tmp_path, "my_workflow.py", APPS_WORKFLOW)
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(wf), str(run), repr(t_max(200))]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:] + _why(run)
+    res = json.loads(_line(first.stdout, "RESULT"))
+    assert res["done"] == {"completed": [0, 1], "failed": []} and res["trainer"] == 0, _why(run)
+    s = json.loads((run / "train_summary.json").read_text())
+    assert (s["status"], s["samples_expected"], s["samples_ingested"], s["samples_missing"]) == ("ok", 10, 10, 0)
+    assert (s["gradient_steps"], s["campaign"]) == (20, json.loads((run / "campaign_id.json").read_text())["campaign_id"])
+
+    t0 = time.monotonic()  # the same workflow again, same directory: before, a silent hang of 6 min 40 s
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert again.returncode != 0 and took < 10, (took, again.stderr[-2000:])
+    assert f"ConfigError: run directory {run} holds campaign {s['campaign']} (started " in again.stderr
+    assert "resume it (resume=True) or use a new directory" in again.stderr.strip().splitlines()[-1]
+    assert "CLAIMED" not in again.stdout and (run / "sims_done.json").exists()  # refused before it touched anything
+
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + _why(run)
+    assert json.loads(_line(resumed.stdout, "RESULT"))["trainer"] == 0, _why(run)
+    s2 = json.loads((run / "train_summary.json").read_text())
+    assert (s2["status"], s2["resumed_at"], s2["samples_ingested"], s2["samples_missing"]) == ("ok", 20, 10, 0)
+    assert s2["duplicate_samples"] == 10 and s2["run"] != s["run"]  # the re-run simulations' copies, dropped
+
+
+@pytest.mark.timeout(200)
+def test_simulations_that_do_not_stream_end_the_trainer_in_seconds_with_the_cause(tmp_path):
+    wf = _script(tmp_path, "my_workflow.py", APPS_WORKFLOW)  # apps: the trainer learns it from the done record
+    run = tmp_path / "apps"
+    out = subprocess.run([sys.executable, str(wf), str(run), repr(t_max(200)), "--no-stream"], capture_output=True,
+                         text=True, timeout=150)
+    res = json.loads(_line(out.stdout, "RESULT"))
+    assert res["trainer"] == 1 and res["after_done_s"] < 10, (res, _why(run))
+    assert ("trainer rank 0 received no sample: the 2 completed simulation(s) routed to it ([0, 1]) streamed none"
+            in (run / "train.err").read_text())
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)  # a Campaign: it fails at the first one that completes
+    run = tmp_path / "campaign"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(driver), str(run), json.dumps(
+        {"sim": ["--steps", "200", "--every", "40"], "train": ["--t-max", repr(t_max(200))], "steps": 20})],
+        capture_output=True, text=True, timeout=150)
+    assert out.returncode == 1 and time.monotonic() - t0 < 60, out.stdout[-2000:]
+    assert _line(out.stdout, "FAILED").startswith("simulation ") and "completed without streaming" in out.stdout
+    record = json.loads((run / "campaign.json").read_text())
+    assert record["status"] == "failed" and "completed without streaming" in record["error"]
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_without_a_checkpoint_fails_the_run_naming_what_is_missing_and_a_resume_fills_it(tmp_path):
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)
+    run = tmp_path / "run"
+    flags = {"sim": ["--steps", "1000", "--every", "100", "--stream"], "steps": 40,
+             "train": ["--t-max", repr(t_max(1000)), "--ckpt-every", "1000", "--watermark", "2", "--crash-at", "3"]}
+    out = subprocess.run([sys.executable, str(driver), str(run), json.dumps(flags)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 1, out.stdout[-2000:] + _why(run)
+    failed = _line(out.stdout, "FAILED")  # before: campaign.json "ok", exit 0, 158 of 160 ingested
+    record = json.loads((run / "campaign.json").read_text())
+    missing = record["samples"]["missing"]
+    assert missing >= 2 and failed.startswith(f"{missing} of 40 samples of completed simulations never reached "
+                                              f"training (simulation "), failed
+    assert failed.endswith("resume the campaign (resume=True) to run those simulations again")
+    assert (record["status"], record["training"]["restarts"], record["training"]["returncode"]) == ("failed", 1, 65)
+    assert "killing the training job after step 3" in (run / "train.out").read_text()
+    lacking = {int(k) for k in record["samples"]["missing_by_sim"]}
+
+    out = subprocess.run([sys.executable, str(driver), str(run), json.dumps({**flags, "resume": True})],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + _why(run)
+    res = json.loads(_line(out.stdout, "RESULT"))
+    assert res["status"] == "ok" and (res["samples"]["expected"], res["samples"]["ingested"],
+                                      res["samples"]["missing"]) == (40, 40, 0)
+    record = json.loads((run / "campaign.json").read_text())
+    assert set(record["completed"]) - set(record["skipped"]) == lacking  # only what the checkpoint lacked ran again
+    assert record["cumulative"]["sims_completed"] == [0, 1, 2, 3] and record["cumulative"]["samples"]["missing"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_watchdog_killed_by_sigkill_is_relaunched_and_nothing_of_the_first_job_outlives_it(tmp_path):
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)
+    run = tmp_path / "run"
+    release = tmp_path / "release"
+    flags = {"sim": ["--steps", "400", "--every", "40", "--stream", "--hold-file", str(release), "--hold-at", "5"],
+             "steps": 400, "train": ["--t-max", repr(t_max(400)), "--ckpt-every", "5", "--watermark", "2",
+                                    "--hold-at", "5", "--release", str(release), "--keep", "50"]}
+    proc = subprocess.Popen([sys.executable, str(driver), str(run), json.dumps(flags)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "every sample sent before the hold is checkpointed" not in _text(run / "train.out"):
+            assert time.monotonic() < deadline and proc.poll() is None, _why(run)
+            time.sleep(0.1)
+        first = (run / "trainer.lease").read_text().strip()
+        (watchdog,) = [p for p in _pids_with(f"HPCML_TRAINER_LAUNCH={first}") if b"hpcml.ensemble.watchdog" in
+                       Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(_pids_with(f"HPCML_TRAINER_LAUNCH={first}")) >= 4  # watchdog, bash, mpiexec, its proxy, ranks
+        os.kill(watchdog, signal.SIGKILL)  # as an OOM killer does
+        t_kill, gone_after = time.monotonic(), None
+        while time.monotonic() - t_kill < 10:
+            if not _pids_with(f"HPCML_TRAINER_LAUNCH={first}"):
+                gone_after = time.monotonic() - t_kill
+                break
+            time.sleep(0.1)
+        assert gone_after is not None, [Path(f"/proc/{p}/cmdline").read_bytes() for p in
+                                        _pids_with(f"HPCML_TRAINER_LAUNCH={first}")]
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-2000:] + _why(run)
+    res = json.loads(_line(out, "RESULT"))
+    assert res["status"] == "ok" and (res["samples"]["ingested"], res["samples"]["missing"]) == (40, 0)
+    record = json.loads((run / "campaign.json").read_text())
+    assert (record["training"]["restarts"], record["training"]["returncode"]) == (1, 0)
+    assert (run / "trainer.lease").read_text().strip() != first and release.exists()  # the relaunch released the sims
+    assert "Address already in use" not in _text(run / "train.err")
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _pids_with(entry: str) -> list[int]:
+    """Live processes whose environment holds ``entry`` (NAME=value)."""
+    needle, out = entry.encode() + b"\0", []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes() + b"\0" and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
