@@ -3,9 +3,9 @@
     python benchmarks/stream_intake.py --json                  # 1 MiB messages, then both workflows
     python benchmarks/stream_intake.py --json --nx 1024 --no-workflow
 
-Intake: one producer process (a simulation rank: hpcml.stream.Producer, MAC, zero-copy as the kernels send) sends
+Intake: one producer process (a simulation rank: hpcml.stream.Producer, GMAC, zero-copy as the kernels send) sends
 ``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
-thread (Poly1305 MAC check, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
+thread (GMAC check, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
 trainer would. Limit: raw ZeroMQ PUSH -> PULL of the same message size and count between
 the same two processes, nothing else. File path: the same samples written to one HDF5
 file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
@@ -35,6 +35,7 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
     import zmq
 
     field = np.random.default_rng(0).random((nx, ny), dtype=np.float32)
+    cpu0 = time.process_time()  # the sending alone (every thread of this process), not the start-up
     if kind == "raw":
         ctx = zmq.Context()
         s = ctx.socket(zmq.PUSH)
@@ -45,28 +46,40 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
         s.send(b"")
         s.close(linger=-1)
         ctx.term()  # before `field` is freed: zero-copy frames are still being sent
+        print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
         return
-    from hpcml.stream import Producer, read_secret
+    from hpcml.stream import Producer, message, read_secret
 
+    if kind == "hpcml-nomac":  # diagnostic only: the same pipeline with no authentication
+        message.mac = lambda secret, frames: bytes(message.MAC_BYTES)
     p = Producer(endpoint=endpoint, secret=read_secret(key_file), campaign="bench", sim_id=0, attempt=0, rank=0,
                  nranks=1, params={"a": 1.0}, global_shape=(nx, ny), offset=(0, 0), local_shape=(nx, ny), copy=False)
     for i in range(n):  # as a kernel does: a fresh float32 copy of its state per output
         p.send(i, float(i), {"T": field.copy()})
     p.close()
+    print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
+
+
+def _cpu_of(proc: subprocess.Popen) -> float:
+    """Wait for ``proc``; the CPU seconds of its sending (every thread), as it reported them."""
+    out, _ = proc.communicate()
+    return json.loads(out.strip().splitlines()[-1])["cpu_s"]
 
 
 def spawn(kind: str, endpoint: str, args, key_file: str) -> subprocess.Popen:
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.stream_intake import _producer; "
             f"_producer({kind!r}, {endpoint!r}, {args.messages}, {args.nx}, {args.ny}, {key_file!r})")
-    return subprocess.Popen([sys.executable, "-c", code])
+    pin = ["taskset", "-c", "0"] if args.pin else []  # the sender on CPU 0, this process on CPU 1
+    return subprocess.Popen([*pin, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
-def raw_zmq(args, key_file) -> float:
+def raw_zmq(args, key_file) -> tuple[float, dict]:
     import zmq
 
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 8)
     port = s.bind_to_random_port("tcp://127.0.0.1")
+    cpu0 = time.process_time()
     proc = spawn("raw", f"tcp://127.0.0.1:{port}", args, key_file)
     nbytes, t0 = 0, None
     while True:
@@ -78,16 +91,22 @@ def raw_zmq(args, key_file) -> float:
             break
         nbytes += len(m.buffer)
     dt = time.perf_counter() - t0
-    proc.wait()
+    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
+           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
     s.close()
-    return nbytes / 1e6 / dt
+    return nbytes / 1e6 / dt, cpu
 
 
-def hpcml_stream(args, key_file) -> tuple[float, float, dict]:
+def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dict, dict]:
     import threading
 
-    from hpcml.stream import Buffer, BufferConfig, read_secret
+    from hpcml.stream import Buffer, BufferConfig, message, read_secret
     from hpcml.stream.server import ServerConfig, StreamServer
+
+    mac = message.mac
+    if kind == "hpcml-nomac":  # diagnostic only, as in the producer
+        message.mac = lambda secret, frames: bytes(message.MAC_BYTES)
+    cpu0 = time.process_time()
 
     buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
     srv = StreamServer(campaign="bench", secret=read_secret(key_file), rank=0, n_trainers=1, buffer=buf,
@@ -101,14 +120,16 @@ def hpcml_stream(args, key_file) -> tuple[float, float, dict]:
                 got.extend([time.perf_counter()] * len(b))
     th = threading.Thread(target=consume)
     th.start()
-    proc = spawn("hpcml", srv.endpoint, args, key_file)
+    proc = spawn(kind, srv.endpoint, args, key_file)
     th.join()
-    proc.wait()
+    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages}
     stats = srv.stats()
     srv.stop()
+    cpu["receiver_ms"] = (time.process_time() - cpu0) * 1e3 / args.messages
+    message.mac = mac
     msg = args.nx * args.ny * 4
     dt = got[-1] - srv.t_first  # first arrival to the last sample in a trainer's hands, as for raw ZeroMQ
-    return msg * (len(got) - 1) / 1e6 / dt, (len(got) - 1) / dt, stats
+    return msg * (len(got) - 1) / 1e6 / dt, (len(got) - 1) / dt, stats, cpu
 
 
 def file_path(args, tmp: Path) -> tuple[float, float, float]:
@@ -163,22 +184,38 @@ def main() -> None:
     p.add_argument("--sims", type=int, default=16)
     p.add_argument("--steps", type=int, default=1500, help="gradient steps of both workflow runs (the demo's)")
     p.add_argument("--no-workflow", action="store_true")
+    p.add_argument("--pin", action="store_true", help="sender on CPU 0, receiver on CPU 1: as on two nodes, each "
+                                                     "side a core of its own")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {1})
     from hpcml.stream import new_secret
 
     with tempfile.TemporaryDirectory(prefix="hpcml-stream-bench-") as d:
         tmp = Path(d)
         key = str(tmp / "k")
         new_secret(key)
-        raw = max(raw_zmq(args, key) for _ in range(args.repeat))
-        runs = [hpcml_stream(args, key) for _ in range(args.repeat)]
-        mb, sps, stats = max(runs, key=lambda r: r[0])
+        raws, runs, nomac = [], [], []
+        for _ in range(args.repeat):  # in turns: each sees the same load on the 2 cores
+            raws.append(raw_zmq(args, key))
+            runs.append(hpcml_stream(args, key))
+            nomac.append(hpcml_stream(args, key, "hpcml-nomac"))
+        raw = max(r[0] for r in raws)
+        mb, sps, stats, _ = max(runs, key=lambda r: r[0])
+        paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
+        cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in ("sender_ms", "receiver_ms")}
+               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_no_mac", nomac))}
         fmb, fw, fr = file_path(args, tmp)
         out = {"benchmark": "stream_intake", "msg_bytes": args.nx * args.ny * 4, "messages": args.messages,
                "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "file_path_mb_s": fmb,
                "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
-               "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_file_path": mb / fmb}}
+               "stream_mb_s_runs": [r[0] for r in runs], "zmq_raw_mb_s_runs": [r[0] for r in raws],
+               "stream_no_mac_mb_s_runs": [r[0] for r in nomac], "cpu_per_message_ms": cpu,
+               "cpu_bound_ratio": sum(cpu["raw_zmq"].values()) / sum(cpu["stream"].values()),
+               "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
+                          "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
+                          "no_mac_vs_raw_zmq": max(r[0] for r in nomac) / raw}}
         if not args.no_workflow:
             on, off = workflow(args, "online", tmp), workflow(args, "offline", tmp)
             out.update({"trainer_idle_fraction": on["trainer_idle_fraction"], "online_val_rel_l2": on["val_rel_l2"],

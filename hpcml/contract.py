@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+import stat
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -205,15 +207,26 @@ def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
 
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:
     """A protocol record, or None if the file is not there; ConfigError naming the file when
-    it is too large, not JSON or not an object (checked for size before parsing)."""
+    it is not a regular file (a FIFO would block the reader, a symbolic link could point
+    anywhere), too large, not JSON or not an object (checked for size before parsing)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}; expected a regular file, not a link") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(max_bytes + 1)
+    except OSError as e:
         raise ConfigError(f"{path}: {e.strerror}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(data) > max_bytes:
         raise ConfigError(f"{path}: larger than {max_bytes} bytes, expected a small JSON record")
     try:
@@ -255,7 +268,13 @@ def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract:
         raise ConfigError(f"stream endpoints file {path} is malformed: {e}") from None
     if not endpoints:
         raise ConfigError(f"stream endpoints file {path} lists no endpoints")
+    bad = [e for e in endpoints if not _ENDPOINT.fullmatch(e)]
+    if bad:
+        raise ConfigError(f"stream endpoints file {path} lists {bad[0][:80]!r}: expected tcp://HOST:PORT addresses")
     return campaign, endpoints
+
+
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +287,9 @@ class DoneRecord:
     """Samples each completed streaming simulation sent (its Producer's count); simulations
     not in it stream nothing (e.g. held-out ones writing files). None: not known -- every
     completed simulation is waited for until its end markers are in."""
+    silent: list[int] = field(default_factory=list)
+    """Completed simulations that should have streamed and closed no Producer: run without
+    their stream; nothing is waited for from them, and the training fails naming them."""
     campaign: str = ""
     run: str = ""
 
@@ -284,8 +306,9 @@ class DoneRecord:
             streamed = d.get("streamed")
             if streamed is not None:
                 streamed = {_sim_id(int(k)): _count(v) for k, v in streamed.items()}
-            return cls(completed=completed, failed=failed, streamed=streamed, campaign=str(d.get("campaign", "")),
-                       run=str(d.get("run", "")))
+            silent = [_sim_id(x) for x in d.get("silent", [])]
+            return cls(completed=completed, failed=failed, streamed=streamed, silent=silent,
+                       campaign=str(d.get("campaign", "")), run=str(d.get("run", "")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{where}: malformed done record ({type(e).__name__}: {e}); expected completed, failed "
                               f"(simulation ids) and streamed (id -> samples)") from None

@@ -59,6 +59,8 @@ class RunHandle:
     contract: Contract
     non_streaming: set[int] = field(default_factory=set)
     """Simulations submitted with ``SimSpec(stream=False)``: the trainer does not wait for them."""
+    ended: bool = False
+    """:func:`mark_done` was called: the next :func:`claim` or :func:`simulation` starts a new run."""
 
 
 _runs: dict[Path, RunHandle] = {}
@@ -72,8 +74,11 @@ def claim(run_dir: str | Path, *, resume: bool = False, stream: bool = True) -> 
     from hpcml.stream.routing import new_secret
 
     path = Path(run_dir).resolve()
-    if path in _runs:
+    if path in _runs and not _runs[path].ended:
         return _runs[path]
+    if path in _runs:  # the run this process had there is over: a new one claims the directory again
+        del _runs[path]
+        rundir.release(path)
     c = rundir.claim(path, resume=resume, entry="apps")
     streams = {}
     if stream:
@@ -91,8 +96,11 @@ def claim(run_dir: str | Path, *, resume: bool = False, stream: bool = True) -> 
     return handle
 
 
-def _handle(run_dir: str | Path) -> RunHandle:
-    return _runs.get(Path(run_dir).resolve()) or claim(run_dir)
+def _handle(run_dir: str | Path, new_work: bool = False) -> RunHandle:
+    """This process's run in ``run_dir`` (claimed on first use); ``new_work`` (a simulation):
+    after :func:`mark_done` that run is over, and the directory is claimed again."""
+    handle = _runs.get(Path(run_dir).resolve())
+    return handle if handle is not None and not (new_work and handle.ended) else claim(run_dir)
 
 
 def _executors(executors: str | Sequence[str]) -> str | list[str]:
@@ -137,7 +145,7 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
     if timeout_s is not None and not timeout_s > 0:
         raise ConfigError(f"timeout_s must be > 0 or None, got {timeout_s}")
     executors = _executors(executors)
-    handle = _handle(run_dir)
+    handle = _handle(run_dir, new_work=True)
     run_dir, sims_dir = handle.run_dir, handle.run_dir / "sims"
     if env is not None:  # None: keep the environment set before
         sim_side = {k: v for k, v in handle.contract.to_env().items() if k not in _TRAINER_ONLY}
@@ -186,14 +194,17 @@ def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
 def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int]]:
     """Wait for the simulations' futures (:func:`simulation`'s) and write this run's done
     record (``run_dir/sims_done.json``: which completed, which failed, how many samples each
-    streamed): a streaming trainer ends its stream on it, and counts what it lacks."""
+    streamed, which should have streamed and did not): a streaming trainer ends its stream
+    on it, and counts what it lacks. It ends the run: simulations submitted after it, or a
+    new :func:`claim`, in this process start a new one (refused without ``resume``)."""
     handle = _handle(run_dir)
     completed, failed = [], []
     for f in futures:
         (failed if f.exception() is not None else completed).append(f.sim_id)
-    streaming = set(completed) - handle.non_streaming
+    streaming = set(completed) - handle.non_streaming if handle.contract.streams else set()
     record = ledger.done_record(handle.contract, completed, failed, streaming)
     write_done(handle.run_dir / DONE_FILE, record)
+    handle.ended = True  # new simulations, or a new claim, in this process start a new run
     return {"completed": record.completed, "failed": record.failed}
 
 
@@ -215,7 +226,9 @@ def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None =
     handle = _handle(run_dir)
     run_dir = handle.run_dir
     line = s.train_line(job.argv, nodes=job.nodes, ranks=job.ranks)
-    contract = handle.contract.replace(steps=job.steps, batch=job.batch)
+    # resume always: only this campaign's checkpoint can be in the claimed directory, and a Parsl
+    # retry of this app must continue it, not start over and overwrite it
+    contract = handle.contract.replace(steps=job.steps, batch=job.batch, resume=True)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**contract.to_env(), **job.env}.items())
 
     def hpcml_train(line: str, env: str, stdout: str = "", stderr: str = "") -> str:

@@ -284,11 +284,11 @@ def stream_record(directory: Path, k: int) -> int | None:
 
 
 def completed_sims(run_dir: Path) -> dict[int, dict]:
-    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its record."""
+    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its latest record."""
     done: dict[int, dict] = {}
     for rec in read_provenance(run_dir):
         if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):
-            done.setdefault(rec["sim_id"], rec)
+            done[rec["sim_id"]] = rec  # the latest: a simulation run again in a later run counts as that run's
     return done
 
 

@@ -37,10 +37,12 @@ def streamed(run_dir: Path, sim_ids: Iterable[int]) -> dict[int, int | None]:
 
 def done_record(contract: Contract, completed: list[int], failed: list[int], streaming: set[int]) -> DoneRecord:
     """The end of this run's campaign: ``streaming`` simulations (of those completed) carry
-    their streamed counts (0 where nothing was streamed); the others are not waited for."""
+    their streamed counts; one that closed no Producer is ``silent``; the others are not waited for."""
     counts = streamed(Path(contract.run_dir), [s for s in completed if s in streaming])
     return DoneRecord(completed=sorted(completed), failed=sorted(failed),
-                      streamed={s: n or 0 for s, n in counts.items()}, campaign=contract.campaign, run=contract.run)
+                      streamed={s: n for s, n in counts.items() if n is not None},
+                      silent=sorted(s for s, n in counts.items() if n is None), campaign=contract.campaign,
+                      run=contract.run)
 
 
 def kept(run_dir: Path, completed: set[int], streaming: set[int]) -> set[int]:

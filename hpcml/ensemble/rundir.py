@@ -3,8 +3,8 @@
 The :class:`~hpcml.ensemble.Campaign` and the Parsl apps (:mod:`hpcml.ensemble.apps`) both
 call :func:`claim` first. It
 
-- locks the directory for this driver process (``.driver.lock``): a second driver in the
-  same directory at the same time is refused, whichever entry point it uses;
+- locks the directory for this driver process (an ``flock`` on the directory): a second
+  driver in the same directory at the same time is refused, whichever entry point it uses;
 - records the campaign on first use (``campaign_id.json``: an id and the definition's
   digest) and refuses a directory that holds another campaign -- or this one, unless the
   caller resumes it -- in one line, before anything else happens;
@@ -47,13 +47,12 @@ logger = get_logger(__name__)
 IDENTITY_FILE = "campaign_id.json"
 #: What a campaign leaves in its run directory; without an identity file, an older version's run.
 STATE = ("campaign.json", "training.json", "provenance.jsonl", "sims_done.json", "metrics.jsonl", "checkpoints")
-LOCK_FILE = ".driver.lock"
 #: Written by one run for the other side; never read by another run (they carry their run id).
 #: The done record is also the simulations' record of a training-only run's campaign: it stays
 #: until a run with simulations starts (:func:`clear_done`).
 PROTOCOL_FILES = (ENDPOINTS_FILE, LEASE_FILE)
 
-_held: dict[Path, tuple[int, int]] = {}  # run_dir -> (lock fd, claims) held by this process
+_held: dict[Path, int] = {}  # run_dir -> the locked directory's descriptor, held by this process
 
 
 @dataclass(frozen=True)
@@ -95,13 +94,11 @@ def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | N
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{where}: {e.strerror}; expected a directory, or a path where one can be made") from None
-    created = _lock(run_dir)
+    _lock(run_dir)
     try:
         cid, held, rec = _identity(run_dir, sims, training, resume=resume)
     except BaseException:
         release(run_dir)
-        if created:  # refused: the directory is left as it was found
-            (run_dir / LOCK_FILE).unlink(missing_ok=True)
         raise
     run = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     rec.setdefault("runs", []).append({"run": run, "entry": entry, "started": attempts.iso(time.time()),
@@ -151,42 +148,41 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
     return cid, True, {**rec, **now}  # a new part, or the training job's latest argv (e.g. more --steps)
 
 
-def _lock(run_dir: Path) -> bool:
-    """One driver per run directory at a time (re-entrant within this process); whether the
-    lock file was made here."""
+def _lock(run_dir: Path) -> None:
+    """One driver per run directory at a time: an ``flock`` on the directory itself (no file
+    is made, so a refused claim leaves the directory as it was). A second claim in this
+    process is refused too, as one in another process (an apps workflow and a Campaign, or
+    two threads, would each mint a run and delete the other's files)."""
     if run_dir in _held:
-        fd, n = _held[run_dir]
-        _held[run_dir] = (fd, n + 1)
-        return False
-    path = run_dir / LOCK_FILE
-    created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        raise ConfigError(f"run directory {run_dir} is claimed by this process already (a Campaign run or an apps "
+                          f"workflow that has not ended): one driver per directory")
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
+        runs = (_read_identity(run_dir) or {}).get("runs") or [{}]
+        holder = f"pid {runs[-1].get('pid', '?')} on {runs[-1].get('host', '?')}"
         raise ConfigError(f"run directory {run_dir} is in use by a running driver ({holder}): wait for it to end, "
                           f"or use a new directory") from None
     except OSError as e:  # a file system without flock (some NFS, Lustre mounted without it): go on, unguarded
-        logger.warning("run directory %s: cannot lock %s (%s): a second driver would not be stopped", run_dir,
-                       LOCK_FILE, e.strerror)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    _held[run_dir] = (fd, 1)
-    return created
+        logger.warning("run directory %s: cannot lock it (%s): a second driver would not be stopped", run_dir,
+                       e.strerror)
+    _held[run_dir] = fd
 
 
 def release(run_dir: Path) -> None:
-    """Give up one claim of ``run_dir``; the lock goes with the last."""
-    run_dir = Path(run_dir).resolve()
-    if run_dir not in _held:
-        return
-    fd, n = _held.pop(run_dir)
-    if n > 1:
-        _held[run_dir] = (fd, n - 1)
-        return
-    os.close(fd)  # the flock goes with it
+    """Give up the claim of ``run_dir`` (the lock goes with it)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _read_identity(run_dir: Path) -> dict | None:
+    try:
+        return read_json(run_dir / IDENTITY_FILE, max_bytes=1 << 20)
+    except ConfigError:
+        return None
 
 
 def clear_done(run_dir: Path) -> None:

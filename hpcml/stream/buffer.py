@@ -94,6 +94,9 @@ class Buffer:
         self.error: str | None = None
         """Why the source filling it died (see :meth:`fail`)."""
         self.stats = BufferStats()
+        self._wants: list[int] = []
+        """Samples each waiting :meth:`get` needs: a put wakes a getter only once it can be served
+        (a wake-up per put cost the server thread ~0.1 ms a sample on 2 cores)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -126,7 +129,8 @@ class Buffer:
                 self._items[j] = sample
             else:
                 self._items.append(sample)
-            self._cond.notify_all()
+            if self._wants and len(self._items) >= min(self._wants):
+                self._cond.notify_all()
             return True
 
     def wait_for_room(self, timeout: float) -> bool:
@@ -160,7 +164,14 @@ class Buffer:
     def get(self, n: int, timeout: float = 0.0) -> list[Sample] | None:
         """A batch of ``n`` samples per the policy, waiting up to ``timeout``; None if none is ready."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.can_serve(n) or self.ended, timeout) or not self.can_serve(n):
+            if not (self.can_serve(n) or self.ended):
+                need = max(n, self.config.watermark, 1)
+                self._wants.append(need)
+                try:
+                    self._cond.wait_for(lambda: self.can_serve(n) or self.ended, timeout)
+                finally:
+                    self._wants.remove(need)
+            if not self.can_serve(n):
                 return None
             policy = self.config.policy
             if policy == "fifo":

@@ -13,7 +13,10 @@ ingested), never silently.
 
 A completed simulation that streamed nothing (no Producer: run without streaming) is
 settled at once with nothing expected, so a campaign whose simulations never stream ends
-its trainer's stream as soon as the driver says so. Pure logic: no sockets, no threads.
+its trainer's stream as soon as the driver says so; one that closed no Producer at all is
+*silent* in the done record, and the training fails naming it. The grace starts again
+whenever a sample arrives: a slow last block is waited for, a dead sender is not. Pure
+logic: no sockets, no threads.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class EndTracker:
         self.nranks: dict[int, int] = {}
         self.done: DoneRecord | None = None
         self.done_at: float | None = None
+        self.progress_at = 0.0
+        """When a sample last arrived: the grace runs from the later of that and the done record."""
 
     def new_attempt(self, sim: int) -> None:
         self.ends.pop(sim, None)
@@ -47,6 +52,14 @@ class EndTracker:
         if self.done is None:
             self.done_at = time.monotonic()
         self.done = record
+
+    def progress(self) -> None:
+        """A sample arrived: what is still missing may be on its way, the grace starts again."""
+        self.progress_at = time.monotonic()
+
+    def silent(self) -> list[int]:
+        """Completed simulations routed here that should have streamed and closed no Producer."""
+        return [s for s in (self.done.silent if self.done else []) if self.mine(s)]
 
     def mine(self, sim: int) -> bool:
         return route(sim, self.n_trainers) == self.rank
@@ -81,7 +94,7 @@ class EndTracker:
             return False, []
         waiting = self.unsettled(ingested)
         now = time.monotonic() if now is None else now
-        if waiting and now - self.done_at < self.grace_s:
+        if waiting and now - max(self.done_at, self.progress_at) < self.grace_s:
             return False, waiting
         return True, waiting
 

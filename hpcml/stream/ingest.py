@@ -102,6 +102,7 @@ class Ingest:
         self.seen.add((sim, step))
         self.per_sim[sim] += 1
         self.counters["samples"] += 1
+        self.ends.progress()
         return self.schema.sample(sim, step, t, params, fields)
 
     def drop(self, reason: str) -> int:
@@ -120,7 +121,7 @@ class Ingest:
     def accounting(self) -> dict:
         """What this rank should hold of the completed simulations and what it holds, per simulation."""
         expected = self.ends.expected()
-        return {"expected": {s: n for s, n in expected.items()},
+        return {"expected": {s: n for s, n in expected.items()}, "silent": self.ends.silent(),
                 "ingested": {s: self.per_sim[s] for s in set(expected) | set(self.per_sim)}}
 
     # -- checkpoint -----------------------------------------------------------------------------------

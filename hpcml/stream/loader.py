@@ -80,7 +80,7 @@ class StreamLoader:
                                   f"rank's: {buf.error or 'alive'} (see the trainer log of the rank that says why)")
             if flags[1] == 0 or flags[2] == 0:  # some rank's stream is over, or asked to stop: everyone stops
                 self.stopped = flags[2] == 0
-                if self.stopped and self._held is not None:  # untrained: back into the buffer (and the checkpoint)
+                if self._held is not None:  # untrained: back into the buffer (and the checkpoint)
                     buf.unget(self._held)
                     self._held = None
                 batch = None

@@ -2,15 +2,16 @@
 
 A message is a ZeroMQ multipart message::
 
-    [b"hpcml-stream/1", header (UTF-8 JSON), payload_0, ..., payload_{k-1}, mac (32 bytes)]
+    [b"hpcml-stream/2", header (UTF-8 JSON), payload_0, ..., payload_{k-1}, mac (16 bytes)]
 
-``mac`` is a Poly1305 tag over every frame before it, each prefixed by its length, so
-frames cannot be moved between messages or re-split. Its one-time key is
-HMAC-SHA256(secret, header), and every header carries a fresh random 128-bit ``nonce``,
-so no key is ever used twice -- the construction of NaCl's secretbox and of
-ChaCha20-Poly1305, with HMAC as the key derivation. Poly1305 (OpenSSL) runs at ~11 GB/s
-here against ~1.7 GB/s for HMAC-SHA256 over the payload: authentication stays far below
-the cost of moving the bytes. Payloads
+``mac`` is a GMAC tag (AES-256-GCM over authenticated data only, 16 bytes) over the frame
+count and every frame's length, then every frame before it, so frames cannot be moved
+between messages or re-split. Its one-time key is HMAC-SHA256(secret, header), and every
+header carries a fresh random 128-bit ``nonce``, so no key is ever used twice (which is
+what makes the fixed GCM IV safe) -- the construction of NaCl's secretbox and of
+ChaCha20-Poly1305, with HMAC as the key derivation and GMAC as the one-time MAC. GMAC
+(OpenSSL, AES-NI and carry-less multiply) runs at ~19 GB/s here, Poly1305 at ~12 GB/s,
+HMAC-SHA256 at ~1.8 GB/s: authentication stays far below the cost of moving the bytes. Payloads
 are the C-order bytes of one field of one rank's subdomain, dtype float32 or float64 as
 the header says; fields have 1 to ``MAX_DIMS`` dimensions (1-D, 2-D and 3-D solvers). A
 receiver checks the MAC first and then every number in the header against the payload
@@ -34,11 +35,12 @@ import struct
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from hpcml.errors import ConfigError, HpcmlError
 
-MAGIC = b"hpcml-stream/1"
+MAGIC = b"hpcml-stream/2"
+"""Version 2: GMAC tags (version 1 had Poly1305)."""
 MAC_BYTES = 16
 _DTYPES = {"float32": np.float32, "float64": np.float64}
 _MAX_HEADER = 64 * 1024
@@ -63,15 +65,22 @@ class MessageError(HpcmlError, ValueError):
         self.reason = reason
 
 
+_IV = bytes(12)
+"""GCM's IV may be fixed: every message has a key of its own (HMAC of a header with a fresh nonce)."""
+
+
 def mac(secret: bytes, frames) -> bytes:
-    """Poly1305 tag over length-prefixed frames under the one-time key HMAC(secret, header frame)."""
-    key = hmac.new(secret, bytes(frames[1]), hashlib.sha256).digest()
-    p = Poly1305(key)
-    for f in frames:
-        mv = memoryview(f).cast("B")
-        p.update(struct.pack("<Q", mv.nbytes))
-        p.update(mv)
-    return p.finalize()
+    """GMAC tag over the frame count, every frame length (one block up front) and the frames,
+    under the one-time key HMAC(secret, header frame)."""
+    bufs = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
+    key = hmac.new(secret, bufs[1], hashlib.sha256).digest()
+    tagger = Cipher(algorithms.AES(key), modes.GCM(_IV)).encryptor()
+    add = tagger.authenticate_additional_data
+    add(struct.pack(f"<{len(bufs) + 1}Q", len(bufs), *[len(b) for b in bufs]))
+    for b in bufs:
+        add(b)
+    tagger.finalize()
+    return tagger.tag
 
 
 def box_problem(global_shape, offset, shape, shape_name: str = "shape") -> str | None:
@@ -92,13 +101,21 @@ def box_problem(global_shape, offset, shape, shape_name: str = "shape") -> str |
 def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = ()) -> list:
     """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied.
     A header the receiver would refuse for its size is a ConfigError here, at the sender."""
-    bufs = [np.ascontiguousarray(p) for p in payloads]
-    header = {**header, "nonce": os.urandom(16).hex()}
-    text = json.dumps(header, separators=(",", ":")).encode()
+    return seal(secret, json.dumps({**header, "nonce": nonce()}, separators=(",", ":")).encode(), payloads)
+
+
+def nonce() -> str:
+    """A fresh random 128-bit nonce, as a header carries it."""
+    return os.urandom(16).hex()
+
+
+def seal(secret: bytes, text: bytes, payloads=()) -> list:
+    """Frames of one message whose header is already JSON text (with its nonce): the
+    Producer serialises the parts of its header that never change once."""
     if len(text) > _MAX_HEADER:
         raise ConfigError(f"message header of {len(text)} bytes, expected at most {_MAX_HEADER} (fewer or shorter "
                           f"params, field names or simulation ids)")
-    frames = [MAGIC, text] + [memoryview(b).cast("B") for b in bufs]
+    frames = [MAGIC, text] + [memoryview(np.ascontiguousarray(p)).cast("B") for p in payloads]
     frames.append(mac(secret, frames))
     return frames
 
@@ -119,9 +136,10 @@ class Message:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _need(cond: bool, reason: str, detail: str) -> None:
+def _need(cond: bool, reason: str, detail) -> None:
+    """``detail``: the text, or a function making it (only a refusal pays for the message)."""
     if not cond:
-        raise MessageError(reason, detail)
+        raise MessageError(reason, detail() if callable(detail) else detail)
 
 
 def _is_int(x, lo: int = 0, hi: int = MAX_ID) -> bool:
@@ -131,10 +149,10 @@ def _is_int(x, lo: int = 0, hi: int = MAX_ID) -> bool:
 def _ints(h: dict, key: str, n: int | None, lo: int = 0, hi: int = MAX_ID) -> list[int]:
     v = h.get(key)
     if n is None:
-        _need(_is_int(v, lo, hi), "bad_header", f"{key}={_short(v)}, expected an integer in {lo}..{hi}")
+        _need(_is_int(v, lo, hi), "bad_header", lambda: f"{key}={_short(v)}, expected an integer in {lo}..{hi}")
         return [v]
     _need(isinstance(v, list) and len(v) == n and all(_is_int(x, lo, hi) for x in v), "bad_header",
-          f"{key}={_short(v)}, expected {n} integers in {lo}..{hi}")
+          lambda: f"{key}={_short(v)}, expected {n} integers in {lo}..{hi}")
     return v
 
 
@@ -151,21 +169,22 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def decode(secret: bytes, frames: list, campaign: str) -> Message:
-    """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign``: a
-    :class:`Message`, or :class:`MessageError` -- never another exception, whatever the input."""
+def decode(secret: bytes, frames: list, campaign: str, run: str | None = None) -> Message:
+    """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign`` (and, given,
+    ``run``: a message that names another run is refused): a :class:`Message`, or
+    :class:`MessageError` -- never another exception, whatever the input."""
     try:
-        return _decode(secret, frames, campaign)
+        return _decode(secret, frames, campaign, run)
     except MessageError:
         raise
     except Exception as e:  # a check this module missed: still a drop with a reason, never a dead server
         raise MessageError("bad_header", f"{type(e).__name__}: {_short(str(e))}") from None
 
 
-def _decode(secret: bytes, frames: list, campaign: str) -> Message:
+def _decode(secret: bytes, frames: list, campaign: str, run: str | None) -> Message:
     raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
-    _need(3 <= len(raw) <= MAX_FRAMES, "malformed", f"{len(raw)} frames, expected 3 to {MAX_FRAMES}")
-    _need(bytes(raw[0]) == MAGIC, "malformed", "wrong magic")
+    _need(3 <= len(raw) <= MAX_FRAMES, "malformed", lambda: f"{len(raw)} frames, expected 3 to {MAX_FRAMES}")
+    _need(raw[0] == MAGIC, "malformed", "wrong magic")
     _need(memoryview(raw[-1]).nbytes == MAC_BYTES, "malformed", "no MAC frame")
     _need(memoryview(raw[1]).nbytes <= _MAX_HEADER, "malformed", "header too large")
     _need(hmac.compare_digest(mac(secret, raw[:-1]), bytes(raw[-1])), "unauthenticated", "MAC mismatch")
@@ -173,39 +192,43 @@ def _decode(secret: bytes, frames: list, campaign: str) -> Message:
         h = json.loads(bytes(raw[1]), parse_constant=_no_constant)
     except ValueError as e:
         raise MessageError("bad_header", f"not JSON: {e}") from None
-    _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header", f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
-    _need(h.get("campaign") == campaign, "wrong_campaign", f"campaign={_short(h.get('campaign'))}")
+    _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header",
+          lambda: f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
+    _need(h.get("campaign") == campaign, "wrong_campaign", lambda: f"campaign={_short(h.get('campaign'))}")
+    _need(run is None or h.get("run", run) == run, "wrong_campaign", lambda: f"run={_short(h.get('run'))}, "
+          f"not this run's {run!r} (a message of an earlier run)")
     payloads = raw[2:-1]
     sim, attempt, rank = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank"))
     nranks = _ints(h, "nranks", None, 1, MAX_RANKS)[0]
-    _need(rank < nranks, "bad_header", f"rank {rank} of {nranks}")
+    _need(rank < nranks, "bad_header", lambda: f"rank {rank} of {nranks}")
     if h["kind"] == "end":
         _ints(h, "n_sent", None)
         _need(not payloads, "malformed", "end message with payload")
         return Message(h)
     _ints(h, "step", None)
-    _need(_finite(h.get("t")), "bad_header", f"t={_short(h.get('t'))}, expected a finite number")
+    _need(_finite(h.get("t")), "bad_header", lambda: f"t={_short(h.get('t'))}, expected a finite number")
     gshape = h.get("global_shape")
     _need(isinstance(gshape, list) and 1 <= len(gshape) <= MAX_DIMS, "bad_header",
-          f"global_shape={_short(gshape)}, expected 1 to {MAX_DIMS} dimensions")
+          lambda: f"global_shape={_short(gshape)}, expected 1 to {MAX_DIMS} dimensions")
     gshape, offset, shape = (_ints(h, k, len(gshape)) for k in ("global_shape", "offset", "shape"))
     problem = box_problem(gshape, offset, shape)
-    _need(problem is None, "bad_header", str(problem))
+    _need(problem is None, "bad_header", lambda: str(problem))
     params = h.get("params")
     _need(isinstance(params, dict) and all(_finite(v) for v in params.values()), "bad_header",
-          f"params={_short(params)}, expected names mapped to finite numbers")
+          lambda: f"params={_short(params)}, expected names mapped to finite numbers")
     fields = h.get("fields")
     _need(isinstance(fields, list) and 1 <= len(fields) <= MAX_FIELDS and len(fields) == len(payloads),
-          "malformed", f"{len(payloads)} payloads for fields {_short(fields)}")
+          "malformed", lambda: f"{len(payloads)} payloads for fields {_short(fields)}")
     arrays = {}
     for f, buf in zip(fields, payloads):
         _need(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], str)
-              and f[1] in _DTYPES, "bad_header", f"field entry {_short(f)}, expected [name, 'float32' or 'float64']")
+              and f[1] in _DTYPES, "bad_header",
+              lambda: f"field entry {_short(f)}, expected [name, 'float32' or 'float64']")
         name, dtype = f
-        _need(name not in arrays, "bad_header", f"field {_short(name)} named twice")
+        _need(name not in arrays, "bad_header", lambda: f"field {_short(name)} named twice")
         np_t = _DTYPES[dtype]
         expect = math.prod(shape) * np.dtype(np_t).itemsize
-        _need(memoryview(buf).nbytes == expect, "truncated", f"field {name}: {memoryview(buf).nbytes} bytes, "
-              f"expected {expect}")
+        _need(memoryview(buf).nbytes == expect, "truncated",
+              lambda: f"field {name}: {memoryview(buf).nbytes} bytes, expected {expect}")
         arrays[name] = np.frombuffer(buf, dtype=np_t).reshape(shape)
     return Message(h, arrays)

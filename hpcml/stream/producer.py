@@ -15,6 +15,7 @@ simulation would go on and report success.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import os
@@ -74,11 +75,21 @@ class Producer:
     """Copy each array before sending (ZeroMQ sends from it after ``send`` returns). False: the
     caller hands over arrays it never modifies again -- the kernels pass fresh copies -- and
     saves a copy per message."""
+    run: str = ""
+    """The campaign's run (``from_campaign`` sets it): every message carries it, and a server
+    of another run drops it -- a message replayed from an earlier run is never this run's data."""
 
     def __post_init__(self) -> None:
         if self.hwm < 1 or self.send_timeout_s <= 0:
             raise ConfigError(f"Producer needs hwm >= 1 and send_timeout_s > 0, got {self.hwm}, {self.send_timeout_s}")
         self._check()
+        # the header's parts that never change, serialised once (without its closing brace)
+        self._header_json = json.dumps({
+            "kind": "data", "campaign": self.campaign, **({"run": self.run} if self.run else {}), "sim": self.sim_id,
+            "attempt": self.attempt, "rank": self.rank, "nranks": self.nranks, "global_shape": list(self.global_shape),
+            "offset": list(self.offset), "shape": list(self.local_shape), "params": self.params},
+            separators=(",", ":"))[:-1]
+        self._names_json: dict[tuple, str] = {}
         # its own context, terminated in close(): that waits until ZeroMQ has sent every
         # zero-copy frame, so no array is freed while the I/O thread still reads it
         self._ctx = zmq.Context(io_threads=1)
@@ -156,7 +167,8 @@ class Producer:
         _, endpoints = read_endpoints(c.endpoints_file, timeout_s=float(os.environ.get("HPCML_STREAM_WAIT_S", "120")),
                                       contract=c)
         return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),
-                   campaign=c.campaign, sim_id=sim, attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
+                   campaign=c.campaign, run=c.run, sim_id=sim,
+                   attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
                    rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=global_shape,
                    offset=offset, local_shape=local_shape, fields=fields, **kw)
 
@@ -215,11 +227,11 @@ class Producer:
                                   f"{message.MAX_FRAME_BYTES} a stream server reads in one frame: use more ranks")
             arrays.append(a)
             names.append([name, str(a.dtype)])
-        header = {"kind": "data", "campaign": self.campaign, "sim": self.sim_id, "attempt": self.attempt,
-                  "rank": self.rank, "nranks": self.nranks, "step": step_i, "t": t,
-                  "global_shape": list(self.global_shape), "offset": list(self.offset),
-                  "shape": list(self.local_shape), "fields": names, "params": self.params}
-        self._send(message.encode(self.secret, header, arrays))
+        names_json = self._names_json.get(key := tuple(map(tuple, names)))
+        if names_json is None:
+            names_json = self._names_json[key] = json.dumps(names, separators=(",", ":"))
+        text = f'{self._header_json},"step":{step_i},"t":{t!r},"fields":{names_json},"nonce":"{message.nonce()}"}}'
+        self._send(message.seal(self.secret, text.encode(), arrays))
         self.n_sent += 1
         self.bytes_sent += sum(a.nbytes for a in arrays)
 
@@ -227,8 +239,9 @@ class Producer:
         """Send the end marker and wait (up to the send timeout) until everything queued has left."""
         if self._closed:
             return
-        header = {"kind": "end", "campaign": self.campaign, "sim": self.sim_id, "attempt": self.attempt,
-                  "rank": self.rank, "nranks": self.nranks, "n_sent": self.n_sent}
+        header = {"kind": "end", "campaign": self.campaign, **({"run": self.run} if self.run else {}),
+                  "sim": self.sim_id, "attempt": self.attempt, "rank": self.rank, "nranks": self.nranks,
+                  "n_sent": self.n_sent}
         self._send(message.encode(self.secret, header))
         self._sock.close()  # lingers until queued messages are sent (at most send_timeout_s)
         self._ctx.term()

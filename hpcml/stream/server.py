@@ -176,6 +176,9 @@ class StreamServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if self._thread.is_alive():  # its socket stays: closing it under a running recv could crash
+                logger.error("trainer rank %d: the stream server thread did not stop within 10 s", self.rank)
+                return
         self._rx.close()
 
     def _run(self) -> None:
@@ -187,25 +190,30 @@ class StreamServer:
             self.buffer.fail(f"the stream server of trainer rank {self.rank} died ({self.error})")
 
     def _loop(self) -> None:
+        """Read while messages are queued (up to 64 in a row), poll only when none is: a poll per
+        message cost as much as its validation."""
         poller = zmq.Poller()
         poller.register(self._rx.sock, zmq.POLLIN)
         while not self._stop.is_set():
             if self._pending is not None and not self._deliver():
                 continue
-            if poller.poll(50):
-                for _ in range(16):  # drain what is queued before polling again
-                    try:
-                        frames = self._rx.recv()
-                    except zmq.Again:
-                        break
-                    except message.MessageError as e:
-                        with self._lock:
-                            self._rejected(e)
-                        continue
-                    self._last_recv = time.monotonic()
-                    self._handle(frames)
-                    if self._pending is not None and not self._deliver():
-                        break  # buffer full: stop reading (backpressure)
+            got = 0
+            while got < 64 and self._pending is None:  # a pending sample: the buffer is full (backpressure)
+                try:
+                    got += 1  # refused messages count too: a flood of them must not keep the loop from the rest
+                    frames = self._rx.recv()
+                except zmq.Again:
+                    got -= 1
+                    break
+                except message.MessageError as e:
+                    with self._lock:
+                        self._rejected(e)
+                    continue
+                self._handle(frames)
+            if got:
+                self._last_recv = time.monotonic()
+            elif self._pending is None:
+                poller.poll(50)
             with self._lock:
                 self.ingest.assembly.sweep()
             self._check_end()
@@ -220,17 +228,20 @@ class StreamServer:
         return False
 
     def _handle(self, frames: list) -> None:
-        """Decode, check and place one message; anything wrong with it is a counted drop."""
+        """Decode, check and place one message (into the buffer if it completes a sample, the
+        same lock hold); anything wrong with it is a counted drop."""
         try:
-            msg = message.decode(self._secret, frames, self.campaign)
+            msg = message.decode(self._secret, frames, self.campaign, self.contract.run if self.contract else None)
         except message.MessageError as e:
             with self._lock:
                 return self._rejected(e)
         with self._lock:
             try:
-                self._pending = self.ingest.message(msg)
+                sample = self.ingest.message(msg)
             except Exception as e:  # MessageError, or input the checks missed: dropped, the thread lives on
                 return self._rejected(e)
+            if sample is not None and not self.buffer.put(sample, timeout=0, force=self._overflow.is_set()):
+                self._pending = sample  # counted as in the buffer by a checkpoint until it fits
         if msg.kind == "data":
             now = time.perf_counter()
             self.t_first = self.t_first or now

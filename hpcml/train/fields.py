@@ -101,11 +101,11 @@ class FieldTrainer(TrainLoop):
     @torch.no_grad()
     def check_batch(self, batch) -> str | None:
         """The model's output for one sample against that sample's field (collective under FSDP)."""
-        x, y = self.inputs(batch[:1])
         self.module.eval()
         try:
+            x, y = self.inputs(batch[:1])
             out = self.module(*x)
-        except (RuntimeError, ValueError) as e:  # e.g. a Linear of the wrong width: torch's words, one line
+        except Exception as e:  # noqa: BLE001 -- e.g. a Linear of the wrong width, scales of other parameters
             return (f"the model cannot take simulation {batch[0].sim}'s sample ({type(e).__name__}: "
                     f"{' '.join(str(e).split())[:300]})")
         finally:

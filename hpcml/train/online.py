@@ -114,8 +114,9 @@ class OnlineResult:
 
     @property
     def incomplete(self) -> bool:
-        """Failed only for samples that never arrived: the training itself ran."""
-        return self.status == "failed" and self.missing > 0 and len(self.problems) == 1
+        """Failed, with samples of completed simulations that never arrived: a relaunch cannot
+        bring them back (a resumed campaign runs those simulations again)."""
+        return self.status == "failed" and self.missing > 0
 
 
 def train_online(trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
@@ -144,13 +145,26 @@ class OnlineRun:
         self.trainer, self.source, self.grid, self.config, self.on_step = trainer, source, grid, config, on_step
         self.comm, self.rank = grid.comm, grid.rank
         self.steps = trainer.config.steps
+        capacity = source.buffer.config.capacity
+        if self.batch > capacity:
+            raise ConfigError(f"batch={self.batch} is more than the buffer's capacity={capacity}: no batch could ever "
+                              f"be served; give a buffer of at least the batch")
         self.hook = None if not config.ckpt_dir else CheckpointHook(
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
-            state=lambda: (source_tensors(source, self.rank), {"campaign": config.campaign}))
+            state=self._source_state)
+        self._state_samples = -1  # the samples the source state taken by the last save holds
         self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping)
         self.resumed_at: int | None = None
         self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
         self.drained = 0
+
+    def _source_state(self) -> tuple[dict, dict]:
+        """A save's extra tensors and JSON: the source's state, whose own count of samples is
+        what the save holds (the source ingests on while the save is written)."""
+        tensors = source_tensors(self.source, self.rank)
+        seen = tensors.get(f"stream/rank_{self.rank:05d}/seen")
+        self._state_samples = 0 if seen is None else int(seen.shape[0])
+        return tensors, {"campaign": self.config.campaign}
 
     @staticmethod
     def _stopping() -> bool:
@@ -216,8 +230,8 @@ class OnlineRun:
                                                       "ingested": int(self.source.stats()["samples"])})
             if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
                 self.hook(self.trainer, {**m, "stop": False})
-                if self.hook.last_step == self.trainer.step:  # the source's state was taken at the call
-                    self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
+                if self.hook.last_step == self.trainer.step:
+                    self._saved = (self.trainer.step, self._state_samples)
             if self.on_step is not None:
                 self.on_step(m)
 
@@ -240,7 +254,7 @@ class OnlineRun:
     def _save(self) -> None:
         if self.hook is not None:
             self.hook.save(self.trainer)
-            self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
+            self._saved = (self.trainer.step, self._state_samples)
 
     def _stopped(self) -> OnlineResult:
         """Every rank, together: keep what arrived, save, say "not finished"."""
@@ -270,10 +284,10 @@ class OnlineRun:
                 return False
             if flags[0]:
                 return True
-            if buffer.config.policy == "reservoir":  # never blocks the stream: just wait for its end
+            if buffer.config.policy != "reservoir" and len(buffer) >= buffer.config.capacity:
+                self.drained += len(buffer.get(1, timeout=0.05) or [])  # full: make room, the stream flows on
+            else:  # a reservoir never blocks the stream; room left keeps every sample for the checkpoint
                 time.sleep(0.05)
-            else:
-                self.drained += len(buffer.get(1, timeout=0.05) or [])
 
     def _finish(self, train_s: float) -> OnlineResult:
         changed = self._saved != (self.trainer.step, int(self.source.stats()["samples"])) or self.drained
@@ -283,7 +297,8 @@ class OnlineRun:
             self.hook.close()
         loader = self.loader
         stats = self.comm.gather({**self.source.stats(), "accounting": self.source.accounting(),
-                                  "unused": loader.unused() + self.drained, "starved_s": loader.starved_s,
+                                  "unused": loader.unused() + self.drained, "drained": self.drained,
+                                  "starved_s": loader.starved_s,
                                   "agree_s": loader.agree_s, "train_s": train_s,
                                   "since_first_batch_s": time.perf_counter() - loader.t_first_batch
                                   if loader.t_first_batch else 0.0})

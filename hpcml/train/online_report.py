@@ -32,12 +32,13 @@ def accounting(per_rank: list[dict]) -> dict[str, Any]:
         for sim, n in acc.get("expected", {}).items():
             expected[int(sim)] = n
         ingested.update({int(s): n for s, n in acc.get("ingested", {}).items()})
+    silent = sorted({int(s) for acc in per_rank for s in acc.get("silent", [])})
     known = {s: n for s, n in expected.items() if n is not None}
     missing = {s: n - ingested[s] for s, n in sorted(known.items()) if ingested[s] < n}
     return {"samples_expected": sum(known.values()), "samples_missing": sum(missing.values()),
             "missing_by_sim": {str(s): n for s, n in missing.items()},
             "sims_count_unknown": sorted(s for s, n in expected.items() if n is None),
-            "sims_expected": len(expected)}
+            "sims_expected": len(expected), "sims_silent": silent}
 
 
 def summarize(stats: list[dict], *, steps: int, batch: int, world: int, final_loss: float | None) -> dict[str, Any]:
@@ -52,6 +53,7 @@ def summarize(stats: list[dict], *, steps: int, batch: int, world: int, final_lo
             "intake_mb_s": sum(s.get("intake_mb_s", 0.0) for s in stats),
             "bytes_ingested": sum(s.get("bytes", 0) for s in stats),
             "samples_unused": unused, "samples_untrained": unused + evicted_unused,
+            "samples_drained": sum(s.get("drained", 0) for s in stats),
             "samples_trained": steps * batch * world, "gradient_steps": steps, "final_loss": final_loss,
             "trainer_idle_fraction": sum(s["starved_s"] for s in stats) / busy if busy else 0.0,
             "agreement_fraction": sum(s["agree_s"] for s in stats) / busy if busy else 0.0,
@@ -78,6 +80,8 @@ def problems(summary: dict, stats: list[dict], steps: int) -> tuple[list[str], l
         if s["samples"]:
             continue
         expected = s["accounting"].get("expected", {})
+        if s["accounting"].get("silent") and not expected:
+            continue  # said once below, naming them
         if expected and not any(expected.values()):
             out.append(f"trainer rank {r} received no sample: the {len(expected)} completed simulation(s) routed to "
                        f"it ({sorted(int(k) for k in expected)[:_LISTED]}) streamed none (a simulation run without "
@@ -88,6 +92,10 @@ def problems(summary: dict, stats: list[dict], steps: int) -> tuple[list[str], l
     if dropped:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items()))
         out.append(f"{sum(dropped.values())} message(s) were dropped ({why}): see the trainer's log")
+    if summary.get("sims_silent"):
+        out.append(f"simulation(s) {summary['sims_silent'][:_LISTED]} completed without streaming (no "
+                   f"hpcml.stream.Producer of theirs was closed: run without their stream option?): their samples "
+                   f"never reached training")
     if summary["samples_missing"]:
         exp = {str(k): v for s in stats for k, v in s["accounting"].get("expected", {}).items()}
         out.append(f"{summary['samples_missing']} of {summary['samples_expected']} samples of completed simulations "
@@ -96,9 +104,12 @@ def problems(summary: dict, stats: list[dict], steps: int) -> tuple[list[str], l
                    f"simulations again")
     notes = []
     if summary["samples_untrained"] and steps:
+        drained = summary.get("samples_drained", 0)
         notes.append(f"{summary['samples_untrained']} of {summary['samples_ingested']} ingested samples were never "
-                     f"in a batch (the step budget, {steps} steps, ended before they were used): raise the steps to "
-                     f"train on all of them")
+                     f"in a batch (the step budget, {steps} steps, ended before they were used)"
+                     + (f"; {drained} of them were taken out of the buffer after the last step to keep the "
+                        f"simulations flowing, and are not in the checkpoint" if drained else
+                        ": they are in the checkpoint; raise the steps and resume to train on them"))
     if summary["sims_count_unknown"]:
         notes.append(f"how many samples simulation(s) {summary['sims_count_unknown'][:_LISTED]} sent is not known "
                      f"(no count from the driver, no end markers): their losses cannot be counted")

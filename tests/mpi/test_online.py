@@ -331,8 +331,8 @@ def test_resuming_past_the_step_budget_is_refused(comm, tmp_path_factory):
     first = _wave_run(grid, files, model(), steps=5, ckpt_dir=ckpt_dir)
     n = comm.size  # 12 samples a rank, 10 used in 5 steps of 2: the others are said, not a failure
     assert (first.status, first.notes) == ("ok", [f"{2 * n} of {12 * n} ingested samples were never in a batch (the "
-                                                  f"step budget, 5 steps, ended before they were used): raise the "
-                                                  f"steps to train on all of them"])
+                                                  f"step budget, 5 steps, ended before they were used): they are in "
+                                                  f"the checkpoint; raise the steps and resume to train on them"])
     with pytest.raises(ConfigError, match=r"resumed at step 5 from .*step_00000005, past steps=3: nothing would be "
                                           r"trained; give steps >= 5"):
         _wave_run(grid, files, model(), steps=3, ckpt_dir=ckpt_dir, resume=True)

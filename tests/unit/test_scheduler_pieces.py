@@ -146,7 +146,7 @@ def test_training_alone_in_pilot_mode_loads_no_parsl_and_submits_no_block(tmp_pa
     assert (res.status, res.total, res.training_returncode, res.completed) == ("ok", 0, 0, [])
     assert log.read_text().split()[:5] == ["--time=00:10:00", "--signal=USR1@60", "--partition=debug", "-N1", "-n2"]
     assert (run_dir / "train.out").read_text() == "trained\n"
-    assert sorted(p.name for p in run_dir.iterdir()) == [".driver.lock", "campaign_id.json", "train.err", "train.out",
+    assert sorted(p.name for p in run_dir.iterdir()) == ["campaign_id.json", "train.err", "train.out",
                                                         "trainer.lease", "training.json"]  # no parsl/, no sims/
     assert json.loads((run_dir / "training.json").read_text())["status"] == "ok"
 

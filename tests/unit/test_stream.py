@@ -80,7 +80,7 @@ def test_server_assembles_dedups_retries_and_ends():
         assert not srv.buffer.ended
         srv.campaign_done(DoneRecord(completed=[0], failed=[], streamed={0: 3}))  # all 3 in: it ends at once
         _wait(lambda: srv.buffer.ended, timeout=2)
-        assert srv.accounting() == {"expected": {0: 3}, "ingested": {0: 3}}
+        assert srv.accounting() == {"expected": {0: 3}, "ingested": {0: 3}, "silent": []}
     finally:
         srv.stop()
 
@@ -111,7 +111,6 @@ def test_backpressure_blocks_producers_and_memory_stays_bounded():
         p = _producers(srv, 0, 0, field, nranks=1)[0][0]
         p.send_timeout_s = 0.5
         p._sock.setsockopt(zmq.SNDTIMEO, 500)
-        from hpcml.errors import ConfigError, LaunchError
         sent = 0
         with pytest.raises(LaunchError, match="took no data"):
             for step in range(200):
@@ -409,3 +408,27 @@ def test_from_campaign_binds_the_contracts_interface_and_a_relaunch_takes_its_pu
     with pytest.raises(ConfigError, match=r"gives this trainer no stream"):
         StreamServer.from_campaign(buf, rank=0, n_trainers=1, field_names=("T",),
                                    contract=Contract(run_dir=str(tmp_path), campaign=CAMPAIGN))
+
+
+def test_a_message_of_an_earlier_run_is_dropped_not_taken_as_this_runs(tmp_path):
+    """The secret outlives a run (a resumed campaign keeps it), so a message recorded in an
+    earlier run and replayed into this one authenticates: the run in its header refuses it."""
+    from hpcml.contract import Contract
+
+    (tmp_path / "stream.key").write_text(SECRET.hex())
+    c = Contract(run_dir=str(tmp_path), campaign=CAMPAIGN, run="r2", secret_file=str(tmp_path / "stream.key"),
+                 endpoints_file=str(tmp_path / "endpoints.json"))
+    srv = StreamServer.from_campaign(Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1)), rank=0,
+                                     n_trainers=1, param_names=("alpha",), field_names=("T",), contract=c).start()
+    try:
+        field = np.ones((4, 3), np.float32)
+        for run, sim in (("r1", 0), ("r2", 1), ("", 2)):  # an earlier run's, this run's, a producer built by hand
+            p = Producer(endpoint=srv.endpoint, secret=SECRET, campaign=CAMPAIGN, run=run, sim_id=sim, attempt=0,
+                         rank=0, nranks=1, params={"alpha": 1.0}, global_shape=(4, 3), offset=(0, 0),
+                         local_shape=(4, 3))
+            p.send(1, 0.1, {"T": field})
+            p.close()
+        _wait(lambda: srv.counters["samples"] == 2 and srv.dropped.get("wrong_campaign") == 2)  # data + end of r1
+        assert sorted(srv.seen) == [(1, 1), (2, 1)]
+    finally:
+        srv.stop()

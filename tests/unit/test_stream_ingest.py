@@ -122,7 +122,14 @@ def test_the_end_waits_for_what_the_done_record_says_then_counts_what_is_missing
     ing.message(_block(0, 4))
     time.sleep(0.35)
     assert ing.ended() == (True, [0])  # the grace is over: it ends without the fifth
-    assert ing.accounting() == {"expected": {0: 5, 1: 0}, "ingested": {0: 4, 1: 0}}
+    assert ing.accounting() == {"expected": {0: 5, 1: 0}, "ingested": {0: 4, 1: 0}, "silent": []}
+
+
+def test_a_simulation_that_closed_no_producer_is_silent_and_waited_for_by_nobody():
+    ing = _ingest(grace=60)
+    ing.message(_block(0, 1))
+    ing.ends.campaign_done(DoneRecord(completed=[0, 3], failed=[], streamed={0: 1}, silent=[3]))
+    assert ing.ended() == (True, []) and ing.accounting()["silent"] == [3]  # not waited for: said, not hidden
 
 
 def test_end_markers_settle_a_simulation_whose_count_the_driver_does_not_know():
@@ -131,7 +138,7 @@ def test_end_markers_settle_a_simulation_whose_count_the_driver_does_not_know():
     ing.ends.campaign_done(DoneRecord(completed=[7], failed=[]))  # a user's done file: no counts
     assert ing.ended() == (False, [7]) and ing.accounting()["expected"] == {7: None}
     ing.message(_end(7, 0, 2, 1))  # rank 0 sent one message: one sample expected, none whole yet
-    assert ing.ended() == (False, [7]) and ing.accounting() == {"expected": {7: 1}, "ingested": {7: 0}}
+    assert ing.ended() == (False, [7]) and ing.accounting() == {"expected": {7: 1}, "ingested": {7: 0}, "silent": []}
     ing.message(_block(7, 1, rank=1, nranks=2))
     assert ing.ended() == (True, []) and ing.accounting()["ingested"] == {7: 1}
 

@@ -145,8 +145,8 @@ def test_simulations_that_do_not_stream_end_the_trainer_in_seconds_with_the_caus
                          text=True, timeout=150)
     res = json.loads(_line(out.stdout, "RESULT"))
     assert res["trainer"] == 1 and res["after_done_s"] < 10, (res, _why(run))
-    assert ("trainer rank 0 received no sample: the 2 completed simulation(s) routed to it ([0, 1]) streamed none"
-            in (run / "train.err").read_text())
+    assert ("simulation(s) [0, 1] completed without streaming (no hpcml.stream.Producer of theirs was closed: run "
+            "without their stream option?)" in (run / "train.err").read_text())
     driver = _script(tmp_path, "my_campaign.py", DRIVER)  # a Campaign: it fails at the first one that completes
     run = tmp_path / "campaign"
     t0 = time.monotonic()
@@ -228,6 +228,49 @@ def test_a_watchdog_killed_by_sigkill_is_relaunched_and_nothing_of_the_first_job
     assert (record["training"]["restarts"], record["training"]["returncode"]) == (1, 0)
     assert (run / "trainer.lease").read_text().strip() != first and release.exists()  # the relaunch released the sims
     assert "Address already in use" not in _text(run / "train.err")
+
+
+@pytest.mark.timeout(200)
+def test_a_trainer_whose_driver_and_watchdog_are_both_killed_exits_by_itself(tmp_path):
+    """Nothing outlives the driver, even when the watchdog that would end the trainer dies
+    with it (one SIGKILL for the whole session): every rank sees its driver gone and exits."""
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)
+    run = tmp_path / "run"
+    flags = {"sim": ["--steps", "40000", "--every", "4000", "--stream"], "steps": 100000,
+             "train": ["--t-max", repr(t_max(40000)), "--ckpt-every", "1000", "--watermark", "2"]}
+    proc = subprocess.Popen([sys.executable, str(driver), str(run), json.dumps(flags)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "trainer.lease").exists() or not _ranks_of(run):
+            assert time.monotonic() < deadline and proc.poll() is None, _why(run)
+            time.sleep(0.2)
+        launch = (run / "trainer.lease").read_text().strip()
+        watchdogs = [p for p in _pids_with(f"HPCML_TRAINER_LAUNCH={launch}") if b"hpcml.ensemble.watchdog" in
+                     Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(watchdogs) == 1 and len(_ranks_of(run)) == 2
+        for pid in (proc.pid, *watchdogs):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        while _pids_with(f"HPCML_TRAINER_LAUNCH={launch}") and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        left = [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in _pids_with(f"HPCML_TRAINER_LAUNCH={launch}")]
+        assert left == [], left
+    finally:
+        for pid in _pids_with(f"HPCML_RUN_DIR={run}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "the campaign's driver (pid" in _text(run / "train.err") and "is gone: exiting" in _text(run / "train.err")
+
+
+def _ranks_of(run: Path) -> list[int]:
+    return [p for p in _pids_with(f"HPCML_RUN_DIR={run}") if b"train_burgers.py" in
+            Path(f"/proc/{p}/cmdline").read_bytes() and b"mpiexec" not in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"watchdog" not in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"bash" not in Path(f"/proc/{p}/cmdline").read_bytes()[:20]]
 
 
 def _text(path: Path) -> str:
