@@ -238,9 +238,13 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dic
     return rec
 
 
-def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "") -> None:
-    """Publish the trainer ranks' stream addresses (index = trainer rank) for ``campaign`` and ``run``."""
-    write_json(path, {"campaign": campaign, "run": run, "endpoints": list(endpoints), "time": time.time()})
+def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",
+                    closed: str | None = None) -> None:
+    """Publish the trainer ranks' stream addresses (index = trainer rank) for ``campaign`` and
+    ``run``; or, ``closed``, why a trainer that failed before it listened never will: the
+    simulations waiting for it fail at once with that reason instead of after their wait."""
+    rec = {"campaign": campaign, "run": run, "endpoints": list(endpoints), "time": time.time()}
+    write_json(path, {**rec, "closed": closed} if closed else rec)
 
 
 def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract: Contract | None = None
@@ -254,6 +258,8 @@ def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract:
         rec = read_json(path)
         if rec is not None:
             stale = contract.stale(rec) if contract is not None else None
+            if stale is None and rec.get("closed"):
+                raise LaunchError(f"the training job of this run failed before it took a stream: {rec['closed']}"[:600])
             if stale is None:
                 break
         if time.monotonic() >= deadline:

@@ -71,6 +71,7 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                                  loss_fn, files, server, on_step, torch_threads)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        _close_stream(c, str(e))
         return CONFIG_ERROR
     finally:
         stop.finished()
@@ -84,6 +85,22 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     if grid.rank == 0:
         print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
     return INCOMPLETE if result.incomplete else 1
+
+
+def _close_stream(c: Contract, why: str) -> None:
+    """Rank 0 of a trainer that fails before it listened: say so where the simulations wait
+    for its addresses (unless this run published them: the simulations then know)."""
+    from hpcml import env
+    from hpcml.contract import read_json, write_endpoints
+
+    if not c.endpoints_file or env.detect().rank != 0:
+        return
+    try:
+        rec = read_json(c.endpoints_file)
+        if rec is None or c.stale(rec) is not None:
+            write_endpoints(c.endpoints_file, c.campaign, [], c.run, closed=why)
+    except (ConfigError, OSError):
+        pass
 
 
 def _run(model, c: Contract, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,

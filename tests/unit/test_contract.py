@@ -64,6 +64,15 @@ def test_protocol_files_of_another_run_are_never_read(tmp_path):
                                                    run="r-1")
 
 
+def test_a_trainer_that_failed_before_it_listened_releases_the_waiting_simulations_at_once(tmp_path):
+    c = _contract(tmp_path)
+    write_endpoints(c.endpoints_file, "c-1", [], run="r-1", closed="batch=4 here, but the campaign's batch=2")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"the training job of this run failed before it took a stream: batch=4 here"):
+        read_endpoints(c.endpoints_file, 60, contract=c)
+    assert time.monotonic() - t0 < 1
+
+
 @pytest.mark.parametrize("text, says", [
     ('{"completed": [1], "failed": [], "streamed": {"1": -2}}', "malformed done record (ValueError: sample count -2)"),
     ('{"completed": [true], "failed": []}', "malformed done record (ValueError: simulation id True)"),
