@@ -226,8 +226,7 @@ class OnlineRun:
             if first:
                 self._check_first(batch)
                 first = False
-            m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer),
-                                                      "ingested": int(self.source.stats()["samples"])})
+            m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
             if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
                 self.hook(self.trainer, {**m, "stop": False})
                 if self.hook.last_step == self.trainer.step:
