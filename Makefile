@@ -7,7 +7,7 @@ READY   := $(VENV)/.hpcml-ready
 # A hung job must never eat CI's 90 minutes: every MPI launch runs under a hard limit.
 MPI_TIMEOUT ?= 2100
 
-.PHONY: setup verify demo test test-unit test-mpi test-workflows test-slurm slurm-start slurm-stop clean
+.PHONY: setup verify demo test test-unit test-mpi test-workflows test-slurm slurm-start slurm-stop bench-gpu clean
 
 setup: $(READY)
 
@@ -50,6 +50,12 @@ slurm-start:
 
 slurm-stop:
 	bash scripts/slurm_cluster.sh stop
+
+# GPU readiness (issue 23): every figure only a GPU gives, as one JSON object on stdout. The
+# script launches its own workers: one-rank sections as plain python, the multi-GPU ones as
+# $(MPIEXEC) -n <visible GPUs>. Without a GPU it fails at once in one line (exit 69).
+bench-gpu: setup
+	MPIEXEC="$(MPIEXEC)" $(PY) benchmarks/gpu.py --json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs

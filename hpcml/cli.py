@@ -47,8 +47,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", required=True, help="site name (hpcml.ensemble.list_sites())")
     p.add_argument("--nodes", required=True, help="node count N, or MIN-MAX on Slurm (restart on fewer nodes)")
     p.add_argument("--walltime", required=True, help="HH:MM:SS")
-    p.add_argument("--account", help="allocation to charge")
-    p.add_argument("--queue", help="queue, partition or QOS (default: the site's for this many nodes)")
+    p.add_argument("--account", help="allocation to charge (default: $HPCML_ACCOUNT; required where the site "
+                   "requires one)")
+    p.add_argument("--queue", help="queue, partition or QOS (default: the site's table picks one from the nodes "
+                   "and the walltime; a named one is checked against it)")
     p.add_argument("--ranks", type=int, help="training ranks (default: one per device of every node)")
     p.add_argument("--driver", action="store_true",
                    help="CMD is a campaign driver: run it as is on the first node; it launches its own steps")
@@ -59,6 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requeues", type=int, default=10)
     p.add_argument("--script", help="write the script here (with --submit: default NAME.sbatch|.pbs|.lsf)")
     p.add_argument("--submit", action="store_true", help="submit it and print the job id")
+    p.add_argument("--explain", action="store_true",
+                   help="print every line of the script with the reason and the source for it")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     ck = sub.add_parser("ckpt", help="list, inspect, verify, export, consolidate or convert checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
@@ -156,6 +160,7 @@ def _ckpt_convert(args: argparse.Namespace) -> None:
 
 def _cmd_job(args: argparse.Namespace) -> int:
     from hpcml.ensemble import jobscript
+    from hpcml.ensemble.schedulers import SubmitError
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -166,15 +171,24 @@ def _cmd_job(args: argparse.Namespace) -> int:
                               account=args.account, queue=args.queue, ranks=args.ranks, driver=args.driver,
                               name=args.name, warn_s=args.warn_s, requeue=not args.no_requeue,
                               max_requeues=args.max_requeues, script_path=args.script)
+    for note in spec.notes:
+        print(f"hpcml job: note: {note}", file=sys.stderr)
+    if args.explain:
+        print(jobscript.explain(spec), end="")
+        return 0
     if args.submit:
-        path = args.script or f"{args.name}{jobscript.SUFFIX[spec.site.scheduler]}"
-        job_id = jobscript.submit(spec, path)
+        path = args.script or f"{args.name}{spec.site.batch.suffix}"
+        try:
+            job_id = jobscript.submit(spec, path)
+        except SubmitError as e:
+            print(e.details(), file=sys.stderr)  # all the scheduler said; the one-line error follows
+            raise
         print(job_id)
         print(f"hpcml job: submitted {path} as job {job_id}", file=sys.stderr)
         return 0
     text = jobscript.render(spec)
-    if spec.site.scheduler in ("pbs", "lsf") and spec.requeue and not args.script:
-        suffix = jobscript.SUFFIX[spec.site.scheduler]
+    if spec.site.batch.resubmits and spec.requeue_allowed and not args.script:
+        suffix = spec.site.batch.suffix
         print(f"hpcml job: save it as {args.name}{suffix} in the directory you submit from: on exit 75 it submits "
               f"itself again from there (or set HPCML_JOB_SCRIPT, or use --script)", file=sys.stderr)
     if args.script:

@@ -7,11 +7,14 @@ import platform
 from typing import Any
 
 from hpcml import __version__, env
+from hpcml.errors import LaunchError
 
 #: Scheduler and launcher variables worth showing when set.
 RANK_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "LSB_JOBID", "JSM_NAMESPACE_RANK",
              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PBS_JOBID", "PALS_RANKID", "PALS_LOCAL_RANKID",
-             "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "FLUX_JOB_ID") + env.DEVICE_VISIBILITY_VARS
+             "PALS_LOCAL_SIZE", "PALS_NODEID", "PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE",
+             "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_MPI_TYPE",
+             "FLUX_JOB_ID", env.GPU_MAP_VAR) + env.DEVICE_VISIBILITY_VARS
 
 
 def _mpi() -> dict[str, Any]:
@@ -52,6 +55,15 @@ def _torch() -> dict[str, Any]:
             "backends": backends, "devices": devices or ["cpu"], "threads": torch.get_num_threads()}
 
 
+def _gpu_map() -> dict[str, Any]:
+    """The site's device order, or why it cannot be read: ``info`` reports, it does not stop."""
+    try:
+        devices = env.gpu_map()
+    except LaunchError as e:
+        return {"gpu_map": None, "gpu_map_error": str(e)}
+    return {"gpu_map": None if devices is None else list(devices)}
+
+
 def collect() -> dict[str, Any]:
     """Everything ``hpcml info`` prints, as a JSON-able dict."""
     launch = env.detect()
@@ -64,9 +76,19 @@ def collect() -> dict[str, Any]:
         "torch": _torch(),
         "launch": {"scheduler": launch.scheduler, "launcher": launch.launcher, "rank": launch.rank,
                    "world_size": launch.world_size, "local_rank": launch.local_rank,
-                   "local_size": launch.local_size, "node": launch.node, "job_id": launch.job_id},
+                   "local_size": launch.local_size, "node": launch.node, "node_id": launch.node_id,
+                   "job_id": launch.job_id, "guessed": list(launch.guessed), **_gpu_map()},
         "variables": {v: os.environ[v] for v in RANK_VARS if v in os.environ},
     }
+
+
+def _text(value: Any) -> str:
+    """A value on one line: device indices as ``3,2,1,0``, other lists joined by ", ", [] as none."""
+    if not isinstance(value, list):
+        return str(value)
+    if not value:
+        return "none"
+    return ("," if all(isinstance(v, int) for v in value) else ", ").join(map(str, value))
 
 
 def format_text(info: dict[str, Any]) -> str:
@@ -74,6 +96,6 @@ def format_text(info: dict[str, Any]) -> str:
     lines = [f"hpcml {info['hpcml']} on {info['host']}, Python {info['python']}"]
     for section in ("mpi", "hdf5", "torch", "launch", "variables"):
         values = info[section]
-        body = ", ".join(f"{k}={', '.join(v) if isinstance(v, list) else v}" for k, v in values.items())
+        body = ", ".join(f"{k}={_text(v)}" for k, v in values.items())
         lines.append(f"  {section + ':':<10} {body or '(none set)'}")
     return "\n".join(lines)

@@ -22,6 +22,8 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- hpcml-job:begin -->", "<!-- hpcml-job:end -->"
 VENV = "/path/to/hpcml/.venv"
 ACCOUNT = "PROJ123"
+#: Nodes of the one-allocation campaign job (slurm-local has two).
+DRIVER_NODES = {"slurm-local": 2}
 
 
 def _normal(text: str) -> str:
@@ -37,7 +39,8 @@ def section(name: str) -> str:
     slurm = site.scheduler == "slurm"
     heat = ["python", "workflows/heat_surrogate.py", "--site", name, "--train-nodes", "1", "--resume",
             "--run-dir", "runs/heat"]
-    driver = render(job_spec(site=name, command=heat, nodes=3, walltime="02:00:00", account=ACCOUNT, driver=True,
+    driver = render(job_spec(site=name, command=heat, nodes=DRIVER_NODES.get(name, 3), walltime="02:00:00",
+                             account=ACCOUNT, driver=True,
                              name="campaign"))
     tp = str(min(site.train_ranks_per_node, 8))
     llm = ["python", "workflows/llm_pretrain.py", "--tp", tp, "--ckpt-dir", "ck", "--ckpt-every", "100",
@@ -58,6 +61,8 @@ def section(name: str) -> str:
                   "(or requeued) as a whole and `--auto-resume` continues from `latest`.")
     return f"""{BEGIN}
 <!-- written by scripts/site_docs.py from the code: do not edit by hand -->
+
+{rules_section(site)}
 
 ### A campaign in one allocation (the driver inside the job)
 
@@ -114,6 +119,45 @@ hpcml job --site {name} --nodes {nodes} --walltime 02:00:00 --account {ACCOUNT} 
 {_normal(train)}
 ```
 {END}"""
+
+
+def _src(source) -> str:
+    if source is None:
+        return "hpcml"
+    link = source.url if source.url.startswith("http") else f"../../{source.url}"
+    return f"[{source.url.split('//')[-1].rstrip('/')}]({link}) ({source.read})"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def rules_section(site) -> str:
+    """The site's rules as data: queue table, account rule, modules, environment, each with its source."""
+    out = ["### Rules (site_configs data, with their sources)", ""]
+    if site.retired:
+        out += [f"**Retired:** {site.retired}. `hpcml job` still writes its scripts, with a note.", ""]
+    if site.account is not None:
+        need = "required" if site.account.required else "optional"
+        out += [f"Account: **{need}** -- {_cell(site.account.why)} ({_src(site.account.source)}). `hpcml job` takes "
+                "`--account` or `$HPCML_ACCOUNT`.", ""]
+    if site.queues:
+        out += ["| queue | kind | nodes | max walltime | jobs per user | self-requeue | picked | note | source |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for q in site.queues:
+            nodes = f"{q.min_nodes}-{q.max_nodes}" if q.max_nodes else f"{q.min_nodes}+"
+            out.append(f"| `{q.name}` | {q.kind} | {nodes} | {q.max_walltime} | {q.max_jobs or '-'} | "
+                       f"{'yes' if q.requeue else '**no**'} | {'auto' if q.auto else '`--queue` only'} | "
+                       f"{_cell(q.note) or '-'} | {_src(q.source)} |")
+        out += ["", "`hpcml job` takes the first `auto` row that holds the nodes and the walltime; a `--queue` is "
+                "checked against its rows; nothing fits: a one-line error with the limits.", ""]
+    rows = [(f"`{m.text}`", m.why, m.source) for m in site.modules]
+    rows += [(f"`{v.name}={v.value}`", v.why, v.source) for v in site.environment]
+    rows += [(f"`{d.text}`", d.why, d.source) for d in site.job_directives]
+    if rows:
+        out += ["| line | why | source |", "|---|---|---|"]
+        out += [f"| {_cell(a)} | {_cell(b)} | {_src(c)} |" for a, b, c in rows]
+    return "\n".join(out).rstrip()
 
 
 def update(page: Path, name: str, check: bool) -> bool:

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-from hpcml.ensemble.parsl_build import block_options
-from hpcml.ensemble.site import Site, SiteHardware, SiteRequest
+from hpcml.ensemble.site import Account, EnvVar, Fact, Queue, Site, SiteHardware, Source
 
-#: File systems the job needs (ALCF rejects jobs without ``-l filesystems``).
-DIRECTIVES = ("#PBS -l filesystems=home:flare", "#PBS -l place=scatter")
+# The queue table changed in early 2026 (tiny and prod-large gone, prod from 256 nodes,
+# debug-scaling to 256, capacity added): the rows below are the page's as of this date.
+QUEUES = Source(url="https://docs.alcf.anl.gov/aurora/running-jobs-aurora/", read="2026-07-27")
+QSUB = Source(url="https://docs.alcf.anl.gov/running-jobs/", read="2026-02-18")
+CCL = Source(url="https://docs.alcf.anl.gov/aurora/data-science/frameworks/oneCCL/", read="2026-03-17")
+PYTORCH = Source(url="https://docs.alcf.anl.gov/aurora/data-science/frameworks/pytorch/", read="2026-03-17")
+KNOWN = Source(url="https://docs.alcf.anl.gov/aurora/known-issues/", read="2025-12-16")
+_CHAIN = "1 job running/accruing/queued per user: a running job cannot submit its successor"
+
 #: Cores of the 12 ranks of a node, 8 each, skipping cores 0 and 52 (ALCF's binding).
 CPU_BIND = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
-
-
-def _provider(request: SiteRequest):
-    """One PBS block; ``account`` and ``queue`` go on the ``qsub`` line. No ``MpiExecLauncher``:
-    its default ``--bind-to`` is rejected by PALS (Parsl #2446), and ``MPIExecutor`` needs the
-    ``SimpleLauncher`` anyway."""
-    from parsl.providers import PBSProProvider
-
-    return PBSProProvider(account=request.account, queue=SITE.queue_for(request.nodes, request.queue),
-                          cpus_per_node=208, scheduler_options="\n".join(DIRECTIVES), **block_options(SITE, request))
-
 
 SITE = Site(
     hardware=SiteHardware(
@@ -36,15 +31,62 @@ SITE = Site(
                         "its package; PCIe 5 x16 (64 GB/s) to the CPUs",
         scheduler="pbs",
     ),
-    modules=("module load frameworks cray-hdf5-parallel",),
-    env={"ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "HPCML_SOCKET_IFNAME": "hsn0"},
-    queues=((2, "debug"), (None, "prod")),
+    account=Account(required=True, why="ALCF: '-A is a mandatory option ... qsub: Account_Name is required to be "
+                                        "set'", source=QSUB),
+    queues=(
+        Queue(name="debug", min_nodes=1, max_nodes=2, max_walltime="01:00:00", max_jobs=1, requeue=False,
+              note=_CHAIN, source=QUEUES),
+        Queue(name="debug-scaling", min_nodes=2, max_nodes=256, max_walltime="01:00:00", max_jobs=1, requeue=False,
+              note=_CHAIN, source=QUEUES),
+        Queue(name="capacity", min_nodes=1, max_nodes=16, max_walltime="168:00:00", max_jobs=5,
+              note="5 jobs queued or running, 2 running, per user; 512 nodes across all jobs", source=QUEUES),
+        # prod routes by size to small, medium and large; jobs are submitted to prod
+        Queue(name="prod", min_nodes=256, max_nodes=1024, max_walltime="12:00:00", note="routed to small",
+              source=QUEUES),
+        Queue(name="prod", min_nodes=1025, max_nodes=1999, max_walltime="18:00:00", note="routed to medium",
+              source=QUEUES),
+        Queue(name="prod", min_nodes=2000, max_nodes=10624, max_walltime="24:00:00", note="routed to large",
+              source=QUEUES),
+        Queue(name="visualization", min_nodes=1, max_nodes=32, max_walltime="08:00:00", auto=False,
+              note="by request only; nodes not exclusive", source=QUEUES),
+    ),
+    modules=(
+        Fact(text="module load frameworks cray-hdf5-parallel",
+             why="ALCF's PyTorch with oneCCL (torch.distributed backend xccl), and the parallel HDF5 h5py was "
+                 "built against", source=PYTORCH),
+    ),
+    environment=(
+        EnvVar(name="CCL_PROCESS_LAUNCHER", value="pmix", why="oneCCL's minimal set for training: ranks come "
+                                                              "from PALS' PMIx", source=CCL),
+        EnvVar(name="CCL_ATL_TRANSPORT", value="mpi", why="oneCCL's minimal set: MPI transport over Slingshot",
+               source=CCL),
+        EnvVar(name="CCL_KVS_MODE", value="mpi", why="oneCCL's minimal set: its key-value store over MPI",
+               source=CCL),
+        EnvVar(name="FI_MR_CACHE_MONITOR", value="userfaultfd", why="oneCCL's minimal set: a memory-registration "
+                                                                    "cache monitor that is safe with GPU memory",
+               source=CCL),
+        EnvVar(name="ZE_FLAT_DEVICE_HIERARCHY", value="FLAT", why="each of the 12 tiles is a device, one rank each "
+                                                                  "(the frameworks module's default, stated)",
+               source=PYTORCH),
+        EnvVar(name="TMPDIR", value="/tmp", why="a short TMPDIR: mpiexec's long one breaks AF_UNIX sockets "
+                                                "(Python multiprocessing, PyTorch, Parsl)", source=KNOWN),
+        EnvVar(name="HPCML_SOCKET_IFNAME", value="hsn0", why="stream and rendezvous on the Slingshot network"),
+    ),
     train_ranks_per_node=12,
     # one rank per tile, 8 cores each (CPU_BIND); hpcml binds tile local_rank % 12
     train_launch=f"mpiexec -n {{ranks}} --ppn {{ranks_per_node}} --cpu-bind {CPU_BIND}",
+    train_launch_why="PALS mpiexec, one rank per tile on 8 cores each, cores 0 and 52 left to the OS",
+    train_launch_source=Source(url="https://docs.alcf.anl.gov/aurora/running-jobs-aurora/", read="2026-07-27"),
     sim_launch="$PARSL_MPI_PREFIX",
     mpi_launcher="mpiexec",
-    provider=_provider,
-    job_directives=DIRECTIVES,
+    # No MpiExecLauncher: its default --bind-to is rejected by PALS (Parsl #2446), and
+    # MPIExecutor needs the SimpleLauncher anyway.
+    block_options={"cpus_per_node": 208},
+    job_directives=(
+        Fact(text="#PBS -l filesystems=home:flare", why="mandatory at ALCF ('qsub: Resource: filesystems is required "
+                                                       "to be set')", source=QSUB),
+        Fact(text="#PBS -l place=scatter", why="each chunk (node) its own vnode: PBS packs chunks by default",
+             source=QSUB),
+    ),
     stream_interface="hsn0",
 )

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from hpcml.ensemble.parsl_build import block_options
-from hpcml.ensemble.site import Site, SiteHardware, SiteRequest
+from hpcml.ensemble.site import Account, EnvVar, Fact, Queue, Site, SiteHardware, Source
 
-
-def _provider(request: SiteRequest):
-    """One exclusive Slurm block; ``queue`` is the partition. No ``cores_per_node``: it adds
-    ``--cpus-per-task``, which every srun step inherits (Parsl #3006)."""
-    from parsl.providers import SlurmProvider
-
-    return SlurmProvider(account=request.account, partition=SITE.queue_for(request.nodes, request.queue),
-                         exclusive=True, **block_options(SITE, request))
-
+GUIDE = Source(url="https://docs.olcf.ornl.gov/systems/frontier_user_guide.html", read="2026-07-07")
+PYTORCH = Source(url="https://docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html", read="2026-07-07")
+_BIN = "batch partition bin; 4 eligible-to-run jobs per user"
 
 SITE = Site(
     hardware=SiteHardware(
@@ -30,15 +23,51 @@ SITE = Site(
                         "of different MI250X, 36 GB/s CPU-GCD",
         scheduler="slurm",
     ),
-    modules=("module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python rocm",),
-    env={"NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "HPCML_SOCKET_IFNAME": "hsn0"},
-    queues=((None, None),),  # the default partition, "batch"
-    queue_kind="partition",
+    account=Account(required=True, why="every job charges an OLCF project: '#SBATCH -A ABC123' in every Frontier "
+                                        "example", source=GUIDE),
+    queues=(
+        Queue(name="batch", kind="partition", min_nodes=1, max_nodes=91, max_walltime="02:00:00", note=_BIN,
+              source=GUIDE),
+        Queue(name="batch", kind="partition", min_nodes=92, max_nodes=183, max_walltime="06:00:00", note=_BIN,
+              source=GUIDE),
+        Queue(name="batch", kind="partition", min_nodes=184, max_nodes=9472, max_walltime="12:00:00", note=_BIN,
+              source=GUIDE),
+        Queue(name="extended", kind="partition", min_nodes=1, max_nodes=64, max_walltime="24:00:00",
+              note="1 running and 1 eligible job per user; more are held", source=GUIDE),
+        Queue(name="debug", kind="qos", min_nodes=1, max_walltime="02:00:00", max_jobs=1, requeue=False, auto=False,
+              note="one job in any state per user; 'job chaining using the debug QOS is prohibited'", source=GUIDE),
+    ),
+    modules=(
+        Fact(text="module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python rocm",
+             why="the compilers, MPI, parallel HDF5 and ROCm hpcml's h5py and torch were built against "
+                 "(docs/install.md)", source=PYTORCH),
+        Fact(text="module load rccl-net-plugin craype-accel-amd-gfx90a",
+             why="RCCL's Slingshot plugin ('RCCL defaults to ... TCP/IP Sockets, which does not scale') and "
+                 "GPU-aware MPI for the MI250X", source=PYTORCH),
+        Fact(text="export LD_LIBRARY_PATH=$CRAY_LD_LIBRARY_PATH:$LD_LIBRARY_PATH",
+             why="the Cray libraries the modules name come first, as in OLCF's PyTorch script", source=PYTORCH),
+    ),
+    environment=(
+        EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="RCCL's bootstrap on the Slingshot NICs "
+                                                                          "(OLCF: 'highly recommend')",
+               source=PYTORCH),
+        EnvVar(name="MIOPEN_USER_DB_PATH", value="/tmp/hpcml-miopen",
+               why="MIOpen's database in node-local /tmp: on shared file systems it fails with disk I/O errors",
+               source=PYTORCH),
+        EnvVar(name="MIOPEN_CUSTOM_CACHE_DIR", value="/tmp/hpcml-miopen", why="MIOpen's kernel cache beside it",
+               source=PYTORCH),
+        EnvVar(name="HPCML_SOCKET_IFNAME", value="hsn0", why="stream and rendezvous on the Slingshot network"),
+    ),
     train_ranks_per_node=8,
     # one rank per GCD, 7 cores each, each rank sees the GCD closest to its cores
     train_launch="srun -N{nodes} -n{ranks} -c7 --gpus-per-task=1 --gpu-bind=closest",
+    train_launch_why="one rank per GCD on 7 cores (low-noise mode keeps 8), each seeing the GCD on its L3 region",
+    train_launch_source=GUIDE,
     sim_launch="$PARSL_MPI_PREFIX",  # srun --ntasks ... --nodelist ..., composed by MPIExecutor
     mpi_launcher="srun",
-    provider=_provider,
+    job_directives=(
+        Fact(text="#SBATCH --network=disable_rdzv_get",
+             why="rccl-net-plugin sets FI_CXI_RDZV_PROTO=alt_read, which needs this allocation flag", source=PYTORCH),
+    ),
     stream_interface="hsn0",
 )

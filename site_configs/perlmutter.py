@@ -1,19 +1,19 @@
-"""Perlmutter (NERSC), GPU nodes: NVIDIA A100, HPE Slingshot, Slurm. Facts and sources: docs/sites/perlmutter.md."""
+"""Perlmutter (NERSC), GPU nodes: NVIDIA A100, HPE Slingshot, Slurm. Facts and sources: docs/sites/perlmutter.md.
+
+NERSC's pages could not be re-read where these rows were last checked (2026-11-25): the QOS
+limits below are NERSC's policy page as known, marked so in their notes; check them with
+``sacctmgr show qos`` on a login node before relying on a limit.
+"""
 
 from __future__ import annotations
 
-from hpcml.ensemble.parsl_build import block_options
-from hpcml.ensemble.site import Site, SiteHardware, SiteRequest
+from hpcml.ensemble.site import Account, EnvVar, Fact, Queue, Site, SiteHardware, Source
 
-
-def _provider(request: SiteRequest):
-    """One exclusive block of GPU nodes; ``queue`` is the QOS, ``account`` the GPU allocation
-    (its name ends in ``_g``). No ``cores_per_node`` (Parsl #3006)."""
-    from parsl.providers import SlurmProvider
-
-    return SlurmProvider(account=request.account, qos=SITE.queue_for(request.nodes, request.queue), constraint="gpu",
-                         gpus_per_node=SITE.hardware.gpus_per_node, exclusive=True, **block_options(SITE, request))
-
+POLICY = Source(url="https://docs.nersc.gov/jobs/policy/", read="2026-11-25")
+GPU_JOBS = Source(url="https://docs.nersc.gov/jobs/examples/", read="2026-11-25")
+ML = Source(url="https://docs.nersc.gov/machinelearning/pytorch/", read="2026-11-25")
+ARCH = Source(url="https://docs.nersc.gov/systems/perlmutter/architecture/", read="2026-11-25")
+_UNCHECKED = "limits not re-read from the page (not reachable where checked)"
 
 SITE = Site(
     hardware=SiteHardware(
@@ -30,18 +30,46 @@ SITE = Site(
                         "PCIe 4 x16 (32 GB/s) to the CPU",
         scheduler="slurm",
     ),
-    modules=("module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python",),
-    env={"NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "HPCML_SOCKET_IFNAME": "hsn0"},
-    queues=((None, "regular"),),  # NERSC selects GPU nodes by --constraint gpu, queues by QOS
-    queue_kind="qos",
+    account=Account(required=False, why="NERSC charges the user's default project without -A ('To charge to a "
+                                         "non-default project, use the -A projectname flag'); GPU jobs need a GPU "
+                                         "allocation (name ending in _g)", source=POLICY),
+    queues=(  # NERSC selects GPU nodes by --constraint gpu and limits by QOS; "debug" is the default QOS
+        Queue(name="debug", kind="qos", min_nodes=1, max_nodes=8, max_walltime="00:30:00",
+              note=f"5 jobs submitted, 2 running per user; {_UNCHECKED}", source=POLICY),
+        Queue(name="regular", kind="qos", min_nodes=1, max_walltime="48:00:00", note=_UNCHECKED, source=POLICY),
+        Queue(name="preempt", kind="qos", min_nodes=1, max_nodes=128, max_walltime="48:00:00", auto=False,
+              note=f"preemptible after 2 h; made for --requeue with checkpoints; {_UNCHECKED}", source=POLICY),
+        Queue(name="premium", kind="qos", min_nodes=1, max_walltime="48:00:00", auto=False,
+              note=f"higher priority, higher charge; {_UNCHECKED}", source=POLICY),
+    ),
+    modules=(
+        Fact(text="module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python",
+             why="the compilers, MPI and parallel HDF5 hpcml's h5py was built against (docs/install.md)"),
+        Fact(text="module load nccl-plugin", why="NCCL's Slingshot plugin (aws-ofi-nccl): without it NCCL talks TCP "
+                                                 "sockets between nodes", source=ML),
+    ),
+    environment=(
+        EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="NCCL's bootstrap on the Slingshot NICs"),
+        EnvVar(name="HPCML_GPU_MAP", value="3,2,1,0",
+               why="the node is Polaris' design (one EPYC, 4 NUMA domains, A100 i on domain 3-i): local rank r "
+                   "(cores 16r..16r+15) drives GPU 3-r", source=ARCH),
+        EnvVar(name="HPCML_SOCKET_IFNAME", value="hsn0", why="stream and rendezvous on the Slingshot network"),
+    ),
     train_ranks_per_node=4,
     # One rank per GPU, 16 cores (32 hardware threads) each; every rank sees all 4 GPUs
     # (--gpu-bind=none): with one visible GPU per rank NCCL cannot use CUDA IPC between the
-    # ranks of a node and falls back from NVLink peer-to-peer; hpcml binds local_rank % 4.
-    train_launch="srun -N{nodes} -n{ranks} -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none",
+    # ranks of a node and falls back from NVLink peer-to-peer; hpcml binds HPCML_GPU_MAP[r].
+    # -C gpu on the step itself: a pilot trainer gets its own allocation from srun.
+    train_launch="srun -C gpu -N{nodes} -n{ranks} -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none",
+    train_launch_why="GPU nodes (-C gpu, also when srun allocates in pilot mode), one rank per GPU on 16 cores; "
+                     "every rank sees the 4 GPUs (CUDA IPC between them) and binds HPCML_GPU_MAP[r]",
+    train_launch_source=GPU_JOBS,
     sim_launch="$PARSL_MPI_PREFIX",
     mpi_launcher="srun",
-    provider=_provider,
-    job_directives=("#SBATCH --constraint=gpu", "#SBATCH --gpus-per-node=4"),
+    job_directives=(
+        Fact(text="#SBATCH --constraint=gpu", why="GPU nodes: NERSC selects them by constraint, not by partition",
+             source=GPU_JOBS),
+        Fact(text="#SBATCH --gpus-per-node=4", why="Slurm gives GPUs only when asked", source=GPU_JOBS),
+    ),
     stream_interface="hsn0",
 )

@@ -9,20 +9,12 @@ See docs/sites/slurm-local.md.
 
 from __future__ import annotations
 
-from hpcml.ensemble.parsl_build import block_options
-from hpcml.ensemble.site import Site, SiteHardware, SiteRequest, host_memory_gib
+from hpcml.ensemble.site import Queue, Site, SiteHardware, Source, host_memory_gib
 
 #: CPUs slurm_cluster.sh gives each node (it oversubscribes this host's cores).
 CPUS_PER_NODE = 4
-
-
-def _provider(request: SiteRequest):
-    """One exclusive block of ``nodes`` in the ``debug`` partition: whole nodes, as on Frontier
-    (Parsl's template asks one task per node, too few CPUs for a simulation's srun step)."""
-    from parsl.providers import SlurmProvider
-
-    return SlurmProvider(account=request.account, partition=SITE.queue_for(request.nodes, request.queue),
-                         exclusive=True, **block_options(SITE, request))
+#: The cluster's rules are those scripts/slurm_cluster.sh writes into its slurm.conf.
+CLUSTER = Source(url="scripts/slurm_cluster.sh", read="2026-11-25")
 
 
 SITE = Site(
@@ -39,11 +31,13 @@ SITE = Site(
         intra_node_link="shared memory (both nodes are this host)",
         scheduler="slurm",
     ),
-    queues=((None, "debug"),),
-    queue_kind="partition",
+    # one exclusive block of whole nodes in the debug partition, as on Frontier (Parsl's
+    # template asks one task per node, too few CPUs for a simulation's srun step)
+    queues=(Queue(name="debug", kind="partition", min_nodes=1, max_nodes=2, max_walltime="999:00:00",
+                  note="PartitionName=debug Nodes=ALL MaxTime=INFINITE", source=CLUSTER),),
     train_ranks_per_node=2,
     train_launch="srun -N{nodes} -n{ranks} --ntasks-per-node={ranks_per_node} --mpi=pmi2",
+    train_launch_why="2 ranks per node; --mpi=pmi2: MPICH's PMI-2 client talks to slurmd's pmi2 plugin",
     sim_launch="$PARSL_MPI_PREFIX",
     mpi_launcher="srun",
-    provider=_provider,
 )

@@ -8,7 +8,6 @@ others (``split``); every timeout follows from the job's deadline, read from
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,30 +45,6 @@ class Allocation:
         return self.nodes[:train_nodes], self.nodes[train_nodes:]
 
 
-def _nodes(scheduler: str, environ: Mapping[str, str]) -> tuple[str, ...]:
-    if scheduler == "slurm":
-        return tuple(env.expand_hostlist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")))
-    if scheduler == "pbs":
-        path = environ.get("PBS_NODEFILE")
-        if not path:
-            return ()
-        with open(path) as f:
-            return tuple(dict.fromkeys(line.strip() for line in f if line.strip()))
-    if scheduler == "lsf":  # "launch 1 h1 42 h2 42": the first host is the launch node, not a compute node
-        words = environ.get("LSB_MCPU_HOSTS", "").split()
-        return tuple(dict.fromkeys(words[2::2]))
-    return ()
-
-
-def _slurm_end(job_id: str) -> float | None:
-    """The job's end time as ``squeue`` reports it (Slurm before 23.02 exports none)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
-        return time.mktime(time.strptime(out.stdout.strip(), "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
 def current(site: Site, environ: Mapping[str, str] | None = None) -> Allocation | None:
     """The batch job of ``site``'s scheduler this process runs in, or None (a login node,
     another scheduler's job, or the local site)."""
@@ -78,7 +53,7 @@ def current(site: Site, environ: Mapping[str, str] | None = None) -> Allocation 
     if site.scheduler == "local" or launch.scheduler != site.scheduler or not launch.job_id:
         return None
     deadline = env.job_deadline(environ)
-    if deadline is None and site.scheduler == "slurm":
-        deadline = _slurm_end(launch.job_id)
-    return Allocation(scheduler=site.scheduler, job_id=launch.job_id, nodes=_nodes(site.scheduler, environ),
+    if deadline is None:
+        deadline = site.batch.deadline(launch.job_id, environ)
+    return Allocation(scheduler=site.scheduler, job_id=launch.job_id, nodes=site.batch.nodes(environ),
                       deadline=deadline)

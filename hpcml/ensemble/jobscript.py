@@ -17,20 +17,18 @@ One script per scheduler (Slurm, PBS Pro, LSF) with the same run protocol:
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 import shlex
-import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcml.ensemble.site import Site, check_count, environment_lines, load_site, walltime_seconds, warning_seconds
+from hpcml.ensemble.checks import check_count, walltime_seconds, warning_seconds
+from hpcml.ensemble.rules import Fact, Queue, Source
+from hpcml.ensemble.site import Site, load_site, python_env_line
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import ConfigError, LaunchError
-
-#: Script file suffix per scheduler.
-SUFFIX = {"slurm": ".sbatch", "pbs": ".pbs", "lsf": ".lsf"}
+from hpcml.errors import ConfigError
 
 _NODES = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -48,7 +46,7 @@ def parse_nodes(value: object) -> tuple[int, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    """One batch job. ``repr()`` names everything the script depends on."""
+    """One batch job, checked against the site's rules. ``repr()`` names everything the script depends on."""
 
     site: Site
     command: tuple[str, ...]
@@ -57,7 +55,9 @@ class JobSpec:
     """(min, max) nodes; min < max only on Slurm: the job restarts on fewer after losing one."""
     walltime: str
     account: str | None = None
+    """Allocation charged; None: ``$HPCML_ACCOUNT``, else none (refused where the site requires one)."""
     queue: str | None = None
+    """Queue, partition or QOS; None: the site's table picks one from nodes and walltime."""
     name: str = "hpcml"
     driver: bool = False
     """Run ``command`` as is on the job's first node: it launches its own steps (a Campaign)."""
@@ -71,6 +71,10 @@ class JobSpec:
     """Where the job runs (default: where it was submitted)."""
     script_path: str | None = None
     """Where this script is saved: PBS resubmits it from there (it has no requeue of its own)."""
+    queue_row: Queue | None = field(default=None, init=False)
+    """The row of the site's queue table the job goes to (None: no table, or a queue it lacks)."""
+    notes: tuple[str, ...] = field(default=(), init=False)
+    """What the user must know about this script (a queue that cannot requeue, a retired site)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.command, str) or not self.command or not all(isinstance(a, str) for a in self.command):
@@ -78,17 +82,18 @@ class JobSpec:
         object.__setattr__(self, "command", tuple(self.command))
         lo, hi = parse_nodes(f"{self.nodes[0]}-{self.nodes[1]}" if isinstance(self.nodes, tuple) else self.nodes)
         object.__setattr__(self, "nodes", (lo, hi))
-        if self.site.scheduler == "local":
-            raise ConfigError(f"site {self.site.name} has no batch system: run the command directly, or pick a "
+        s = self.site
+        if s.scheduler == "local":
+            raise ConfigError(f"site {s.name} has no batch system: run the command directly, or pick a "
                               f"batch site (hpcml job --site slurm-local)")
-        if lo != hi and self.site.scheduler != "slurm":
-            raise ConfigError(f"nodes={lo}-{hi}: a node range needs Slurm; {self.site.name} ({self.site.scheduler}) "
-                              f"takes a fixed count")
+        if lo != hi and s.scheduler != "slurm":
+            raise ConfigError(f"nodes={lo}-{hi}: a node range needs Slurm; {s.name} ({s.scheduler}) takes a "
+                              f"fixed count")
         if self.ranks is not None:
             check_count("ranks", self.ranks)
             if lo != hi:
                 raise ConfigError(f"ranks={self.ranks} with nodes={lo}-{hi}: the rank count follows the nodes "
-                                  f"({self.site.train_ranks_per_node} per node)")
+                                  f"({s.train_ranks_per_node} per node)")
         total = walltime_seconds(self.walltime)
         warn = self.warn_s if self.warn_s is not None else warning_seconds(self.walltime)
         if isinstance(warn, bool) or not isinstance(warn, int) or not 0 < warn < total:
@@ -96,13 +101,49 @@ class JobSpec:
                               f"{self.walltime})")
         object.__setattr__(self, "warn_s", warn)
         check_count("max_requeues", self.max_requeues, minimum=0)
-        self.launch_line("SLURM_NNODES")  # ranks that do not fit the nodes fail here, not in the job
+        if self.queue is not None and (not isinstance(self.queue, str) or not re.fullmatch(r"[\w.-]+", self.queue)):
+            raise ConfigError(f"queue={self.queue!r} must be a queue, partition or QOS name")
+        object.__setattr__(self, "queue_row", s.pick_queue(hi, self.walltime, self.queue))
+        object.__setattr__(self, "account", s.account_for(self.account))
+        self.launch_line(s.batch.nodes_var)  # ranks that do not fit the nodes fail here, not in the job
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
             raise ConfigError(f"name={self.name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        notes = []
+        if s.retired:
+            notes.append(f"site {s.name} is retired ({s.retired}): this script is for reference only")
+        if self.requeue and not self.requeue_allowed:
+            notes.append(f"queue {self.queue_row.name} cannot requeue this job: {self.no_requeue_reason}; on exit "
+                         f"{NOT_FINISHED} (not finished) submit the script again once it has ended, or choose a "
+                         f"queue without that limit")
+        if self.queue is not None and self.queue_row is None and s.queues:
+            notes.append(f"queue {self.queue} is not in {s.name}'s table "
+                         f"({', '.join(dict.fromkeys(q.name for q in s.queues))}): its limits are not checked")
+        object.__setattr__(self, "notes", tuple(notes))
 
     @property
     def walltime_s(self) -> int:
         return walltime_seconds(self.walltime)
+
+    @property
+    def requeue_allowed(self) -> bool:
+        """The job requeues (resubmits) itself on exit 75: asked for, and its queue allows it."""
+        return self.requeue and (self.queue_row is None or self.queue_row.requeue)
+
+    @property
+    def no_requeue_reason(self) -> str:
+        row = self.queue_row
+        if self.requeue and row is not None and not row.requeue:
+            return row.note or f"it allows {row.max_jobs} job(s) per user"
+        return "asked for (--no-requeue)"
+
+    @property
+    def account_why(self) -> str:
+        rule = self.site.account
+        return rule.why if rule is not None else "the allocation charged"
+
+    @property
+    def account_source(self) -> Source | None:
+        return self.site.account.source if self.site.account is not None else None
 
     def launch_line(self, nodes_var: str) -> str:
         """The command under the site's launch line; node count from ``nodes_var`` when it varies."""
@@ -119,35 +160,9 @@ class JobSpec:
 
 # ----------------------------------------------------------------------------- rendering
 
-def _header(spec: JobSpec) -> list[str]:
-    s, (lo, hi) = spec.site, spec.nodes
-    queue = s.queue_for(hi, spec.queue)
-    if s.scheduler == "slurm":
-        lines = [f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={lo}" + (f"-{hi}" if hi != lo else ""),
-                 f"#SBATCH --time={spec.walltime}", "#SBATCH --exclusive",
-                 f"#SBATCH --signal=B:USR1@{spec.warn_s}", f"#SBATCH --output={spec.name}-%j.out",
-                 "#SBATCH --open-mode=append"]
-        lines += ["#SBATCH --requeue"] if spec.requeue else ["#SBATCH --no-requeue"]
-        lines += [f"#SBATCH --account={spec.account}"] if spec.account else []
-        lines += [f"#SBATCH --{s.queue_kind}={queue}"] if queue else []
-    elif s.scheduler == "pbs":
-        select = f"select={lo}" + (f":{s.select_options}" if s.select_options else "")
-        lines = [f"#PBS -N {spec.name}", f"#PBS -l {select}", f"#PBS -l walltime={spec.walltime}",
-                 f"#PBS -r {'y' if spec.requeue else 'n'}", "#PBS -j oe"]  # output: NAME.o<job id>, one per job
-        lines += [f"#PBS -A {spec.account}"] if spec.account else []
-        lines += [f"#PBS -q {queue}"] if queue else []
-    else:  # lsf: -W and -wt in minutes
-        hours, rest = divmod(math.ceil(spec.walltime_s / 60), 60)
-        lines = [f"#BSUB -J {spec.name}", f"#BSUB -nnodes {lo}", f"#BSUB -W {hours}:{rest:02d}",
-                 f"#BSUB -o {spec.name}.%J.out", "#BSUB -wa USR1", f"#BSUB -wt {max(1, math.ceil(spec.warn_s / 60))}"]
-        lines += [f"#BSUB -P {spec.account}"] if spec.account else []
-        lines += [f"#BSUB -q {queue}"] if queue else []
-    return lines + list(s.job_directives)
-
-
 _RUN = """\
 # Run. The walltime warning arrives here as SIGUSR1 and goes on to the job, which saves a
-# checkpoint and exits {nf} ("not finished"); the job is then requeued and resumes.
+# checkpoint and exits {nf} ("not finished"); {then}.
 {launch} &
 hpcml_pid=$!
 trap 'echo "hpcml-job: walltime warning: the job saves and stops" >&2; kill -USR1 "$hpcml_pid" 2>/dev/null' USR1
@@ -157,55 +172,55 @@ trap 'echo "hpcml-job: walltime warning: the job saves and stops" >&2; kill -USR
 done
 {untimer}"""
 
-_REQUEUE_SLURM = """\
-if [ "$rc" -eq {nf} ]; then
-    if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max} ]; then
-        echo "hpcml-job: not finished (exit {nf}): requeueing job $SLURM_JOB_ID" >&2
-        scontrol requeue "$SLURM_JOB_ID" && exit 0
-    else
-        echo "hpcml-job: not finished after {max} requeues: giving up" >&2
-    fi
-fi
-"""
-# PBS has no requeue for users, and LSF's `bsub -Q` knows no limit: submit this script again,
-# counting. HPCML_JOB_SCRIPT overrides where it is (the default: as `hpcml job --script` wrote it).
-_RESUBMIT = """\
-if [ "$rc" -eq {nf} ]; then
-    n=${{HPCML_RESTART_COUNT:-0}} hpcml_script=${{HPCML_JOB_SCRIPT:-{script}}}
-    if [ "$n" -lt {max} ]; then
-        echo "hpcml-job: not finished (exit {nf}): resubmitting $hpcml_script" >&2
-        {submit} && exit 0
-    else
-        echo "hpcml-job: not finished after {max} resubmissions: giving up" >&2
-    fi
-fi
-"""
-_SUBMIT_AGAIN = {"pbs": 'qsub -v HPCML_RESTART_COUNT=$((n + 1)) "$hpcml_script"',
-                 "lsf": 'HPCML_RESTART_COUNT=$((n + 1)) bsub < "$hpcml_script"'}  # bsub passes the environment
+
+def facts(spec: JobSpec) -> list[Fact]:
+    """Every part of the script in order, each with why it is there and its source."""
+    s, batch = spec.site, spec.site.batch
+    workdir = batch.workdir(spec)
+    out = [Fact(text="#!/bin/bash", why="the batch system runs the script with bash"),
+           *batch.header(spec, spec.queue_row), *s.job_directives]
+    out.append(Fact(text=f"\n# Written by `hpcml job --site {s.name}`: the site's environment, then the run.\n"
+                         f"cd {_quote_path(workdir)}", why="run where the job was submitted (relative paths)"))
+    out += [*s.modules, *(Fact(text=f"export {v.name}={shlex.quote(v.value)}", why=v.why, source=v.source)
+                          for v in s.environment)]
+    out.append(Fact(text=python_env_line(), why="the Python environment hpcml job ran in: the same interpreter "
+                                                 "and packages on the compute nodes"))
+    out.append(Fact(text=f"export HPCML_SITE={s.name} HPCML_JOB_DEADLINE=$(( $(date +%s) + {spec.walltime_s} ))",
+                    why="the site, and the walltime's end in epoch seconds: every timeout inside follows from it"))
+    timer = untimer = ""
+    if not batch.sends_warning:  # PBS sends no warning: a timer does, warn_s before the end
+        timer = (f"(sleep {spec.walltime_s - spec.warn_s} && kill -USR1 $$) &  # the walltime warning\n"
+                 "hpcml_timer=$!\n")
+        untimer = 'kill "$hpcml_timer" 2>/dev/null\n'
+    then = "the job is then requeued and resumes" if spec.requeue_allowed else "it is not requeued"
+    launch = spec.launch_line(batch.nodes_var)
+    why = ("the campaign driver, as is: it launches its own steps" if spec.driver else s.train_launch_why)
+    out.append(Fact(text=_RUN.format(nf=NOT_FINISHED, launch=launch, timer=timer, untimer=untimer,
+                                     then=then).rstrip("\n"),
+                    why=f"{why}; SIGUSR1 is forwarded so the job saves and exits {NOT_FINISHED}",
+                    source=None if spec.driver else s.train_launch_source))
+    if spec.requeue_allowed:
+        block = batch.requeue_block(spec, _quote_path(batch.script_path(spec)))
+        out.append(Fact(text=block.rstrip("\n"), why=f"exit {NOT_FINISHED}: requeue (or resubmit) at most "
+                                                      f"{spec.max_requeues} times; the next run resumes from latest"))
+    out.append(Fact(text='exit "$rc"', why="the job's exit status is the command's"))
+    return out
 
 
 def render(spec: JobSpec) -> str:
     """The whole batch script of ``spec``."""
-    s = spec.site
-    workdir = spec.workdir or {"slurm": "$SLURM_SUBMIT_DIR", "pbs": "$PBS_O_WORKDIR", "lsf": "$LS_SUBCWD"}[s.scheduler]
-    script = spec.script_path or f"{workdir}/{spec.name}{SUFFIX[s.scheduler]}"
-    timer = untimer = ""
-    if s.scheduler == "pbs":  # PBS sends no warning: a timer does, warn_s before the end
-        timer = (f"(sleep {spec.walltime_s - spec.warn_s} && kill -USR1 $$) &  # the walltime warning\n"
-                 "hpcml_timer=$!\n")
-        untimer = 'kill "$hpcml_timer" 2>/dev/null\n'
-    lines = ["#!/bin/bash", *_header(spec), "",
-             f"# Written by `hpcml job --site {s.name}`: the site's environment, then the run.",
-             f"cd {_quote_path(workdir)}", *environment_lines(s),
-             f'export HPCML_SITE={s.name} HPCML_JOB_DEADLINE=$(( $(date +%s) + {spec.walltime_s} ))']
-    body = _RUN.format(nf=NOT_FINISHED, launch=spec.launch_line("SLURM_NNODES"), timer=timer, untimer=untimer)
-    requeue = ""
-    if spec.requeue and s.scheduler == "slurm":
-        requeue = _REQUEUE_SLURM.format(nf=NOT_FINISHED, max=spec.max_requeues)
-    elif spec.requeue:
-        requeue = _RESUBMIT.format(nf=NOT_FINISHED, max=spec.max_requeues, script=_quote_path(script),
-                                   submit=_SUBMIT_AGAIN[s.scheduler])
-    return "\n".join(lines) + "\n" + body + requeue + 'exit "$rc"\n'
+    return "\n".join(f.text for f in facts(spec)) + "\n"
+
+
+def explain(spec: JobSpec) -> str:
+    """The script with, after each part, why it is there and where that rule comes from."""
+    parts = []
+    for f in facts(spec):
+        lines = [f.text, f"    ^ why: {f.why}"]
+        lines += [f"    ^ source: {f.source}"] if f.source is not None else []
+        parts.append("\n".join(lines))
+    notes = "".join(f"\nnote: {n}" for n in spec.notes)
+    return "\n".join(parts) + "\n" + notes.lstrip("\n") + ("\n" if notes else "")
 
 
 def _quote_path(path: str) -> str:
@@ -219,44 +234,24 @@ def _quote_path(path: str) -> str:
 # ----------------------------------------------------------------------------- submitting
 
 def submit(spec: JobSpec, path: str | Path) -> str:
-    """Write the script to ``path`` and submit it; the job id."""
+    """Write the script to ``path`` and submit it; the job id (a failure raises
+    :class:`~hpcml.ensemble.schedulers.SubmitError` with the command, exit code and outputs)."""
     path = Path(path).resolve()
-    if spec.script_path is None and spec.site.scheduler in ("pbs", "lsf"):
-        spec = JobSpec(**{**spec.__dict__, "script_path": str(path)})
+    if spec.script_path is None and spec.site.batch.resubmits:  # the script submits itself again from there
+        spec = dataclasses.replace(spec, script_path=str(path))
     path.write_text(render(spec))
     path.chmod(0o755)
-    cmd = {"slurm": ["sbatch", "--parsable", str(path)], "pbs": ["qsub", str(path)],
-           "lsf": ["bash", "-c", f"bsub < {shlex.quote(str(path))}"]}[spec.site.scheduler]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except FileNotFoundError:
-        raise LaunchError(f"{cmd[0]} not found: submit {path} on a login node of {spec.site.name}") from None
-    if out.returncode != 0:
-        said = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()[-1]
-        raise LaunchError(f"{' '.join(cmd[:2])} failed ({out.returncode}): {said}")
-    text = out.stdout.strip()
-    m = re.search(r"Job <(\d+)>", text) if spec.site.scheduler == "lsf" else None
-    return m[1] if m else text.split(";")[0].splitlines()[-1]
+    return spec.site.batch.submit(path, spec.site.name)
 
 
 def allocate_line(site: Site, line: str, *, walltime: str, account: str | None, queue: str | None, nodes: int,
                   run_dir: Path, argv: Sequence[str], ranks: int | None) -> str:
     """A training launch line that gets its own allocation from a login node (pilot mode):
-    ``srun`` with the job's options on Slurm; elsewhere the training job as a batch script
-    submitted and waited for (``qsub -W block=true``, ``bsub -K``), whose exit status it returns."""
-    if site.scheduler == "slurm":  # the warning goes to the ranks themselves: they save and exit 75
-        queue = site.queue_for(nodes, queue)
-        opts = [f"--time={walltime}", f"--signal=USR1@{warning_seconds(walltime)}"] + \
-            ([f"--account={account}"] if account else []) + ([f"--{site.queue_kind}={queue}"] if queue else [])
-        head, _, rest = line.partition(" ")
-        return f"{head} {' '.join(opts)} {rest}"
-    spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,
-                   queue=queue, ranks=ranks, name="hpcml-train", requeue=False, workdir=str(run_dir))
-    path = run_dir / f"train{SUFFIX[site.scheduler]}"
-    path.write_text(render(spec))
-    quoted = shlex.quote(str(path))
-    # -V: the trainer needs the campaign's environment (done file, stream); bsub passes it anyway
-    return f"qsub -V -W block=true {quoted}" if site.scheduler == "pbs" else f"bsub -K < {quoted}"
+    the scheduler's own way (``srun`` with the job's options; a batch script submitted and
+    waited for on PBS and LSF)."""
+    account = site.account_for(account)
+    return site.batch.allocate_line(site, line, walltime=walltime, account=account, queue=queue, nodes=nodes,
+                                    run_dir=run_dir, argv=argv, ranks=ranks)
 
 
 def job_spec(*, site: str | Site, command: Sequence[str], nodes: int | str, walltime: str, **options) -> JobSpec:

@@ -15,7 +15,6 @@ Two ways a campaign meets a batch system:
 from __future__ import annotations
 
 import logging
-import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ logger = get_logger(__name__)
 
 
 def block_options(site: Site, request: SiteRequest) -> dict[str, Any]:
-    """Provider arguments shared by every batch site: one block of ``nodes`` held for the campaign.
+    """Provider arguments shared by every batch scheduler: one block of ``nodes`` held for the campaign.
 
     ``min_blocks=1`` keeps the allocation through pauses between waves of simulations (no
     new queue wait); ``SimpleLauncher`` is what ``MPIExecutor`` requires: one worker pool on
@@ -73,22 +72,21 @@ def allocation_worker_init(site: Site, request: SiteRequest) -> str:
     """Worker init inside a running job: the site's environment, and the job's node list
     narrowed to the simulations' nodes (what ``MPIExecutor`` places tasks on)."""
     lines = environment_lines(site, request.worker_init)
-    nodes = ",".join(request.sim_nodes)
-    if site.scheduler == "slurm":
-        lines.append(f"export SLURM_NODELIST={nodes} SLURM_JOB_NODELIST={nodes}")
-    elif site.scheduler == "pbs":
-        nodefile = Path(request.run_dir) / "sim_nodes"
-        nodefile.parent.mkdir(parents=True, exist_ok=True)
-        nodefile.write_text("".join(f"{n}\n" for n in request.sim_nodes))
-        lines.append(f"export PBS_NODEFILE={shlex.quote(str(nodefile))}")
+    lines += site.batch.narrow_nodes(request.sim_nodes, Path(request.run_dir))
     return "\n".join(lines)
 
 
 def provider_for(site: Site, request: SiteRequest) -> ExecutionProvider:
-    """The site's block provider (pilot), or a ``LocalProvider`` inside the running job."""
+    """The site's block provider (pilot), or a ``LocalProvider`` inside the running job.
+
+    A block is a batch job like any other: its queue is chosen from the site's table by
+    nodes and walltime, and a site that requires an account refuses one without (here,
+    before Parsl submits anything)."""
     if not request.sim_nodes:
-        assert site.provider is not None
-        return site.provider(request)
+        queue = site.pick_queue(request.nodes, request.walltime, request.queue)
+        account = site.account_for(request.account)
+        request = SiteRequest(**{**request.__dict__, "account": account})
+        return site.batch.provider(site, request, queue, block_options(site, request))
     from parsl.launchers import SimpleLauncher
     from parsl.providers import LocalProvider
 

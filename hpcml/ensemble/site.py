@@ -24,17 +24,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from hpcml.ensemble import rules, schedulers
+from hpcml.ensemble.checks import check_count, drain_period, walltime_seconds, warning_seconds
 from hpcml.ensemble.hardware import SCHEDULERS, SiteHardware
+from hpcml.ensemble.rules import Account, EnvVar, Fact, Queue, Source
 from hpcml.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from parsl.config import Config
-    from parsl.providers.base import ExecutionProvider
 
-__all__ = ["SCHEDULERS", "SIMS_LABEL", "Site", "SiteHardware", "SiteRequest", "check_count", "drain_period",
-           "list_sites", "load_site", "walltime_seconds", "warning_seconds"]
+__all__ = ["SCHEDULERS", "SIMS_LABEL", "Account", "EnvVar", "Fact", "Queue", "Site", "SiteHardware", "SiteRequest",
+           "Source", "check_count", "drain_period", "list_sites", "load_site", "walltime_seconds", "warning_seconds"]
 
 #: Label of the executor that runs simulations; the Campaign targets it by name.
 SIMS_LABEL = "sims"
@@ -43,46 +45,7 @@ SITE_PACKAGE = "site_configs"
 #: Launchers Parsl's ``MPIExecutor`` composes ``$PARSL_MPI_PREFIX`` for.
 MPI_LAUNCHERS: tuple[str, ...] = ("srun", "mpiexec")
 
-_WALLTIME = re.compile(r"(\d{1,3}):([0-5]\d):([0-5]\d)")
 _PLACEHOLDERS = {"nodes", "ranks", "ranks_per_node"}
-
-
-# ----------------------------------------------------------------------------- checks
-
-def check_count(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``, else a one-line ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
-
-
-def walltime_seconds(walltime: object) -> int:
-    """Seconds of an ``HH:MM:SS`` walltime; at least one minute (Slurm reads 0 minutes as no limit)."""
-    match = _WALLTIME.fullmatch(walltime) if isinstance(walltime, str) else None
-    if match is None:
-        raise ConfigError(f"walltime={walltime!r} must be HH:MM:SS, e.g. '01:30:00'")
-    hours, minutes, seconds = (int(g) for g in match.groups())
-    if hours * 60 + minutes < 1:
-        raise ConfigError(f"walltime={walltime!r} is under one minute: schedulers round it to 0 (no limit or reject)")
-    return hours * 3600 + minutes * 60 + seconds
-
-
-def warning_seconds(walltime: str) -> int:
-    """Seconds before the walltime at which a job is told to save and stop: a tenth of it,
-    1 to 10 minutes (Slurm may send its signal up to a minute early; a save must fit), at
-    most half of a walltime of 2 minutes or less."""
-    total = walltime_seconds(walltime)
-    return min(600, max(60, total // 10), total // 2)
-
-
-def drain_period(walltime: str) -> int:
-    """Seconds after a block starts at which its workers stop taking new simulations.
-
-    The last tenth of the walltime (1 to 10 minutes) starts nothing, so a simulation is not
-    killed by the walltime half-way and charged a retry (Parsl #1905, #3059).
-    """
-    total = walltime_seconds(walltime)
-    return total - warning_seconds(walltime) if total > 120 else total // 2
 
 
 def _check_template(site: str, name: str, template: str) -> None:
@@ -162,30 +125,35 @@ class Site:
     """
 
     hardware: SiteHardware
-    modules: tuple[str, ...] = ()
-    """Shell lines that load the modules hpcml was built against (docs/install.md)."""
-    env: Mapping[str, str] = field(default_factory=dict)
-    """Environment of every job and worker (NCCL interfaces, ``HPCML_SOCKET_IFNAME``)."""
-    queues: tuple[tuple[int | None, str | None], ...] = ((None, None),)
-    """``(max_nodes, queue)`` in order: the default queue for a node count (None: no limit /
-    the scheduler's default)."""
+    modules: tuple[Fact, ...] = ()
+    """Shell lines that load the modules hpcml was built against and its jobs need, each with why."""
+    environment: tuple[EnvVar, ...] = ()
+    """Environment of every job and worker (collective-network plugins, interfaces), each with why."""
+    queues: tuple[Queue, ...] = ()
+    """The facility's queue table (:func:`hpcml.ensemble.rules.pick_queue`); empty: the scheduler's default."""
+    account: Account | None = None
+    """Whether jobs must name their allocation (None: they need not)."""
+    retired: str | None = None
+    """Why and since when the machine takes no jobs (None: in service); ``hpcml job`` says so."""
     train_ranks_per_node: int = 1
     """Training ranks on one node: one per GPU (GCD, tile) on GPU machines."""
     train_launch: str = "mpiexec -n {ranks}"
     """The training job's launch line, e.g. ``srun -N{nodes} -n{ranks} -c7 --gpus-per-task=1``."""
+    train_launch_why: str = "one training rank per device"
+    """Why the launch line reads as it does (``hpcml job --explain``)."""
+    train_launch_source: Source | None = None
     sim_launch: str = "$PARSL_MPI_PREFIX"
     """A simulation's launch prefix: ``$PARSL_MPI_PREFIX`` (composed by ``MPIExecutor`` from
     the task's resource spec) or a template with ``{ranks}`` (``jsrun -n{ranks} -a1 -c1``)."""
     mpi_launcher: str | None = None
     """``srun`` or ``mpiexec``: simulations run under Parsl's ``MPIExecutor``; None: a plain
     executor whose tasks name their launcher in ``sim_launch`` (jsrun, local ``mpiexec``)."""
-    provider: Callable[[SiteRequest], ExecutionProvider] | None = None
-    """The Parsl provider of one block (pilot mode); None: no batch system (local)."""
-    queue_kind: str = "queue"
-    """What ``queue`` names in a batch script: ``partition`` or ``qos`` on Slurm, ``queue`` on PBS and LSF."""
+    block_options: Mapping[str, Any] = field(default_factory=dict)
+    """Facts for the Parsl provider of a block, e.g. ``{"constraint": "gpu", "gpus_per_node": 4}``."""
     select_options: str = ""
     """PBS only: what follows ``select=N:`` (``system=polaris``)."""
-    job_directives: tuple[str, ...] = ()
+    select_source: Source | None = None
+    job_directives: tuple[Fact, ...] = ()
     """Extra header lines of every batch job (``#PBS -l filesystems=...``, ``#SBATCH -C gpu``)."""
     stream_interface: str | None = None
     """Network interface the trainers' stream servers bind on this machine (None: loopback,
@@ -210,14 +178,16 @@ class Site:
             raise ConfigError(f"site {hw.name}: sim_launch='$PARSL_MPI_PREFIX' goes with an mpi_launcher "
                               f"(MPIExecutor composes it), got mpi_launcher={self.mpi_launcher!r} and "
                               f"sim_launch={self.sim_launch!r}")
+        for name, items, kind in (("modules", self.modules, Fact), ("environment", self.environment, EnvVar),
+                                  ("queues", self.queues, Queue), ("job_directives", self.job_directives, Fact)):
+            if not isinstance(items, tuple) or not all(isinstance(i, kind) for i in items):
+                raise ConfigError(f"site {hw.name}: {name} must be a tuple of {kind.__name__}")
         kinds = {"slurm": ("partition", "qos")}.get(hw.scheduler, ("queue",))
-        if self.queue_kind not in kinds:
-            raise ConfigError(f"site {hw.name}: queue_kind={self.queue_kind!r} must be one of {', '.join(kinds)} "
-                              f"on {hw.scheduler}")
-        if hw.scheduler == "local" and self.provider is not None:
-            raise ConfigError(f"site {hw.name}: a local site submits no blocks (provider must be None)")
-        if hw.scheduler != "local" and self.provider is None:
-            raise ConfigError(f"site {hw.name}: a {hw.scheduler} site needs a provider for its blocks")
+        bad = [q.name for q in self.queues if q.kind not in kinds]
+        if bad:
+            raise ConfigError(f"site {hw.name}: queues {bad} must be of kind {' or '.join(kinds)} on {hw.scheduler}")
+        if hw.scheduler == "local" and (self.queues or self.account):
+            raise ConfigError(f"site {hw.name}: a local site has no queues or accounts")
 
     # -- names ------------------------------------------------------------------------------
     @property
@@ -232,14 +202,23 @@ class Site:
     def has_gpus(self) -> bool:
         return self.hardware.gpus_per_node > 0
 
-    def queue_for(self, nodes: int, queue: str | None = None) -> str | None:
-        """``queue`` if given, else the site's default for this many nodes."""
-        if queue is not None:
-            return queue
-        for max_nodes, default in self.queues:
-            if max_nodes is None or nodes <= max_nodes:
-                return default
-        return None
+    @property
+    def batch(self) -> schedulers.Scheduler:
+        """The batch system's class: directives, submission, requeue, launcher."""
+        return schedulers.get(self.scheduler)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {v.name: v.value for v in self.environment}
+
+    def pick_queue(self, nodes: int, walltime: str, queue: str | None = None) -> Queue | None:
+        """The queue row a job of ``nodes`` for ``walltime`` goes to (``queue`` checked when named);
+        a one-line ConfigError when none fits. None: no table, the scheduler's default (or ``queue``)."""
+        return rules.pick_queue(self.name, self.queues, nodes, walltime, queue)
+
+    def account_for(self, account: str | None) -> str | None:
+        """``account`` or ``$HPCML_ACCOUNT``; refused in one line where the site requires one."""
+        return rules.account_for(self.name, self.account, account)
 
     # -- launch lines -----------------------------------------------------------------------
     def train_ranks(self, nodes: int) -> int:
@@ -260,7 +239,7 @@ class Site:
             raise ConfigError(f"ranks={ranks} > {self.train_ranks(nodes)} devices on nodes={nodes} of {self.name} "
                               f"({self.train_ranks_per_node} per node): one rank per device")
         line = self.train_launch.format(nodes=nodes, ranks=ranks, ranks_per_node=math.ceil(ranks / nodes))
-        return shell_join(_pin_hosts(line, hosts), argv)
+        return shell_join(self.batch.pin_hosts(line, hosts), argv)
 
     def sim_prefix(self, ranks: int) -> str:
         """The launch prefix of one simulation of ``ranks`` MPI ranks."""
@@ -309,7 +288,8 @@ def python_env_line() -> str:
 
 def environment_lines(site: Site, extra: str = "") -> list[str]:
     """The site's module lines, its environment, this Python environment, then ``extra``."""
-    lines = [*site.modules, *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python_env_line()]
+    lines = [*(m.text for m in site.modules), *(f"export {v.name}={shlex.quote(v.value)}" for v in site.environment),
+             python_env_line()]
     if extra.strip():
         lines.append(extra.strip())
     return lines
@@ -328,19 +308,6 @@ def shell_join(prefix: str, argv: Sequence[str]) -> str:
     if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
         raise ConfigError(f"argv={argv!r} must be a non-empty list of strings")
     return f"{prefix} {shlex.join(argv)}"
-
-
-def _pin_hosts(line: str, hosts: Sequence[str]) -> str:
-    """The launch line restricted to ``hosts`` of the job: ``srun --nodelist``, ``mpiexec --hosts``."""
-    if not hosts:
-        return line
-    head, _, rest = line.partition(" ")
-    names = ",".join(hosts)
-    if head == "srun":
-        return f"srun --nodelist={names} {rest}".rstrip()
-    if head == "mpiexec":
-        return f"mpiexec --hosts {names} {rest}".rstrip()
-    return line  # jsrun places by resource sets within the job's nodes
 
 
 # ----------------------------------------------------------------------------- finding sites

@@ -104,7 +104,7 @@ def _setup(grid: ProcessGrid, backend: str | None, interface: str | None) -> tup
         device = torch.device("cpu")
     else:
         module = getattr(torch, device_type)
-        device = torch.device(device_type, env.device_index(grid.local_rank, module.device_count()))
+        device = torch.device(device_type, env.device_index(grid.local_rank, module.device_count(), env.gpu_map()))
         module.set_device(device)
     joined = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
     return backend, device, joined

@@ -31,7 +31,7 @@ ACTIVATE = f"source {shlex.quote(sys.prefix)}/bin/activate" if sys.prefix != sys
 
 
 def _config(name: str, tmp_path: Path, **kwargs):
-    args = {"run_dir": str(tmp_path / "run"), "nodes": 2, "walltime": "02:30:00", "account": "proj42",
+    args = {"run_dir": str(tmp_path / "run"), "nodes": 2, "walltime": "01:00:00", "account": "proj42",
             "worker_init": "echo user-init", **kwargs}
     return site.load_site(name).parsl_config(**args)
 
@@ -43,22 +43,30 @@ def _lines(text: str) -> list[str]:
 # ----------------------------------------------------------------------------- batch scripts
 
 EXPECTED_SCRIPT = {
-    "frontier": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --exclusive", "#SBATCH --account=proj42",
+    "frontier": ["#SBATCH --nodes=2", "#SBATCH --time=60", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --exclusive", "#SBATCH --account=proj42", "#SBATCH --partition=batch",
+                 "#SBATCH --network=disable_rdzv_get",
                  "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python rocm",
-                 "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "export HPCML_SOCKET_IFNAME=hsn0"],
-    "perlmutter": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --exclusive", "#SBATCH --account=proj42",
+                 "module load rccl-net-plugin craype-accel-amd-gfx90a",
+                 "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "export MIOPEN_USER_DB_PATH=/tmp/hpcml-miopen",
+                 "export HPCML_SOCKET_IFNAME=hsn0"],
+    "perlmutter": ["#SBATCH --nodes=2", "#SBATCH --time=60", "#SBATCH --exclusive", "#SBATCH --account=proj42",
                    "#SBATCH --qos=regular", "#SBATCH --constraint=gpu", "#SBATCH --gpus-per-node=4",
-                   "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python"],
-    "summit": ["#BSUB -W 150", "#BSUB -P proj42", "#BSUB -q batch", "#BSUB -nnodes 2",
+                   "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python", "module load nccl-plugin",
+                   "export HPCML_GPU_MAP=3,2,1,0"],
+    "summit": ["#BSUB -W 60", "#BSUB -P proj42", "#BSUB -q batch", "#BSUB -nnodes 2",
                "module load gcc spectrum-mpi hdf5 python", "export HPCML_SOCKET_IFNAME=ib0"],
-    "polaris": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=64:system=polaris",
+    "polaris": ["#PBS -l walltime=01:00:00", "#PBS -l select=2:ncpus=64:system=polaris",
                 "#PBS -l filesystems=home:eagle", "#PBS -l place=scatter", "module use /soft/modulefiles",
-                "module load PrgEnv-gnu cray-hdf5-parallel conda", "export NCCL_SOCKET_IFNAME=hsn0,hsn1"],
-    "aurora": ["#PBS -l walltime=02:30:00", "#PBS -l select=2:ncpus=208", "#PBS -l filesystems=home:flare",
+                "module load PrgEnv-gnu cray-hdf5-parallel conda", "export NCCL_NET='AWS Libfabric'",
+                "export NCCL_NET_GDR_LEVEL=PHB", "export FI_MR_CACHE_MONITOR=userfaultfd",
+                "export HPCML_GPU_MAP=3,2,1,0", "export TMPDIR=/tmp"],
+    "aurora": ["#PBS -l walltime=01:00:00", "#PBS -l select=2:ncpus=208", "#PBS -l filesystems=home:flare",
                "#PBS -l place=scatter", "module load frameworks cray-hdf5-parallel",
-               "export ZE_FLAT_DEVICE_HIERARCHY=FLAT"],
-    "slurm-local": ["#SBATCH --nodes=2", "#SBATCH --time=150", "#SBATCH --exclusive", "#SBATCH --partition=debug",
+               "export CCL_PROCESS_LAUNCHER=pmix", "export CCL_ATL_TRANSPORT=mpi", "export CCL_KVS_MODE=mpi",
+               "export FI_MR_CACHE_MONITOR=userfaultfd", "export ZE_FLAT_DEVICE_HIERARCHY=FLAT",
+               "export TMPDIR=/tmp"],
+    "slurm-local": ["#SBATCH --nodes=2", "#SBATCH --time=60", "#SBATCH --exclusive", "#SBATCH --partition=debug",
                     "#SBATCH --account=proj42"],
 }
 EXPECTED_SUBMIT = {
@@ -95,20 +103,33 @@ def test_batch_script_queue_override(tmp_path):
     assert polaris.submit_command.startswith("qsub -q preemptable -A proj42 ")
 
 
-def test_batch_script_without_account_has_none(tmp_path):
-    frontier = render_batch_script(_config("frontier", tmp_path, account=None))
-    assert "--account" not in frontier.text
+def test_batch_script_without_account(tmp_path, monkeypatch):
+    """An account is optional where the site says so (Perlmutter: the default project), taken
+    from $HPCML_ACCOUNT when not given, and refused before Parsl submits anything where required."""
+    monkeypatch.delenv("HPCML_ACCOUNT", raising=False)
+    perlmutter = render_batch_script(_config("perlmutter", tmp_path, account=None))
+    assert "--account" not in perlmutter.text
+    for name in ("aurora", "polaris", "frontier", "summit"):
+        with pytest.raises(ConfigError, match=f"site {name} requires an account: pass --account PROJECT or set "
+                                              "HPCML_ACCOUNT"):
+            _config(name, tmp_path, account=None, nodes=1)
+    monkeypatch.setenv("HPCML_ACCOUNT", "envproj")
     aurora = render_batch_script(_config("aurora", tmp_path, account=None, nodes=1))
-    assert aurora.submit_command == "qsub -q debug submit_scripts/parsl.sims.block"
+    assert aurora.submit_command == "qsub -q debug -A envproj submit_scripts/parsl.sims.block"
 
 
-@pytest.mark.parametrize("name, nodes, queue", [
-    ("polaris", 1, "debug"), ("polaris", 2, "debug"), ("polaris", 3, "debug-scaling"),
-    ("polaris", 10, "debug-scaling"), ("polaris", 11, "prod"), ("aurora", 2, "debug"), ("aurora", 3, "prod"),
-    ("perlmutter", 100, "regular"), ("summit", 7, "batch"), ("frontier", 3, None), ("slurm-local", 2, "debug"),
+@pytest.mark.parametrize("name, nodes, walltime, queue", [
+    ("polaris", 1, "01:00:00", "debug"), ("polaris", 2, "01:00:00", "debug"), ("polaris", 3, "01:00:00",
+                                                                                "debug-scaling"),
+    ("polaris", 2, "02:00:00", "capacity"), ("polaris", 11, "03:00:00", "prod"), ("aurora", 2, "01:00:00", "debug"),
+    ("aurora", 3, "01:00:00", "debug-scaling"), ("aurora", 300, "12:00:00", "prod"),
+    ("perlmutter", 100, "01:00:00", "regular"), ("perlmutter", 2, "00:30:00", "debug"), ("summit", 7, "01:00:00",
+                                                                                         "batch"),
+    ("frontier", 3, "01:00:00", "batch"), ("frontier", 3, "04:00:00", "extended"), ("slurm-local", 2, "01:00:00",
+                                                                                     "debug"),
 ])
-def test_default_queue_by_node_count(name, nodes, queue, tmp_path):
-    provider = _config(name, tmp_path, nodes=nodes).executors[0].provider
+def test_block_queue_by_nodes_and_walltime(name, nodes, walltime, queue, tmp_path):
+    provider = _config(name, tmp_path, nodes=nodes, walltime=walltime).executors[0].provider
     chosen = {"frontier": "partition", "slurm-local": "partition", "perlmutter": "qos"}.get(name, "queue")
     assert getattr(provider, chosen) == queue
 
@@ -126,15 +147,15 @@ MPI_LAUNCHER = {"frontier": "srun", "perlmutter": "srun", "polaris": "mpiexec", 
 
 @pytest.mark.parametrize("name", sorted(MPI_LAUNCHER))
 def test_mpi_sites_use_mpiexecutor(name, tmp_path):
-    config = _config(name, tmp_path, nodes=4, max_concurrent_sims=3, retries=5)
+    config = _config(name, tmp_path, nodes=2 if name == "slurm-local" else 4, max_concurrent_sims=3, retries=5)
     (executor,) = config.executors
     assert isinstance(executor, MPIExecutor) and executor.label == "sims"
     assert executor.mpi_launcher == MPI_LAUNCHER[name] and executor.enable_mpi_mode
-    assert executor.max_workers_per_block == 3
+    assert executor.max_workers_per_block == (2 if name == "slurm-local" else 3)  # whole nodes per simulation
     assert isinstance(executor.provider.launcher, SimpleLauncher)
-    assert executor.provider.nodes_per_block == 4
+    assert executor.provider.nodes_per_block == (2 if name == "slurm-local" else 4)
     assert (executor.provider.init_blocks, executor.provider.min_blocks, executor.provider.max_blocks) == (1, 1, 1)
-    assert executor.drain_period == 9000 - 600 and executor.encrypted
+    assert executor.drain_period == 3600 - 360 and executor.encrypted
     assert config.strategy_period == 0.5  # the first block's workers are seen quickly
     assert getattr(executor.provider, "cores_per_node", None) is None  # Parsl #3006
     assert (config.retries, config.usage_tracking) == (5, 0)
@@ -221,7 +242,7 @@ TRAIN = {
     "frontier": "srun -N2 -n16 -c7 --gpus-per-task=1 --gpu-bind=closest python x.py",
     "summit": "jsrun -n12 -r6 -a1 -g1 -c7 -b packed:7 python x.py",
     "polaris": "mpiexec -n 8 --ppn 4 --depth=8 --cpu-bind depth python x.py",
-    "perlmutter": "srun -N2 -n8 -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python x.py",
+    "perlmutter": "srun -C gpu -N2 -n8 -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python x.py",
     "aurora": "mpiexec -n 24 --ppn 12 --cpu-bind "
               "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 python x.py",
     "slurm-local": "srun -N2 -n4 --ntasks-per-node=2 --mpi=pmi2 python x.py",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcml.ensemble import site
-from hpcml.ensemble.site import Site, SiteHardware
+from hpcml.ensemble.site import Queue, Site, SiteHardware, Source
 from hpcml.errors import ConfigError
 
 SITES = ["aurora", "frontier", "local", "perlmutter", "polaris", "slurm-local", "summit"]
@@ -54,11 +54,14 @@ def test_every_site_is_one_literal_value(name):
     ({"mpi_launcher": "aprun"}, "mpi_launcher='aprun' must be one of srun, mpiexec"),
     ({"sim_launch": "mpiexec -n {ranks}"}, "sim_launch='$PARSL_MPI_PREFIX' goes with an mpi_launcher"),
     ({"train_ranks_per_node": 3}, "train_ranks_per_node=3 must equal gpus_per_node=8"),
-    ({"queue_kind": "queue"}, "queue_kind='queue' must be one of partition, qos on slurm"),
-    ({"provider": None}, "a slurm site needs a provider"),
+    ({"queues": (Queue(name="q", max_walltime="01:00:00", source=Source(url="https://x.org/q", read="2026-01-01")),)},
+     "queues ['q'] must be of kind partition or qos on slurm"),
+    ({"environment": ({"NCCL_NET": "x"},)}, "environment must be a tuple of EnvVar"),
+    ({"modules": ("module load x",)}, "modules must be a tuple of Fact"),
 ])
 def test_site_validation_names_the_value(overrides, words):
     fields = {k: getattr(site.load_site("frontier"), k) for k in Site.__dataclass_fields__}
+    Site(**fields)  # the site as it is passes
     with pytest.raises(ConfigError, match=re.escape(words)):
         Site(**{**fields, **overrides})
 
