@@ -86,7 +86,7 @@ class JobSpec:
         if s.scheduler == "local":
             raise ConfigError(f"site {s.name} has no batch system: run the command directly, or pick a "
                               f"batch site (hpcml job --site slurm-local)")
-        if lo != hi and s.scheduler != "slurm":
+        if lo != hi and not s.batch.node_range:
             raise ConfigError(f"nodes={lo}-{hi}: a node range needs Slurm; {s.name} ({s.scheduler}) takes a "
                               f"fixed count")
         if self.ranks is not None:

@@ -182,7 +182,7 @@ class Site:
                                   ("queues", self.queues, Queue), ("job_directives", self.job_directives, Fact)):
             if not isinstance(items, tuple) or not all(isinstance(i, kind) for i in items):
                 raise ConfigError(f"site {hw.name}: {name} must be a tuple of {kind.__name__}")
-        kinds = {"slurm": ("partition", "qos")}.get(hw.scheduler, ("queue",))
+        kinds = schedulers.get(hw.scheduler).queue_kinds
         bad = [q.name for q in self.queues if q.kind not in kinds]
         if bad:
             raise ConfigError(f"site {hw.name}: queues {bad} must be of kind {' or '.join(kinds)} on {hw.scheduler}")

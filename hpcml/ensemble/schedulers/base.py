@@ -56,6 +56,10 @@ class Scheduler:
     """Variable holding the job's node count at run time (a node range needs one)."""
     launcher: ClassVar[str] = "mpiexec"
     """The MPI launcher of this scheduler's jobs: its head word in a launch line."""
+    node_range: ClassVar[bool] = False
+    """A job may ask for a range of nodes (``--nodes 1-2``) and start on what is left after a loss."""
+    queue_kinds: ClassVar[tuple[str, ...]] = ("queue",)
+    """What a queue row may select on this scheduler."""
     resubmits: ClassVar[bool] = False
     """A job not finished submits its own script again (no requeue for users): it needs its path."""
     sends_warning: ClassVar[bool] = True

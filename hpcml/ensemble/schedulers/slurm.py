@@ -38,6 +38,8 @@ class Slurm(Scheduler):
     nodes_var = "SLURM_NNODES"
     launcher = "srun"
     default_kind = "partition"
+    node_range = True
+    queue_kinds = ("partition", "qos")
 
     def header(self, spec: JobSpec, queue: Queue | None) -> list[Fact]:
         lo, hi = spec.nodes
