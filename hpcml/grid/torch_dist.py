@@ -3,7 +3,7 @@
 Rank and world size come from MPI. Rank 0 picks its address (on a chosen network
 interface, e.g. Frontier's ``hsn0``) and a free port and broadcasts them by MPI; every rank
 then joins the TCP rendezvous. Backend: gloo on CPU, nccl on NVIDIA (RCCL on ROCm builds),
-xccl on Intel GPUs; the device is ``local_rank % device_count`` and is passed as
+xccl on Intel GPUs; the device is ``local_rank % device_count`` (or ``HPCML_GPU_MAP``) and is passed as
 ``device_id`` so NCCL binds eagerly (without it FSDP2 has deadlocked on Aurora).
 
 Environment overrides: ``HPCML_MASTER_ADDR``, ``HPCML_MASTER_PORT``, ``HPCML_SOCKET_IFNAME``.
