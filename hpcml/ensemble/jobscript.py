@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcml.ensemble.checks import check_count, walltime_seconds, warning_seconds
-from hpcml.ensemble.rules import Fact, Queue, Source
+from hpcml.ensemble.rules import Fact, Queue
 from hpcml.ensemble.site import Site, load_site, python_env_line
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError
@@ -131,19 +131,9 @@ class JobSpec:
 
     @property
     def no_requeue_reason(self) -> str:
+        """Why the queue cannot take this job back (its row's note)."""
         row = self.queue_row
-        if self.requeue and row is not None and not row.requeue:
-            return row.note or f"it allows {row.max_jobs} job(s) per user"
-        return "asked for (--no-requeue)"
-
-    @property
-    def account_why(self) -> str:
-        rule = self.site.account
-        return rule.why if rule is not None else "the allocation charged"
-
-    @property
-    def account_source(self) -> Source | None:
-        return self.site.account.source if self.site.account is not None else None
+        return (row.note or f"it allows {row.max_jobs} job(s) per user") if row is not None else ""
 
     def launch_line(self, nodes_var: str) -> str:
         """The command under the site's launch line; node count from ``nodes_var`` when it varies."""
@@ -181,8 +171,7 @@ def facts(spec: JobSpec) -> list[Fact]:
            *batch.header(spec, spec.queue_row), *s.job_directives]
     out.append(Fact(text=f"\n# Written by `hpcml job --site {s.name}`: the site's environment, then the run.\n"
                          f"cd {_quote_path(workdir)}", why="run where the job was submitted (relative paths)"))
-    out += [*s.modules, *(Fact(text=f"export {v.name}={shlex.quote(v.value)}", why=v.why, source=v.source)
-                          for v in s.environment)]
+    out += [*s.modules, *(Fact(text=v.line, why=v.why, source=v.source) for v in s.environment)]
     out.append(Fact(text=python_env_line(), why="the Python environment hpcml job ran in: the same interpreter "
                                                  "and packages on the compute nodes"))
     out.append(Fact(text=f"export HPCML_SITE={s.name} HPCML_JOB_DEADLINE=$(( $(date +%s) + {spec.walltime_s} ))",
@@ -219,8 +208,7 @@ def explain(spec: JobSpec) -> str:
         lines = [f.text, f"    ^ why: {f.why}"]
         lines += [f"    ^ source: {f.source}"] if f.source is not None else []
         parts.append("\n".join(lines))
-    notes = "".join(f"\nnote: {n}" for n in spec.notes)
-    return "\n".join(parts) + "\n" + notes.lstrip("\n") + ("\n" if notes else "")
+    return "\n".join(parts) + "\n" + "".join(f"note: {n}\n" for n in spec.notes)
 
 
 def _quote_path(path: str) -> str:

@@ -14,6 +14,7 @@ Two ways a campaign meets a batch system:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def provider_for(site: Site, request: SiteRequest) -> ExecutionProvider:
     if not request.sim_nodes:
         queue = site.pick_queue(request.nodes, request.walltime, request.queue)
         account = site.account_for(request.account)
-        request = SiteRequest(**{**request.__dict__, "account": account})
+        request = dataclasses.replace(request, account=account)
         return site.batch.provider(site, request, queue, block_options(site, request))
     from parsl.launchers import SimpleLauncher
     from parsl.providers import LocalProvider

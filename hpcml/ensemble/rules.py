@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,15 +23,7 @@ __all__ = ["ACCOUNT_ENV", "Account", "EnvVar", "Fact", "Queue", "Source", "accou
 ACCOUNT_ENV = "HPCML_ACCOUNT"
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
-_HMS = re.compile(r"(\d{1,3}):([0-5]\d):([0-5]\d)")
 _KINDS = ("partition", "qos", "queue")
-
-
-def _hms(name: str, value: str) -> int:
-    m = _HMS.fullmatch(value) if isinstance(value, str) else None
-    if m is None:
-        raise ConfigError(f"{name}={value!r} must be HH:MM:SS")
-    return int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +75,11 @@ class EnvVar:
     why: str
     source: Source | None = None
 
+    @property
+    def line(self) -> str:
+        """``export NAME=value``, the value shell-quoted."""
+        return f"export {self.name}={shlex.quote(self.value)}"
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name):
             raise ConfigError(f"environment variable name={self.name!r} must be a shell identifier")
@@ -126,7 +124,10 @@ class Queue:
                                            or self.max_nodes < self.min_nodes):
             raise ConfigError(f"queue {self.name}: max_nodes={self.max_nodes!r} must be an integer >= "
                               f"min_nodes={self.min_nodes} or None")
-        _hms(f"queue {self.name}: max_walltime", self.max_walltime)
+        try:
+            walltime_seconds(self.max_walltime)
+        except ConfigError as e:
+            raise ConfigError(f"queue {self.name}: max_{e}") from None
         if self.max_jobs is not None and (isinstance(self.max_jobs, bool) or not isinstance(self.max_jobs, int)
                                           or self.max_jobs < 1):
             raise ConfigError(f"queue {self.name}: max_jobs={self.max_jobs!r} must be an integer >= 1 or None")
@@ -137,7 +138,7 @@ class Queue:
 
     @property
     def max_walltime_s(self) -> int:
-        return _hms("max_walltime", self.max_walltime)
+        return walltime_seconds(self.max_walltime)
 
     def fits(self, nodes: int, walltime_s: int) -> bool:
         return (self.min_nodes <= nodes and (self.max_nodes is None or nodes <= self.max_nodes)

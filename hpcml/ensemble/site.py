@@ -288,8 +288,7 @@ def python_env_line() -> str:
 
 def environment_lines(site: Site, extra: str = "") -> list[str]:
     """The site's module lines, its environment, this Python environment, then ``extra``."""
-    lines = [*(m.text for m in site.modules), *(f"export {v.name}={shlex.quote(v.value)}" for v in site.environment),
-             python_env_line()]
+    lines = [*(m.text for m in site.modules), *(v.line for v in site.environment), python_env_line()]
     if extra.strip():
         lines.append(extra.strip())
     return lines

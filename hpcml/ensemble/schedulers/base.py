@@ -70,16 +70,15 @@ class Scheduler:
         """The directives: name, nodes, walltime, output, warning, requeue, account, queue."""
         raise NotImplementedError
 
-    default_kind: ClassVar[str] = "queue"
-    """What a queue name outside the site's table selects."""
-
     def queue_directive(self, name: str, kind: str) -> str:
         raise NotImplementedError
 
     def account_and_queue(self, spec: JobSpec, queue: Queue | None, account_directive: str) -> list[Fact]:
         """The account line (``#PBS -A``, ``#BSUB -P``...) when there is one, then the queue line."""
-        account = [Fact(text=f"{account_directive}{spec.account}", why=spec.account_why, source=spec.account_source)]
-        return (account if spec.account else []) + self.queue_fact(spec, queue)
+        rule = spec.site.account
+        account = [Fact(text=f"{account_directive}{spec.account}", why=rule.why if rule else "the allocation charged",
+                        source=rule.source if rule else None)] if spec.account else []
+        return account + self.queue_fact(spec, queue)
 
     def queue_fact(self, spec: JobSpec, queue: Queue | None) -> list[Fact]:
         """The queue line: the table's row, or a name the user gave that the table lacks."""
@@ -87,7 +86,7 @@ class Scheduler:
             return [Fact(text=self.queue_directive(queue.name, queue.kind), why=f"chosen for {spec.nodes[1]} node(s) "
                          f"and {spec.walltime}: {queue.limits()}", source=queue.source)]
         if spec.queue:
-            kind = spec.site.queues[0].kind if spec.site.queues else self.default_kind
+            kind = spec.site.queues[0].kind if spec.site.queues else self.queue_kinds[0]
             return [Fact(text=self.queue_directive(spec.queue, kind), why="named by --queue; not in the site's "
                          "table, so its limits are not checked")]
         return []
@@ -174,11 +173,24 @@ class Resubmitting(Scheduler):
     resubmits = True
     submit_again: ClassVar[str] = ""
     """The shell command that submits ``$hpcml_script`` again with ``HPCML_RESTART_COUNT`` one higher."""
+    submit_and_wait: ClassVar[str] = ""
+    """The shell command that submits the script ``{path}`` and returns its job's exit status."""
 
     def requeue_block(self, spec: JobSpec, script: str) -> str:
         from hpcml.env import NOT_FINISHED
 
         return RESUBMIT.format(nf=NOT_FINISHED, max=spec.max_requeues, script=script, submit=self.submit_again)
+
+    def allocate_line(self, site: Site, line: str, *, walltime: str, account: str | None, queue: str | None,
+                      nodes: int, run_dir: Path, argv: Sequence[str], ranks: int | None) -> str:
+        """The training job as a batch script of its own, submitted and waited for."""
+        from hpcml.ensemble.jobscript import JobSpec, render
+
+        spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,
+                       queue=queue, ranks=ranks, name="hpcml-train", requeue=False, workdir=str(run_dir))
+        path = Path(run_dir) / f"train{self.suffix}"
+        path.write_text(render(spec))
+        return self.submit_and_wait.format(path=shlex.quote(str(path)))
 
 
 RESUBMIT = """\
@@ -198,7 +210,7 @@ def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")  # type: ignore[return-value]
 
 
-def first_word(text: str, pattern: str) -> str | None:
+def first_match(text: str, pattern: str) -> str | None:
     """The first match of ``pattern``'s group 1 in ``text``, or None."""
     m = re.search(pattern, text)
     return m[1] if m else None

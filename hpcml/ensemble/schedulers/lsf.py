@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcml.ensemble.rules import Fact, Queue, Source
-from hpcml.ensemble.schedulers.base import Resubmitting, first_word
-from hpcml.ensemble.schedulers.pbs import _write_train_script
+from hpcml.ensemble.schedulers.base import Resubmitting, first_match
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ensemble.jobscript import JobSpec
@@ -25,6 +24,7 @@ class LSF(Resubmitting):
     workdir_var = "$LS_SUBCWD"
     launcher = "jsrun"
     submit_again = 'HPCML_RESTART_COUNT=$((n + 1)) bsub < "$hpcml_script"'  # bsub passes the environment
+    submit_and_wait = "bsub -K < {path}"
 
     def header(self, spec: JobSpec, queue: Queue | None) -> list[Fact]:
         hours, rest = divmod(math.ceil(spec.walltime_s / 60), 60)  # -W and -wt in minutes
@@ -47,7 +47,7 @@ class LSF(Resubmitting):
 
     def parse_job_id(self, stdout: str) -> str | None:
         """``Job <12345> is submitted to queue <batch>.``"""
-        return first_word(stdout, r"Job <(\d+)>")
+        return first_match(stdout, r"Job <(\d+)>")
 
     def nodes(self, environ: Mapping[str, str]) -> tuple[str, ...]:
         """``LSB_MCPU_HOSTS="launch 1 h1 42 h2 42"``: the first host is the launch node, not a compute node."""
@@ -56,13 +56,6 @@ class LSF(Resubmitting):
 
     def pin_hosts(self, line: str, hosts: Sequence[str]) -> str:
         return line  # jsrun places by resource sets within the job's nodes
-
-    def allocate_line(self, site: Site, line: str, *, walltime: str, account: str | None, queue: str | None,
-                      nodes: int, run_dir: Path, argv: Sequence[str], ranks: int | None) -> str:
-        """The training job submitted and waited for (``bsub -K``), whose exit status it returns."""
-        path = _write_train_script(site, walltime=walltime, account=account, queue=queue, nodes=nodes,
-                                   run_dir=run_dir, argv=argv, ranks=ranks)
-        return f"bsub -K < {shlex.quote(str(path))}"
 
     def provider(self, site: Site, request: SiteRequest, queue: Queue | None, common: dict[str, Any]):
         """One LSF block of ``nodes``; ``account`` is the project (``#BSUB -P``)."""

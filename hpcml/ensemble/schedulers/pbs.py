@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcml.ensemble.rules import Fact, Queue, Source
-from hpcml.ensemble.schedulers.base import Resubmitting, first_word
+from hpcml.ensemble.schedulers.base import Resubmitting, first_match
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ensemble.jobscript import JobSpec
@@ -24,6 +24,8 @@ class PBS(Resubmitting):
     launcher = "mpiexec"
     sends_warning = False
     submit_again = 'qsub -v HPCML_RESTART_COUNT=$((n + 1)) "$hpcml_script"'
+    # -V: the trainer needs the campaign's environment; -W block=true: qsub returns its exit status
+    submit_and_wait = "qsub -V -W block=true {path}"
 
     def header(self, spec: JobSpec, queue: Queue | None) -> list[Fact]:
         lo = spec.nodes[0]
@@ -47,7 +49,7 @@ class PBS(Resubmitting):
 
     def parse_job_id(self, stdout: str) -> str | None:
         """``qsub`` prints ``123456.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov``."""
-        return first_word(stdout, r"^\s*(\d+(?:\[\d*\])?(?:\.[\w.-]+)?)\s*$")
+        return first_match(stdout, r"^\s*(\d+(?:\[\d*\])?(?:\.[\w.-]+)?)\s*$")
 
     def nodes(self, environ: Mapping[str, str]) -> tuple[str, ...]:
         path = environ.get("PBS_NODEFILE")
@@ -62,14 +64,6 @@ class PBS(Resubmitting):
         nodefile.write_text("".join(f"{n}\n" for n in nodes))
         return [f"export PBS_NODEFILE={shlex.quote(str(nodefile))}"]
 
-    def allocate_line(self, site: Site, line: str, *, walltime: str, account: str | None, queue: str | None,
-                      nodes: int, run_dir: Path, argv: Sequence[str], ranks: int | None) -> str:
-        """The training job as a batch script submitted and waited for (``qsub -W block=true``),
-        whose exit status it returns; ``-V``: the trainer needs the campaign's environment."""
-        path = _write_train_script(site, walltime=walltime, account=account, queue=queue, nodes=nodes,
-                                   run_dir=run_dir, argv=argv, ranks=ranks)
-        return f"qsub -V -W block=true {shlex.quote(str(path))}"
-
     def provider(self, site: Site, request: SiteRequest, queue: Queue | None, common: dict[str, Any]):
         """One PBS block; ``account`` and ``queue`` go on the ``qsub`` line, the site's
         directives in the block's script."""
@@ -80,13 +74,3 @@ class PBS(Resubmitting):
                               scheduler_options="\n".join(d.text for d in site.job_directives),
                               **dict(site.block_options), **common)
 
-
-def _write_train_script(site: Site, *, walltime: str, account: str | None, queue: str | None, nodes: int,
-                        run_dir: Path, argv: Sequence[str], ranks: int | None) -> Path:
-    from hpcml.ensemble.jobscript import JobSpec, render
-
-    spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,
-                   queue=queue, ranks=ranks, name="hpcml-train", requeue=False, workdir=str(run_dir))
-    path = Path(run_dir) / f"train{site.batch.suffix}"
-    path.write_text(render(spec))
-    return path

@@ -37,7 +37,6 @@ class Slurm(Scheduler):
     workdir_var = "$SLURM_SUBMIT_DIR"
     nodes_var = "SLURM_NNODES"
     launcher = "srun"
-    default_kind = "partition"
     node_range = True
     queue_kinds = ("partition", "qos")
 
@@ -62,10 +61,7 @@ class Slurm(Scheduler):
                               "the job itself on exit 75 where its queue allows", source=SBATCH))
         else:
             lines.append(Fact(text="#SBATCH --no-requeue", why="asked for (--no-requeue)"))
-        if spec.account:
-            lines.append(Fact(text=f"#SBATCH --account={spec.account}", why=spec.account_why,
-                              source=spec.account_source))
-        return lines + self.queue_fact(spec, queue)
+        return lines + self.account_and_queue(spec, queue, "#SBATCH --account=")
 
     def queue_directive(self, name: str, kind: str) -> str:
         return f"#SBATCH --{kind}={name}"
