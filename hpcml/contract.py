@@ -110,6 +110,12 @@ class Contract:
                 raise ConfigError(f"Contract.{name}={v!r}: expected an integer >= {0 if name == 'n_sims' else 1}")
 
     # -- the two sides ------------------------------------------------------------------------
+    def for_simulations(self) -> Contract:
+        """The part a simulation gets: where it runs, its campaign and run, the stream (secret,
+        endpoints) and the driver it outlives no longer; not the done record, resume, steps or batch."""
+        return Contract(run_dir=self.run_dir, campaign=self.campaign, run=self.run, secret_file=self.secret_file,
+                        endpoints_file=self.endpoints_file, driver_pid=self.driver_pid, driver_host=self.driver_host)
+
     def to_env(self) -> dict[str, str]:
         """The environment that carries it (fields that are None are left out)."""
         out = {}
@@ -197,12 +203,17 @@ class Contract:
 
 # --- the protocol's files ------------------------------------------------------------------------
 
-def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
-    """Atomically (a temporary file renamed over it): a reader never sees half a record."""
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Atomically (a temporary file renamed over it): a reader never sees half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
+    """A record, atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(data, indent=1))
 
 
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:

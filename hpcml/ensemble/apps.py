@@ -54,13 +54,19 @@ class RunHandle:
     """This process's claim on a run directory: the campaign, this run, the contract."""
 
     run_dir: Path
-    campaign: str
-    run: str
     contract: Contract
     non_streaming: set[int] = field(default_factory=set)
     """Simulations submitted with ``SimSpec(stream=False)``: the trainer does not wait for them."""
     ended: bool = False
     """:func:`mark_done` was called: the next :func:`claim` or :func:`simulation` starts a new run."""
+
+    @property
+    def campaign(self) -> str:
+        return self.contract.campaign
+
+    @property
+    def run(self) -> str:
+        return self.contract.run
 
 
 _runs: dict[Path, RunHandle] = {}
@@ -87,10 +93,8 @@ def claim(run_dir: str | Path, *, resume: bool = False, stream: bool = True) -> 
                        done_file=str(path / DONE_FILE))
     contract = Contract(run_dir=str(path), campaign=c.campaign, run=c.run, resume=resume and c.held,
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **streams)
-    handle = _runs[path] = RunHandle(path, c.campaign, c.run, contract)
-    sim_side = Contract(run_dir=str(path), campaign=c.campaign, run=c.run, driver_pid=contract.driver_pid,
-                        driver_host=contract.driver_host, **{k: v for k, v in streams.items() if k != "done_file"})
-    attempts.prepare(path / "sims", sim_side.to_env())
+    handle = _runs[path] = RunHandle(path, contract)
+    attempts.prepare(path / "sims", contract.for_simulations().to_env())
     attempts.clear_cancel(path / "sims")
     rundir.clear_done(path)
     return handle
@@ -148,8 +152,7 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
     handle = _handle(run_dir, new_work=True)
     run_dir, sims_dir = handle.run_dir, handle.run_dir / "sims"
     if env is not None:  # None: keep the environment set before
-        sim_side = {k: v for k, v in handle.contract.to_env().items() if k not in _TRAINER_ONLY}
-        attempts.prepare(sims_dir, {**sim_side, **env})
+        attempts.prepare(sims_dir, {**handle.contract.for_simulations().to_env(), **env})
     rundir.record_spec(run_dir, spec)
     if spec.stream is False:
         handle.non_streaming.add(spec.sim_id)
@@ -247,6 +250,3 @@ def design(kind: str, bounds: Mapping[str, Sequence[float]], n: int, *, seed: in
 
     return python_app(make, executors=_executors(executors))(kind, dict(bounds), n, seed=seed)
 
-
-#: The contract's parts only the training job gets.
-_TRAINER_ONLY = ("HPCML_SIMS_DONE_FILE", "HPCML_RESUME", "HPCML_TRAIN_STEPS", "HPCML_TRAIN_BATCH")

@@ -190,10 +190,6 @@ def clear_done(run_dir: Path) -> None:
     (Path(run_dir) / DONE_FILE).unlink(missing_ok=True)
 
 
-def held(run_dir: Path) -> bool:
-    return Path(run_dir).resolve() in _held
-
-
 def record_spec(run_dir: Path, spec: SimSpec) -> None:
     """Keep ``spec``'s definition beside its attempts; ConfigError if that simulation was
     defined otherwise before in this directory."""

@@ -132,7 +132,7 @@ class Run:
             if self.training is not None:
                 self.trainer = TrainerProcess(self.training,
                                               line=lambda job: self.c.train_line(job, train_hosts, allocate=pilot),
-                                              run_dir=self.run_dir, env=self._trainer_env(),
+                                              run_dir=self.run_dir, env=self.contract.to_env(),
                                               grace_s=max(self.c.cancel_grace_s, TRAINER_SAVE_S))
                 self.trainer.start(append=self.resume)
             pending = [s for s in self.sims if not s.skipped]
@@ -211,16 +211,10 @@ class Run:
                         batch=t.batch if t else None, n_sims=len(self.sims), deadline=self.deadline,
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
 
-    def _trainer_env(self) -> dict[str, str]:
-        return self.contract.to_env()
-
     def _prepare(self) -> None:
         if not self.sims:  # training alone: the simulations' files stay as they are
             return
-        c = self.contract
-        sim_side = Contract(run_dir=c.run_dir, campaign=c.campaign, run=c.run, secret_file=c.secret_file,
-                            endpoints_file=c.endpoints_file, driver_pid=c.driver_pid, driver_host=c.driver_host)
-        attempts.prepare(self.pool.sims_dir, {**sim_side.to_env(), **self.c.env})
+        attempts.prepare(self.pool.sims_dir, {**self.contract.for_simulations().to_env(), **self.c.env})
         attempts.clear_cancel(self.pool.sims_dir)
         rundir.clear_done(self.run_dir)
         done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()

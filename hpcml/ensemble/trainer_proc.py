@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE
-from hpcml.ensemble import watchdog
+from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE, write_text
+from hpcml.ensemble import schedulers, watchdog
 from hpcml.ensemble.attempts import tail_text
 from hpcml.ensemble.spec import TrainingJob
 from hpcml.env import NOT_FINISHED
@@ -63,12 +63,6 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def write_json_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
-
-
 def cause_line(path: Path, max_chars: int = 400) -> str | None:
     """The last line of ``path``'s tail that says what went wrong (an exception, an error, a
     signal), skipping the launcher's abort noise and log lines; None if there is none."""
@@ -106,7 +100,6 @@ class TrainerProcess:
         self.started = self.ended = 0.0
         self.restarts = 0
         self.launch: str | None = None
-        self.launches: list[str] = []
 
     # -- life ---------------------------------------------------------------------------------
     def start(self, *, restart: bool = False, append: bool = False) -> None:
@@ -119,8 +112,7 @@ class TrainerProcess:
         if self.launch is not None:  # TERM first: its ranks save what they hold and exit; the rest is killed
             self.reap(self.launch)
         self.launch = uuid.uuid4().hex[:16]
-        self.launches.append(self.launch)
-        write_json_text(self.run_dir / LEASE_FILE, self.launch)  # ranks of the earlier launch elsewhere see it, go
+        write_text(self.run_dir / LEASE_FILE, self.launch)  # ranks of the earlier launch elsewhere see it, go
         env = {**os.environ, **self.env, **job.env, ENV["launch"]: self.launch,
                **({ENV["resume"]: "1"} if restart else {})}
         logger.info("training job: %s", self.line)
@@ -191,12 +183,11 @@ class TrainerProcess:
     def batch_job(self) -> tuple[str, str] | None:
         """(scheduler, job id) when the training job is a batch job submitted and waited for
         (pilot mode on PBS and LSF): its client printed the id when it submitted."""
-        head = (self.line or "").split(" ", 1)[0]
-        if head not in ("qsub", "bsub"):
+        batch = schedulers.waiting_on(self.line or "")
+        if batch is None:
             return None
-        text = tail_text(self.run_dir / "train.out", 1 << 16)
-        m = re.search(r"Job <(\d+)>", text) if head == "bsub" else re.search(r"^\s*(\d+[\w.-]*)\s*$", text, re.M)
-        return ("pbs" if head == "qsub" else "lsf", m[1]) if m else None
+        job_id = batch.parse_job_id(tail_text(self.run_dir / "train.out", 1 << 16))
+        return (batch.name, job_id) if job_id else None
 
     def _scheduler(self, sig: int | None) -> bool:
         """Signal (or, ``sig`` None, cancel) a submitted batch job through its scheduler; the
@@ -205,9 +196,7 @@ class TrainerProcess:
         if job is None:
             return False
         kind, job_id = job
-        name = signal.Signals(sig).name[3:] if sig is not None else None
-        cmd = {("pbs", True): ["qsig", "-s", str(name), job_id], ("pbs", False): ["qdel", job_id],
-               ("lsf", True): ["bkill", "-s", str(name), job_id], ("lsf", False): ["bkill", job_id]}[kind, sig is not None]
+        cmd = schedulers.get(kind).signal_argv(job_id, signal.Signals(sig).name[3:] if sig is not None else None)
         try:
             subprocess.run(cmd, capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as e:

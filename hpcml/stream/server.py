@@ -293,8 +293,8 @@ class StreamServer:
         if not ended:
             return
         if without:
-            logger.warning("trainer rank %d: the stream ends without every sample of simulations %s (%.0f s after "
-                           "the campaign's end)", self.rank, without, self.config.end_grace_s)
+            logger.warning("trainer rank %d: the stream ends without every sample of simulations %s (no sample for "
+                           "%.0f s after the campaign's end)", self.rank, without, self.config.end_grace_s)
         self.buffer.end()
         logger.info("trainer rank %d: end of stream (%d samples, %d duplicates dropped)", self.rank,
                     self.counters["samples"], self.counters["duplicates"])

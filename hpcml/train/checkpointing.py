@@ -67,8 +67,6 @@ class CheckpointHook:
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
-        self.last_step: int | None = None
-        """The step of the last save started (None: none yet)."""
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
@@ -90,14 +88,12 @@ class CheckpointHook:
             self.blocked_s.append(save_trainer(trainer, self.root, keep=self.keep, saver=self.saver,
                                                 overlap=self.overlap, extra_tensors=tensors, extra=extra))
             self.saved.append(self.root / f"step_{trainer.step:08d}")
-            self.last_step = trainer.step
 
     def save(self, trainer: TrainLoop) -> None:
         """Save now, synchronously, after committing any save in flight (collective)."""
         self.close()
         tensors, extra = self.state() if self.state is not None else ({}, {})
         self.saved.append(save_trainer(trainer, self.root, keep=self.keep, extra_tensors=tensors, extra=extra).path)
-        self.last_step = trainer.step
 
     def close(self) -> None:
         """Wait for a save in flight and commit it (collective)."""

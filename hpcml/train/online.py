@@ -152,7 +152,6 @@ class OnlineRun:
         self.hook = None if not config.ckpt_dir else CheckpointHook(
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
             state=self._source_state)
-        self._state_samples = -1  # the samples the source state taken by the last save holds
         self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping)
         self.resumed_at: int | None = None
         self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
@@ -160,10 +159,11 @@ class OnlineRun:
 
     def _source_state(self) -> tuple[dict, dict]:
         """A save's extra tensors and JSON: the source's state, whose own count of samples is
-        what the save holds (the source ingests on while the save is written)."""
+        what the save holds (the source ingests on while the save is written); noted as the
+        last save's (step, samples)."""
         tensors = source_tensors(self.source, self.rank)
         seen = tensors.get(f"stream/rank_{self.rank:05d}/seen")
-        self._state_samples = 0 if seen is None else int(seen.shape[0])
+        self._saved = (self.trainer.step, 0 if seen is None else int(seen.shape[0]))
         return tensors, {"campaign": self.config.campaign}
 
     @staticmethod
@@ -229,8 +229,6 @@ class OnlineRun:
             m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
             if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
                 self.hook(self.trainer, {**m, "stop": False})
-                if self.hook.last_step == self.trainer.step:
-                    self._saved = (self.trainer.step, self._state_samples)
             if self.on_step is not None:
                 self.on_step(m)
 
@@ -253,7 +251,6 @@ class OnlineRun:
     def _save(self) -> None:
         if self.hook is not None:
             self.hook.save(self.trainer)
-            self._saved = (self.trainer.step, self._state_samples)
 
     def _stopped(self) -> OnlineResult:
         """Every rank, together: keep what arrived, save, say "not finished"."""

@@ -55,8 +55,9 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     ``params``/``fields``: the names a sample carries, in the model's order. ``steps`` and
     ``batch`` come from the campaign (``TrainingJob(steps=, batch=)``) or from here -- not
     both. ``val_files``: held-out simulations' files (or a callable giving them, called
-    after training: they may be written while it runs). ``config``: the other :class:`~hpcml.train.fields.FieldTrainConfig` options (lr,
-    warmup, ...); ``buffer``, ``online``, ``parallel``: their configs; ``server``: more
+    after training: they may be written while it runs). ``config``: the other
+    :class:`~hpcml.train.fields.FieldTrainConfig` options (lr, warmup, ...); ``buffer``,
+    ``online``, ``parallel``: their configs; ``server``: more
     :class:`~hpcml.stream.server.ServerConfig` options (``end_grace_s``, ``hwm``...).
     """
     stop.install()  # idempotent: the script should have done it first
@@ -67,8 +68,9 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR
     try:
-        result, run, grid = _run(model, c, params, fields, scales, steps, batch, config, buffer, online, parallel,
-                                 loss_fn, files, server, on_step, torch_threads)
+        result, run, grid = _run(model, c, params=params, fields=fields, scales=scales, steps=steps, batch=batch,
+                                 config=config, buffer=buffer, online=online, parallel=parallel, loss_fn=loss_fn,
+                                 files=files, server=server, on_step=on_step, torch_threads=torch_threads)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         _close_stream(c, str(e))
@@ -103,7 +105,7 @@ def _close_stream(c: Contract, why: str) -> None:
         pass
 
 
-def _run(model, c: Contract, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,
+def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,
          files, server, on_step, torch_threads):
     import torch
 

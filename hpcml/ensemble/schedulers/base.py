@@ -192,6 +192,10 @@ class Resubmitting(Scheduler):
         path.write_text(render(spec))
         return self.submit_and_wait.format(path=shlex.quote(str(path)))
 
+    def signal_argv(self, job_id: str, signal_name: str | None) -> list[str]:
+        """The command that sends ``signal_name`` (``USR1``) to a submitted job, or with None cancels it."""
+        raise NotImplementedError
+
 
 RESUBMIT = """\
 if [ "$rc" -eq {nf} ]; then

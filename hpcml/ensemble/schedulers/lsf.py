@@ -49,6 +49,9 @@ class LSF(Resubmitting):
         """``Job <12345> is submitted to queue <batch>.``"""
         return first_match(stdout, r"Job <(\d+)>")
 
+    def signal_argv(self, job_id: str, signal_name: str | None) -> list[str]:
+        return ["bkill", "-s", signal_name, job_id] if signal_name else ["bkill", job_id]
+
     def nodes(self, environ: Mapping[str, str]) -> tuple[str, ...]:
         """``LSB_MCPU_HOSTS="launch 1 h1 42 h2 42"``: the first host is the launch node, not a compute node."""
         words = environ.get("LSB_MCPU_HOSTS", "").split()

@@ -48,8 +48,11 @@ class PBS(Resubmitting):
         return ["qsub", str(path)]
 
     def parse_job_id(self, stdout: str) -> str | None:
-        """``qsub`` prints ``123456.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov``."""
-        return first_match(stdout, r"^\s*(\d+(?:\[\d*\])?(?:\.[\w.-]+)?)\s*$")
+        """``qsub`` prints ``123456.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov`` on a line of its own."""
+        return first_match(stdout, r"(?m)^\s*(\d+(?:\[\d*\])?(?:\.[\w.-]+)?)\s*$")
+
+    def signal_argv(self, job_id: str, signal_name: str | None) -> list[str]:
+        return ["qsig", "-s", signal_name, job_id] if signal_name else ["qdel", job_id]
 
     def nodes(self, environ: Mapping[str, str]) -> tuple[str, ...]:
         path = environ.get("PBS_NODEFILE")
