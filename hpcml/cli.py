@@ -73,6 +73,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = cks.add_parser("verify", help="checksums, and every element of every tensor covered exactly once")
     p.add_argument("ckpt")
+    p = cks.add_parser("sign", help="sign a checkpoint you trust with the checkpoint key (after verifying every byte)")
+    p.add_argument("ckpt")
     p = cks.add_parser("export", help="consolidated model weights for inference")
     p.add_argument("ckpt")
     p.add_argument("out")
@@ -82,6 +84,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
     _add_convert(cks)
+    for p in cks.choices.values():
+        if p.prog.split()[-1] != "ls":
+            p.add_argument("--key", metavar="FILE", help="checkpoint key file (one key per line, the first signs; "
+                           "default $HPCML_CKPT_KEY or $HPCML_CKPT_KEY_FILE): unsigned or foreign checkpoints are refused")
     return parser
 
 
@@ -105,6 +111,12 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     from hpcml.ckpt import tools
 
     c = args.ckpt_command
+    if getattr(args, "key", None):  # every read below (and the writes of convert) uses this key
+        from hpcml.ckpt import keys
+
+        keys.from_file(args.key)  # a bad key file: one line, before anything else
+        os.environ.pop(keys.ENV_KEY, None)
+        os.environ[keys.ENV_KEY_FILE] = args.key
     if c == "ls":
         for row in tools.list_checkpoints(args.dir):
             flags = ("latest " if row["latest"] else "") + ("" if row["complete"] else "INCOMPLETE")
@@ -131,7 +143,9 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
             print(f"hpcml ckpt verify: {p}", file=sys.stderr)
         if problems:
             return 1
-        print(f"{args.ckpt}: ok")
+        print(f"{args.ckpt}: ok ({tools.signature_note(args.ckpt)})")
+    elif c == "sign":
+        print(f"{args.ckpt}: signed with key {tools.sign(args.ckpt)}")
     elif c == "export":
         n = tools.export(args.ckpt, args.out, args.format)
         print(f"wrote {args.out} ({n / 1e6:.1f} MB, {args.format})")

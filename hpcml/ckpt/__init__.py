@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {"Checkpoint": "checked", "LoadReport": "reader", "load": "reader", "read_extra": "reader",
             "read_tensor": "reader", "read_tensors": "reader", "resolve": "format", "training_tensors": "state",
             "AsyncSaver": "writer", "SaveResult": "writer", "save": "writer", "CheckpointError": None}
-_SUBMODULES = {"async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index", "plan", "reader",
-               "shard", "state", "tools", "writer"}
+_SUBMODULES = {"async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index", "keys", "lock",
+               "manifest", "plan", "reader", "shard", "state", "tools", "writer"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -14,19 +14,24 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcml.ckpt import format as fmt, manifest
+from hpcml import stop
+from hpcml.ckpt import format as fmt, keys as keyring_, manifest
 from hpcml.ckpt.shard import COALESCE, check_file, metadata_sha256, open_regular, pread_exact, read_region
 from hpcml.errors import CheckpointError
 
 
 class Checkpoint:
     """``Checkpoint(path)``: ``path`` is a step directory or a root with ``latest``. Use as a
-    context manager (it holds the shard descriptors it opened)."""
+    context manager (it holds the shard descriptors it opened). ``key``: the keys a signature
+    must match (:func:`hpcml.ckpt.keys.keyring`: by default ``$HPCML_CKPT_KEY`` or
+    ``$HPCML_CKPT_KEY_FILE``; ``False``: none) -- with one, an unsigned checkpoint is refused."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, key=None) -> None:
         self.path = fmt.resolve(path)
-        self.manifest = manifest.read(self.path)
+        self.keys = keyring_.keyring(key)
+        self.manifest = manifest.read(self.path, self.keys)
         m = self.manifest
+        self.signed_by: str | None = manifest.signed_by(m)
         self.step: int = m["step"]
         self.extra: dict = m["extra"]
         self.layout: dict = m["layout"]
@@ -104,6 +109,7 @@ class Checkpoint:
             out = np.empty(tuple(r.stop - r.start for r in region), dtype=self.dtype(name))
         nread = 0
         for p in t["pieces"]:
+            _interrupted(self.path)
             lo = [max(r.start, o) for r, o in zip(region, p["offset"])]
             hi = [min(r.stop, o + s) for r, o, s in zip(region, p["offset"], p["shape"])]
             if any(h <= low for low, h in zip(lo, hi)):
@@ -120,6 +126,7 @@ class Checkpoint:
         """Every byte of every file checked, streamed (bounded memory): problems, or []."""
         problems = []
         for file, info in sorted(self.manifest["files"].items()):
+            _interrupted(self.path)
             path = self.path / file
             if file == fmt.INDEX:
                 try:
@@ -143,6 +150,14 @@ class Checkpoint:
             finally:
                 os.close(fd)
         return problems
+
+
+def _interrupted(path: Path) -> None:
+    """A kill (SIGTERM or SIGINT caught by :mod:`hpcml.stop`) ends a long read between pieces
+    within seconds; the walltime warning does not (a save and its read-back go on then)."""
+    why = stop.requested()
+    if why in ("SIGTERM", "SIGINT"):
+        raise CheckpointError(f"reading {path} stopped: {why} arrived (nothing was changed)")
 
 
 def _sha256(fd: int, size: int) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hpcml.ckpt.dcp_pickle import MAX_PICKLE_BYTES, Window, dims, line, load_entry, metadata_globals, unpickle
+from hpcml.ckpt.shard import open_regular, read_bounded
 from hpcml.errors import CheckpointError
 
 METADATA = ".metadata"
@@ -62,10 +63,8 @@ class DcpReader:
         meta = self.path / METADATA
         if not meta.is_file():
             raise CheckpointError(f"no DCP checkpoint at {self.path} (no {METADATA})")
-        size = meta.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{meta} is {size} bytes, over the {MAX_METADATA_BYTES}-byte bound: refused")
-        md = unpickle(meta.read_bytes(), metadata_globals(), str(meta))
+        md = unpickle(read_bounded(meta, MAX_METADATA_BYTES, "bytes a DCP .metadata may have"), metadata_globals(),
+                      str(meta))
         if getattr(md, "kind", None) != "Metadata":
             raise CheckpointError(f"{meta} holds a {type(md).__name__}, not DCP Metadata")
         self._sizes: dict[str, int] = {}
@@ -203,7 +202,7 @@ class DcpReader:
 
     def _read(self, key: str, loc: _Loc, tensor: bool) -> Any:
         where = f"{loc.file}[{loc.offset}:+{loc.length}] ({key})"
-        with open(loc.file, "rb") as f:
+        with os.fdopen(open_regular(loc.file), "rb") as f:
             try:
                 zf = zipfile.ZipFile(Window(f, loc.offset, loc.length))
                 return load_entry(zf, where, tensor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +52,11 @@ def resolve(path: str | os.PathLike) -> Path:
     that ``path/latest`` names -- a plain ``step_N`` name of a real directory beside it,
     never a path or a symlink leading elsewhere."""
     p = Path(path)
-    if (p / MANIFEST).is_file():
+    if os.path.lexists(p / MANIFEST):  # whatever it is: reading it says what is wrong (a FIFO, a link)
         return p
     latest = p / LATEST
-    if latest.is_file() and not latest.is_symlink():
-        if latest.stat().st_size > MAX_LATEST_BYTES:
-            raise CheckpointError(f"{latest} is {latest.stat().st_size} bytes: expected one step name")
-        name = latest.read_bytes().decode("ascii", "replace").strip()
+    if latest.is_symlink() or latest.exists():
+        name = _read_latest(latest)
         if not STEP_RE.match(name):
             raise CheckpointError(f"{latest} names {name[:60]!r}: expected a step name like step_00000100")
         target = p / name
@@ -68,7 +67,7 @@ def resolve(path: str | os.PathLike) -> Path:
         if target.is_symlink() or not target.is_dir():
             raise CheckpointError(f"{latest} names {name}, which is {'a symlink' if target.is_symlink() else 'missing'}: "
                                   "a step is a directory beside it")
-        if (target / MANIFEST).is_file():
+        if os.path.lexists(target / MANIFEST):
             return target
         raise CheckpointError(f"{latest} names {name}, which has no {MANIFEST}: an incomplete checkpoint")
     if (p / INDEX).is_file():
@@ -80,6 +79,26 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"no checkpoint at {p}: it is a file; expected a checkpoint directory (a step_N "
                               f"with {MANIFEST}, or the run directory with '{LATEST}')")
     raise CheckpointError(f"no checkpoint at {p}: expected {MANIFEST} or a '{LATEST}' file")
+
+
+def _read_latest(latest: Path) -> str:
+    """The step name in ``latest``: a regular file (opened non-blocking: a FIFO planted there
+    is refused, not waited on) of at most :data:`MAX_LATEST_BYTES`."""
+    try:
+        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        what = "a symlink" if latest.is_symlink() else (e.strerror or str(e)).lower()
+        raise CheckpointError(f"{latest} cannot be read: {what} (expected a small file naming a step)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{latest} is not a regular file (a FIFO, socket, device or directory): "
+                                  "expected a small file naming a step")
+        if st.st_size > MAX_LATEST_BYTES:
+            raise CheckpointError(f"{latest} is {st.st_size} bytes: expected one step name")
+        return os.pread(fd, MAX_LATEST_BYTES, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
 
 
 def dumps(obj) -> str:

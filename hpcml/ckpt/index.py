@@ -6,6 +6,7 @@ rank reported (chunks, chunk tables, placements), which is also how the tests dr
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import shutil
 from pathlib import Path
@@ -50,7 +51,11 @@ def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, 
             return SINGLE_FILE, c.name, tables[c.name]
         return fmt.shard_name(owner[c.key]), c.dataset, tables[c.key]
     tensors = {}
-    with h5py.File(path, "w", libver="latest") as f:
+    # built in memory and written with a plain write: a disk that fills up is an OSError naming
+    # the file, never HDF5 failing inside its close (which leaves a half-closed file that
+    # crashes the process when freed, h5py#914)
+    image = io.BytesIO()
+    with h5py.File(image, "w", libver="latest") as f:
         for k, v in attrs.items():
             f.attrs[k] = v if not isinstance(v, dict) else fmt.dumps(v)
         for name in sorted(by_name):
@@ -76,16 +81,16 @@ def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, 
             tensors[name] = {"dtype": first.dtype, "shape": list(first.global_shape), "scalar": name in scalars,
                              "partition": placements.get(name, ""), "pieces": pieces,
                              "attrs": manifest.jsonable(tensor_attrs.get(name, {}))}
-    fsync_path(path)
+    manifest.write_file(path, image.getvalue())
     return {"format": manifest.FORMAT, **{k: v for k, v in attrs.items() if k not in ("shards",)}, "tensors": tensors}
 
 
-def finish_manifest(tmp: Path, m: dict, shard_files: dict[str, dict]) -> None:
+def finish_manifest(tmp: Path, m: dict, shard_files: dict[str, dict], keys=None) -> None:
     """Record every file's size and digest (``index.h5``'s read back from cache: it is small)
-    and write ``manifest.json``: the last file of a save before its commit."""
+    and write ``manifest.json``, signed by ``keys`` when given: the last file of a save before its commit."""
     index = tmp / fmt.INDEX
     m["files"] = {**shard_files, fmt.INDEX: {"bytes": index.stat().st_size, "sha256": file_sha256(index)}}
-    manifest.write(tmp / fmt.MANIFEST, m)
+    manifest.write(tmp / fmt.MANIFEST, m, keys)
 
 
 _RENAME_EXCHANGE = 2
@@ -113,9 +118,13 @@ def _point_latest(root: Path, name: str) -> None:
     fsync_path(root)
 
 
-def _complete_steps(root: Path, but: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != but and not p.is_symlink()
-                  and (p / fmt.MANIFEST).is_file())
+def _steps(root: Path, but: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) step directories of ``root`` other than ``but``: an incomplete
+    one (no manifest) is what a save killed while pruning leaves, never a commit."""
+    steps = sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != but and not p.is_symlink()
+                   and p.is_dir())
+    complete = [p for p in steps if (p / fmt.MANIFEST).is_file()]
+    return complete, [p for p in steps if p not in complete]
 
 
 def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
@@ -139,10 +148,11 @@ def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
         tmp.rename(final)
     fsync_path(root)
     _point_latest(root, final.name)
-    for old in root.glob(f"step_*{fmt.OLD_SUFFIX}"):  # latest names a complete step now
-        if fmt.STEP_RE.match(old.name[:-len(fmt.OLD_SUFFIX)]) and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
+    for suffix in (fmt.OLD_SUFFIX, ".tmp"):  # latest names a complete step now; one job owns the directory
+        for old in root.glob(f"step_*{suffix}"):  # (hpcml.ckpt.lock), so no other save is in flight
+            if fmt.STEP_RE.match(old.name[:-len(suffix)]) and not old.is_symlink() and old != tmp:
+                shutil.rmtree(old, ignore_errors=True)
     if keep:
-        steps = _complete_steps(root, final)
-        for old in steps[: max(0, len(steps) - (keep - 1))]:
+        steps, broken = _steps(root, final)
+        for old in steps[: max(0, len(steps) - (keep - 1))] + broken:
             shutil.rmtree(old, ignore_errors=True)

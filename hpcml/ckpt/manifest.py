@@ -22,13 +22,20 @@ from pathlib import Path
 import numpy as np
 
 from hpcml.ckpt import format as fmt
+from hpcml.ckpt.keys import Keyring
 from hpcml.ckpt.shard import grid, open_regular, pread_exact
 from hpcml.errors import CheckpointError
 
 MANIFEST = fmt.MANIFEST
 FORMAT = "hpcml-checkpoint"
 MAX_MANIFEST_BYTES = 256 << 20
-"""A manifest larger than this is refused before parsing (a 1 TB checkpoint's is ~10 MB)."""
+"""A manifest larger than this is refused before parsing (a 1 TB checkpoint's is ~20 MB)."""
+FREE_MANIFEST_BYTES = 8 << 20
+"""Beyond this, a manifest may be no larger than the shard files beside it (a real one is far
+smaller: ~25 bytes per data chunk of >= 1 KiB), so parsing it costs memory in proportion to
+bytes really on disk, not to what a crafted file claims."""
+MAX_INT = 1 << 62
+"""Every count, offset and size: below int64's limit (numpy works on them)."""
 MAX_PIECES = 1 << 16
 """Pieces of one tensor (one per saving rank that held part of it, times fused sub-parameters)."""
 FILE_RE = re.compile(r"^(rank_\d{5}\.h5|shared\.h5)$")
@@ -53,30 +60,64 @@ def _canonical(m: dict) -> bytes:
     return json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write(path: Path, manifest: dict) -> None:
+def _body(m: dict) -> bytes:
+    """What the signature covers: everything but the signature and the self-digest."""
+    return _canonical({k: v for k, v in m.items() if k not in ("manifest_sha256", "signature")})
+
+
+def write(path: Path, manifest: dict, keys: Keyring | None = None) -> None:
     """Write with its own SHA-256 (of its canonical JSON without that field, so an edited
-    digit is caught) and fsync: the commit renames the directory only after this."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    digit is caught), signed by ``keys`` when given, and fsync: the commit renames the
+    directory only after this."""
+    body = {k: v for k, v in manifest.items() if k not in ("manifest_sha256", "signature")}
+    if keys is not None:
+        body["signature"] = keys.sign(_canonical(body))
     data = _canonical({**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    write_file(path, data)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """``data`` as file ``path``, fsynced; an error (a full disk) names the file."""
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
-def read(ckpt: Path) -> dict:
+def _limit(ckpt: Path) -> int:
+    """How large the manifest of ``ckpt`` may be: :data:`FREE_MANIFEST_BYTES`, or the bytes of
+    the shard files beside it when more (lstat of plain names only; at most 1<<17 entries)."""
+    data = 0
+    try:
+        with os.scandir(ckpt) as it:
+            for k, entry in enumerate(it):
+                if k > 1 << 17:
+                    break
+                if FILE_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    data += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return min(MAX_MANIFEST_BYTES, max(FREE_MANIFEST_BYTES, data))
+
+
+def read(ckpt: Path, keys: Keyring | None = None) -> dict:
     """The checked manifest of checkpoint directory ``ckpt``; raises CheckpointError (one
-    line) on anything the writer would not have written."""
+    line) on anything the writer would not have written. With ``keys``, also on a manifest
+    that none of them signed (checked before any field is)."""
     path = ckpt / MANIFEST
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+        size, limit = os.fstat(fd).st_size, _limit(ckpt)
+        if size > limit:
+            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} a manifest of this checkpoint may "
+                                  f"have (its shard files hold {limit if limit > FREE_MANIFEST_BYTES else 'less'})")
         raw = pread_exact(fd, size, 0)
     finally:
         os.close(fd)
@@ -84,9 +125,12 @@ def read(ckpt: Path) -> dict:
         m = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {str(e)[:120]}") from None
+    del raw
     digest = m.pop("manifest_sha256", None) if isinstance(m, dict) else None
     if not isinstance(digest, str) or hashlib.sha256(_canonical(m)).hexdigest() != digest:
         raise CheckpointError(f"{path} differs from what was saved (its SHA-256): edited or corrupted")
+    if keys is not None:
+        keys.check(m.get("signature"), _body(m), str(path))
     try:
         check(m, ckpt)
     except CheckpointError as e:
@@ -94,13 +138,19 @@ def read(ckpt: Path) -> dict:
     return m
 
 
+def signed_by(m: dict) -> str | None:
+    """The key id a manifest is signed by, or None."""
+    sig = m.get("signature")
+    return sig.get("key_id") if isinstance(sig, dict) and isinstance(sig.get("key_id"), str) else None
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not allowed")
 
 
-def _int(v, what: str, lo: int = 0, hi: int | None = None) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise CheckpointError(f"{what} is {str(v)[:60]!r}: expected an integer >= {lo}" + (f" and <= {hi}" if hi else ""))
+def _int(v, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > hi:
+        raise CheckpointError(f"{what} is {str(v)[:60]!r}: expected an integer >= {lo} and <= {hi}")
     return v
 
 
@@ -125,12 +175,15 @@ def check(m, ckpt: Path) -> None:
         raise CheckpointError(f"format version {version!r}: this hpcml reads {fmt.FORMAT_VERSION.split('.')[0]}.x")
     _str(m.get("save_id"), "save_id", SAVE_ID_RE)
     step = _int(m.get("step"), "step")
-    if (s := fmt.STEP_RE.match(ckpt.name)) and int(s[1]) != step:
+    if (s := fmt.STEP_RE.match(ckpt.name.removesuffix(fmt.OLD_SUFFIX))) and int(s[1]) != step:
         raise CheckpointError(f"step {step} saved in a directory named {ckpt.name}: a checkpoint from another step")
     _int(m.get("world_size"), "world_size", 1)
     for key in ("layout", "extra", "files", "tensors"):
         if not isinstance(m.get(key), dict):
             raise CheckpointError(f"{key} is not a JSON object")
+    if "step" in m["extra"] and m["extra"]["step"] != step:  # what a trainer resumes from must be the saved step
+        raise CheckpointError(f"extra step {str(m['extra']['step'])[:40]!r} differs from the saved step {step}: "
+                              "edited, or not written by this save")
     files = m["files"]
     if fmt.INDEX not in files:
         raise CheckpointError(f"files does not list {fmt.INDEX}")
@@ -199,17 +252,69 @@ def _check_tensor(name: str, t, files: dict, used: dict) -> None:
 
 def coverage(shape: tuple[int, ...], boxes: list[tuple[list[int], list[int]]]) -> str | None:
     """None if the (offset, shape) boxes inside ``shape`` cover it exactly once, else why
-    not. Compares volumes and pairs of boxes: allocates nothing of the tensor's size."""
+    not. Equal volumes and no two boxes overlapping is exactly once; the overlap test is
+    :func:`_disjoint`, O(n log n) per pass in time and O(n) in memory, never pairwise over
+    all pieces and never anything of the tensor's size."""
     total = math.prod(shape)
     covered = sum(math.prod(s) for _, s in boxes)
-    if boxes and len(shape):
-        lo = np.asarray([o for o, _ in boxes], dtype=np.int64)
-        hi = lo + np.asarray([s for _, s in boxes], dtype=np.int64)
-        for i in range(0, len(boxes), 512):
-            over = np.all((lo[i:i + 512, None] < hi[None]) & (lo[None] < hi[i:i + 512, None]), axis=-1)
-            over[np.arange(over.shape[0]), np.arange(i, i + over.shape[0])] = False
-            if over.any():
-                return "pieces overlap: some elements are covered more than once"
+    if covered > total:
+        return f"pieces overlap: they hold {covered} elements, the tensor {total}"
     if covered != total:
         return f"{total - covered} of {total} elements not covered by any piece"
+    if len(boxes) > 1 and len(shape):
+        lo = np.asarray([o for o, _ in boxes], dtype=np.int64)
+        return _disjoint(lo, lo + np.asarray([s for _, s in boxes], dtype=np.int64))
+    return None
+
+
+MAX_PASSES_PER_DIM = 4
+SMALL_GROUP = 64
+
+
+def _disjoint(lo: np.ndarray, hi: np.ndarray) -> str | None:
+    """None if no two boxes ``[lo, hi)`` overlap, else why not.
+
+    Every layout a save makes is a nest of slabs (a dimension cut into intervals, each cut
+    again along others: sharding, fused sub-parameters), so the boxes are split into groups
+    that a cut along one dimension separates -- one sort per pass, all groups at once --
+    until each group holds one box. Boxes that no cut separates are tested pairwise when
+    few, and refused when many (no save lays pieces out like that)."""
+    n, d = lo.shape
+    gid = np.zeros(n, dtype=np.int64)
+    alive = np.ones(n, dtype=bool)
+    idle, k = 0, 0
+    for _ in range(MAX_PASSES_PER_DIM * d + 8):
+        if not alive.any() or idle >= d:
+            break
+        idx = np.flatnonzero(alive)
+        g, a, b = gid[idx], lo[idx, k], hi[idx, k]
+        order = np.lexsort((a, g))
+        idx, g, a, b = idx[order], g[order], a[order], b[order]
+        vals = np.unique(np.concatenate([a, b]))
+        ra, rb = np.searchsorted(vals, a), np.searchsorted(vals, b)
+        span = len(vals) + 1
+        reach = np.maximum.accumulate(g * span + rb) - g * span  # furthest end so far in the group
+        first = np.ones(len(idx), dtype=bool)
+        first[1:] = g[1:] != g[:-1]
+        cut = np.zeros(len(idx), dtype=bool)
+        cut[1:] = ~first[1:] & (reach[:-1] <= ra[1:])
+        idle = 0 if cut.any() else idle + 1
+        newg = np.cumsum(first | cut) - 1 + (gid.max() + 1)
+        gid[idx] = newg
+        sizes = np.bincount(newg - newg[0]) if len(newg) else np.zeros(0, np.int64)
+        alive[idx] = sizes[newg - newg[0]] > 1
+        k = (k + 1) % d
+    if not alive.any():
+        return None
+    idx = np.flatnonzero(alive)
+    for group in np.split(idx[np.argsort(gid[idx], kind="stable")],
+                          np.flatnonzero(np.diff(np.sort(gid[idx]))) + 1):
+        if len(group) > SMALL_GROUP:
+            return (f"pieces overlap, or {len(group)} of them are laid out in no slabs a save makes: "
+                    f"refused rather than tested pairwise")
+        gl, gh = lo[group], hi[group]
+        over = np.all((gl[:, None] < gh[None]) & (gl[None] < gh[:, None]), axis=-1)
+        np.fill_diagonal(over, False)
+        if over.any():
+            return "pieces overlap: some elements are covered more than once"
     return None

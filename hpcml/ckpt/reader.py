@@ -17,7 +17,7 @@ from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.format import resolve
 from hpcml.ckpt.plan import check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.state import fused_shards, local_piece
-from hpcml.errors import CheckpointError
+from hpcml.errors import CheckpointError, ConfigError
 
 logger = log.get_logger(__name__)
 
@@ -50,15 +50,15 @@ def read_tensor(source: Checkpoint | str | os.PathLike, name: str) -> torch.Tens
     return t.reshape(()) if source.tensors[name]["scalar"] else t
 
 
-def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | os.PathLike, prefix: str, key=None) -> dict[str, torch.Tensor]:
     """Every whole tensor of checkpoint ``path`` whose name starts with ``prefix`` (state that is
     not a model's, e.g. a data source's, read by name without knowing the names up front)."""
-    with Checkpoint(path) as ck:
+    with Checkpoint(path, key) as ck:
         return {n: read_tensor(ck, n) for n in ck.names(prefix)}
 
 
 def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool = True, comm=None,
-         tensor_attrs: dict[str, dict] | None = None) -> LoadReport:
+         tensor_attrs: dict[str, dict] | None = None, key=None) -> LoadReport:
     """Fill ``tensors`` (name -> DTensor or tensor, any layout) in place from a checkpoint.
 
     ``strict``: raise naming every missing, unexpected or mis-shaped tensor; otherwise load
@@ -72,14 +72,16 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
     dim, and whole into a plain tensor. ``tensor_attrs`` (the mapping given to
     :func:`~hpcml.ckpt.save`) is what the model expects: a ``fused_widths``/``fused_dim``
     there that differs from the checkpoint's (or that the checkpoint lacks) is a mismatch.
+    ``key``: the keys a signature must match (default: ``$HPCML_CKPT_KEY`` /
+    ``$HPCML_CKPT_KEY_FILE``; :class:`~hpcml.ckpt.checked.Checkpoint`).
     """
     if comm is None:
-        return _load(path, tensors, strict=strict, wanted=set(tensors), tensor_attrs=tensor_attrs)
+        return _load(path, tensors, strict=strict, wanted=set(tensors), tensor_attrs=tensor_attrs, key=key)
     wanted = set().union(*comm.allgather(sorted(tensors)))
     report, error = None, None
     try:
-        report = _load(path, tensors, strict=strict, wanted=wanted, tensor_attrs=tensor_attrs)
-    except CheckpointError as e:
+        report = _load(path, tensors, strict=strict, wanted=wanted, tensor_attrs=tensor_attrs, key=key)
+    except (CheckpointError, ConfigError) as e:
         error = str(e)
     errors = [e for e in comm.allgather(error) if e]
     if errors:
@@ -104,8 +106,8 @@ def _fused_plan(name: str, t: torch.Tensor, attrs: dict, declared: dict | None,
 
 @torch.no_grad()
 def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: bool, wanted: set[str],
-          tensor_attrs: dict[str, dict] | None = None) -> LoadReport:
-    with Checkpoint(path) as ck:
+          tensor_attrs: dict[str, dict] | None = None, key=None) -> LoadReport:
+    with Checkpoint(path, key) as ck:
         ck.check_index()
         ckpt = ck.path
         report = LoadReport(ckpt, ck.step, extra=ck.extra, layout=ck.layout)
@@ -157,9 +159,9 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
     return report
 
 
-def read_extra(path: str | os.PathLike) -> tuple[Path, int, dict]:
+def read_extra(path: str | os.PathLike, key=None) -> tuple[Path, int, dict]:
     """(checkpoint directory, step, JSON extra state) without touching any tensor."""
-    with Checkpoint(path) as ck:
+    with Checkpoint(path, key) as ck:
         return ck.path, ck.step, ck.extra
 
 

@@ -211,16 +211,42 @@ def pread_exact(fd: int, n: int, at: int) -> bytes:
 
 def open_regular(path: Path) -> int:
     """A read-only descriptor of ``path``, which must be a regular file and not a symlink:
-    a checkpoint's files never lead out of its directory."""
+    a checkpoint's files never lead out of its directory. Opened non-blocking, so a FIFO,
+    socket or device planted under a checkpoint's name is refused at once instead of
+    blocking ``open()`` until a writer appears (signals then could not stop the process)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         what = "is a symlink" if os.path.islink(path) else (e.strerror or str(e)).lower()
         raise CheckpointError(f"cannot open {path}: {what} (a checkpoint's files are regular files in its directory)") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CheckpointError(f"{path} is not a regular file")
+        raise CheckpointError(f"{path} is {_kind(mode)}, not a regular file: refused (a checkpoint's files are "
+                              "regular files)")
+    os.set_blocking(fd, True)
     return fd
+
+
+def read_bounded(path: Path, limit: int, what: str = "") -> bytes:
+    """The bytes of regular file ``path`` (:func:`open_regular`), refused in one line when it
+    holds more than ``limit``: a size is checked before anything is read or parsed."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} {what or 'expected of it'}")
+        return pread_exact(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import h5py
 
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import format as fmt, keys, manifest
 from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.plan import check_fused, fused_spec
+from hpcml.ckpt.shard import fsync_path
 from hpcml.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,13 +66,18 @@ def inspect(path: str | os.PathLike) -> dict:
 
 
 def verify(path: str | os.PathLike) -> list[str]:
+    """:func:`verify_with` the configured key (``$HPCML_CKPT_KEY`` / ``$HPCML_CKPT_KEY_FILE``)."""
+    return verify_with(path)
+
+
+def verify_with(path: str | os.PathLike, key=None) -> list[str]:
     """Problems found (empty: sound). The manifest is checked field by field (each tensor
     covered exactly once by its pieces, a fused tensor's widths summing to its size), then
     every byte of every file, streamed in bounded memory: each shard's data chunks against
     their CRC-32 and its metadata against its SHA-256, ``index.h5`` against its SHA-256.
     A manifest that fails its checks is one problem (nothing else can be trusted then)."""
     try:
-        ck = Checkpoint(path)
+        ck = Checkpoint(path, key)
     except CheckpointError as e:
         return [str(e)]
     with ck:
@@ -81,6 +87,33 @@ def verify(path: str | os.PathLike) -> list[str]:
             if spec is not None and (why := check_fused(name, spec[0], spec[1], tuple(t["shape"]), 1)):
                 problems.append(why)
         return problems + ck.verify()
+
+
+def signature_note(path: str | os.PathLike) -> str:
+    """How the checkpoint at ``path`` is signed, and whether that was checked, in a few words."""
+    with Checkpoint(path) as ck:
+        if ck.signed_by is None:
+            return "unsigned"
+        return f"signed by key {ck.signed_by}, " + ("checked" if ck.keys is not None else
+                                                     f"not checked: no key configured (${keys.ENV_KEY})")
+
+
+def sign(path: str | os.PathLike) -> str:
+    """Sign checkpoint ``path`` with the configured key (the first of the keyring) once every
+    byte of it verifies; returns the key id. The manifest is replaced atomically (write, fsync,
+    rename). Signing says "I trust this content": use it on checkpoints you made, e.g. to sign
+    those saved before a key was set, or to re-sign with a new key when rotating."""
+    ring = keys.keyring(True)
+    problems = verify_with(path, key=False)
+    if problems:
+        raise CheckpointError(f"not signing {path}: it does not verify ({problems[0]})")
+    with Checkpoint(path, key=False) as ck:
+        step_dir, m = ck.path, dict(ck.manifest)
+    tmp = step_dir / (fmt.MANIFEST + ".tmp")
+    manifest.write(tmp, m, ring)
+    os.replace(tmp, step_dir / fmt.MANIFEST)
+    fsync_path(step_dir)
+    return keys.key_id(ring.keys[0])
 
 
 def model_weights(source: Checkpoint | str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -179,4 +212,5 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> int:
     return Path(out).stat().st_size
 
 
-__all__ = ["consolidate", "export", "inspect", "list_checkpoints", "model_weights", "verify"]
+__all__ = ["consolidate", "export", "inspect", "list_checkpoints", "model_weights", "sign", "signature_note", "verify",
+           "verify_with"]

@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from hpcml import __version__, log
-from hpcml.ckpt import codec, format as fmt
+from hpcml.ckpt import codec, format as fmt, keys as keyring_, lock
 from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
 from hpcml.ckpt.index import commit, finish_manifest, write_index
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.shard import write_shard
 from hpcml.ckpt.single import require_parallel_hdf5, write_single
 from hpcml.ckpt.state import fused_shards, local_piece, placement_str
-from hpcml.errors import CheckpointError
+from hpcml.errors import CheckpointError, HpcmlError
 
 logger = log.get_logger(__name__)
 
@@ -118,6 +118,9 @@ class _Pending:
     keep: int | None
     t0: float
     single_file: bool = False
+    keys: keyring_.Keyring | None = None
+    unlock: bool = False
+    """Rank 0 took the directory's lock for this save alone: give it up at the commit."""
 
     @property
     def shard_attrs(self) -> dict:
@@ -142,7 +145,7 @@ def _agree(comm, local: Callable[[], Any], what: str, share: Callable[[Any], Any
     try:
         mine, error = local(), None
     except Exception as e:  # noqa: BLE001 -- reported on every rank
-        mine, error = None, str(e) if isinstance(e, CheckpointError) else f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
+        mine, error = None, str(e) if isinstance(e, HpcmlError) else f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
     parts, errors = zip(*comm.allgather((None if error else share(mine), error)))
     errors = [e for e in errors if e]
     if errors:
@@ -150,25 +153,42 @@ def _agree(comm, local: Callable[[], Any], what: str, share: Callable[[Any], Any
     return mine, list(parts)
 
 
-def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapshot: bool = True) -> _Pending:
+def _prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapshot: bool = True,
+             key=None) -> _Pending:
     """Agree on who writes what (one allgather); with ``snapshot``, this rank's pieces as host
-    arrays (a view on CPU), else the tensors themselves (the async saver stages them)."""
+    arrays (a view on CPU), else the tensors themselves (the async saver stages them). Rank 0
+    takes the directory's lock (:mod:`hpcml.ckpt.lock`); every rank reads the signing key, so
+    a missing key file fails on all of them before anything is written."""
     rank = comm.Get_rank()
     t0 = time.perf_counter()
     root = Path(root)
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
 
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step {step!r}: expected an integer >= 0")
+
     def plan():
         pieces = _pieces(tensors, tensor_attrs)
-        if rank == 0:  # nobody writes into tmp until rank 0 has cleared a stale one
+        keys = keyring_.keyring(key)
+        if rank == 0:  # nobody writes into tmp until rank 0 owns the directory and has cleared a stale one
             root.mkdir(parents=True, exist_ok=True)
+            taken.append(lock.hold(root))
             shutil.rmtree(tmp, ignore_errors=True)
-        return pieces, {n for n, t in tensors.items() if t.dim() == 0}, uuid.uuid4().hex if rank == 0 else None
+        return pieces, {n for n, t in tensors.items() if t.dim() == 0}, uuid.uuid4().hex if rank == 0 else None, keys
 
-    (pieces, _, _), parts = _agree(comm, plan, f"saving {final}", share=lambda r: (r[0][0], r[1], r[2]))
-    return _pending(rank, comm.Get_size(), comm, root, step, pieces, parts, extra=extra, layout=layout, keep=keep,
-                    tensor_attrs=tensor_attrs, snapshot=snapshot, t0=t0)
+    taken: list[bool] = []
+    try:
+        (pieces, _, _, keys), parts = _agree(comm, plan, f"saving {final}", share=lambda r: (r[0][0], r[1], r[2]))
+    except CheckpointError:
+        if any(taken):  # refused on another rank: the directory is not this save's
+            lock.release(root)
+        raise
+    taken = any(taken)
+    pending = _pending(rank, comm.Get_size(), comm, root, step, pieces, parts, extra=extra, layout=layout, keep=keep,
+                       tensor_attrs=tensor_attrs, snapshot=snapshot, t0=t0)
+    pending.keys, pending.unlock = keys, taken
+    return pending
 
 
 def _pending(rank: int, world: int, comm, root: Path, step: int, pieces: tuple, parts: list, *, extra, layout, keep,
@@ -212,6 +232,8 @@ def _finish(p: _Pending, status: tuple, write_s: float = 0.0) -> SaveResult:
     # tensor (a later pipeline stage's), and every written tensor has one owner
     gathered = comm.gather((status, {n: p.placements[n] for n in {c.name for c in p.mine}}), root=0)
     outcome = _index_and_commit(p, gathered) if rank == 0 else None
+    if p.unlock:
+        lock.release(p.root)
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"saving {p.final} failed: {outcome}")
@@ -241,7 +263,7 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
                  "created": time.time()}
         m = write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, tables, attrs, p.tensor_attrs, placements,
                         p.scalars, single_file=p.single_file)
-        finish_manifest(p.tmp, m, files)
+        finish_manifest(p.tmp, m, files, p.keys)
         commit(p.root, p.tmp, p.final, p.keep)
     except Exception as e:  # noqa: BLE001
         shutil.rmtree(p.tmp, ignore_errors=True)
@@ -251,18 +273,20 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
          extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
-         tensor_attrs: dict[str, dict] | None = None, single_file: bool = False) -> SaveResult:
+         tensor_attrs: dict[str, dict] | None = None, single_file: bool = False, key=None) -> SaveResult:
     """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
     checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
     positions, ...). ``keep`` prunes to the newest K checkpoints. ``single_file``: all
     ranks write one ``shared.h5`` collectively (MPI-IO) instead of a file each; the index
-    and the reader are the same. Collective over ``comm``.
+    and the reader are the same. ``key``: sign the manifest (:func:`hpcml.ckpt.keys.keyring`;
+    by default the key of ``$HPCML_CKPT_KEY`` / ``$HPCML_CKPT_KEY_FILE`` when set). The
+    first save into ``root`` makes this job its owner (:mod:`hpcml.ckpt.lock`). Collective over ``comm``.
     """
     from mpi4py import MPI
 
     if single_file:  # the same h5py on every rank: all raise here, before any collective
         require_parallel_hdf5()
-    pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs)
+    pending = _prepare(root, step, tensors, comm or MPI.COMM_WORLD, extra, layout, keep, tensor_attrs, key=key)
     pending.single_file = single_file
     t = time.perf_counter()
     status = write_single(pending) if single_file else _write_local(pending)
@@ -295,13 +319,13 @@ class AsyncSaver:
 
     def save(self, root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *,
              extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
-             tensor_attrs: dict[str, dict] | None = None, overlap: bool = False) -> float:
+             tensor_attrs: dict[str, dict] | None = None, overlap: bool = False, key=None) -> float:
         """Start a save; returns the seconds training was blocked (previous save's commit
         included). ``overlap``: copy in the background; call :meth:`wait_staged` before the
         tensors change."""
         t0 = time.perf_counter()
         self.wait()
-        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False)
+        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False, key=key)
         self._inflight = pending
         if pending.mine:
             try:

@@ -39,7 +39,7 @@ def load_trainer(trainer: Stateful, path: str | Path, strict: bool = True) -> ck
     rng_name = f"rank_state/rank_{trainer.grid.rank:05d}/torch_rng"
     rng = tensors.pop(rng_name)
     report = ckpt.load(path, tensors, strict=strict, comm=trainer.grid.comm, tensor_attrs=trainer.tensor_attrs())
-    trainer.load_state_extra(report.extra)
+    trainer.load_state_extra(report.extra, step=report.step, where=report.path)  # the step is the manifest's
     if not ckpt.load(report.path, {rng_name: rng}, strict=False).missing:
         torch.set_rng_state(rng)
     logger.info("resumed step %d from %s (saved on %s), read %.2fx the bytes needed", trainer.step, report.path,
@@ -67,9 +67,13 @@ class CheckpointHook:
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
+        self._owner = False
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
+        if not self._owner:  # a second job on this directory is refused at its first step, not its first save
+            ckpt.lock.hold_on(self.root, trainer.grid.comm)
+            self._owner = True
         if metrics.get("stop"):
             self.save(trainer)
             return
@@ -91,12 +95,21 @@ class CheckpointHook:
 
     def save(self, trainer: TrainLoop) -> None:
         """Save now, synchronously, after committing any save in flight (collective)."""
-        self.close()
+        self._commit()
         tensors, extra = self.state() if self.state is not None else ({}, {})
         self.saved.append(save_trainer(trainer, self.root, keep=self.keep, extra_tensors=tensors, extra=extra).path)
 
-    def close(self) -> None:
-        """Wait for a save in flight and commit it (collective)."""
+    def _commit(self) -> None:
         if self.saver is not None:
             self.saver.close()
             self.saver = None
+
+    def close(self) -> None:
+        """Wait for a save in flight and commit it (collective), then give up the directory
+        (another job may save there now)."""
+        try:
+            self._commit()
+        finally:
+            if self._owner:
+                ckpt.lock.release(self.root)
+                self._owner = False

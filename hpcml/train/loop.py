@@ -32,6 +32,7 @@ from hpcml import ckpt, log
 from hpcml import stop as stop_flag
 from hpcml.errors import ConfigError
 from hpcml.parallel.api import ParallelModel
+from hpcml.train.resume_schema import check_loop_extra
 from hpcml.train.schedule import WarmupCosine
 
 logger = log.get_logger(__name__)
@@ -107,7 +108,7 @@ class Stateful(Protocol):
 
     def state_extra(self) -> dict: ...
 
-    def load_state_extra(self, extra: dict) -> None: ...
+    def load_state_extra(self, extra: dict, *, step: int | None = None, where: object = "") -> None: ...
 
 
 class TrainLoop:
@@ -238,9 +239,12 @@ class TrainLoop:
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                 "train_config": asdict(self.config)}
 
-    def load_state_extra(self, extra: dict) -> None:
+    def load_state_extra(self, extra: dict, *, step: int | None = None, where: object = "") -> None:
         """Step, optimizer hyper-parameters and schedule; a changed ``steps`` stretches the
-        schedule from the saved step (:mod:`hpcml.train.schedule`)."""
+        schedule from the saved step (:mod:`hpcml.train.schedule`). ``extra`` is checked first
+        (:mod:`hpcml.train.resume_schema`) against ``step``, the manifest's (``where``: the checkpoint)."""
+        check_loop_extra(extra, extra.get("step") if step is None else step, where or "being resumed",
+                         self.scheduler.state_dict(), self.optimizer.param_groups)
         self.step = int(extra["step"])
         # parameter groups are one per (decay, mesh): another layout may have another count
         n = len(self.optimizer.param_groups)

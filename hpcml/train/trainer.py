@@ -119,10 +119,11 @@ class Trainer(TrainLoop):
         return {**super().state_extra(), "data": {"next_step": self.step},
                 "model": self.model.parts[0].config.describe()}
 
-    def load_state_extra(self, extra: dict) -> None:
-        super().load_state_extra(extra)
-        saved = (extra.get("model") or {}).get("config")
-        if saved is not None and self.grid.rank == 0:
+    def load_state_extra(self, extra: dict, *, step: int | None = None, where: object = "") -> None:
+        super().load_state_extra(extra, step=step, where=where)
+        model = extra.get("model")
+        saved = model.get("config") if isinstance(model, dict) else None
+        if isinstance(saved, dict) and self.grid.rank == 0:
             now = self.model.parts[0].config.to_dict()
             changed = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
             if changed:  # shapes were checked by the load; this names what the tensors do not show

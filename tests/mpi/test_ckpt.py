@@ -185,7 +185,7 @@ def test_async_save_snapshots_then_overlaps(comm, shared_dir):
     saver.save(root, 2, {f"model/shard{comm.rank}": mine})
     saver.save(root, 3, {f"model/shard{comm.rank}": mine * 2}, keep=2)
     saver.wait()
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert sorted(p.name for p in root.iterdir()) == [".hpcml-lock", "latest", "step_00000002", "step_00000003"]
     ckpt.load(root, back, comm=comm)
     assert float(back["model/shard0"].mean()) == 200.0
     # overlap: the copy runs in the background; after wait_staged() the tensors may change

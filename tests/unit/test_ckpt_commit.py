@@ -31,7 +31,7 @@ def test_resaving_a_step_swaps_it_whole(tmp_path):
     ckpt.save(tmp_path, 1, _state(4, 1.0))
     ckpt.save(tmp_path, 2, _state(4, 2.0))
     ckpt.save(tmp_path, 2, _state(4, 3.0))  # the heat workflow saves its last step twice
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hpcml-lock", "latest", "step_00000001", "step_00000002"]
     assert _values(tmp_path, 4) == (2, 3.0) and tools.verify(tmp_path) == []
 
 
@@ -85,7 +85,7 @@ def test_a_crash_after_a_resave_of_another_step_leaves_no_copy_aside(tmp_path, m
     (tmp_path / "step_00000002.old").unlink()
     outside.rename(tmp_path / "step_00000002.old")
     ckpt.save(tmp_path, 3, _state(4, 4.0))
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")) == ["latest", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")) == [".hpcml-lock", "latest", "step_00000003"]
     assert _values(tmp_path, 4) == (3, 4.0)
 
 
@@ -111,7 +111,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(small_disk, monke
     with pytest.raises(CheckpointError, match=r"^saving .*step_00000002 failed: rank 0: no space left on device "
                                               r"writing .*rank_00000.h5$"):
         ckpt.save(small_disk, 2, _state(2048, 2.0))  # 2 MiB: does not
-    assert sorted(p.name for p in small_disk.iterdir()) == ["latest", "step_00000001"]  # no .tmp left
+    assert sorted(p.name for p in small_disk.iterdir()) == [".hpcml-lock", "latest", "step_00000001"]  # no .tmp left
     assert _values(small_disk, 64) == (1, 1.0) and tools.verify(small_disk) == []
     saver = ckpt.AsyncSaver(MPI.COMM_WORLD)  # the writer process: the same one line, not "writer died"
     try:
@@ -120,7 +120,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(small_disk, monke
             saver.wait()
     finally:
         saver.close()
-    assert sorted(p.name for p in small_disk.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in small_disk.iterdir()) == [".hpcml-lock", "latest", "step_00000001"]
     assert _values(small_disk, 64) == (1, 1.0)
     assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize > 900_000  # nothing left taking space
 

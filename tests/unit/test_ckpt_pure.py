@@ -35,7 +35,7 @@ def test_coverage():
     assert check_coverage((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
     assert check_coverage((4, 4), [((0, 0), (2, 4))]) == "8 of 16 elements not covered by any piece"
     assert check_coverage((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))]) == \
-        "pieces overlap: some elements are covered more than once"
+        "pieces overlap: they hold 20 elements, the tensor 16"
     # the same volume, overlapping, with a gap: caught by the pairs, not the sum
     assert check_coverage((4, 4), [((0, 0), (2, 4)), ((1, 0), (2, 4))]).startswith("pieces overlap")
     # a huge declared tensor is judged without allocating it

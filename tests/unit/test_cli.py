@@ -134,4 +134,4 @@ def test_ckpt_inspect_and_verify_without_importing_torch(ckpt_root):
     assert rc == 0 and lines[0].startswith(f"{ckpt_root}/step_00000005: step 5, format 2.0,")
     assert lines[1].split() == ["model/w", "[300,", "256]", "float32", "307200", "B", "1", "piece(s)", "replicated"]
     rc, lines = _cli_without_torch("ckpt", "verify", str(ckpt_root))
-    assert (rc, lines) == (0, [f"{ckpt_root}: ok"])
+    assert (rc, lines) == (0, [f"{ckpt_root}: ok (unsigned)"])

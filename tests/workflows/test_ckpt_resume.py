@@ -159,7 +159,7 @@ def test_ckpt_command_line(stopped, tmp_path):
     assert info["step"] == k and info["layout"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 2} and info["world_size"] == 4
     assert info["tensors"]["model/layers.0.attention.wo.weight"]["shape"] == [64, 64]
     assert info["tensors"]["model/tok_embeddings.weight"]["logical_shape"] == [256, 64]
-    assert hpcml_cli("verify", str(ck)).stdout.strip() == f"{ck}: ok"
+    assert hpcml_cli("verify", str(ck)).stdout.strip() == f"{ck}: ok (unsigned)"
     # export: consolidated weights under their plain names, equal to the index's
     import h5py
     from safetensors.torch import load_file
@@ -199,7 +199,7 @@ def test_async_periodic_saves_resume_bitwise(stopped, tmp_path):
     # optimizer step waiting for it; a late copy would save post-update values and break the resume
     out = result(mpiexec(4, *args, "--ckpt-every", "3", "--async-save", "--async-overlap", timeout=300))
     assert out["losses"] == full  # saving in the background does not disturb training
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000003", "step_00000006"]
+    assert sorted(p.name for p in ck.iterdir()) == [".hpcml-lock", "latest", "step_00000003", "step_00000006"]
     assert hpcml_cli("verify", str(ck)).returncode == 0
     resumed = result(mpiexec(4, *args, "--resume", timeout=300))
     assert resumed["steps"] == [7, 8] and resumed["losses"] == full[6:]

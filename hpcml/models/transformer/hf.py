@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
-from hpcml.models.transformer.hf_files import SafetensorsDir, read_json
+from hpcml.models.transformer.hf_files import SafetensorsDir, data_bytes, read_json
 from hpcml.models.transformer.model import TransformerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -177,19 +177,29 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
                             ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048),
                             rope_theta=_rope_theta(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
                             vocab_multiple=math.gcd(_int(c, "vocab_size"), 64))
+    on_disk = data_bytes(Path(path))
+    if on_disk is not None and 2 * cfg.num_params() > on_disk:  # before any model of this size is built: 2 bytes a parameter at least
+        raise CheckpointError(f"{Path(path) / 'config.json'} describes {cfg.num_params():,} parameters "
+                              f"({cfg.n_layers} layers, dim {dim}), at least {2 * cfg.num_params():,} bytes; "
+                              f"its safetensors hold {on_disk:,}: config and weights do not match")
     return replace(cfg, **overrides)
 
 
 def config_from_checkpoint(path: str | os.PathLike) -> TransformerConfig:
     """The model config an hpcml checkpoint carries (``extra["model"]``, written by the LLM Trainer)."""
-    from hpcml.ckpt import read_extra
+    from hpcml.ckpt.checked import Checkpoint
 
-    ckpt, _, extra = read_extra(path)
-    model = extra.get("model")
+    with Checkpoint(path) as ck:
+        model, stored = ck.extra.get("model"), sum(math.prod(t["shape"]) for n, t in ck.tensors.items()
+                                                   if n.startswith("model/"))
     if not isinstance(model, dict) or model.get("type") != "transformer" or "config" not in model:
-        raise CheckpointError(f"{ckpt} has no transformer config in extra['model'] (saved before hpcml recorded "
+        raise CheckpointError(f"{ck.path} has no transformer config in extra['model'] (saved before hpcml recorded "
                               f"one, or not a Transformer): nothing to rebuild the model from")
-    return TransformerConfig.from_dict(model["config"])
+    cfg = TransformerConfig.from_dict(model["config"])
+    if cfg.num_params() > stored:  # before any tensor of that size is named or read
+        raise CheckpointError(f"{ck.path}: extra['model'] describes {cfg.num_params():,} parameters ({cfg.n_layers} "
+                              f"layers, dim {cfg.dim}); the checkpoint's model tensors hold {stored:,}")
+    return cfg
 
 
 # -- out ------------------------------------------------------------------------------------

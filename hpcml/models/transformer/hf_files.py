@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpcml.ckpt.shard import open_regular, read_bounded
 from hpcml.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,11 +60,12 @@ def read_json(root: Path, name: str, limit: int):
     if not (root / name).exists():
         raise ConfigError(f"{root / name}: no such file (expected a Hugging Face model directory)")
     path = resolve_inside(root, name)
-    size = path.stat().st_size
-    if size > limit:
-        raise ConfigError(f"{path}: {size} bytes, more than the {limit} expected of it")
     try:
-        return json.loads(path.read_bytes())
+        raw = read_bounded(path.resolve(), limit)  # inside the directory (or the hub cache): checked above
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not JSON ({e})") from None
 
@@ -74,10 +77,23 @@ def inside(root: Path, name) -> Path:
     return resolve_inside(root, name)
 
 
+def data_bytes(root: Path) -> int | None:
+    """Bytes of tensor data in the safetensors files of ``root`` (the index's, or
+    ``model.safetensors``; each header checked): what a config may claim is bounded by this
+    before any model is built. None: no such files (:class:`SafetensorsDir` says so)."""
+    if (root / INDEX).exists():
+        index = read_json(root, INDEX, MAX_INDEX_BYTES)
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        names = set(wmap.values()) if isinstance(wmap, dict) else set()
+    else:
+        names = {SINGLE} if (root / SINGLE).exists() else set()
+    return sum(header(inside(root, n))[1] for n in sorted(names)) if names else None
+
+
 def header(path: Path) -> tuple[dict, int]:
     """(tensor name -> {dtype, shape, data_offsets}, byte size of the data section) of a safetensors file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path.resolve()), "rb") as f:  # non-blocking open: a FIFO is refused, not waited on
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < n <= MAX_HEADER_BYTES or 8 + n > size:

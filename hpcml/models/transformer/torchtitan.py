@@ -90,7 +90,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, cfg: TransformerConfi
     from hpcml.ckpt import tools
 
     info = tools.inspect(src)
-    cfg = cfg or _carried(info["extra"], info["path"])
+    cfg = cfg or _carried(info["extra"], info["path"], len(info["tensors"]))
     cfg = replace(cfg, fused_qkv="model/layers.0.attention.wqkv.weight" in info["tensors"],
                   fused_mlp="model/layers.0.feed_forward.w13.weight" in info["tensors"])
     return export_titan(src, dst, param_maps(cfg, titan_fused_qkv=titan_fused_qkv))
@@ -108,7 +108,7 @@ def from_dcp(src: str | os.PathLike, root: str | os.PathLike, cfg: TransformerCo
 
     reader = DcpReader(src)
     if cfg is None:
-        cfg = _carried(carried_extra(reader), src)
+        cfg = _carried(carried_extra(reader), src, len(reader.entries))
     cfg = replace(cfg, fused_qkv=cfg.fused_qkv if fused_qkv is None else fused_qkv,
                   fused_mlp=cfg.fused_mlp if fused_mlp is None else fused_mlp)
     fused = bool(reader.children("optimizer.state.layers.0.attention.qkv_linear.wqkv.weight."))
@@ -117,13 +117,18 @@ def from_dcp(src: str | os.PathLike, root: str | os.PathLike, cfg: TransformerCo
                         extra={"model": cfg.describe()})
 
 
-def _carried(extra: dict, where: str | os.PathLike) -> TransformerConfig:
-    """The model config a checkpoint's JSON state carries (``extra["model"]``, the LLM Trainer's)."""
+def _carried(extra: dict, where: str | os.PathLike, entries: int) -> TransformerConfig:
+    """The model config a checkpoint's JSON state carries (``extra["model"]``, the LLM Trainer's),
+    no more layers than the checkpoint has ``entries`` (before any per-layer map is built)."""
     model = extra.get("model")
     if not isinstance(model, dict) or model.get("type") != "transformer" or "config" not in model:
         raise CheckpointError(f"{where} carries no transformer config (extra['model']): give the model "
                               f"(--model PRESET, or cfg=)")
-    return TransformerConfig.from_dict(model["config"])
+    cfg = TransformerConfig.from_dict(model["config"])
+    if cfg.n_layers > entries:
+        raise CheckpointError(f"{where}: its model config says {cfg.n_layers} layers, but it holds {entries} tensors "
+                              f"in all: config and checkpoint do not match")
+    return cfg
 
 
 __all__ = ["TORCHTITAN_COMMIT", "from_dcp", "param_maps", "to_dcp"]

@@ -1,0 +1,303 @@
+"""Issue 24: checkpoints you can trust -- keys, bounded time and memory on every path, the
+loaded step proven, one owner per directory. Every refusal is one line naming the value."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcml import ckpt, stop
+from hpcml.ckpt import keys, lock, manifest, tools
+from hpcml.ckpt.manifest import coverage
+from hpcml.errors import CheckpointError, ConfigError
+
+KEY = b"k" * 32
+OTHER = b"o" * 32
+
+
+def _tensors(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"model/a": torch.randn(32, 8, generator=g) * scale, "model/b": torch.randn(8, 32, generator=g) * scale,
+            "optim/c": torch.arange(12, dtype=torch.float32) * scale}
+
+
+def _save(root: Path, step: int = 3, key=False, scale: float = 1.0) -> Path:
+    res = ckpt.save(root, step, _tensors(scale), comm=MPI.COMM_SELF, extra={"step": step}, key=key)
+    return res.path
+
+
+def _load(path, key=None) -> dict[str, torch.Tensor]:
+    out = {n: torch.zeros_like(t) for n, t in _tensors().items()}
+    ckpt.load(path, out, key=key)
+    return out
+
+
+def _rewrite(step: Path, edit) -> None:
+    """Edit the manifest and recompute its own digest, keeping any signature: a consistent forger."""
+    import hashlib
+
+    m = json.loads((step / "manifest.json").read_text())
+    m.pop("manifest_sha256")
+    edit(m)
+    m["manifest_sha256"] = hashlib.sha256(manifest._canonical(m)).hexdigest()
+    (step / "manifest.json").write_bytes(manifest._canonical(m))
+
+
+@contextmanager
+def _deadline(seconds: int):
+    def boom(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch):
+    monkeypatch.delenv(keys.ENV_KEY, raising=False)
+    monkeypatch.delenv(keys.ENV_KEY_FILE, raising=False)
+
+
+# -- keys -----------------------------------------------------------------------------------
+def test_signed_checkpoint_verifies_only_with_its_key(tmp_path, monkeypatch):
+    step = _save(tmp_path / "ck", key=KEY)
+    assert torch.equal(_load(step, key=KEY)["model/a"], _tensors()["model/a"])
+    assert tools.verify_with(step, key=KEY) == []
+    with pytest.raises(CheckpointError, match="signed by key .* not among the keys configured"):
+        _load(step, key=OTHER)
+    monkeypatch.setenv(keys.ENV_KEY, OTHER.decode())  # the environment is the default for every reader
+    problems = tools.verify(step)
+    assert len(problems) == 1 and "not among the keys" in problems[0]
+    monkeypatch.setenv(keys.ENV_KEY, f"{OTHER.decode()} {KEY.decode()}")  # rotation: the old key still verifies
+    assert tools.verify(step) == []
+    assert "checked" in tools.signature_note(step)
+    monkeypatch.delenv(keys.ENV_KEY)
+    assert "not checked: no key configured" in tools.signature_note(step)
+
+
+def test_unsigned_refused_while_a_key_is_configured_and_sign_fixes_it(tmp_path, monkeypatch):
+    step = _save(tmp_path / "ck")
+    assert tools.signature_note(step) == "unsigned"
+    monkeypatch.setenv(keys.ENV_KEY, KEY.decode())
+    with pytest.raises(CheckpointError, match="is not signed, and a checkpoint key is configured"):
+        _load(step)
+    kid = tools.sign(step)
+    assert kid == keys.key_id(keys.derive(KEY, "t"))
+    assert torch.equal(_load(step)["optim/c"], _tensors()["optim/c"])
+
+
+def test_consistent_forger_refused_with_a_key(tmp_path):
+    """A changed dtype (digests recomputed) loads wrong values unsigned; a key refuses it."""
+    plain = _save(tmp_path / "plain")
+    signed = _save(tmp_path / "signed", key=KEY)
+
+    _rewrite(plain, lambda m: m["tensors"]["optim/c"].update(dtype="int32"))
+    # documented: unsigned, recomputed digests are no defence
+    assert not torch.equal(_load(plain)["optim/c"], _tensors()["optim/c"])
+    _rewrite(signed, lambda m: m["tensors"]["optim/c"].update(dtype="int32"))
+    with pytest.raises(CheckpointError, match="signature does not match"):
+        _load(signed, key=KEY)
+    signed2 = _save(tmp_path / "signed2", key=KEY)
+    _rewrite(signed2, lambda m: m.pop("signature"))  # stripping the signature does not help
+    with pytest.raises(CheckpointError, match="is not signed"):
+        _load(signed2, key=KEY)
+
+
+def test_bad_keys_one_line(tmp_path, monkeypatch):
+    kf = tmp_path / "key"
+    kf.write_text("short\n")
+    kf.chmod(0o600)
+    with pytest.raises(ConfigError, match="has 5 characters: expected at least 16"):
+        keys.keyring(kf)
+    kf.write_text("x" * 40 + "\n")
+    kf.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 644: expected no access for group and others"):
+        keys.keyring(kf)
+    monkeypatch.setenv(keys.ENV_KEY_FILE, str(tmp_path / "missing"))
+    with pytest.raises(CheckpointError, match="checkpoint key file .*missing: no such file"):
+        _save(tmp_path / "ck", key=None)
+    assert not (tmp_path / "ck" / "step_00000003").exists()
+
+
+# -- bounded before parsing -----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["rank_00000.h5", "index.h5", "manifest.json", "latest"])
+def test_fifo_under_a_checkpoint_name_is_refused_at_once(tmp_path, name):
+    step = _save(tmp_path / "ck")
+    target = (tmp_path / "ck" / name) if name == "latest" else step / name
+    target.unlink()
+    os.mkfifo(target)
+    with _deadline(10):
+        problems = tools.verify(tmp_path / "ck")
+        with pytest.raises(CheckpointError) as e:
+            _load(tmp_path / "ck")
+    said = " ".join(problems)
+    assert "FIFO" in said or ("latest" in said and name == "latest"), said
+    assert "\n" not in str(e.value)
+
+
+def test_a_kill_stops_a_long_read(tmp_path):
+    step = _save(tmp_path / "ck")
+    stop.request("SIGTERM")
+    try:
+        with pytest.raises(CheckpointError, match="stopped: SIGTERM arrived"):
+            _load(step)
+    finally:
+        stop.clear()
+    stop.request("SIGUSR1")  # the walltime warning lets reads go on (a save's read-back, a resume)
+    try:
+        assert torch.equal(_load(step)["model/a"], _tensors()["model/a"])
+    finally:
+        stop.clear()
+
+
+def test_coverage_is_fast_and_exact():
+    # the issue's attack: 65,536 one-element pieces of a 32-dimensional tensor
+    shape = (2,) * 16 + (1,) * 16
+    boxes = [(list(np.unravel_index(i, shape)), [1] * 32) for i in range(1 << 16)]
+    boxes = [([int(x) for x in o], s) for o, s in boxes]
+    t = time.perf_counter()
+    assert coverage(shape, boxes) is None
+    assert time.perf_counter() - t < 5
+    dup = boxes[:-1] + [boxes[0]]  # same volume, one element twice and one never
+    assert "overlap" in coverage(shape, dup)
+    assert "not covered" in coverage(shape, boxes[:-1])
+    assert "overlap" in coverage((4, 4), [([0, 0], [2, 4]), ([1, 0], [2, 4])])
+    # a pinwheel: disjoint, exact, not slabs -- small enough to be tested pairwise
+    wheel = [([0, 0], [2, 1]), ([2, 0], [1, 2]), ([1, 2], [2, 1]), ([0, 1], [1, 2]), ([1, 1], [1, 1])]
+    assert coverage((3, 3), wheel) is None
+    # fused sub-parameters sharded over tp, times a dp split of the columns: nested slabs
+    rows = [0, 3, 6, 8, 10, 12, 14]
+    nested = [([a, c], [b - a, 4]) for a, b in zip(rows, rows[1:]) for c in (0, 4)]
+    assert coverage((14, 8), nested) is None
+
+
+def test_manifest_bounded_by_the_files_beside_it(tmp_path):
+    step = _save(tmp_path / "ck")
+    (step / "manifest.json").write_bytes(b" " * (manifest.FREE_MANIFEST_BYTES + 1))
+    with pytest.raises(CheckpointError, match="more than the .* a manifest of this checkpoint may have"):
+        _load(step)
+
+
+def test_huge_integers_refused(tmp_path):
+    step = _save(tmp_path / "ck")
+    _rewrite(step, lambda m: m["tensors"]["model/a"].update(shape=[10 ** 30, 8]))
+    with pytest.raises(CheckpointError, match="expected an integer >= 0 and <= 4611686018427387904"):
+        _load(step)
+
+
+# -- the step is proven ---------------------------------------------------------------------
+def test_old_copy_of_another_step_is_refused(tmp_path):
+    root = tmp_path / "ck"
+    s2 = _save(root, step=2)
+    s2.rename(root / "step_00000006.old")
+    (root / "latest").write_text("step_00000006\n")
+    with pytest.raises(CheckpointError, match="step 2 saved in a directory named step_00000006.old"):
+        _load(root)
+    assert "step 2 saved in a directory named" in tools.verify(root)[0]
+
+
+def test_extra_step_must_be_the_saved_step(tmp_path):
+    step = _save(tmp_path / "ck", step=4)
+    for bad in (-5, 999, 10 ** 30, "abc"):
+        _rewrite(step, lambda m, bad=bad: m["extra"].update(step=bad))
+        with pytest.raises(CheckpointError, match="extra step .* differs from the saved step 4"):
+            _load(step)
+
+
+def test_loop_extra_schema():
+    from hpcml.train.resume_schema import check_loop_extra
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    for g in opt.param_groups:
+        g["initial_lr"] = 1e-3
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    good = {"step": 5, "scheduler": sched.state_dict(), "schedule": {"steps": 10, "anchor": None},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    good = json.loads(json.dumps(good))
+    check_loop_extra(good, 5, "ck", sched.state_dict(), opt.param_groups)
+    cases = {"step": ({**good, "step": "abc"}, "extra\\['step'\\] is 'abc': expected the saved step 5"),
+             "scheduler": ({k: v for k, v in good.items() if k != "scheduler"}, "extra\\['scheduler'\\] is None"),
+             "groups": ({**good, "param_groups": []}, "extra\\['param_groups'\\] is \\[\\]"),
+             "lambda": ({**good, "scheduler": {**good["scheduler"], "lr_lambdas": [{"x": 1}]}}, "scheduler"),
+             "key": ({**good, "scheduler": {**good["scheduler"], "evil": 1}}, "keys among"),
+             "schedule": ({**good, "schedule": {"steps": -1}}, "schedule")}
+    for what, (extra, msg) in cases.items():
+        with pytest.raises(CheckpointError, match=msg):
+            check_loop_extra(extra, 5, "ck", sched.state_dict(), opt.param_groups)
+
+
+# -- one owner per directory ----------------------------------------------------------------
+_HOLDER = """
+import sys, time
+from hpcml.ckpt import lock
+lock.hold(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_second_job_refused_naming_the_owner_then_stale_lock_recovered(tmp_path):
+    root = tmp_path / "ck"
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "SLURM_JOB_ID": "4242"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=f"being saved to by another job \\(pid {holder.pid} on .*job 4242"):
+            _save(root)
+        assert not (root / "step_00000003").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert torch.equal(_load(_save(root))["model/a"], _tensors()["model/a"])  # the owner is gone: taken over
+    owner = json.loads((root / lock.LOCK).read_text())
+    assert owner["pid"] == os.getpid()
+    lock.release(root)
+
+
+# -- model configs bounded by the files -----------------------------------------------------
+def test_hf_config_bounded_by_its_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from hpcml.models.transformer.hf import config_from_hf
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 8)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 65536, "num_hidden_layers": 64,
+                                               "num_attention_heads": 64, "intermediate_size": 4,
+                                               "vocab_size": 32, "max_position_embeddings": 16}))
+    t = time.perf_counter()
+    with pytest.raises(CheckpointError, match="describes .* parameters .* its safetensors hold"):
+        config_from_hf(d)
+    assert time.perf_counter() - t < 2
+
+
+def test_export_hf_config_bounded_by_the_checkpoint(tmp_path):
+    from hpcml.models.transformer import TransformerConfig
+    from hpcml.models.transformer.hf import config_from_checkpoint
+
+    cfg = TransformerConfig.preset("tiny")
+    for fields in ({"n_layers": 10 ** 6}, {"dim": 1 << 20, "n_heads": 1, "n_kv_heads": 1}):
+        bad = {**cfg.to_dict(), **fields}
+        root = tmp_path / f"ck{len(str(fields))}"
+        ckpt.save(root, 1, _tensors(), comm=MPI.COMM_SELF, extra={"model": {"type": "transformer", "config": bad}})
+        t = time.perf_counter()
+        with pytest.raises((CheckpointError, ConfigError)) as e:
+            config_from_checkpoint(root)
+        assert time.perf_counter() - t < 2 and "\n" not in str(e.value)
