@@ -19,6 +19,19 @@ handled is the cost per message. Kinds, all ~2 MB on the wire:
 Limits: ``raw_zmq`` (a plain PULL socket receiving the 2 MB message, nothing checked) and
 ``memcpy`` of 2 MB; ``raw_many_frames``: a plain PULL socket's ``recv_multipart`` of the
 1,000,000-frame message (what a server without the frame bound pays).
+
+Memory (``--queue``, issue 24): a peer holding the secret opens ``--conns`` connections and
+queues messages of ``--frame-mib`` MiB frames while the training buffer is full (the server
+has stopped reading: backpressure), and the server's peak RSS growth is measured against
+what its limits allow (:mod:`hpcml.stream.budget`). Rows: ``before`` (the server as it
+was: ``hwm`` 8 messages per connection whatever their size), ``budget`` (``max_peer_bytes``
+of ``--peer-mib`` per connection, by default the least allowed: two of the largest valid
+message) with one-frame messages as in the issue, and ``budget_19_frames``: the same budget
+against messages of 19 frames of the frame limit, which no valid message is and which libzmq
+holds whole before the server can refuse them: the gap the budget cannot close (reported,
+not asserted). The issue's own figures are ``--conns 8 --frame-mib 64``: 3.6 GB before.
+
+    python benchmarks/stream_hostile.py --queue --json
 """
 
 from __future__ import annotations
@@ -162,11 +175,120 @@ def _memcpy(n: int = 50) -> dict:
     return {"kind": "memcpy", "n": n, "server_cpu_ms_per_msg": 1e3 * (time.perf_counter() - t0) / n}
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _flood(endpoint: str, frames: int, frame_bytes: int, first_step: int, sent, done) -> None:
+    """Child process: one connection queueing messages of ``frames`` frames until ZeroMQ blocks."""
+    import zmq
+
+    from hpcml.stream import message, transport
+
+    ctx = zmq.Context()
+    s = transport.push_socket(ctx, SECRET, hwm=1)
+    s.connect(endpoint)
+    n = frame_bytes // 4
+    field = np.ones(n, np.float32)
+    h = _header(global_shape=[n], offset=[0], shape=[n])
+    idle, f = time.monotonic(), None
+    while time.monotonic() - idle < 10.0:  # blocked for 10 s: ZeroMQ holds all it will hold
+        if f is None:  # encoded once, retried until it goes
+            f = message.encode(SECRET, {**h, "step": first_step + sent.value}, [field])
+            f = f if frames == 1 else [f[0]] + [field] * (frames - 1)
+        try:
+            s.send_multipart(f, zmq.NOBLOCK, copy=False)
+            sent.value, idle, f = sent.value + 1, time.monotonic(), None
+        except zmq.Again:
+            time.sleep(0.02)
+    done.value = 1
+    time.sleep(600)  # hold the connection open until killed
+
+
+def _queue_attack(row: str, conns: int, frames: int, frame_mib: int, peer_bytes: int | None) -> dict:
+    """Peak RSS growth of a server whose buffer is full while ``conns`` connections queue."""
+    import zmq
+
+    from hpcml.stream import Buffer, BufferConfig, Sample, message, transport
+    from hpcml.stream.server import ServerConfig, StreamServer
+
+    frame = frame_mib << 20
+    buf = Buffer(BufferConfig(policy="fifo", capacity=1, watermark=0))
+    buf.put(Sample(0, 0, 0.0, np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))  # full
+    cfg = ServerConfig(param_names=("a",), field_names=("T",), hwm=8, max_frame_bytes=frame, max_sample_bytes=frame,
+                       max_partial_bytes=frame, max_peer_bytes=peer_bytes)
+    srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1, buffer=buf, config=cfg).start()
+    lim, procs = srv.limits, []
+    try:
+        ctx = zmq.Context()
+        plug = transport.push_socket(ctx, SECRET)  # a sample the full buffer refuses: the server stops reading
+        plug.connect(srv.endpoint)
+        plug.send_multipart(message.encode(SECRET, _header(global_shape=[1], offset=[0], shape=[1]),
+                                           [np.ones(1, np.float32)]))
+        while srv.counters["samples"] < 1:
+            time.sleep(0.01)
+        plug.close(linger=0)
+        time.sleep(0.2)
+        rss0, peak = _rss(), 0
+        fork = mp.get_context("fork")
+        sent, done = [fork.Value("i", 0) for _ in range(conns)], [fork.Value("i", 0) for _ in range(conns)]
+        procs = [fork.Process(target=_flood, args=(srv.endpoint, frames, frame, 1000 * (i + 1), sent[i], done[i]),
+                              daemon=True) for i in range(conns)]
+        for pr in procs:
+            pr.start()
+        t0 = time.monotonic()
+        while not all(d.value for d in done) and time.monotonic() - t0 < 600:  # each blocked for 10 s
+            peak = max(peak, _rss() - rss0)
+            time.sleep(0.02)
+        peak = max(peak, _rss() - rss0)
+        st = srv.stats()
+        return {"row": row, "conns": conns, "frames_per_msg": frames, "frame_mib": frame_mib,
+                "messages_sent": sum(v.value for v in sent), "queue_depth": lim.depth,
+                "peer_budget_mib": lim.peer_bytes / 2**20, "peers_admitted": st["peers"]["admitted"],
+                "rss_growth_peak_mib": peak / 2**20,
+                "conns_x_depth_x_msg_mib": conns * lim.depth * frames * frame / 2**20,
+                "bound_mib": conns * lim.peer_bytes / 2**20, "bound_formula": "conns x max_peer_bytes"}
+    finally:
+        for pr in procs:
+            pr.kill()
+        srv.stop()
+
+
+def _queue_rows(args) -> list[dict]:
+    from hpcml.stream.budget import peer_limits
+
+    frame = args.frame_mib << 20
+    least = 2 * peer_limits(hwm=8, max_frame_bytes=frame, max_sample_bytes=frame, n_fields=1, shape=None,
+                            max_peer_bytes=None).message_bytes
+    budget = least if args.peer_mib is None else args.peer_mib << 20
+    rows = [_queue_attack("before", args.conns, 1, args.frame_mib, None)]
+    for frames in args.frames:
+        rows.append(_queue_attack("budget" if frames == 1 else "budget_19_frames", args.conns, frames,
+                                  args.frame_mib, budget))
+    return rows
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200, help="messages per kind (many-frame kinds: n // 50)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--queue", action="store_true", help="only the memory attack of issue 24 (queued messages)")
+    p.add_argument("--conns", type=int, default=8, help="--queue: the attacker's connections")
+    p.add_argument("--frame-mib", type=int, default=4, help="--queue: MiB per frame (the issue: 64)")
+    p.add_argument("--peer-mib", type=int, default=None,
+                   help="--queue: max_peer_bytes in MiB (default: the least allowed, two of the largest valid message)")
+    p.add_argument("--frames", type=lambda v: [int(x) for x in v.split(",")], default=[1, 19],
+                   help="--queue: frames per message of the budget rows (default 1,19; 19 x 64 MiB x 8 is 9 GiB)")
     args = p.parse_args(argv)
+    if args.queue:
+        rows = _queue_rows(args)
+        out = {"queue_attack": rows}
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        over = [r["row"] for r in rows if r["row"] == "budget" and r["rss_growth_peak_mib"] > r["bound_mib"] + 16]
+        if over:
+            sys.exit(f"stream_hostile: the server held more than its budget: {over}")
+        return out
     idle = _idle_rate()  # this process with no server: subtracted from the raw rows
     rows = [_memcpy()]
     for kind in ("raw_zmq", "raw_many_frames"):

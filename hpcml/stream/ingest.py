@@ -37,11 +37,12 @@ class Ingest:
     """The exactly-once state of one trainer rank."""
 
     def __init__(self, *, rank: int, n_trainers: int, schema: SampleSchema, max_sample_bytes: int,
-                 max_partial_bytes: int, partial_timeout_s: float, end_grace_s: float) -> None:
+                 max_partial_bytes: int, partial_timeout_s: float, end_grace_s: float,
+                 max_peer_bytes: int | None = None) -> None:
         self.rank, self.n_trainers, self.schema = rank, n_trainers, schema
         self.max_sample_bytes = max_sample_bytes
         self.assembly = Assembler(len(schema.field_names), max_bytes=max_partial_bytes, timeout_s=partial_timeout_s,
-                                  on_evict=self._evicted)
+                                  on_evict=self._evicted, peer_bytes=max_peer_bytes)
         self.ends = EndTracker(rank, n_trainers, end_grace_s)
         self.seen: set[tuple[int, int]] = set()
         self.per_sim: Counter[int] = Counter()
@@ -52,7 +53,8 @@ class Ingest:
         self.dropped: dict[str, int] = {}
 
     # -- one message --------------------------------------------------------------------------
-    def message(self, msg: Message) -> Sample | None:
+    def message(self, msg: Message, peer: object = None) -> Sample | None:
+        """``peer``: the connection it came by, charged for the incomplete sample its block opens."""
         self.counters["messages"] += 1
         h = msg.header
         sim, attempt = h["sim"], h["attempt"]
@@ -69,9 +71,9 @@ class Ingest:
         if msg.kind == "end":
             self.ends.end_marker(sim, h["rank"], h["nranks"], h["n_sent"])
             return None
-        return self._fragment(msg)
+        return self._fragment(msg, peer)
 
-    def _fragment(self, msg: Message) -> Sample | None:
+    def _fragment(self, msg: Message, peer: object) -> Sample | None:
         h = msg.header
         sim, step = h["sim"], h["step"]
         gshape = tuple(h["global_shape"])
@@ -93,7 +95,7 @@ class Ingest:
         else:
             p = self.assembly.add((sim, h["attempt"], step), rank=h["rank"], nranks=h["nranks"], global_shape=gshape,
                                   offset=tuple(h["offset"]), shape=tuple(h["shape"]), t=float(h["t"]), params=params,
-                                  arrays=arrays)
+                                  arrays=arrays, peer=peer)
             if p is None:
                 self.counters["bytes"] += msg.nbytes
                 return None

@@ -43,7 +43,8 @@ MAGIC = b"hpcml-stream/2"
 """Version 2: GMAC tags (version 1 had Poly1305)."""
 MAC_BYTES = 16
 _DTYPES = {"float32": np.float32, "float64": np.float64}
-_MAX_HEADER = 64 * 1024
+#: Largest header frame (JSON) a receiver reads.
+MAX_HEADER_BYTES = 64 * 1024
 MAX_FIELDS = 16
 MAX_DIMS = 3
 #: magic, header, one payload per field, MAC: a longer message is refused before decoding.
@@ -112,9 +113,9 @@ def nonce() -> str:
 def seal(secret: bytes, text: bytes, payloads=()) -> list:
     """Frames of one message whose header is already JSON text (with its nonce): the
     Producer serialises the parts of its header that never change once."""
-    if len(text) > _MAX_HEADER:
-        raise ConfigError(f"message header of {len(text)} bytes, expected at most {_MAX_HEADER} (fewer or shorter "
-                          f"params, field names or simulation ids)")
+    if len(text) > MAX_HEADER_BYTES:
+        raise ConfigError(f"message header of {len(text)} bytes, expected at most {MAX_HEADER_BYTES} (fewer or "
+                          f"shorter params, field names or simulation ids)")
     frames = [MAGIC, text] + [memoryview(np.ascontiguousarray(p)).cast("B") for p in payloads]
     frames.append(mac(secret, frames))
     return frames
@@ -186,7 +187,7 @@ def _decode(secret: bytes, frames: list, campaign: str, run: str | None) -> Mess
     _need(3 <= len(raw) <= MAX_FRAMES, "malformed", lambda: f"{len(raw)} frames, expected 3 to {MAX_FRAMES}")
     _need(raw[0] == MAGIC, "malformed", "wrong magic")
     _need(memoryview(raw[-1]).nbytes == MAC_BYTES, "malformed", "no MAC frame")
-    _need(memoryview(raw[1]).nbytes <= _MAX_HEADER, "malformed", "header too large")
+    _need(memoryview(raw[1]).nbytes <= MAX_HEADER_BYTES, "malformed", "header too large")
     _need(hmac.compare_digest(mac(secret, raw[:-1]), bytes(raw[-1])), "unauthenticated", "MAC mismatch")
     try:
         h = json.loads(bytes(raw[1]), parse_constant=_no_constant)

@@ -11,8 +11,10 @@ unpickled. No input kills the thread; if a bug does, the buffer is failed and ev
 trainer rank's loader raises within a poll (no hang).
 
 Backpressure: while the buffer is full the thread stops reading; ZeroMQ's queues fill and
-the producers block. End of stream: the driver's done record (``sims_done.json`` of this
-run, polled, or :meth:`StreamServer.campaign_done` in-process), then every completed
+the producers block. What one connection can make the server hold meanwhile, queued or as
+incomplete samples, is bounded in bytes (:mod:`hpcml.stream.budget`). End of stream: the
+driver's done record (``sims_done.json`` of this run, polled, or
+:meth:`StreamServer.campaign_done` in-process), then every completed
 simulation routed here settled (:mod:`hpcml.stream.ending`). The ``seen`` set, the buffer,
 the end markers and the counters are saved with the trainer's checkpoint, so a restarted
 trainer neither re-ingests nor loses what its checkpoint holds.
@@ -33,6 +35,7 @@ from hpcml import log
 from hpcml.contract import Contract, DoneRecord, read_done, read_endpoints
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.stream import message, routing, transport
+from hpcml.stream.budget import PeerLimits, fd_limit, peer_limits
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.ingest import Ingest
 from hpcml.stream.schema import SampleSchema
@@ -60,15 +63,24 @@ class ServerConfig:
     shape: tuple[int, ...] | None = None
     """The grid of every sample (None: the first sample's fixes it)."""
     hwm: int = 8
-    """Messages ZeroMQ queues per producer on the receiving side before the producer blocks."""
+    """Messages ZeroMQ holds per producer connection on the receiving side before the producer
+    blocks (``ZMQ_RCVHWM``; fewer if ``max_peer_bytes`` holds fewer: :attr:`limits`). At least
+    2: libzmq keeps one slot of each authenticated connection's queue for good."""
     max_frame_bytes: int = message.MAX_FRAME_BYTES
-    """Largest frame (one field of one rank's block) read; libzmq drops a peer announcing more."""
+    """Largest frame (one field of one rank's block) read; libzmq drops a peer announcing more.
+    The server reads at most the largest frame its schema allows, if smaller (:attr:`limits`)."""
     max_sample_bytes: int = 1 << 30
     """Largest assembled sample (fields x global shape x 4 bytes); a larger one is dropped
     (``too_large``) before anything is allocated."""
     max_partial_bytes: int = 1 << 30
     """Memory held by incomplete samples (some ranks' blocks in, others not yet); past it the
-    oldest is evicted (``partial_evicted``), so senders that never finish cannot grow memory."""
+    oldest of the connection holding the most is evicted (``partial_evicted``), so senders that
+    never finish cannot grow memory."""
+    max_peer_bytes: int | None = None
+    """Budget of one producer connection, in bytes: at most this much of its messages queued in
+    ZeroMQ while the server does not read (``hwm`` is cut to fit the largest valid message),
+    and at most this much of incomplete samples its blocks opened (past it such a block is
+    dropped: ``peer_budget``). None: ``hwm`` largest valid messages (:mod:`hpcml.stream.budget`)."""
     partial_timeout_s: float = 600.0
     """An incomplete sample no block has reached for this long is evicted (``partial_evicted``)."""
     end_grace_s: float = 30.0
@@ -79,8 +91,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         SampleSchema(self.field_names, self.param_names, self.shape)  # the same checks, one place
-        if not 0 <= self.port < 65536 or self.hwm < 1 or self.end_grace_s < 0:
-            raise ConfigError(f"ServerConfig needs 0 <= port < 65536, hwm >= 1, end_grace_s >= 0; got {self.port}, "
+        if not 0 <= self.port < 65536 or self.hwm < 2 or self.end_grace_s < 0:  # hwm 1: budget.py
+            raise ConfigError(f"ServerConfig needs 0 <= port < 65536, hwm >= 2, end_grace_s >= 0; got {self.port}, "
                               f"{self.hwm}, {self.end_grace_s}")
         for name in ("max_frame_bytes", "max_sample_bytes", "max_partial_bytes"):
             v = getattr(self, name)
@@ -91,6 +103,17 @@ class ServerConfig:
                               f"{self.max_partial_bytes}: one incomplete sample must fit the bound")
         if not self.partial_timeout_s > 0:
             raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
+        v = self.max_peer_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62):
+            raise ConfigError(f"ServerConfig.max_peer_bytes={v!r}: expected None or an integer number of bytes in "
+                              f"1..2**62")
+        self.limits  # noqa: B018 -- a budget below two messages is refused here, with its numbers
+
+    @property
+    def limits(self) -> PeerLimits:
+        """The per-connection limits this config gives: frame limit, queue depth, budget."""
+        return peer_limits(hwm=self.hwm, max_frame_bytes=self.max_frame_bytes, max_sample_bytes=self.max_sample_bytes,
+                           n_fields=len(self.field_names), shape=self.shape, max_peer_bytes=self.max_peer_bytes)
 
 
 class StreamServer:
@@ -102,12 +125,15 @@ class StreamServer:
             raise ConfigError(f"trainer rank {rank} outside 0..{n_trainers - 1}")
         self.campaign, self._secret, self.rank, self.n_trainers = campaign, secret, rank, n_trainers
         self.buffer, self.config, self.contract = buffer, config, contract
+        self.limits = lim = config.limits
         self.ingest = Ingest(rank=rank, n_trainers=n_trainers,
                              schema=SampleSchema(config.field_names, config.param_names, config.shape),
                              max_sample_bytes=config.max_sample_bytes, max_partial_bytes=config.max_partial_bytes,
-                             partial_timeout_s=config.partial_timeout_s, end_grace_s=config.end_grace_s)
-        self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=config.hwm,
-                                      max_frame_bytes=config.max_frame_bytes)
+                             partial_timeout_s=config.partial_timeout_s, end_grace_s=config.end_grace_s,
+                             max_peer_bytes=lim.peer_bytes)
+        self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=lim.depth,
+                                      max_frame_bytes=lim.frame_bytes)
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (when last logged, drops then)
         self.endpoint = self._rx.endpoint
         self._lock = threading.Lock()  # the ingest state and the pending sample, against a checkpoint
         self._stop = threading.Event()
@@ -237,7 +263,7 @@ class StreamServer:
                 return self._rejected(e)
         with self._lock:
             try:
-                sample = self.ingest.message(msg)
+                sample = self.ingest.message(msg, self._rx.peer(frames[0]))
             except Exception as e:  # MessageError, or input the checks missed: dropped, the thread lives on
                 return self._rejected(e)
             if sample is not None and not self.buffer.put(sample, timeout=0, force=self._overflow.is_set()):
@@ -248,10 +274,16 @@ class StreamServer:
             self.t_last = now
 
     def _rejected(self, e: Exception) -> None:
-        n = self.ingest.drop(e.reason if isinstance(e, message.MessageError) else "internal_error")
+        reason = e.reason if isinstance(e, message.MessageError) else "internal_error"
+        n = self.ingest.drop(reason)
         if n <= 3 or sum(self.ingest.dropped.values()) <= 10:
             logger.warning("trainer rank %d dropped a message: %s", self.rank, e,
                            exc_info=not isinstance(e, message.MessageError))
+            self._logged[reason] = (time.monotonic(), n)
+        elif time.monotonic() - self._logged.get(reason, (0.0, 0))[0] > 60:  # then once a minute per reason
+            logger.warning("trainer rank %d dropped %d more messages (%s) since: %s", self.rank,
+                           n - self._logged.get(reason, (0.0, 0))[1], reason, e)
+            self._logged[reason] = (time.monotonic(), n)
 
     def quiesce(self, quiet_s: float = 0.5, timeout_s: float = 10.0) -> None:
         """Before a last save on a stop: take in everything already sent until the socket has
@@ -304,9 +336,15 @@ class StreamServer:
         dt = (self.t_last - self.t_first) if self.t_first and self.t_last and self.t_last > self.t_first else 0.0
         with self._lock:
             counters, dropped = dict(self.counters), dict(self.dropped)
+            held = dict(self.ingest.assembly.held)
+        lim = self.limits
         return {**counters, "dropped": dropped, "error": self.error, "intake_s": dt,
                 "intake_mb_s": counters["bytes"] / 1e6 / dt if dt else 0.0, "buffer": self.buffer.stats.as_dict(),
-                "buffer_len": len(self.buffer)}
+                "buffer_len": len(self.buffer),
+                "peers": {"admitted": self._rx.gate.admitted, "refused": self._rx.gate.refused,
+                          "peer_bytes": lim.peer_bytes, "queue_depth": lim.depth, "frame_bytes": lim.frame_bytes,
+                          "queued_bytes_max": lim.queued_bytes, "partial_bytes_max": max(held.values(), default=0),
+                          "fd_limit": fd_limit()}}
 
     def accounting(self) -> dict:
         with self._lock:
