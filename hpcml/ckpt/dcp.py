@@ -20,6 +20,7 @@ take a state dict) plus what is being read: a layer of the hpcml checkpoint, one
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from collections import Counter
@@ -129,6 +130,48 @@ def _json_value(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
 
 
+def _count(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= 1 << 62
+
+
+def _plain(v) -> bool:
+    """A hyper-parameter value: a finite number, a bool, None, or a short list of numbers."""
+    if isinstance(v, list):
+        return len(v) <= 16 and all(_plain(x) and not isinstance(x, list) for x in v)
+    return v is None or isinstance(v, bool) or isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _loop_state(extra: dict, step: int, where, trained: bool) -> tuple[list[dict], int, int]:
+    """(optimizer groups, scheduler epoch, tokens seen) of the trainer state in ``extra``, each
+    checked before it is written into the DCP (one line naming the field otherwise).
+    ``trained``: the checkpoint holds optimizer state, so the groups and the token count must be there."""
+    groups = extra.get("param_groups")
+    if groups is None and not trained:
+        groups = []
+    elif not isinstance(groups, list) or not groups or len(groups) > 1024 or not all(
+            isinstance(g, dict) and all(isinstance(k, str) and _plain(v) for k, v in g.items())
+            and isinstance(g.get("lr"), (int, float)) and not isinstance(g.get("lr"), bool) and _plain(g["lr"])
+            for g in groups):
+        raise CheckpointError(f"{where}: extra['param_groups'] is {repr(groups)[:80]}: expected 1 or more optimizer "
+                              f"groups of numbers, each with an lr")
+    sched = extra.get("scheduler", {})
+    last = sched.get("last_epoch", step) if isinstance(sched, dict) else None
+    if not _count(last):
+        raise CheckpointError(f"{where}: extra['scheduler'] is {repr(sched)[:80]}: expected a scheduler state whose "
+                              f"last_epoch is an integer >= 0")
+    cfg, data = extra.get("train_config"), extra.get("data")
+    if isinstance(cfg, dict) and _count(cfg.get("global_batch"), 1) and _count(cfg.get("seq_len"), 1):
+        tokens = step * cfg["global_batch"] * cfg["seq_len"]
+    elif isinstance(data, dict) and _count(data.get("ntokens_seen")):
+        tokens = data["ntokens_seen"]
+    elif not trained:
+        tokens = 0
+    else:
+        raise CheckpointError(f"{where}: extra has no train_config with global_batch and seq_len >= 1 (nor "
+                              f"data.ntokens_seen): the tokens seen, which torchtitan's train_state holds, are unknown")
+    return groups, last, tokens
+
+
 # -- hpcml -> DCP ------------------------------------------------------------------------------
 def export_titan(src: str | Path, dst: str | Path, maps: Sequence[ParamMap]) -> Converted:
     """Write hpcml checkpoint ``src`` as a torchtitan-layout DCP directory ``dst`` (new or empty)."""
@@ -155,7 +198,7 @@ def export_titan(src: str | Path, dst: str | Path, maps: Sequence[ParamMap]) -> 
         return batch.pop(name)
 
     model_shapes, optim_shapes = their_shapes(maps, optim=False), their_shapes(maps, optim=True)
-    groups = extra.get("param_groups") or []
+    groups, last_epoch, tokens = _loop_state(extra, step, path, trained=any(n.startswith("optim/") for n in names))
     model: dict[str, torch.Tensor] = {}
     optimizer: dict[str, Any] = {}
     for m in maps:
@@ -165,12 +208,10 @@ def export_titan(src: str | Path, dst: str | Path, maps: Sequence[ParamMap]) -> 
         if groups:
             group = groups[_group_index(m.shape, len(groups))]
             optimizer.update({f"param_groups.{b.name}.{k}": _json_value(v) for b in m.optim for k, v in group.items()})
-    cfg = extra.get("train_config") or {}
-    tokens = step * int(cfg.get("global_batch", 0)) * int(cfg.get("seq_len", 0))
     others = read_tensors(path, "rank_state/") if any(n.startswith("rank_state/") for n in names) else {}
     others.update({n: read_tensors(path, n)[n] for n in names if not n.startswith(("model/", "optim/", "rank_state/"))})
     state = {**model, "optimizer": optimizer,
-             "lr_scheduler": {"last_epoch": int((extra.get("scheduler") or {}).get("last_epoch", step))},
+             "lr_scheduler": {"last_epoch": last_epoch},
              "train_state": {"step": step, "ntokens_seen": tokens},
              "hpcml": {"extra": json.dumps(extra), "tensors": others}}
     nbytes = sum(t.numel() * t.element_size() for d in (model, optimizer, others) for t in d.values()
@@ -360,7 +401,12 @@ def _import_extra(reader: DcpReader, maps: Sequence[ParamMap], step: int, schedu
     else:  # the cosine goes on from torchtitan's rate at this step (hpcml.train.schedule)
         schedule = {"steps": step, "anchor": [step, groups[0]["lr"] / base[0] if base[0] else 1.0]}
     return {"step": step, "scheduler": scheduler, "schedule": schedule, "param_groups": groups,
-            "data": {"next_step": step}, "source": {"format": "torch.distributed.checkpoint", "path": str(reader.path)}}
+            "data": {"next_step": step, "ntokens_seen": _ntokens(reader)},
+            "source": {"format": "torch.distributed.checkpoint", "path": str(reader.path)}}
+
+
+def _ntokens(reader: DcpReader) -> int:
+    return _int(reader, "train_state.ntokens_seen") if reader.has("train_state.ntokens_seen") else 0
 
 
 def _group(reader: DcpReader, fqn: str, keys: Sequence[str] = GROUP_KEYS) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.keys import Keyring
+from hpcml.ckpt.plan import check_fused, fused_spec
 from hpcml.ckpt.shard import grid, open_regular, pread_exact
 from hpcml.errors import CheckpointError
 
@@ -194,19 +195,49 @@ def check(m, ckpt: Path) -> None:
             _str(name, "file name", FILE_RE)
             _str(info.get("meta_sha256") if isinstance(info, dict) else None, f"{name} meta_sha256", HEX_RE)
         _int(info.get("bytes"), f"{name} bytes")
-    used: dict[str, list[tuple[int, int]]] = {}
+    used: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for name, t in m["tensors"].items():
         _check_tensor(name, t, files, used)
-    for name, ranges in used.items():  # chunks disjoint within their file: nothing declared exceeds the disk
-        ranges.sort()
-        for (a, n), (b, _) in zip(ranges, ranges[1:]):
-            if a + n > b:
-                raise CheckpointError(f"{name}: data chunks at bytes {a} and {b} overlap")
+    for name, parts in used.items():  # chunks disjoint within their file: nothing declared exceeds the disk
+        at = np.concatenate([a for a, _ in parts])
+        nb = np.concatenate([n for _, n in parts])
+        order = np.argsort(at, kind="stable")
+        at, nb = at[order], nb[order]
+        bad = np.flatnonzero(at[:-1] + nb[:-1] > at[1:])
+        if len(bad):
+            raise CheckpointError(f"{name}: data chunks at bytes {at[bad[0]]} and {at[bad[0] + 1]} overlap")
+
+
+def _matrix(rows: list, d: int, lo: int, what: str) -> np.ndarray:
+    """``rows`` (one list of ``d`` integers per piece) as an int64 array, every value in
+    [lo, MAX_INT]: one numpy conversion, not a Python check per number."""
+    try:
+        a = np.array(rows) if rows else np.zeros((0, d), np.int64)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    if a is None or a.dtype.kind not in "iub" or a.shape != (len(rows), d):
+        k = next((k for k, r in enumerate(rows) if not isinstance(r, list) or len(r) != d or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in r)), 0)
+        raise CheckpointError(f"{what} of piece {k} is {str(rows[k] if rows else None)[:60]!r}: expected a list of "
+                              f"{d} integers")
+    a = a.astype(np.int64, copy=False)
+    if a.size and (a.min() < lo or a.max() > MAX_INT):
+        k = int(np.flatnonzero(((a < lo) | (a > MAX_INT)).any(axis=1))[0])
+        raise CheckpointError(f"{what} of piece {k} is {rows[k]}: expected integers >= {lo} and <= {MAX_INT}")
+    return a
+
+
+def _products(a: np.ndarray, what: str) -> np.ndarray:
+    """Row products of ``a``, refused (one line) where one would pass :data:`MAX_INT`."""
+    if a.size and (np.sum(np.log2(np.maximum(a, 1)), axis=1) > 62).any():
+        raise CheckpointError(f"{what}: more than 2^62 of them in a piece")
+    return np.prod(a, axis=1) if a.shape[1] else np.ones(len(a), np.int64)
 
 
 def _check_tensor(name: str, t, files: dict, used: dict) -> None:
-    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")) or len(name) > 1024:
-        raise CheckpointError(f"tensor name {name[:80]!r} is not a plain HDF5 path")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")) or len(name) > 1024 \
+            or not name.isprintable() or " " in name:
+        raise CheckpointError(f"tensor name {name[:80]!r} is not a plain HDF5 path (printable, no spaces)")
     if not isinstance(t, dict):
         raise CheckpointError(f"tensor {name} is not a JSON object")
     dtype = _str(t.get("dtype"), f"{name} dtype")
@@ -216,54 +247,104 @@ def _check_tensor(name: str, t, files: dict, used: dict) -> None:
         raise CheckpointError(f"{name} scalar is {t.get('scalar')!r}: expected true (with shape [1]) or false")
     if not isinstance(t.get("attrs"), dict) or not isinstance(t.get("partition"), str):
         raise CheckpointError(f"{name} attrs/partition missing")
+    _check_attrs(name, t["attrs"], shape)
     pieces = t.get("pieces")
     if not isinstance(pieces, list) or not pieces and math.prod(shape) or len(pieces) > MAX_PIECES:
         raise CheckpointError(f"{name} pieces: expected a list of 1 to {MAX_PIECES}")
-    boxes = []
-    for k, p in enumerate(pieces):
-        what = f"{name} piece {k}"
-        if not isinstance(p, dict):
-            raise CheckpointError(f"{what} is not a JSON object")
-        file = _str(p.get("file"), f"{what} file", FILE_RE)
+    if not all(isinstance(p, dict) for p in pieces):
+        raise CheckpointError(f"{name}: a piece is not a JSON object")
+    for file in {p.get("file") for p in pieces if isinstance(p.get("file"), str)} | \
+            ({None} if any(not isinstance(p.get("file"), str) for p in pieces) else set()):
+        _str(file, f"{name} piece file", FILE_RE)
         if file not in files:
-            raise CheckpointError(f"{what} is in {file}, which the manifest does not list")
-        _str(p.get("dataset"), f"{what} dataset")
-        off = _ints(p.get("offset"), f"{what} offset", len(shape))
-        shp = _ints(p.get("shape"), f"{what} shape", len(shape), 1)
-        if any(o + s > g for o, s, g in zip(off, shp, shape)):
-            raise CheckpointError(f"{what} {off}+{shp} lies outside the tensor's shape {shape}")
-        chunk = _ints(p.get("chunk"), f"{what} chunk", len(shape), 1)
-        count = math.prod(grid(tuple(shp), tuple(chunk)))
-        nb = math.prod(chunk) * itemsize
+            raise CheckpointError(f"{name}: a piece is in {file}, which the manifest does not list")
+    if not all(isinstance(p.get("dataset"), str) for p in pieces):
+        raise CheckpointError(f"{name}: a piece's dataset is not a string")
+    d = len(shape)
+    off = _matrix([p.get("offset") for p in pieces], d, 0, f"{name} offset")
+    shp = _matrix([p.get("shape") for p in pieces], d, 1, f"{name} shape")
+    chunk = _matrix([p.get("chunk") for p in pieces], d, 1, f"{name} chunk")
+    out = np.flatnonzero((off + shp > np.asarray(shape, np.int64)).any(axis=1)) if d else []
+    if len(out):
+        k = int(out[0])
+        raise CheckpointError(f"{name} piece {k} {pieces[k]['offset']}+{pieces[k]['shape']} lies outside the "
+                              f"tensor's shape {shape}")
+    counts = _products(-(-shp // chunk), f"{name} chunks")
+    nb = _products(chunk, f"{name} chunk elements") * itemsize
+    for k, (p, count) in enumerate(zip(pieces, counts.tolist())):
         at, crc = p.get("at"), p.get("crc")
         if not isinstance(at, list) or not isinstance(crc, list) or len(at) != count or len(crc) != count:
-            raise CheckpointError(f"{what}: expected {count} chunk offsets and CRCs")
-        size = files[file]["bytes"]
-        for a, c in zip(at, crc):
-            if _int(a, f"{what} chunk offset") + nb > size:
-                raise CheckpointError(f"{what}: a chunk at byte {a} of {nb} bytes lies beyond {file}'s {size} bytes")
-            _int(c, f"{what} crc", 0, 0xFFFFFFFF)
-        used.setdefault(file, []).extend((a, nb) for a in at)
-        boxes.append((off, shp))
-    why = coverage(tuple(shape), boxes)
+            raise CheckpointError(f"{name} piece {k}: expected {count} chunk offsets and CRCs")
+    at = _matrix([[a] for p in pieces for a in p["at"]], 1, 0, f"{name} chunk offset")[:, 0]
+    crc = _matrix([[c] for p in pieces for c in p["crc"]], 1, 0, f"{name} crc")[:, 0]
+    if crc.size and crc.max() > 0xFFFFFFFF:
+        raise CheckpointError(f"{name}: a chunk CRC is {int(crc.max())}: expected a 32-bit value")
+    chunk_nb = np.repeat(nb, counts)
+    sizes = np.repeat(np.asarray([files[p["file"]]["bytes"] for p in pieces], np.int64), counts)
+    beyond = np.flatnonzero(at + chunk_nb > sizes)
+    if len(beyond):
+        i = int(beyond[0])
+        raise CheckpointError(f"{name}: a chunk at byte {at[i]} of {chunk_nb[i]} bytes lies beyond its file's "
+                              f"{sizes[i]} bytes")
+    by_file = np.repeat(np.asarray([p["file"] for p in pieces]), counts)
+    for file in set(p["file"] for p in pieces):
+        mask = by_file == file
+        used.setdefault(file, []).append((at[mask], chunk_nb[mask]))
+    why = coverage(tuple(shape), (off, shp))
     if why:
         raise CheckpointError(f"{name}: {why}")
 
 
-def coverage(shape: tuple[int, ...], boxes: list[tuple[list[int], list[int]]]) -> str | None:
+def _plain_value(v, depth: int = 0) -> bool:
+    """What a save writes as a tensor attribute: a short string, a bool, a number, or a
+    (nested once) list of them -- what any HDF5 tool can hold as an attribute."""
+    if isinstance(v, list):
+        return depth < 2 and len(v) <= 4096 and all(_plain_value(x, depth + 1) for x in v)
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return isinstance(v, (bool, int)) and abs(v) <= MAX_INT or isinstance(v, str) and len(v) <= 4096 and "\0" not in v
+
+
+def _check_attrs(name: str, attrs: dict, shape: list[int]) -> None:
+    """The attributes hpcml reads back must fit the tensor; every attribute must be plain."""
+    bad = [k for k, v in attrs.items() if not k or len(k) > 256 or not k.isprintable() or not _plain_value(v)]
+    if bad:
+        raise CheckpointError(f"{name} attrs {[k[:40] for k in bad[:3]]}: expected printable names with short "
+                              f"strings, numbers or lists of them")
+    logical = attrs.get("logical_shape")
+    if logical is not None and (not isinstance(logical, list) or len(logical) != len(shape) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= s for n, s in zip(logical, shape))):
+        raise CheckpointError(f"{name} logical_shape {str(logical)[:60]}: expected one size per dimension, each "
+                              f"at most the stored shape {shape}")
+    spec = fused_spec(attrs)
+    if spec is not None and (why := check_fused(name, spec[0], spec[1], tuple(shape), 1)):
+        raise CheckpointError(why)
+    experts = attrs.get("experts")
+    if experts is not None and (not isinstance(experts, int) or isinstance(experts, bool) or not shape
+                                or not 1 <= experts <= shape[0]):
+        raise CheckpointError(f"{name} experts {str(experts)[:40]}: expected 1 to {shape[0] if shape else 0} "
+                              f"(expert index first)")
+
+
+def coverage(shape: tuple[int, ...], boxes) -> str | None:
     """None if the (offset, shape) boxes inside ``shape`` cover it exactly once, else why
-    not. Equal volumes and no two boxes overlapping is exactly once; the overlap test is
+    not. ``boxes``: a list of (offset, shape) pairs, or the two as (n, d) int64 arrays.
+    Equal volumes and no two boxes overlapping is exactly once; the overlap test is
     :func:`_disjoint`, O(n log n) per pass in time and O(n) in memory, never pairwise over
     all pieces and never anything of the tensor's size."""
+    if isinstance(boxes, tuple):
+        lo, size = boxes
+    else:
+        lo = np.asarray([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
+        size = np.asarray([s for _, s in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
     total = math.prod(shape)
-    covered = sum(math.prod(s) for _, s in boxes)
+    covered = sum(math.prod(s) for s in size.tolist())
     if covered > total:
         return f"pieces overlap: they hold {covered} elements, the tensor {total}"
     if covered != total:
         return f"{total - covered} of {total} elements not covered by any piece"
-    if len(boxes) > 1 and len(shape):
-        lo = np.asarray([o for o, _ in boxes], dtype=np.int64)
-        return _disjoint(lo, lo + np.asarray([s for _, s in boxes], dtype=np.int64))
+    if len(lo) > 1 and len(shape):
+        return _disjoint(lo, lo + size)
     return None
 
 

@@ -167,7 +167,7 @@ def test_export_refusals(tmp_path):
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' \(only silu\)"),
     ({"head_dim": 32}, "head_dim 32 with hidden_size 64 and 4 heads"),
     ({"model_type": "gpt2"}, "expected a Llama model"),
-    ({"vocab_size": -3}, r"vocab_size=-3: expected a positive integer"),
+    ({"vocab_size": -3}, r"vocab_size=-3: expected an integer from 1 to"),
 ])
 def test_config_refusals(tmp_path, change, match):
     src = make_llama(tmp_path / "hf")

@@ -122,10 +122,15 @@ def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
             "initializer_range": cfg.init_std}
 
 
-def _int(c: dict, key: str, default: int | None = None) -> int:
+MAX_POSITIONS = 1 << 21
+"""Largest ``max_position_embeddings`` taken: the rotary tables are built that long (Qwen2.5-1M's
+1,010,000 fits; 10**12 would be a 16 TB allocation before any weight is checked)."""
+
+
+def _int(c: dict, key: str, default: int | None = None, most: int = 1 << 40) -> int:
     v = c.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"config.json {key}={v!r}: expected a positive integer")
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+        raise ConfigError(f"config.json {key}={str(v)[:40]}: expected an integer from 1 to {most}")
     return v
 
 
@@ -174,7 +179,7 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
         raise ConfigError(f"config.json tie_word_embeddings={tie!r}: expected true or false")
     cfg = TransformerConfig(vocab_size=_int(c, "vocab_size"), dim=dim, n_layers=_int(c, "num_hidden_layers"),
                             n_heads=heads, n_kv_heads=_int(c, "num_key_value_heads", heads),
-                            ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048),
+                            ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048, MAX_POSITIONS),
                             rope_theta=_rope_theta(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
                             vocab_multiple=math.gcd(_int(c, "vocab_size"), 64))
     on_disk = data_bytes(Path(path))
