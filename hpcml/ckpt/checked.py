@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from hpcml import stop
 from hpcml.ckpt import format as fmt, keys as keyring_, manifest
-from hpcml.ckpt.shard import COALESCE, check_file, metadata_sha256, open_regular, pread_exact, read_region
+from hpcml.ckpt.shard import COALESCE, check_file, crc32, metadata_sha256, open_regular, pread_exact, read_region
 from hpcml.errors import CheckpointError
 
 
@@ -155,7 +154,7 @@ class Checkpoint:
             for k in run:
                 p, pos = pieces[k], pieces[k]["at"][0] - first["at"][0]
                 chunk = data[pos:pos + sizes[k]]
-                if zlib.crc32(chunk) != p["crc"][0]:
+                if crc32(chunk) != p["crc"][0]:
                     raise CheckpointError(f"{self.path / p['file']} {p['dataset']}: chunk 0 at byte {p['at'][0]} fails "
                                           f"its CRC-32: corrupted or replaced")
                 out[tuple(slice(o - r.start, o + n - r.start) for o, n, r in zip(p["offset"], p["shape"], region))] = \

@@ -181,6 +181,8 @@ def export_titan(src: str | Path, dst: str | Path, maps: Sequence[ParamMap]) -> 
 
     t0 = time.perf_counter()
     info = tools.inspect(src)
+    with tools.Checkpoint(src) as ck:  # the whole step as saved, index.h5 included (as export and resume)
+        ck.check_index()
     path, names, extra, step = info["path"], info["tensors"], info["extra"], int(info["step"])
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):

@@ -115,7 +115,12 @@ def read(ckpt: Path, keys: Keyring | None = None) -> dict:
     path = ckpt / MANIFEST
     fd = open_regular(path)
     try:
-        size, limit = os.fstat(fd).st_size, _limit(ckpt)
+        st = os.fstat(fd)
+        seen = (os.path.realpath(ckpt), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                tuple(keys.ids) if keys is not None else None)
+        if seen in _CHECKED:  # the same file, unchanged, checked already in this process (a tool opens it
+            return _CHECKED[seen]  # several times): parsing a 20 MB manifest again costs seconds
+        size, limit = st.st_size, _limit(ckpt)
         if size > limit:
             raise CheckpointError(f"{path} is {size} bytes, more than the {limit} a manifest of this checkpoint may "
                                   f"have (its shard files hold {limit if limit > FREE_MANIFEST_BYTES else 'less'})")
@@ -136,7 +141,15 @@ def read(ckpt: Path, keys: Keyring | None = None) -> dict:
         check(m, ckpt)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    if len(_CHECKED) >= 4:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    _CHECKED[seen] = m
     return m
+
+
+_CHECKED: dict[tuple, dict] = {}
+"""The last few manifests read and checked, by file identity (device, inode, size, change
+times) and the keys they were checked with; callers treat a manifest as read-only."""
 
 
 def signed_by(m: dict) -> str | None:

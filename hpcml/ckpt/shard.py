@@ -18,7 +18,6 @@ import hashlib
 import math
 import os
 import stat
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -27,6 +26,11 @@ import h5py
 import numpy as np
 
 from hpcml.errors import CheckpointError
+
+try:  # ISA-L's CRC-32: the same values as zlib's, ~3x faster (the CRC was a quarter of a save's CPU)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover -- isal is a dependency; zlib is the fallback
+    from zlib import crc32
 
 COALESCE = 8 << 20
 """Adjacent chunks are written and read in runs of up to this many bytes (one syscall each)."""
@@ -126,12 +130,13 @@ def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarr
         if size:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, cleanly, before any data
         data_ranges = []
+        flush = Writeback(fd)
         for (_, _, arr), table in zip(items, tables):
             nb = math.prod(table["chunk"]) * arr.itemsize
-            table["crc"] = _write_chunks(fd, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"])
+            table["crc"] = _write_chunks(fd, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"], flush)
             data_ranges += [(a, nb) for a in table["at"]]
         meta = metadata_sha256(fd, size, data_ranges)
-        os.fsync(fd)
+        os.fsync(fd)  # what the writeback has not written yet (HDF5's metadata, the last runs)
     finally:
         os.close(fd)
     return {"bytes": size, "meta_sha256": meta, "datasets": tables}
@@ -145,7 +150,45 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _write_chunks(fd: int, arr: np.ndarray, chunk: tuple[int, ...], at: list[int]) -> list[int]:
+class Writeback:
+    """Streams a file's dirty pages to the disk as it is written (Linux ``sync_file_range``):
+    each run is queued for writeback once written, and the run :data:`AHEAD` runs back is
+    waited for, so the disk works while the CPU copies and checksums the next runs and the
+    closing ``fsync`` finds almost nothing left (it was 60% of a save: 1.6 of 2.7 s per GiB,
+    docs/benchmarks.md). Durability is unchanged: the ``fsync`` still follows. Elsewhere, or
+    where the file system refuses, it does nothing."""
+
+    AHEAD = 4
+    _WRITE, _WAIT_BEFORE, _WAIT_AFTER = 2, 1, 4
+    _fn = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending: list[tuple[int, int]] = []
+        if Writeback._fn is None:
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                Writeback._fn = fn
+            except (OSError, AttributeError):
+                Writeback._fn = False
+
+    def wrote(self, at: int, n: int) -> None:
+        if not self._fn:
+            return
+        if self._fn(self.fd, at, n, self._WRITE) != 0:
+            Writeback._fn = False  # not supported here: the fsync does it all
+            return
+        self.pending.append((at, n))
+        if len(self.pending) > self.AHEAD:
+            old_at, old_n = self.pending.pop(0)
+            self._fn(self.fd, old_at, old_n, self._WAIT_BEFORE | self._WRITE | self._WAIT_AFTER)
+
+
+def _write_chunks(fd: int, arr: np.ndarray, chunk: tuple[int, ...], at: list[int],
+                  flush: Writeback | None = None) -> list[int]:
     """Each run of chunks adjacent in the file goes out in one pwrite: straight from the
     array when its chunks are whole rows (they are then its bytes, in order), else through
     one reused staging buffer the chunks are copied into (edge chunks zero-padded to the full
@@ -170,8 +213,10 @@ def _write_chunks(fd: int, arr: np.ndarray, chunk: tuple[int, ...], at: list[int
                     box[...] = 0
                 box[inner] = arr[region]
         for j, i in enumerate(run):
-            crcs[i] = zlib.crc32(data[j * nb:(j + 1) * nb])
+            crcs[i] = crc32(data[j * nb:(j + 1) * nb])
         _pwrite_all(fd, data, at[run[0]])
+        if flush is not None:
+            flush.wrote(at[run[0]], len(data))
     return crcs
 
 
@@ -280,7 +325,7 @@ def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: s
             raise CheckpointError(f"{where}: short read of {n} of {len(view)} bytes at offset {at[runs[k][0]]}: "
                                   "the file is truncated")
         for j, i in enumerate(runs[k]):
-            if zlib.crc32(view[j * nb:(j + 1) * nb]) != crc[i]:
+            if crc32(view[j * nb:(j + 1) * nb]) != crc[i]:
                 raise CheckpointError(f"{where}: chunk {i} at byte {at[i]} fails its CRC-32: corrupted or replaced")
         return view
 
@@ -365,7 +410,7 @@ def check_file(fd: int, size: int, meta_sha256: str, tables: list[tuple[str, dic
                 continue
             base = run[0][0]
             for at, nb, crc, t, i in run:
-                if t not in bad and zlib.crc32(view[at - base:at - base + nb]) != crc:
+                if t not in bad and crc32(view[at - base:at - base + nb]) != crc:
                     bad[t] = f"{tables[t][0]}: chunk {i} at byte {at} fails its CRC-32: corrupted or replaced"
     problems = [bad[t] for t in sorted(bad)]
     try:
@@ -389,7 +434,7 @@ def describe(path: Path, datasets: list[str]) -> dict:
         size, ranges = os.fstat(fd).st_size, []
         for table in tables:
             nb = math.prod(table["chunk"]) * table.pop("itemsize")
-            table["crc"] = [zlib.crc32(pread_exact(fd, nb, a)) for a in table["at"]]
+            table["crc"] = [crc32(pread_exact(fd, nb, a)) for a in table["at"]]
             ranges += [(a, nb) for a in table["at"]]
         return {"bytes": size, "meta_sha256": metadata_sha256(fd, size, ranges), "datasets": tables}
     finally:
