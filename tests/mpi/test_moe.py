@@ -26,6 +26,11 @@ WORLD = MPI.COMM_WORLD.Get_size()
 MODEL = TransformerConfig.preset("tiny-moe", n_layers=2, moe_shared_hidden=32)
 TRAIN = TrainConfig(steps=10, global_batch=8, micro_batch=2, seq_len=16, progress=False)
 RTOL = 1e-4
+PARAM_RTOL = 5e-4
+"""Parameters after 10 AdamW steps: Adam divides each gradient by its own running size, so a
+rounding difference in a near-zero gradient (another matmul kernel: AVX-512 on one host,
+AVX2 on another) moves that weight by a full step -- 1.3e-4 of wo's norm on an AVX-512 host.
+A wrong layout moves them by O(1)."""
 
 LAYOUTS = [("ep4", {"ep": 4}, {}, MODEL), ("ep2", {"ep": 2}, {}, MODEL),
            ("ep2xtp2", {"ep": 2, "tp": 2}, {}, MODEL), ("ep2xpp2", {"ep": 2, "pp": 2}, {}, MODEL),
@@ -61,7 +66,7 @@ def test_moe_layout_matches_single_process(comm, name, degrees, pkw, model):
     for pname, p in trainer.model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         assert full.shape == ref_params[pname].shape, pname
-        assert rel(full.detach(), ref_params[pname]) < RTOL, pname
+        assert rel(full.detach(), ref_params[pname]) < PARAM_RTOL, pname
         if pname.endswith("experts.w1") and degrees.get("ep", 1) > 1:
             ep = degrees["ep"]
             edp = WORLD // ep if pkw.get("fsdp") else 1  # FSDP shards each expert set over edp too
