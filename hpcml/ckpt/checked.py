@@ -115,7 +115,7 @@ class Checkpoint:
         touched = np.flatnonzero(np.all((np.maximum(off, rlo) < np.minimum(end, rhi)), axis=1))
         inside = np.all((off >= rlo) & (end <= rhi), axis=1)
         whole = [k for k in touched.tolist() if inside[k] and pieces[k]["chunk"] == pieces[k]["shape"]]
-        nread = self._read_whole(name, [pieces[k] for k in whole], region, out) if whole else 0
+        nread = self._read_whole([pieces[k] for k in whole], region, out) if whole else 0
         for k in sorted(set(touched.tolist()) - set(whole)):
             p = pieces[k]
             _interrupted(self.path)
@@ -129,7 +129,7 @@ class Checkpoint:
             nread += n
         return out, nread
 
-    def _read_whole(self, name: str, pieces: list[dict], region: tuple[slice, ...], out: np.ndarray) -> int:
+    def _read_whole(self, pieces: list[dict], region: tuple[slice, ...], out: np.ndarray) -> int:
         """Pieces inside ``region`` stored as one chunk each (small tensors, many ranks' small
         shards): read in runs of chunks adjacent in their file, one pread per run, each chunk
         checked against its CRC-32, with no per-dimension chunk-grid work."""

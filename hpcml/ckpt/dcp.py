@@ -178,10 +178,11 @@ def export_titan(src: str | Path, dst: str | Path, maps: Sequence[ParamMap]) -> 
     import torch.distributed.checkpoint as dcp
 
     from hpcml.ckpt import read_tensors, tools
+    from hpcml.ckpt.checked import Checkpoint
 
     t0 = time.perf_counter()
     info = tools.inspect(src)
-    with tools.Checkpoint(src) as ck:  # the whole step as saved, index.h5 included (as export and resume)
+    with Checkpoint(src) as ck:  # the whole step as saved, index.h5 included (as export and resume)
         ck.check_index()
     path, names, extra, step = info["path"], info["tensors"], info["extra"], int(info["step"])
     dst = Path(dst)

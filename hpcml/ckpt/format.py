@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
 import numpy as np
@@ -84,21 +83,9 @@ def resolve(path: str | os.PathLike) -> Path:
 def _read_latest(latest: Path) -> str:
     """The step name in ``latest``: a regular file (opened non-blocking: a FIFO planted there
     is refused, not waited on) of at most :data:`MAX_LATEST_BYTES`."""
-    try:
-        fd = os.open(latest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        what = "a symlink" if latest.is_symlink() else (e.strerror or str(e)).lower()
-        raise CheckpointError(f"{latest} cannot be read: {what} (expected a small file naming a step)") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{latest} is not a regular file (a FIFO, socket, device or directory): "
-                                  "expected a small file naming a step")
-        if st.st_size > MAX_LATEST_BYTES:
-            raise CheckpointError(f"{latest} is {st.st_size} bytes: expected one step name")
-        return os.pread(fd, MAX_LATEST_BYTES, 0).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
+    from hpcml.ckpt.shard import read_bounded  # h5py: only once a checkpoint is really read
+
+    return read_bounded(latest, MAX_LATEST_BYTES, "bytes a step name may have").decode("ascii", "replace").strip()
 
 
 def dumps(obj) -> str:

@@ -128,8 +128,8 @@ def _maybe_alive(who: dict) -> bool:
         return False
     if who.get("host") != me["host"] or who.get("boot_id") != me["boot_id"]:
         return who.get("host") != me["host"]  # same host, other boot: gone
-    pid = who.get("pid")
-    return isinstance(pid, int) and pid > 0 and _start_time(pid) == who.get("pid_start") is not None
+    pid, started = who.get("pid"), who.get("pid_start")
+    return isinstance(pid, int) and pid > 0 and started is not None and _start_time(pid) == started
 
 
 def _start_time(pid: int) -> int | None:

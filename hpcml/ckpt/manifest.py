@@ -24,7 +24,7 @@ import numpy as np
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.keys import Keyring
 from hpcml.ckpt.plan import check_fused, fused_spec
-from hpcml.ckpt.shard import grid, open_regular, pread_exact
+from hpcml.ckpt.shard import open_regular, pread_exact
 from hpcml.errors import CheckpointError
 
 MANIFEST = fmt.MANIFEST

@@ -65,13 +65,8 @@ def inspect(path: str | os.PathLike) -> dict:
                 "tensors": tensors, "total_bytes": sum(t["bytes"] for t in tensors.values())}
 
 
-def verify(path: str | os.PathLike) -> list[str]:
-    """:func:`verify_with` the configured key (``$HPCML_CKPT_KEY`` / ``$HPCML_CKPT_KEY_FILE``)."""
-    return verify_with(path)
-
-
-def verify_with(path: str | os.PathLike, key=None) -> list[str]:
-    """Problems found (empty: sound). The manifest is checked field by field (each tensor
+def verify(path: str | os.PathLike, key=None) -> list[str]:
+    """Problems found (empty: sound); ``key`` as :class:`Checkpoint`'s (default: the configured one). The manifest is checked field by field (each tensor
     covered exactly once by its pieces, a fused tensor's widths summing to its size), then
     every byte of every file, streamed in bounded memory: each shard's data chunks against
     their CRC-32 and its metadata against its SHA-256, ``index.h5`` against its SHA-256.
@@ -104,7 +99,7 @@ def sign(path: str | os.PathLike) -> str:
     rename). Signing says "I trust this content": use it on checkpoints you made, e.g. to sign
     those saved before a key was set, or to re-sign with a new key when rotating."""
     ring = keys.keyring(True)
-    problems = verify_with(path, key=False)
+    problems = verify(path, key=False)
     if problems:
         raise CheckpointError(f"not signing {path}: it does not verify ({problems[0]})")
     with Checkpoint(path, key=False) as ck:
@@ -212,5 +207,4 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> int:
     return Path(out).stat().st_size
 
 
-__all__ = ["consolidate", "export", "inspect", "list_checkpoints", "model_weights", "sign", "signature_note", "verify",
-           "verify_with"]
+__all__ = ["consolidate", "export", "inspect", "list_checkpoints", "model_weights", "sign", "signature_note", "verify"]

@@ -77,7 +77,7 @@ def _no_env_key(monkeypatch):
 def test_signed_checkpoint_verifies_only_with_its_key(tmp_path, monkeypatch):
     step = _save(tmp_path / "ck", key=KEY)
     assert torch.equal(_load(step, key=KEY)["model/a"], _tensors()["model/a"])
-    assert tools.verify_with(step, key=KEY) == []
+    assert tools.verify(step, key=KEY) == []
     with pytest.raises(CheckpointError, match="signed by key .* not among the keys configured"):
         _load(step, key=OTHER)
     monkeypatch.setenv(keys.ENV_KEY, OTHER.decode())  # the environment is the default for every reader
