@@ -182,6 +182,7 @@ def train(args) -> int:
         config=FieldTrainConfig(lr=args.lr, seed=args.seed, progress=not args.quiet, log_every=25),
         buffer=BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark, seed=args.seed),
         online=OnlineConfig.from_campaign(ckpt_every=args.ckpt_every), server={"end_grace_s": 10.0},
+        shape=(args.nx, args.ny),  # bounds what one simulation's connection may make the trainer hold
         files=None if args.mode == "online" else sorted((run_dir / "data").glob("sim_*.h5")),
         val_files=lambda: sorted((run_dir / "val").glob("sim_*.h5")), report=not args.no_report, on_step=crash_test,
         torch_threads=1)  # the simulations need the cores

@@ -92,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume from CKPT_DIR/latest when there is one, else start at step 0 (a batch job "
                         "that is requeued after the walltime or a lost node runs the same command again)")
     p.add_argument("--async-save", action="store_true", help="periodic saves overlap training (writer process)")
-    p.add_argument("--async-overlap", action="store_true",
-                   help="with --async-save: the snapshot copy runs beside the next forward/backward too")
+    p.add_argument("--async-overlap", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
+                   help="with --async-save: the snapshot copy runs beside the next forward/backward too "
+                        "(auto, the default: on where the model is on a GPU)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -143,8 +144,9 @@ def main(argv=None) -> int:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
         trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
         if args.ckpt_dir:
+            overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
             trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep,
-                                                async_save=args.async_save, overlap=args.async_overlap))
+                                                async_save=args.async_save, overlap=overlap))
             if args.resume:
                 load_trainer(trainer, args.ckpt_dir)
         if args.init_from and not args.resume:  # a requeued job resumes its own checkpoint instead

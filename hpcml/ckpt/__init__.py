@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"Checkpoint": "checked", "LoadReport": "reader", "load": "reader", "read_extra": "reader",
             "read_tensor": "reader", "read_tensors": "reader", "resolve": "format", "training_tensors": "state",
-            "AsyncSaver": "writer", "SaveResult": "writer", "save": "writer", "CheckpointError": None}
-_SUBMODULES = {"async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index", "keys", "lock",
-               "manifest", "plan", "reader", "shard", "state", "tools", "writer"}
+            "AsyncSaver": "async_save", "SaveResult": "writer", "save": "writer", "CheckpointError": None}
+_SUBMODULES = {"async_save", "async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index",
+               "keys", "lock", "manifest", "plan", "reader", "shard", "state", "sink", "tools", "writer"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ckpt.format import resolve
     from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors
     from hpcml.ckpt.state import training_tensors
-    from hpcml.ckpt.writer import AsyncSaver, SaveResult, save
+    from hpcml.ckpt.async_save import AsyncSaver
+    from hpcml.ckpt.writer import SaveResult, save
     from hpcml.errors import CheckpointError
 
 

@@ -25,6 +25,7 @@ from typing import Iterable
 import h5py
 import numpy as np
 
+from hpcml.ckpt.sink import BufferedSink, DirectSink
 from hpcml.errors import CheckpointError
 
 try:  # ISA-L's CRC-32: the same values as zlib's, ~3x faster (the CRC was a quarter of a save's CPU)
@@ -130,13 +131,13 @@ def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarr
         if size:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, cleanly, before any data
         data_ranges = []
-        flush = Writeback(fd)
-        for (_, _, arr), table in zip(items, tables):
-            nb = math.prod(table["chunk"]) * arr.itemsize
-            table["crc"] = _write_chunks(fd, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"], flush)
-            data_ranges += [(a, nb) for a in table["at"]]
+        with DirectSink.open(path, fd, COALESCE) as sink:
+            for (_, _, arr), table in zip(items, tables):
+                nb = math.prod(table["chunk"]) * arr.itemsize
+                table["crc"] = _write_chunks(sink, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"])
+                data_ranges += [(a, nb) for a in table["at"]]
         meta = metadata_sha256(fd, size, data_ranges)
-        os.fsync(fd)  # what the writeback has not written yet (HDF5's metadata, the last runs)
+        os.fsync(fd)  # what is still in the page cache (HDF5's metadata, runs' end pages, the writeback's tail)
     finally:
         os.close(fd)
     return {"bytes": size, "meta_sha256": meta, "datasets": tables}
@@ -150,81 +151,37 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-class Writeback:
-    """Streams a file's dirty pages to the disk as it is written (Linux ``sync_file_range``):
-    each run is queued for writeback once written, and the run :data:`AHEAD` runs back is
-    waited for, so the disk works while the CPU copies and checksums the next runs and the
-    closing ``fsync`` finds almost nothing left (it was 60% of a save: 1.6 of 2.7 s per GiB,
-    docs/benchmarks.md). Durability is unchanged: the ``fsync`` still follows. Elsewhere, or
-    where the file system refuses, it does nothing."""
-
-    AHEAD = 4
-    _WRITE, _WAIT_BEFORE, _WAIT_AFTER = 2, 1, 4
-    _fn = None
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.pending: list[tuple[int, int]] = []
-        if Writeback._fn is None:
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                Writeback._fn = fn
-            except (OSError, AttributeError):
-                Writeback._fn = False
-
-    def wrote(self, at: int, n: int) -> None:
-        if not self._fn:
-            return
-        if self._fn(self.fd, at, n, self._WRITE) != 0:
-            Writeback._fn = False  # not supported here: the fsync does it all
-            return
-        self.pending.append((at, n))
-        if len(self.pending) > self.AHEAD:
-            old_at, old_n = self.pending.pop(0)
-            self._fn(self.fd, old_at, old_n, self._WAIT_BEFORE | self._WRITE | self._WAIT_AFTER)
-
-
-def _write_chunks(fd: int, arr: np.ndarray, chunk: tuple[int, ...], at: list[int],
-                  flush: Writeback | None = None) -> list[int]:
-    """Each run of chunks adjacent in the file goes out in one pwrite: straight from the
-    array when its chunks are whole rows (they are then its bytes, in order), else through
-    one reused staging buffer the chunks are copied into (edge chunks zero-padded to the full
-    chunk, as HDF5 stores them). Each chunk's CRC-32 is taken while its bytes are in cache."""
+def _write_chunks(sink: BufferedSink, arr: np.ndarray, chunk: tuple[int, ...], at: list[int]) -> list[int]:
+    """Each run of chunks adjacent in the file goes to ``sink`` in one piece: straight from the
+    array when its chunks are whole rows (they are then its bytes, in order) and the sink
+    takes the caller's memory, else through the sink's staging buffer the chunks are copied
+    into (edge chunks zero-padded to the full chunk, as HDF5 stores them). Each chunk's CRC-32
+    is taken while its bytes are in cache."""
     nb = math.prod(chunk) * arr.itemsize
     crcs = [0] * len(at)
     flat = arr.reshape(-1).view(np.uint8)
     whole_rows = chunk[1:] == arr.shape[1:]
-    staging = None
     for run in _runs(at, list(range(len(at))), nb):
-        if whole_rows and (run[-1] + 1) * nb <= flat.nbytes and run[-1] - run[0] == len(run) - 1:  # its own bytes
-            data = memoryview(flat[run[0] * nb:(run[-1] + 1) * nb])
+        own = whole_rows and (run[-1] + 1) * nb <= flat.nbytes and run[-1] - run[0] == len(run) - 1
+        if own and sink.zero_copy:  # its own bytes
+            data = flat[run[0] * nb:(run[-1] + 1) * nb]
         else:
-            if staging is None:
-                staging = np.empty(min(COALESCE, nb * len(at)) // nb * nb or nb, dtype=np.uint8)
-            data = memoryview(staging[:nb * len(run)])
-            for j, i in enumerate(run):
-                region = tile(i, arr.shape, chunk)
-                box = staging[j * nb:(j + 1) * nb].view(arr.dtype).reshape(chunk)
-                inner = tuple(slice(0, r.stop - r.start) for r in region)
-                if any(r.stop - r.start != c for r, c in zip(region, chunk)):
-                    box[...] = 0
-                box[inner] = arr[region]
+            data = sink.staging(at[run[0]], nb * len(run))
+            if own:
+                np.copyto(data, flat[run[0] * nb:(run[-1] + 1) * nb])
+            else:
+                for j, i in enumerate(run):
+                    region = tile(i, arr.shape, chunk)
+                    box = data[j * nb:(j + 1) * nb].view(arr.dtype).reshape(chunk)
+                    inner = tuple(slice(0, r.stop - r.start) for r in region)
+                    if any(r.stop - r.start != c for r, c in zip(region, chunk)):
+                        box[...] = 0
+                    box[inner] = arr[region]
+        view = memoryview(data)
         for j, i in enumerate(run):
-            crcs[i] = crc32(data[j * nb:(j + 1) * nb])
-        _pwrite_all(fd, data, at[run[0]])
-        if flush is not None:
-            flush.wrote(at[run[0]], len(data))
+            crcs[i] = crc32(view[j * nb:(j + 1) * nb])
+        sink.put(at[run[0]], data)
     return crcs
-
-
-def _pwrite_all(fd: int, data, at: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
 
 
 def gaps(size: int, data_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -196,6 +196,11 @@ class StreamServer:
         self._thread = threading.Thread(target=self._run, name=f"hpcml-stream-{self.rank}", daemon=True)
         self._thread.start()
         logger.info("stream server of trainer rank %d listening on %s", self.rank, self.endpoint)
+        if self.config.shape is None:
+            lim = self.config.limits
+            logger.warning("no sample shape configured (ServerConfig.shape / train_surrogate(shape=)): a producer "
+                           "connection may make this trainer hold up to %.1f GiB (%d messages of %.1f GiB)",
+                           lim.peer_bytes / 2**30, lim.depth, lim.message_bytes / 2**30)
         return self
 
     def stop(self) -> None:

@@ -5,6 +5,7 @@ scheduler's warning signal, restored on any layout."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -22,13 +23,14 @@ def save_trainer(trainer: Stateful, root: str | Path, keep: int | None = None,
     """A trainer's state (:class:`~hpcml.train.loop.Stateful`: model, optimizer, schedule,
     step, per-rank RNG) as ``root/step_N``, with ``extra_tensors`` (e.g. a sample source's
     state) and ``extra`` JSON beside it. With an :class:`~hpcml.ckpt.AsyncSaver` the writing
-    overlaps training: returns the seconds training was blocked (``overlap``: the copy too,
-    see ``AsyncSaver.save``)."""
+    overlaps training: returns the seconds training was blocked (``overlap``: the copy of
+    the trainer's own tensors too, see ``AsyncSaver.save``; ``extra_tensors``, which may
+    change before the next optimizer step, are copied at once)."""
     tensors = {**trainer.state_tensors(), **(extra_tensors or {})}
     kwargs = dict(extra={**trainer.state_extra(), **(extra or {})}, layout=trainer.grid.layout.degrees, keep=keep,
                   tensor_attrs=trainer.tensor_attrs())
     if saver is not None:
-        return saver.save(root, trainer.step, tensors, overlap=overlap, **kwargs)
+        return saver.save(root, trainer.step, tensors, overlap=overlap, copy_now=set(extra_tensors or ()), **kwargs)
     return ckpt.save(root, trainer.step, tensors, comm=trainer.grid.comm, **kwargs)
 
 
@@ -52,16 +54,20 @@ class CheckpointHook:
 
     ``async_save``: periodic saves overlap training (a writer process per rank); a save on
     a signal is synchronous, since the job is about to end. ``overlap`` (with
-    ``async_save``): the snapshot copy also runs beside the next forward and backward, the
-    next optimizer step waiting for it -- a gain only where the copy does not take the
-    compute's cores (measured in docs/benchmarks.md). ``state``: what else each save holds,
+    ``async_save``): the snapshot copy of the model and optimizer also runs beside the next
+    forward and backward, the next optimizer step waiting for it. ``"auto"`` (the default)
+    turns it on where the state lives on an accelerator (the copy is device-to-host, beside
+    the compute) and off on CPU, where the copy would take the compute's cores (measured in
+    docs/benchmarks.md). ``state``: what else each save holds,
     as ``(tensors, extra JSON)`` taken at the moment of the save (online training's sample
     source). Call :meth:`close` before exit.
     """
 
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
-                 signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool = False,
+                 signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool | Literal["auto"] = "auto",
                  state: Callable[[], tuple[dict[str, torch.Tensor], dict]] | None = None) -> None:
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"CheckpointHook(overlap={overlap!r}): expected True, False or 'auto'")
         self.root, self.every, self.keep = Path(root), every, keep
         self.async_save, self.overlap, self.state = async_save, overlap, state
         self.saver: ckpt.AsyncSaver | None = None
@@ -81,7 +87,12 @@ class CheckpointHook:
             # at the first step: start the writer and fill its staging buffer in the background,
             # so the first save blocks only for its copy (collective: every rank runs hooks)
             self.saver = ckpt.AsyncSaver(trainer.grid.comm)
-            self.saver.reserve(trainer.state_tensors(), tensor_attrs=trainer.tensor_attrs())
+            own = trainer.state_tensors()
+            self.saver.reserve(own, tensor_attrs=trainer.tensor_attrs())
+            if self.overlap == "auto":
+                self.overlap = any(t.device.type != "cpu" for t in own.values())
+                logger.info("async saves: the snapshot copy %s", "overlaps the next step (state on an accelerator)"
+                            if self.overlap else "blocks training (state on CPU: the copy would take its cores)")
             if self.overlap:  # the next optimizer step, the first thing to change the saved tensors, waits
                 trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
         if self.every and trainer.step % self.every == 0:

@@ -49,7 +49,8 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                     parallel=None, loss_fn: Callable | None = None, files: Sequence[str | Path] | None = None,
                     val_files: Sequence[str | Path] | Callable[[], Sequence[str | Path]] = (), report: bool = False,
                     server: Mapping[str, Any] | None = None, on_step: Callable[[dict], None] | None = None,
-                    contract: Contract | None = None, torch_threads: int | None = None) -> int:
+                    contract: Contract | None = None, torch_threads: int | None = None,
+                    shape: Sequence[int] | None = None) -> int:
     """Train ``model`` on the campaign's samples (see the module docstring); the exit status.
 
     ``params``/``fields``: the names a sample carries, in the model's order. ``steps`` and
@@ -59,6 +60,10 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     :class:`~hpcml.train.fields.FieldTrainConfig` options (lr, warmup, ...); ``buffer``,
     ``online``, ``parallel``: their configs; ``server``: more
     :class:`~hpcml.stream.server.ServerConfig` options (``end_grace_s``, ``hwm``...).
+    ``shape``: the simulation's grid (as ``ServerConfig.shape``). It bounds what one producer
+    connection may make a trainer hold to a few samples; without it the bound is ``hwm``
+    samples of ``max_sample_bytes`` (8 GiB, and the server says so), and the first sample
+    fixes the grid.
     """
     stop.install()  # idempotent: the script should have done it first
     try:
@@ -70,7 +75,8 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     try:
         result, run, grid = _run(model, c, params=params, fields=fields, scales=scales, steps=steps, batch=batch,
                                  config=config, buffer=buffer, online=online, parallel=parallel, loss_fn=loss_fn,
-                                 files=files, server=server, on_step=on_step, torch_threads=torch_threads)
+                                 files=files, server=_with_shape(server, shape), on_step=on_step,
+                                 torch_threads=torch_threads)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         _close_stream(c, str(e))
@@ -87,6 +93,17 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     if grid.rank == 0:
         print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
     return INCOMPLETE if result.incomplete else 1
+
+
+def _with_shape(server: Mapping[str, Any] | None, shape: Sequence[int] | None) -> dict:
+    """The server options with the samples' grid (``shape=``; one the options name wins)."""
+    out = dict(server or {})
+    if shape is not None and out.get("shape") is None:
+        try:
+            out["shape"] = tuple(int(n) for n in shape)
+        except (TypeError, ValueError):
+            raise ConfigError(f"train_surrogate(shape={shape!r}): expected the grid as integers") from None
+    return out
 
 
 def _close_stream(c: Contract, why: str) -> None:

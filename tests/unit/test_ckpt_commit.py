@@ -130,3 +130,39 @@ def test_latest_is_refused_unless_a_plain_step_name(tmp_path):
     (tmp_path / fmt.LATEST).write_text("step_00000001/../../elsewhere\n")
     with pytest.raises(CheckpointError, match=r"latest names 'step_00000001/../../elsewhere': expected a step name"):
         ckpt.resolve(tmp_path)
+
+
+def test_overlap_copies_the_named_tensors_before_returning(tmp_path, monkeypatch):
+    """With overlap the background copy may run late; what ``copy_now`` names (a sample
+    source's state, which changes before the next optimizer step) holds the values of the
+    moment of the save all the same."""
+    import threading
+
+    from hpcml.ckpt.async_save import AsyncSaver
+
+    go = threading.Event()
+    real = AsyncSaver._stage
+    monkeypatch.setattr(AsyncSaver, "_stage", lambda self, *a: (go.wait(30), real(self, *a)))
+    w, src = torch.arange(64.0).reshape(8, 8), torch.full((16,), 3.0)
+    saver = AsyncSaver(MPI.COMM_WORLD)
+    try:
+        saver.save(tmp_path, 1, {"model/w": w, "source/buf": src}, overlap=True, copy_now={"source/buf"})
+        src.add_(100.0)  # the next batch arrives before the optimizer step's guard
+        go.set()
+        saver.wait_staged()
+        w.add_(1000.0)  # the optimizer step, after the guard
+        saver.wait()
+    finally:
+        go.set()
+        saver.close()
+    back = {"model/w": torch.zeros(8, 8), "source/buf": torch.zeros(16)}
+    ckpt.load(tmp_path, back, comm=MPI.COMM_WORLD)
+    assert torch.equal(back["model/w"], torch.arange(64.0).reshape(8, 8))
+    assert torch.equal(back["source/buf"], torch.full((16,), 3.0))
+
+
+def test_the_hooks_overlap_setting_is_checked():
+    from hpcml.train.checkpointing import CheckpointHook
+
+    with pytest.raises(ValueError, match=r"^CheckpointHook\(overlap='yes'\): expected True, False or 'auto'$"):
+        CheckpointHook("/nonexistent", 1, overlap="yes")

@@ -30,7 +30,7 @@ import torch
 from mpi4py import MPI
 
 from hpcml import ckpt
-from hpcml.ckpt import format as fmt, shard, tools
+from hpcml.ckpt import format as fmt, shard, sink, tools
 from hpcml.errors import CheckpointError
 
 from . import ckpt_crash_child as child
@@ -78,19 +78,34 @@ def _names(root: Path) -> list[str]:
 # ---------------------------------------------------------------------------- full disks
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 4 MiB file system (tmpfs), unmounted after the test: needs root (CI and
-    `make test` have it here)."""
+@pytest.fixture(params=["tmpfs", "ext4"])
+def small_disk(request, tmp_path):
+    """A real 4 MiB file system, unmounted after the test: tmpfs (saves write through the page
+    cache: tmpfs has no O_DIRECT) and ext4 on a loop device (saves write their data with
+    O_DIRECT, hpcml.ckpt.sink). Needs root (CI and `make test` have it here)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mounting a 4 MiB tmpfs is not permitted here ({r.stderr.strip() or r.returncode}): "
-                    "the full-disk tests need a real small file system")
+    if request.param == "tmpfs":
+        cmds = [["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)]]
+    else:
+        img = tmp_path / "disk.img"
+        with open(img, "wb") as f:
+            f.truncate(4 << 20)
+        cmds = [["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], ["mount", "-o", "loop", str(img), str(mnt)]]
+    for cmd in cmds:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            r = subprocess.CompletedProcess(cmd, 127, "", str(e))
+        if r.returncode:
+            why = r.stderr.strip() or r.returncode
+            pytest.skip(f"{cmd[0]} of a 4 MiB {request.param} is not permitted here ({why}): "
+                        "the full-disk tests need a real small file system")
+    if request.param == "ext4":
+        assert sink.takes_direct_writes(mnt), "ext4 must take O_DIRECT writes"
     try:
-        yield mnt
+        (mnt / "ckpt").mkdir()  # beside ext4's lost+found
+        yield mnt / "ckpt"
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -169,6 +184,7 @@ def _sizes(tmp: Path, gen: int) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in (tmp / "step_00000001").iterdir()}
 
 
+@pytest.mark.parametrize("small_disk", ["tmpfs"], indirect=True)  # its room is counted in tmpfs pages
 @pytest.mark.parametrize("runs_out_in", [fmt.INDEX, fmt.MANIFEST])
 def test_disk_full_while_writing_the_index_or_manifest(forked, small_disk, tmp_path, runs_out_in):
     """The shard fits, then the space runs out in rank 0's own files (``index.h5``, then

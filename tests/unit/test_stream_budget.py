@@ -234,3 +234,19 @@ def _server(*, capacity: int = 64, **kw) -> StreamServer:
     cfg = ServerConfig(param_names=("alpha",), field_names=("T",), **kw)
     return StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1,
                         buffer=Buffer(BufferConfig(policy="fifo", capacity=capacity, watermark=1)), config=cfg).start()
+
+
+def test_train_surrogate_passes_the_grid_to_the_server_and_it_bounds_a_connection():
+    """``train_surrogate(shape=)`` reaches ``ServerConfig.shape``; with it a connection's budget
+    is a few samples of that grid, without it ``hwm`` samples of ``max_sample_bytes``."""
+    from hpcml.train.surrogate_job import _with_shape
+
+    assert _with_shape({"end_grace_s": 10.0}, (64, 32)) == {"end_grace_s": 10.0, "shape": (64, 32)}
+    assert _with_shape({"shape": (8, 8)}, (64, 32)) == {"shape": (8, 8)}  # the server's own wins
+    assert _with_shape(None, None) == {}
+    with pytest.raises(ConfigError, match=r"^train_surrogate\(shape=\['a'\]\): expected the grid as integers$"):
+        _with_shape(None, ["a"])
+    bounded = ServerConfig(field_names=("T",), param_names=("k",), **_with_shape(None, (64, 32))).limits
+    open_ = ServerConfig(field_names=("T",), param_names=("k",)).limits
+    assert bounded.peer_bytes <= 8 * (64 * 32 * 8 + HEADER), bounded
+    assert open_.peer_bytes >= 8 << 30, open_
