@@ -57,6 +57,8 @@ ENV_STREAM_RECORD = "HPCML_STREAM_RECORD"
 
 ENDPOINTS_FILE, DONE_FILE, SECRET_FILE, SUMMARY_FILE = ("endpoints.json", "sims_done.json", "stream.key",
                                                        "train_summary.json")
+#: The trainer's per-simulation losses, counts and ages, replaced atomically at a cadence.
+FEEDBACK_FILE = "feedback.json"
 #: The training job's launch token, rewritten at each (re)launch: a job holding another is superseded.
 LEASE_FILE = "trainer.lease"
 _INTS = ("steps", "batch", "n_sims", "driver_pid")
@@ -161,6 +163,11 @@ class Contract:
     @property
     def ckpt_dir(self) -> Path:
         return Path(self.run_dir) / "checkpoints"
+
+    @property
+    def feedback_file(self) -> Path:
+        """The trainer's per-simulation statistics for the driver's sampler (:mod:`hpcml.train.feedback`)."""
+        return Path(self.run_dir) / FEEDBACK_FILE
 
     @property
     def summary_file(self) -> Path:

@@ -89,7 +89,8 @@ class FieldTrainer(TrainLoop):
             grid.init_torch()
         self.scales = scales
         self.module = model
-        super().__init__(parallelize(model, grid, parallel, loss_fn=loss_fn or nn.functional.mse_loss), config)
+        self.loss_fn = loss_fn or nn.functional.mse_loss
+        super().__init__(parallelize(model, grid, parallel, loss_fn=self.loss_fn), config)
 
     def inputs(self, batch) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         params = np.stack([s.params for s in batch])
@@ -116,6 +117,18 @@ class FieldTrainer(TrainLoop):
                     f"{list(want)}: the model must output the simulation's grid (e.g. MLPSurrogateConfig(shape="
                     f"{want}))")
         return None
+
+    @torch.no_grad()
+    def sample_losses(self, batch) -> list[float]:
+        """The training loss of each sample of ``batch`` on its own, without gradients (one
+        forward; collective under FSDP): what :mod:`hpcml.train.feedback` reports per simulation."""
+        self.module.eval()
+        try:
+            x, y = self.inputs(batch)
+            out = self.module(*x)
+            return [float(self.loss_fn(out[i:i + 1], y[i:i + 1])) for i in range(len(batch))]
+        finally:
+            self.module.train()
 
     def step_metrics(self, batch, dt: float) -> dict[str, Any]:
         return {"samples_per_s": len(batch) * self.grid.layout.dp / dt}

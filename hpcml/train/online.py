@@ -43,6 +43,9 @@ from hpcml.stream.source import SampleSource
 from hpcml.train.online_report import BENIGN_DROPS, problems, summarize
 from hpcml.train.online_state import check_campaign, load_source_states, simulations_in, source_tensors
 
+FEEDBACK_KEY = "feedback"
+"""Where a checkpoint's ``extra`` holds the per-simulation feedback table."""
+
 if TYPE_CHECKING:
     from hpcml.train.loop import TrainLoop
 
@@ -78,12 +81,17 @@ class OnlineConfig:
     """This run of the campaign (the driver's): the endpoints file says it."""
     summary_file: str | None = None
     """Where rank 0 writes the summary (the campaign reads it: ``train_summary.json``)."""
+    feedback_file: str | None = None
+    """Where rank 0 publishes per-simulation losses for the campaign's sampler
+    (:mod:`hpcml.train.feedback`; ``feedback.json`` in a campaign; None: not kept)."""
+    feedback_every: int = 10
+    """Steps between evaluations of the batch per simulation (one extra forward each)."""
 
     def __post_init__(self) -> None:
-        for name in ("keep", "ckpt_every"):
+        for name, least in (("keep", 1), ("ckpt_every", 0), ("feedback_every", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "keep" else 0):
-                raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= {1 if name == 'keep' else 0}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= {least}")
         if self.resume and not self.ckpt_dir:
             raise ConfigError("OnlineConfig.resume=True needs ckpt_dir: there is nothing to resume from")
 
@@ -93,7 +101,8 @@ class OnlineConfig:
         resume when the driver says so, the campaign and run, the endpoints and summary files."""
         c = contract or Contract.from_env()
         base = dict(ckpt_dir=str(c.ckpt_dir), resume=c.resume, campaign=c.campaign, run=c.run,
-                    endpoints_file=c.endpoints_file if c.streams else None, summary_file=str(c.summary_file))
+                    endpoints_file=c.endpoints_file if c.streams else None, summary_file=str(c.summary_file),
+                    feedback_file=str(c.feedback_file))
         return cls(**{**base, **overrides})
 
 
@@ -153,6 +162,13 @@ class OnlineRun:
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
             state=self._source_state)
         self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping)
+        self.feedback = None
+        if config.feedback_file and callable(getattr(trainer, "sample_losses", None)):
+            from hpcml.train.feedback import SimFeedback
+
+            names = getattr(source, "param_names", None) or getattr(getattr(source, "config", None), "param_names", ())
+            self.feedback = SimFeedback(path=config.feedback_file, every=config.feedback_every, comm=self.comm,
+                                        param_names=names, campaign=config.campaign, run=config.run)
         self.resumed_at: int | None = None
         self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
         self.drained = 0
@@ -164,7 +180,10 @@ class OnlineRun:
         tensors = source_tensors(self.source, self.rank)
         seen = tensors.get(f"stream/rank_{self.rank:05d}/seen")
         self._saved = (self.trainer.step, 0 if seen is None else int(seen.shape[0]))
-        return tensors, {"campaign": self.config.campaign}
+        extra = {"campaign": self.config.campaign}
+        if self.feedback is not None:
+            extra[FEEDBACK_KEY] = self.feedback.state()  # collective: every rank saves, and so gathers
+        return tensors, extra
 
     @staticmethod
     def _stopping() -> bool:
@@ -199,6 +218,8 @@ class OnlineRun:
                               f"nothing would be trained; give steps >= {self.trainer.step} (the learning-rate "
                               f"schedule stretches from the saved step)")
         self.source.load_state(load_source_states(report.path))
+        if self.feedback is not None:
+            self.feedback.load_state(report.extra.get(FEEDBACK_KEY))
         self.resumed_at = self.trainer.step
         self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
         if self.rank == 0:
@@ -227,6 +248,8 @@ class OnlineRun:
                 self._check_first(batch)
                 first = False
             m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
+            if self.feedback is not None:
+                self.feedback.step(self.trainer, batch, self.trainer.step)
             if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
                 self.hook(self.trainer, {**m, "stop": False})
             if self.on_step is not None:
@@ -249,6 +272,8 @@ class OnlineRun:
             raise ConfigError(found[0])
 
     def _save(self) -> None:
+        if self.feedback is not None and self.feedback.published_at != self.trainer.step:
+            self.feedback.publish(self.trainer.step)  # the driver's view as of the last step (collective)
         if self.hook is not None:
             self.hook.save(self.trainer)
 
@@ -286,6 +311,8 @@ class OnlineRun:
                 time.sleep(0.05)
 
     def _finish(self, train_s: float) -> OnlineResult:
+        if self.feedback is not None and self.feedback.published_at != self.trainer.step:
+            self.feedback.publish(self.trainer.step)  # collective: the last word on every simulation
         changed = self._saved != (self.trainer.step, int(self.source.stats()["samples"])) or self.drained
         if self.hook is not None and self.comm.allreduce(int(bool(changed))):
             self._save()  # the last periodic save holds this state otherwise

@@ -363,3 +363,47 @@ def test_samples_a_source_lacks_fail_the_run_naming_them(comm, tmp_path_factory)
                                f"training (simulation 0: 2 of {N_OUT + 2} missing): a trainer that died lost what it "
                                f"received after its last checkpoint; resume the campaign to run those simulations "
                                f"again"]
+
+
+def test_feedback_reports_every_simulation_and_survives_a_resume(comm, tmp_path_factory):
+    """Issue 25: the trainer publishes, per simulation, the loss of its samples, how many were
+    trained on and their parameters; the table is in every checkpoint, so a resumed run's
+    counts go on from the saved ones and end at every sample trained on, once."""
+    from hpcml.ensemble.sampling import read_feedback
+
+    files = _blob_files(comm, tmp_path_factory)
+    root = files[0].parent
+    ckpt_dir, fb = str(root / "ckpt_fb"), root / "feedback.json"
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    steps, world = 12, grid.layout.world_size
+
+    def warn_at_6(m):
+        if m["step"] == 6:
+            stop.request("SIGUSR1")
+
+    trainer, source = _trainer_and_source(grid, files, steps)
+    cfg = OnlineConfig(ckpt_dir=ckpt_dir, ckpt_every=100, feedback_file=str(fb), feedback_every=3, campaign="c1")
+    try:
+        first = train_online(trainer, source, grid=grid, on_step=warn_at_6, config=cfg)
+    finally:
+        stop.clear()
+        for s in stop.STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+    assert first.status == "stopped"
+    step, sims = read_feedback(fb, campaign="c1")
+    assert step == 6 and sum(s.samples for s in sims.values()) == 6 * 4 * world
+    trainer, source = _trainer_and_source(grid, files, steps)
+    second = train_online(trainer, source, grid=grid, config=OnlineConfig(**{**cfg.__dict__, "resume": True}))
+    assert second.status == "ok", second.problems
+    step, sims = read_feedback(fb, campaign="c1")
+    assert step == steps and sum(s.samples for s in sims.values()) == steps * 4 * world
+    assert set(sims) <= {str(i) for i in range(N_SIMS)} and len(sims) >= N_SIMS // 2
+    for sim, st in sims.items():  # the parameters are the simulation's own, under the stream's names
+        i = int(sim)
+        assert st.params == pytest.approx({"v": 0.2 + 0.05 * i, "w": 0.1 + 0.02 * i})
+        assert st.age >= 0
+    evaluated = [st for st in sims.values() if st.loss == st.loss]
+    assert evaluated and all(0 < st.loss < 10 for st in evaluated)
+    with pytest.raises(ConfigError, match=r"written for campaign 'c1', this is 'c2'$"):
+        read_feedback(fb, campaign="c2")

@@ -1,0 +1,401 @@
+"""Where the next simulations go: samplers a campaign asks for each wave of parameters.
+
+A :class:`Sampler` proposes ``n`` parameter sets from what training reports about the
+simulations run so far (:class:`SimStats` per simulation: the loss on its samples, how many
+were trained on, how old they are). The static designs ignore the feedback and continue a
+sequence (:class:`Halton`, :class:`Sobol`), draw a fresh stratified set per wave
+(:class:`LatinHypercube`) or walk a grid (:class:`FullFactorial`). :class:`Breed` is the
+adaptive one, after Melissa's Breed (Dymchenko, Purandare, Raffin 2024): a fraction ``R`` of
+each wave is drawn from Gaussians around the simulations the surrogate fits worst, ``R``
+ramped up over the waves, the rest from a base design, every point inside the bounds.
+
+Resuming must propose the same waves, so a sampler is deterministic in (its seed, the wave
+number, the feedback) and its whole state is a small JSON dict (:meth:`Sampler.state_dict`)
+the campaign checkpoints. Draws happen in the unit cube, mapped onto the bounds linearly or
+log-uniformly (:mod:`hpcml.ensemble.design`), so a Gaussian's width means the same fraction
+of every axis. A user's own sampler is any object with the three methods of :class:`Sampler`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from hpcml.ensemble.design import Bounds, _check, _check_seed, _scale, full_factorial, latin_hypercube
+from hpcml.errors import ConfigError
+from hpcml.log import get_logger
+
+logger = get_logger(__name__)
+
+Params = dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStats:
+    """What training knows of one simulation, as the trainer publishes it."""
+
+    params: Mapping[str, float]
+    """The simulation's parameters."""
+    loss: float
+    """Mean training loss over its samples, as last evaluated (higher: fitted worse)."""
+    samples: int = 0
+    """Samples of it trained on so far."""
+    age: int = 0
+    """Trainer steps since its loss was last evaluated."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
+            raise ConfigError(f"SimStats.loss={self.loss!r}: expected a number (NaN or inf: not used as a parent)")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0:
+            raise ConfigError(f"SimStats.samples={self.samples!r}: expected an integer >= 0")
+        if isinstance(self.age, bool) or not isinstance(self.age, int) or self.age < 0:
+            raise ConfigError(f"SimStats.age={self.age!r}: expected an integer >= 0")
+
+
+Feedback = Mapping[str, SimStats]
+"""Per-simulation statistics by simulation id."""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Proposes parameter sets; deterministic in its seed, the wave and the feedback."""
+
+    def propose(self, n: int, feedback: Feedback) -> list[Params]:
+        """The next wave: ``n`` parameter sets inside the bounds."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Everything needed to propose the next wave again after a restart (JSON)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+
+def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
+                  max_bytes: int = 64 << 20) -> tuple[int, dict[str, SimStats]]:
+    """The trainer's ``feedback.json`` (:mod:`hpcml.train.feedback`): ``(step, {sim: SimStats})``,
+    ``(0, {})`` while there is none. Untrusted input: size-bounded before parsing, every
+    field checked; another campaign's or run's file is refused naming both (ConfigError)."""
+    from hpcml.contract import read_json
+
+    rec = read_json(path, max_bytes=max_bytes)
+    if rec is None:
+        return 0, {}
+    for name, want in (("campaign", campaign), ("run", run)):
+        if want is not None and rec.get(name) != want:
+            raise ConfigError(f"{path}: written for {name} {rec.get(name)!r}, this is {want!r}")
+    names, sims, step = rec.get("params"), rec.get("sims"), rec.get("step")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(sims, dict) \
+            or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{path}: expected {{'step': int, 'params': [names], 'sims': {{...}}}}")
+    out = {}
+    for sim, r in sims.items():
+        try:
+            vals = r["params"]
+            if not isinstance(vals, list) or len(vals) != len(names):
+                raise ValueError(f"{len(vals) if isinstance(vals, list) else vals!r} parameters for {len(names)} names")
+            loss = r["loss"]
+            out[str(sim)] = SimStats(params={n: float(v) for n, v in zip(names, vals)},
+                                     loss=float("nan") if loss is None else float(loss),
+                                     samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: simulation {str(sim)[:40]!r}: {type(e).__name__}: {e}") from None
+    return step, out
+
+
+# --- static designs -----------------------------------------------------------------------------
+
+class _Cube:
+    """Bounds, checked once, and the map from the unit cube onto them."""
+
+    def __init__(self, bounds: Bounds, log: Collection[str]) -> None:
+        self.names, self.lo, self.hi, self.is_log = _check(bounds, log)
+        self.bounds = {k: (a, b) for k, a, b in zip(self.names, self.lo, self.hi)}
+        self.log = frozenset(k for k, flag in zip(self.names, self.is_log) if flag)
+
+    @property
+    def d(self) -> int:
+        return len(self.names)
+
+    def points(self, u: np.ndarray) -> list[Params]:
+        return _scale(np.asarray(u, dtype=float).reshape(-1, self.d), self.names, self.lo, self.hi,
+                             self.is_log)
+
+    def unit(self, params: Mapping[str, float]) -> np.ndarray:
+        """Parameters -> unit cube (clipped: a simulation outside the bounds counts at their edge)."""
+        out = np.empty(self.d)
+        for j, k in enumerate(self.names):
+            v = float(params[k])
+            a, b, x = (math.log(self.lo[j]), math.log(self.hi[j]), math.log(v) if v > 0 else -math.inf) \
+                if self.is_log[j] else (self.lo[j], self.hi[j], v)
+            out[j] = (x - a) / (b - a)
+        return np.clip(out, 0.0, 1.0)
+
+
+def _n(n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ConfigError(f"propose(n={n!r}): expected an integer >= 0")
+    return int(n)
+
+
+def _state(state: object, kind: str, keys: Collection[str]) -> dict:
+    if not isinstance(state, Mapping) or state.get("kind") != kind or set(state) != {"kind", *keys}:
+        raise ConfigError(f"{kind}.load_state_dict: expected {{'kind': {kind!r}, {', '.join(sorted(keys))}}}, "
+                          f"got {str(state)[:120]}")
+    for k in keys:
+        v = state[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"{kind}.load_state_dict: {k}={v!r}, expected an integer >= 0")
+    return dict(state)
+
+
+class _Sequence:
+    """A low-discrepancy sequence continued across waves: the state is how many were drawn."""
+
+    kind = ""
+
+    def __init__(self, bounds: Bounds, *, seed: int = 0, log: Collection[str] = frozenset()) -> None:
+        _check_seed(seed)
+        self.cube, self.seed, self.drawn = _Cube(bounds, log), int(seed), 0
+
+    def _engine(self):
+        raise NotImplementedError
+
+    def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
+        n = _n(n)
+        if not n:
+            return []
+        engine = self._engine()
+        if self.drawn:
+            engine.fast_forward(self.drawn)
+        u = engine.random(n)
+        self.drawn += n
+        return self.cube.points(u)
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = _state(state, self.kind, ("seed", "drawn"))
+        if s["seed"] != self.seed:
+            raise ConfigError(f"{self.kind}.load_state_dict: the state was drawn with seed {s['seed']}, this sampler "
+                              f"has seed {self.seed}")
+        self.drawn = s["drawn"]
+
+
+class Halton(_Sequence):
+    """The scrambled Halton sequence, continued wave after wave: any prefix is space-filling,
+    so waves of any size stay balanced together (the usual base design of adaptive sampling)."""
+
+    kind = "halton"
+
+    def _engine(self):
+        from scipy.stats import qmc  # ~0.3 s, only where a sequence is drawn
+
+        return qmc.Halton(self.cube.d, scramble=True, rng=np.random.default_rng(self.seed))
+
+
+class Sobol(_Sequence):
+    """The Owen-scrambled Sobol sequence, continued wave after wave (balanced at every power
+    of two drawn in total, as :func:`hpcml.ensemble.design.sobol` explains)."""
+
+    kind = "sobol"
+
+    def _engine(self):
+        from scipy.stats import qmc
+
+        return qmc.Sobol(self.cube.d, scramble=True, rng=np.random.default_rng(self.seed))
+
+    def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
+        import warnings
+
+        with warnings.catch_warnings():  # balance is of the total drawn, not of one wave: said above
+            warnings.filterwarnings("ignore", message=".*balance properties of Sobol.*")
+            return super().propose(n, feedback)
+
+
+class LatinHypercube:
+    """A fresh Latin hypercube per wave (its own seed: the sampler's and the wave number)."""
+
+    kind = "latin_hypercube"
+
+    def __init__(self, bounds: Bounds, *, seed: int = 0, log: Collection[str] = frozenset()) -> None:
+        _check_seed(seed)
+        self.bounds, self.log, self.seed, self.wave = dict(bounds), frozenset(log), int(seed), 0
+        _Cube(bounds, log)  # checked now, not at the first wave
+
+    def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
+        n = _n(n)
+        if not n:
+            return []
+        seed = int(np.random.SeedSequence([self.seed, self.wave]).generate_state(1)[0])
+        self.wave += 1
+        return latin_hypercube(self.bounds, n, seed=seed, log=self.log)
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "wave": self.wave}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = _state(state, self.kind, ("seed", "wave"))
+        self.seed, self.wave = s["seed"], s["wave"]
+
+
+class FullFactorial:
+    """Every point of a grid (:func:`hpcml.ensemble.design.full_factorial`), handed out in order
+    across waves; asking past its last point is an error naming how many are left."""
+
+    kind = "full_factorial"
+
+    def __init__(self, bounds: Bounds, n: int | Mapping[str, int], *,
+                 log: Collection[str] = frozenset()) -> None:
+        self.points = full_factorial(bounds, n, log=log)
+        self.drawn = 0
+
+    def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
+        n = _n(n)
+        left = len(self.points) - self.drawn
+        if n > left:
+            raise ConfigError(f"full_factorial: {n} points asked, {left} of {len(self.points)} left")
+        out = self.points[self.drawn:self.drawn + n]
+        self.drawn += n
+        return [dict(p) for p in out]
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = _state(state, self.kind, ("drawn",))
+        if s["drawn"] > len(self.points):
+            raise ConfigError(f"full_factorial.load_state_dict: drawn={s['drawn']} exceeds the grid's "
+                              f"{len(self.points)} points")
+        self.drawn = s["drawn"]
+
+
+STATIC = {"halton": Halton, "sobol": Sobol, "latin_hypercube": LatinHypercube, "lhs": LatinHypercube}
+
+
+def static(kind: str, bounds: Bounds, *, seed: int = 0, log: Collection[str] = frozenset()) -> Sampler:
+    """A static sampler by name (halton, sobol, latin_hypercube / lhs)."""
+    cls = STATIC.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ConfigError(f"sampler {kind!r} unknown: expected one of {', '.join(STATIC)} (or full_factorial "
+                          f"with its counts: FullFactorial)")
+    return cls(bounds, seed=seed, log=log)
+
+
+# --- adaptive -----------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Breed:
+    """Adaptive sampling after Melissa's Breed: wave ``w`` draws ``round(R_w * n)`` points from
+    Gaussians (std ``sigma`` of each axis, in the unit cube) around parents picked among the
+    ``parents`` fraction of simulations with the highest loss, with probability proportional to
+    their loss; the rest come from ``base`` (a Halton sequence by default). ``R_w`` ramps
+    linearly from ``r_start`` to ``r_end`` over ``ramp_waves`` waves, so the base design covers
+    the space before the sampler trusts the surrogate's errors. A child outside the bounds is
+    drawn again (a truncated Gaussian: clipping would pile children on the faces). The first
+    wave, or any wave without usable feedback, is all base design."""
+
+    bounds: Bounds
+    seed: int = 0
+    log: Collection[str] = frozenset()
+    r_start: float = 0.0
+    r_end: float = 0.75
+    ramp_waves: int = 4
+    sigma: float = 0.08
+    parents: float = 0.25
+    base: Sampler | None = None
+    wave: int = field(default=0, init=False)
+    last: dict = field(default_factory=dict, init=False)
+    """What the last wave did: ``{"wave", "r", "bred", "parents"}`` (for the report)."""
+
+    def __post_init__(self) -> None:
+        _check_seed(self.seed)
+        self.cube = _Cube(self.bounds, self.log)
+        for name, ok, want in (("r_start", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+                               ("r_end", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+                               ("ramp_waves", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+                               ("sigma", lambda v: 0 < v <= 1, "a width in (0, 1] of each axis"),
+                               ("parents", lambda v: 0 < v <= 1, "a fraction in (0, 1]")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ConfigError(f"Breed.{name}={v!r}: expected {want}")
+        if self.base is None:
+            self.base = Halton(self.bounds, seed=self.seed, log=self.log)
+        elif not isinstance(self.base, Sampler):
+            raise ConfigError(f"Breed.base={self.base!r}: expected a Sampler (propose, state_dict, load_state_dict)")
+
+    def ratio(self, wave: int) -> float:
+        """``R`` of wave ``wave`` (0-based): the fraction bred from high-loss parents."""
+        if self.ramp_waves == 0:
+            return float(self.r_end)
+        return float(self.r_start + (self.r_end - self.r_start) * min(1.0, wave / self.ramp_waves))
+
+    def propose(self, n: int, feedback: Feedback) -> list[Params]:
+        n = _n(n)
+        wave, self.wave = self.wave, self.wave + 1
+        rng = np.random.default_rng([self.seed, wave])
+        parents, weights = self._parents(feedback)
+        r = self.ratio(wave) if parents is not None else 0.0
+        bred = int(round(r * n))
+        self.last = {"wave": wave, "r": r, "bred": bred, "parents": 0 if parents is None else len(parents)}
+        out = self.base.propose(n - bred, feedback) if n - bred else []
+        if bred:
+            pick = rng.choice(len(parents), size=bred, p=weights)
+            out += self.cube.points(self._children(parents[pick], rng))
+        logger.info("wave %d: %d of %d bred around %d parents (R=%.2f), %d from the base design", wave, bred, n,
+                    self.last["parents"], r, n - bred)
+        return out
+
+    def _parents(self, feedback: Feedback) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The high-loss parents in the unit cube and their pick probabilities (None: no feedback)."""
+        if not isinstance(feedback, Mapping):
+            raise ConfigError(f"feedback must map simulation ids to SimStats, got {type(feedback).__name__}")
+        rows = []
+        for sim in sorted(feedback):  # sorted: the same feedback gives the same wave
+            st = feedback[sim]
+            if not isinstance(st, SimStats):
+                raise ConfigError(f"feedback[{sim!r}] is a {type(st).__name__}, expected SimStats")
+            missing = [k for k in self.cube.names if k not in st.params]
+            if missing:
+                raise ConfigError(f"feedback[{sim!r}] lacks the parameters {missing} of the bounds")
+            if math.isfinite(st.loss) and st.loss >= 0:
+                rows.append((st.loss, sim, self.cube.unit(st.params)))
+        if not rows or max(r[0] for r in rows) <= 0:
+            return None, None
+        rows.sort(key=lambda r: (-r[0], r[1]))
+        top = rows[:max(1, math.ceil(self.parents * len(rows)))]
+        loss = np.array([r[0] for r in top])
+        return np.stack([r[2] for r in top]), loss / loss.sum()
+
+    def _children(self, centres: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One Gaussian child per centre, redrawn until inside the unit cube."""
+        out = centres + rng.normal(0.0, self.sigma, size=centres.shape)
+        for _ in range(64):
+            bad = np.any((out < 0) | (out > 1), axis=1)
+            if not bad.any():
+                break
+            out[bad] = centres[bad] + rng.normal(0.0, self.sigma, size=(int(bad.sum()), centres.shape[1]))
+        return np.clip(out, 0.0, 1.0)  # after 64 tries (sigma ~ a whole axis): the nearest face
+
+    def state_dict(self) -> dict:
+        return {"kind": "breed", "seed": self.seed, "wave": self.wave, "base": self.base.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, Mapping) or state.get("kind") != "breed" or set(state) != {"kind", "seed", "wave",
+                                                                                             "base"}:
+            raise ConfigError(f"Breed.load_state_dict: expected {{'kind': 'breed', seed, wave, base}}, got "
+                              f"{str(state)[:120]}")
+        if state["seed"] != self.seed:
+            raise ConfigError(f"Breed.load_state_dict: the state was drawn with seed {state['seed']}, this sampler "
+                              f"has seed {self.seed}")
+        w = state["wave"]
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"Breed.load_state_dict: wave={w!r}, expected an integer >= 0")
+        self.base.load_state_dict(state["base"])
+        self.wave = w

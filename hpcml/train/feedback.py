@@ -1,0 +1,109 @@
+"""What online training knows about each simulation, published for the campaign's sampler
+(issue 25: the surrogate steers the ensemble).
+
+Every step counts the samples of each simulation trained on; every ``every`` steps the
+trainer also evaluates its batch without gradients (:meth:`FieldTrainer.sample_losses`, one
+forward: collective under FSDP, so every rank does it at the same steps) and keeps, per
+simulation, an exponential average of the loss of its samples. Then rank 0 gathers every
+rank's table (each rank trains on the simulations routed to it) and replaces
+``run_dir/feedback.json`` atomically: ``{"campaign", "run", "step", "time", "params": [names],
+"sims": {sim: {"params": [...], "loss", "samples", "age"}}}``, ``age`` being the steps since
+the simulation's loss was last evaluated. The driver reads it with
+:func:`hpcml.ensemble.sampling.read_feedback`. The table is saved with every checkpoint and
+comes back on resume, so a resumed campaign's sampler sees the feedback it would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcml.contract import write_json
+from hpcml.errors import ConfigError
+from hpcml.log import get_logger
+
+logger = get_logger(__name__)
+
+class SimFeedback:
+    """Per-simulation loss, sample count and age; see the module docstring."""
+
+    def __init__(self, *, path: str | Path | None, every: int, comm, param_names: Sequence[str] = (),
+                 campaign: str = "", run: str = "", ema: float = 0.5) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"feedback every={every!r}: expected an integer >= 1 (steps between evaluations)")
+        if not 0.0 < ema <= 1.0:
+            raise ConfigError(f"feedback ema={ema!r}: expected a weight in (0, 1] of the newest evaluation")
+        self.path, self.every, self.comm = (Path(path) if path else None), every, comm
+        self.param_names, self.campaign, self.run, self.ema = list(param_names), campaign, run, ema
+        self.sims: dict[int, dict[str, Any]] = {}
+        self.published_at: int | None = None
+
+    def step(self, trainer, batch, step: int) -> None:
+        """After a training step on ``batch`` (collective every ``every`` steps)."""
+        for s in batch:
+            rec = self.sims.get(s.sim)
+            if rec is None:
+                rec = self.sims[s.sim] = {"params": [float(v) for v in np.asarray(s.params).ravel()], "loss": None,
+                                          "samples": 0, "at": None}
+            rec["samples"] += 1
+        if step % self.every:
+            return
+        losses = trainer.sample_losses(batch)
+        for s, loss in zip(batch, losses):
+            if not math.isfinite(loss):
+                continue
+            rec = self.sims[s.sim]
+            if rec["at"] == step and rec["loss"] is not None:  # another sample of it in this batch: average in
+                rec["loss"] = 0.5 * (rec["loss"] + float(loss))
+            else:
+                rec["loss"] = float(loss) if rec["loss"] is None else \
+                    self.ema * float(loss) + (1 - self.ema) * rec["loss"]
+            rec["at"] = step
+        self.publish(step)
+
+    def merged(self) -> dict[int, dict[str, Any]]:
+        """Every rank's table, merged (collective): per simulation the entry evaluated last."""
+        out: dict[int, dict[str, Any]] = {}
+        for table in self.comm.allgather(self.sims):
+            for sim, rec in table.items():
+                have = out.get(sim)
+                if have is None or (rec["at"] or -1, rec["samples"]) > (have["at"] or -1, have["samples"]):
+                    out[sim] = rec
+        return out
+
+    def publish(self, step: int) -> None:
+        """Gather and, on rank 0, replace the file (collective)."""
+        table = self.merged()
+        self.published_at = step
+        if self.path is None or self.comm.Get_rank() != 0:
+            return
+        names = self.param_names or [f"p{i}" for i in range(max((len(r["params"]) for r in table.values()),
+                                                                 default=0))]
+        write_json(self.path, {
+            "campaign": self.campaign, "run": self.run, "step": step, "time": time.time(), "params": names,
+            "sims": {str(sim): {"params": r["params"], "loss": r["loss"], "samples": r["samples"],
+                                "age": None if r["at"] is None else step - r["at"]}
+                     for sim, r in sorted(table.items())}})
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state(self) -> dict:
+        """The merged table for a checkpoint's ``extra`` (collective: every rank saves alike)."""
+        return {"every": self.every, "sims": {str(k): v for k, v in sorted(self.merged().items())}}
+
+    def load_state(self, state: dict | None) -> None:
+        """Take back a checkpoint's table; a checkpoint from before feedback existed has none."""
+        if state is None:
+            return
+        try:
+            sims = {int(k): {"params": [float(x) for x in v["params"]],
+                             "loss": None if v["loss"] is None else float(v["loss"]),
+                             "samples": int(v["samples"]), "at": None if v["at"] is None else int(v["at"])}
+                    for k, v in state["sims"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"the checkpoint's feedback table does not fit ({type(e).__name__}: {e})") from None
+        self.sims = sims
