@@ -5,8 +5,8 @@ A save writes each byte once and nobody reads it back soon, so the page cache on
 the buffered path copies every byte into the cache and the kernel writes it out later, which
 here ran at 0.65 of what the same writers reach with ``O_DIRECT`` (docs/benchmarks.md, issue
 24). :class:`DirectSink` copies each run (up to ``COALESCE`` bytes) into one of a few
-page-aligned buffers -- the copy the CRC-32 reads anyway -- and a writer thread sends the
-run's whole pages to the device while the next run is copied; the partial pages at a run's
+page-aligned buffers -- the copy the CRC-32 reads anyway -- and two writer threads send the
+runs' whole pages to the device while the next run is copied; the partial pages at a run's
 two ends go through the page cache, so HDF5's layout needs no alignment. The closing
 ``fsync`` still follows (the device's cache, the file's metadata, those end pages).
 
@@ -27,9 +27,11 @@ from hpcml import log
 
 logger = log.get_logger(__name__)
 
-ALIGN = 4096
+ALIGN = max(4096, mmap.PAGESIZE)
 """Alignment of a direct write's file offset, length and buffer address: the largest logical
-block size of the devices we run on (512 or 4096)."""
+block size of the devices we run on (512 or 4096), and at least a page, so that no page of
+the page cache holds both a buffered end piece and part of a direct write (64 KiB pages on
+some aarch64 kernels)."""
 ENV = "HPCML_CKPT_DIRECT_IO"
 
 
@@ -135,7 +137,7 @@ class BufferedSink:
 class DirectSink(BufferedSink):
     """Each run is assembled in one of :data:`DEPTH` page-aligned buffers, placed so that its
     file offset and its buffer address agree modulo :data:`ALIGN`; its whole pages go out with
-    ``O_DIRECT`` on a writer thread while the caller fills the next buffer, and the partial
+    ``O_DIRECT`` on one of two writer threads while the caller fills the next buffer, and the partial
     pages at its ends go through the page cache (``fd``). A direct write the kernel refuses
     (``EINVAL``: an alignment this device wants larger) is redone buffered, and the rest of the
     file is written buffered."""
@@ -167,12 +169,19 @@ class DirectSink(BufferedSink):
         except OSError as e:  # EINVAL: tmpfs and others have no O_DIRECT
             logger.debug("no O_DIRECT for %s (%s): writing through the page cache", path, e)
             return BufferedSink(fd, run_bytes)
-        return cls(fd, direct_fd, run_bytes)
+        try:
+            a, b = os.fstat(fd), os.fstat(direct_fd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the name was swapped since fd was opened
+                raise OSError(f"{path} is no longer the file being written")
+            return cls(fd, direct_fd, run_bytes)
+        except BaseException:
+            os.close(direct_fd)
+            raise
 
     def _wait(self, k: int) -> None:
         job, self.pending[k] = self.pending[k], None
         if job is not None:
-            job.result()  # a write's error (ENOSPC, EIO) surfaces in the caller
+            self.direct_bytes += job.result()  # a write's error (ENOSPC, EIO) surfaces in the caller
 
     def staging(self, at: int, n: int) -> np.ndarray:
         if n + at % ALIGN > self.size:
@@ -197,18 +206,19 @@ class DirectSink(BufferedSink):
         self.pending[k] = self.pool.submit(self._direct, view[lo - at:hi - at], lo)
         self.turn += 1
 
-    def _direct(self, view: memoryview, at: int) -> None:
+    def _direct(self, view: memoryview, at: int) -> int:
+        """Write ``view`` at ``at``; the bytes that went with O_DIRECT (0: through the page cache)."""
         if self.direct:
             try:
                 pwrite_all(self.direct_fd, view, at)
-                self.direct_bytes += view.nbytes
-                return
+                return view.nbytes
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 logger.warning("O_DIRECT write refused at offset %d (%s): writing through the page cache", at, e)
                 self.direct = False
         pwrite_all(self.fd, view, at)
+        return 0
 
     def close(self) -> None:
         try:

@@ -211,13 +211,9 @@ class Campaign:
         if len(set(ids)) != len(ids):
             dup = sorted(i for i, n in Counter(ids).items() if n > 1)
             raise ConfigError(f"sim_id values must be unique, repeated: {dup}")
-        for name, v in (("ready_timeout_s", ready_timeout_s), ("train_timeout_s", train_timeout_s)):
-            if v is not None and not v > 0:
-                raise ConfigError(f"{name} must be > 0 or None, got {v}")
         if not sims and training is None:
             raise ConfigError("nothing to run: give simulations, a training job (training=) or both")
-        if ready_file is not None and training is None:
-            raise ConfigError(f"ready_file {ready_file} given without a training job to write it")
+        _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
         if streaming(training, ready_file):
             check_stream_ranks([s for s in sims if s.stream is not False], self.train_ranks(training))
         from hpcml.ensemble.runner import Run
@@ -225,6 +221,37 @@ class Campaign:
         return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
                    ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
                    kept=kept if kept is None or callable(kept) else set(kept)).execute()
+
+    def run_adaptive(self, simulation: Callable[[int, dict[str, float]], SimSpec], sampler, *, budget: int,
+                     wave: int, training: TrainingJob | None = None, wave_trigger: float = 0.5,
+                     ready_file: Path | str | None = None, ready_timeout_s: float | None = None,
+                     train_timeout_s: float | None = None, resume: bool = False) -> CampaignResult:
+        """:meth:`run`, with the simulations proposed in waves while training goes on (active
+        learning, docs/active-learning.md): ``budget`` simulations in waves of ``wave``, each
+        wave asked of ``sampler`` (:mod:`hpcml.ensemble.sampling`) with the trainer's latest
+        feedback once ``wave_trigger`` of the previous wave has ended; ``simulation(sim_id,
+        params)`` builds each one's :class:`SimSpec`. Every wave is recorded before it runs
+        (``run_dir/waves.jsonl``): ``resume`` runs the recorded waves' simulations as
+        :meth:`run` does (what completed and was kept is not run again) and proposes on from
+        the sampler's recorded state. The run directory's identity is the plan (budget, wave
+        size, the sampler's initial state); each simulation's spec is pinned by its id."""
+        from types import SimpleNamespace
+
+        from hpcml.ensemble.runner import Run
+        from hpcml.ensemble.waves import Waves
+
+        waves = Waves(simulation, sampler, budget=budget, size=wave, trigger=wave_trigger)
+        _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
+        if streaming(training, ready_file):
+            ranks = self.train_ranks(training)
+            if wave < ranks:
+                raise ConfigError(f"waves of {wave} for a streaming training job of {ranks} ranks: a wave must give "
+                                  f"every trainer rank a simulation (each rank needs a batch to step); use wave >= "
+                                  f"{ranks}")
+            check_stream_ranks([SimpleNamespace(sim_id=i) for i in range(budget)], ranks)
+        return Run(self, [], training, Path(ready_file) if ready_file is not None else None,
+                   ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
+                   waves=waves).execute()
 
     def train(self, training: TrainingJob, *, train_timeout_s: float | None = None,
               resume: bool = False) -> CampaignResult:
@@ -234,6 +261,14 @@ class Campaign:
         is ``run_dir/training.json`` (``campaign.json`` keeps the simulations'). The same
         as ``run([], training=training)``."""
         return self.run([], training=training, train_timeout_s=train_timeout_s, resume=resume)
+
+
+def _check_waits(training: TrainingJob | None, ready_file, ready_timeout_s, train_timeout_s) -> None:
+    for name, v in (("ready_timeout_s", ready_timeout_s), ("train_timeout_s", train_timeout_s)):
+        if v is not None and not v > 0:
+            raise ConfigError(f"{name} must be > 0 or None, got {v}")
+    if ready_file is not None and training is None:
+        raise ConfigError(f"ready_file {ready_file} given without a training job to write it")
 
 
 def streaming(training: TrainingJob | None, ready_file) -> bool:

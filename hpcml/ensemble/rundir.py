@@ -68,7 +68,7 @@ class Claim:
     """The directory held this campaign before this claim (the run continues it)."""
 
 
-def definition(sims: Sequence[SimSpec], training: TrainingJob | None) -> dict[str, Any]:
+def definition(sims: Sequence[SimSpec], training: TrainingJob | None, adaptive: dict | None = None) -> dict[str, Any]:
     """What makes two runs one campaign: the simulations' ids, parameters and argv -- not
     rank counts, environments, Campaign settings or the training argv, which a resumed job
     may change (more steps: the trainer's resume rule, docs/parallel.md). Only the parts
@@ -78,13 +78,17 @@ def definition(sims: Sequence[SimSpec], training: TrainingJob | None) -> dict[st
         canon = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
                            sort_keys=True)
         d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(canon.encode()).hexdigest()[:16]}
+    if adaptive is not None:  # waves: the plan defines the simulations (each one's spec.json pins it)
+        canon = json.dumps(adaptive, sort_keys=True)
+        d["simulations"] = {"adaptive": True, "digest": hashlib.sha256(canon.encode()).hexdigest()[:16],
+                            "count": adaptive.get("budget")}
     if training is not None:
         d["training"] = {"argv": list(training.argv)}
     return d
 
 
 def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | None = None, *, resume: bool,
-          entry: str = "campaign") -> Claim:
+          entry: str = "campaign", adaptive: dict | None = None) -> Claim:
     """Claim ``run_dir`` for one run of a campaign (see the module docstring); ConfigError,
     before anything is written, for a directory in use, holding another campaign, or
     holding these parts of this one without ``resume``. Release with :func:`release`."""
@@ -96,7 +100,7 @@ def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | N
         raise ConfigError(f"{where}: {e.strerror}; expected a directory, or a path where one can be made") from None
     _lock(run_dir)
     try:
-        cid, held, rec = _identity(run_dir, sims, training, resume=resume)
+        cid, held, rec = _identity(run_dir, sims, training, resume=resume, adaptive=adaptive)
     except BaseException:
         release(run_dir)
         raise
@@ -116,8 +120,8 @@ def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | N
 
 
 def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | None, *,
-              resume: bool) -> tuple[str, bool, dict]:
-    path, now = run_dir / IDENTITY_FILE, definition(sims, training)
+              resume: bool, adaptive: dict | None = None) -> tuple[str, bool, dict]:
+    path, now = run_dir / IDENTITY_FILE, definition(sims, training, adaptive)
     where = f"run directory {run_dir}"
     try:
         rec = read_json(path, max_bytes=1 << 20)
@@ -142,7 +146,8 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
         raise ConfigError(f"{where} holds campaign {cid} (started {rec.get('created', '?')}): resume it "
                           f"(resume=True) or use a new directory")
     if "simulations" in both and rec["simulations"] != now["simulations"]:
-        was, got = (f"{v['simulations']['count']} simulations, digest {v['simulations']['digest']}" for v in (rec, now))
+        was, got = (f"{v['simulations']['count']} {'adaptive ' if v['simulations'].get('adaptive') else ''}"
+                    f"simulations, digest {v['simulations']['digest']}" for v in (rec, now))
         raise ConfigError(f"{where} holds campaign {cid}, defined with other simulations ({was}; given {got}): resume "
                           f"it unchanged or use a new directory")
     return cid, True, {**rec, **now}  # a new part, or the training job's latest argv (e.g. more --steps)

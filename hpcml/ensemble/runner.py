@@ -29,6 +29,7 @@ from hpcml.ensemble.progress import ProgressLine, last_json_line
 from hpcml.ensemble.simpool import Sim, SimPool
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 from hpcml.ensemble.trainer_proc import TrainerProcess
+from hpcml.ensemble.waves import Waves, rank_idle
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.log import get_logger
@@ -52,8 +53,8 @@ class Run:
 
     def __init__(self, c: Campaign, sims: list[SimSpec], training: TrainingJob | None, ready_file: Path | None, *,
                  ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool,
-                 kept: set[int] | Callable[[], Collection[int]] | None = None) -> None:
-        self.c, self.training, self.resume, self.kept = c, training, resume, kept
+                 kept: set[int] | Callable[[], Collection[int]] | None = None, waves: Waves | None = None) -> None:
+        self.c, self.training, self.resume, self.kept, self.waves = c, training, resume, kept, waves
         self.ready_timeout_s, self.train_timeout_s = ready_timeout_s, train_timeout_s
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
         self.streams = streaming(training, ready_file)
@@ -72,7 +73,8 @@ class Run:
         self.stop_reason: str | None = None
         self.deadline: float | None = c.deadline
         self.samples: dict | None = None
-        self.progress = ProgressLine(len(sims), enabled=c.progress, every_s=c.progress_every_s)
+        self.progress = ProgressLine(waves.budget if waves else len(sims), enabled=c.progress,
+                                     every_s=c.progress_every_s)
 
     # -- time and stopping ------------------------------------------------------------------------
     def _save_window(self) -> float:
@@ -98,7 +100,7 @@ class Run:
     def execute(self) -> CampaignResult:
         t0 = time.monotonic()
         self.started_at = time.time()
-        if self.sims:
+        if self.sims or self.waves:
             _refuse_loaded_parsl()  # before the run directory is touched
         previous = stop.install() if self.c.handle_signals else {}
         try:
@@ -113,11 +115,17 @@ class Run:
         train_hosts: tuple[str, ...] = ()
         sim_hosts: tuple[str, ...] = ()
         if alloc is not None:
-            train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0, sims=bool(self.sims))
+            train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0,
+                                                 sims=bool(self.sims) or self.waves is not None)
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,
                         ",".join(train_hosts) or "-", ",".join(sim_hosts) or "-")
-        self.claim = rundir.claim(self.run_dir, [s.spec for s in self.sims], self.training, resume=self.resume)
+        self.claim = rundir.claim(self.run_dir, [] if self.waves else [s.spec for s in self.sims], self.training,
+                                  resume=self.resume, adaptive=self.waves.definition if self.waves else None)
         try:
+            if self.waves:  # the waves proposed by an earlier run of this campaign: the same simulations
+                self.sims += [Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
+                                  streams=self.streams and spec.stream is not False)
+                              for spec in self.waves.open(self.run_dir)]
             self.contract = self._contract()
             self._prepare()
             return self._go(t0, alloc is None, train_hosts, sim_hosts)
@@ -135,12 +143,15 @@ class Run:
                                               run_dir=self.run_dir, env=self.contract.to_env(),
                                               grace_s=max(self.c.cancel_grace_s, TRAINER_SAVE_S))
                 self.trainer.start(append=self.resume)
+            if self.waves and not self.waves.plan.waves:  # the first wave: no feedback yet
+                for spec in self.waves.propose(self.contract):
+                    self._add(spec)
             pending = [s for s in self.sims if not s.skipped]
-            if pending:
+            if pending or (self.waves and not self.waves.plan.done):
                 self._run_parsl(pending, sim_hosts)
             else:
                 self._wait_ready()
-            if self.sims and not self._stopping():
+            if (self.sims or self.waves) and not self._stopping() and (not self.waves or self.waves.plan.done):
                 self._write_done()
             if self.trainer is not None:
                 self._wait_trainer()
@@ -151,6 +162,11 @@ class Run:
             raise
         finally:
             self.progress.close()
+            if self.waves is not None and self.contract is not None:
+                try:
+                    self.waves.report(self.run_dir, self.contract)
+                except Exception as e:  # noqa: BLE001 -- a figure never fails a campaign
+                    logger.warning("no waves.png: %s: %s", type(e).__name__, e)
             result = self._result(time.monotonic() - t0)
             # a training-only run (offline) keeps the simulations' record
             write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"), self._summary(result))
@@ -173,7 +189,7 @@ class Run:
         logger.info("Parsl loaded in %.2f s (executor %s, retries %s)", self.parsl_load_s, label, self.retries)
         try:
             self._wait_ready()
-            self.pool.run(pending, simulation_app([label]))
+            self.pool.run(pending, simulation_app([label]), more=self._next_wave if self.waves else None)
             self._show(force=True)
         except BaseException:
             self.pool.cancel()
@@ -204,15 +220,16 @@ class Run:
                           stream_interface=None if self.c.stream_host or self.c.site is None
                           else self.c.site.stream_interface)
         t = self.training
-        if self.sims:  # the end of the campaign, for any trainer that waits for it (streaming or not)
+        if self.sims or self.waves:  # the end of the campaign, for any trainer that waits for it (streaming or not)
             stream["done_file"] = str(self.run_dir / DONE_FILE)
         return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
                         resume=self.resume and self.claim.held, steps=t.steps if t else None,
-                        batch=t.batch if t else None, n_sims=len(self.sims), deadline=self.deadline,
+                        batch=t.batch if t else None, n_sims=self.waves.budget if self.waves else len(self.sims),
+                        deadline=self.deadline,
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
 
     def _prepare(self) -> None:
-        if not self.sims:  # training alone: the simulations' files stay as they are
+        if not self.sims and not self.waves:  # training alone: the simulations' files stay as they are
             return
         attempts.prepare(self.pool.sims_dir, {**self.contract.for_simulations().to_env(), **self.c.env})
         attempts.clear_cancel(self.pool.sims_dir)
@@ -235,6 +252,33 @@ class Run:
             logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again%s",
                         sum(s.skipped for s in self.sims), len(self.sims),
                         f"; {len(lost)} finished after the last save and run again: {lost}" if lost else "")
+
+    def _next_wave(self) -> list[Sim] | None:
+        """The pool's ``more``: the next wave once the last one has mostly ended (or nothing
+        runs), proposed from the trainer's feedback; None once the budget is proposed."""
+        w = self.waves
+        if w.plan.done:
+            return None
+        last = set(w.plan.waves[-1]["ids"]) if w.plan.waves else set()
+        ended = sum(s.outcome in ("completed", "failed") for s in self.sims if s.spec.sim_id in last)
+        if last and self.pool.inflight and ended < w.trigger * len(last) and not self._rank_idle():
+            return []
+        new = [self._add(spec) for spec in w.propose(self.contract)]
+        self.progress.total = w.plan.budget
+        return new
+
+    def _rank_idle(self) -> bool:
+        """A streaming trainer rank with no running simulation (:func:`~hpcml.ensemble.waves.rank_idle`)."""
+        return self.streams and self.training is not None and rank_idle(
+            [s.spec.sim_id for s in self.pool.inflight.values() if s.streams], self.c.train_ranks(self.training))
+
+    def _add(self, spec: SimSpec) -> Sim:
+        s = Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
+                streams=self.streams and spec.stream is not False)
+        rundir.record_spec(self.run_dir, spec)
+        s.first = attempts.next_attempt(s.dir)
+        self.sims.append(s)
+        return s
 
     def _completed(self, s: Sim) -> None:
         """A streaming simulation that completed without streaming fails the campaign at once:

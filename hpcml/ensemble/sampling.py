@@ -76,38 +76,6 @@ class Sampler(Protocol):
         ...
 
 
-def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
-                  max_bytes: int = 64 << 20) -> tuple[int, dict[str, SimStats]]:
-    """The trainer's ``feedback.json`` (:mod:`hpcml.train.feedback`): ``(step, {sim: SimStats})``,
-    ``(0, {})`` while there is none. Untrusted input: size-bounded before parsing, every
-    field checked; another campaign's or run's file is refused naming both (ConfigError)."""
-    from hpcml.contract import read_json
-
-    rec = read_json(path, max_bytes=max_bytes)
-    if rec is None:
-        return 0, {}
-    for name, want in (("campaign", campaign), ("run", run)):
-        if want is not None and rec.get(name) != want:
-            raise ConfigError(f"{path}: written for {name} {rec.get(name)!r}, this is {want!r}")
-    names, sims, step = rec.get("params"), rec.get("sims"), rec.get("step")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(sims, dict) \
-            or isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"{path}: expected {{'step': int, 'params': [names], 'sims': {{...}}}}")
-    out = {}
-    for sim, r in sims.items():
-        try:
-            vals = r["params"]
-            if not isinstance(vals, list) or len(vals) != len(names):
-                raise ValueError(f"{len(vals) if isinstance(vals, list) else vals!r} parameters for {len(names)} names")
-            loss = r["loss"]
-            out[str(sim)] = SimStats(params={n: float(v) for n, v in zip(names, vals)},
-                                     loss=float("nan") if loss is None else float(loss),
-                                     samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: simulation {str(sim)[:40]!r}: {type(e).__name__}: {e}") from None
-    return step, out
-
-
 # --- static designs -----------------------------------------------------------------------------
 
 class _Cube:
@@ -127,10 +95,14 @@ class _Cube:
                              self.is_log)
 
     def unit(self, params: Mapping[str, float]) -> np.ndarray:
-        """Parameters -> unit cube (clipped: a simulation outside the bounds counts at their edge)."""
+        """Parameters -> unit cube (clipped: a simulation outside the bounds counts at their edge;
+        NaN where a value is not finite)."""
         out = np.empty(self.d)
         for j, k in enumerate(self.names):
             v = float(params[k])
+            if not math.isfinite(v):  # not a point of the space: the caller skips it
+                out[j] = math.nan
+                continue
             a, b, x = (math.log(self.lo[j]), math.log(self.hi[j]), math.log(v) if v > 0 else -math.inf) \
                 if self.is_log[j] else (self.lo[j], self.hi[j], v)
             out[j] = (x - a) / (b - a)
@@ -256,6 +228,11 @@ class FullFactorial:
         self.points = full_factorial(bounds, n, log=log)
         self.drawn = 0
 
+    @property
+    def capacity(self) -> int:
+        """Points of the grid: a campaign's budget must not exceed it."""
+        return len(self.points)
+
     def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
         n = _n(n)
         left = len(self.points) - self.drawn
@@ -364,13 +341,15 @@ class Breed:
             missing = [k for k in self.cube.names if k not in st.params]
             if missing:
                 raise ConfigError(f"feedback[{sim!r}] lacks the parameters {missing} of the bounds")
-            if math.isfinite(st.loss) and st.loss >= 0:
-                rows.append((st.loss, sim, self.cube.unit(st.params)))
+            unit = self.cube.unit(st.params)
+            if math.isfinite(st.loss) and st.loss >= 0 and np.all(np.isfinite(unit)):
+                rows.append((st.loss, sim, unit))
         if not rows or max(r[0] for r in rows) <= 0:
             return None, None
         rows.sort(key=lambda r: (-r[0], r[1]))
         top = rows[:max(1, math.ceil(self.parents * len(rows)))]
         loss = np.array([r[0] for r in top])
+        loss = loss / loss.max()  # no overflow to inf for losses near the float limit
         return np.stack([r[2] for r in top]), loss / loss.sum()
 
     def _children(self, centres: np.ndarray, rng: np.random.Generator) -> np.ndarray:

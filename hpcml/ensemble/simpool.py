@@ -59,14 +59,22 @@ class SimPool:
         self.inflight: dict[concurrent.futures.Future, Sim] = {}
         self.on_complete: Callable[[Sim], None] = lambda s: None
 
-    def run(self, pending: list[Sim], app) -> None:
-        """Until every one of ``pending`` has ended, or a stop (then the running ones are cancelled)."""
+    def run(self, pending: list[Sim], app, more: Callable[[], list[Sim] | None] | None = None) -> None:
+        """Until every one of ``pending`` has ended, or a stop (then the running ones are cancelled).
+        ``more()`` (waves of an adaptive campaign) is asked, whenever nothing waits to be
+        submitted, for simulations to add: a list (empty: not yet), or None once there are no more."""
         queue = deque(pending)
-        while queue or self.inflight:
+        while queue or self.inflight or more is not None:
             self._check()
             if self._stopping():
                 self.cancel()
                 return
+            if not queue and more is not None:
+                extra = more()
+                if extra is None:
+                    more = None
+                    continue
+                queue.extend(extra)
             while queue and len(self.inflight) < self.c.max_concurrent:
                 s = queue.popleft()
                 s.submitted, s.outcome = time.monotonic(), "running"
@@ -75,6 +83,8 @@ class SimPool:
                           math.ceil(self.c.cancel_grace_s),
                           parsl_resource_specification=self.c.resource_spec(s.spec.ranks))
                 self.inflight[fut] = s
+            if not self.inflight:  # waiting for the next wave: nothing to wait on
+                time.sleep(self.c.poll_s)
             done, _ = concurrent.futures.wait(list(self.inflight), timeout=self.c.poll_s,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
             for fut in done:

@@ -18,10 +18,12 @@ import json
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hpcml.ensemble.sampling import Feedback, Sampler
+from hpcml.contract import read_json
+from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
+from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
@@ -33,16 +35,42 @@ MAX_BYTES = 256 << 20
 parameters is ~200 MB)."""
 
 
+def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
+                  max_bytes: int = 64 << 20) -> tuple[int, dict[str, SimStats]]:
+    """The trainer's ``feedback.json`` (:mod:`hpcml.train.feedback`): ``(step, {sim: SimStats})``,
+    ``(0, {})`` while there is none. Untrusted input: size-bounded before parsing, every
+    field checked; another campaign's or run's file is refused naming both (ConfigError)."""
+    rec = read_json(path, max_bytes=max_bytes)
+    if rec is None:
+        return 0, {}
+    for name, want in (("campaign", campaign), ("run", run)):
+        if want is not None and rec.get(name) != want:
+            raise ConfigError(f"{path}: written for {name} {rec.get(name)!r}, this is {want!r}")
+    names, sims, step = rec.get("params"), rec.get("sims"), rec.get("step")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(sims, dict) \
+            or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{path}: expected {{'step': int, 'params': [names], 'sims': {{...}}}}")
+    out = {}
+    for sim, r in sims.items():
+        try:
+            vals = r["params"]
+            if not isinstance(vals, list) or len(vals) != len(names):
+                raise ValueError(f"{len(vals) if isinstance(vals, list) else vals!r} parameters for {len(names)} names")
+            loss = r["loss"]
+            out[str(sim)] = SimStats(params={n: float(v) for n, v in zip(names, vals)},
+                                     loss=float("nan") if loss is None else float(loss),
+                                     samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: simulation {str(sim)[:40]!r}: {type(e).__name__}: {e}") from None
+    return step, out
+
+
+
 class WavePlan:
     """``budget`` simulations in waves of ``size`` (the last one smaller), proposed by ``sampler``."""
 
     def __init__(self, run_dir: str | os.PathLike, sampler: Sampler, *, budget: int, size: int) -> None:
-        for name, v in (("budget", budget), ("size", size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"WavePlan {name}={v!r}: expected an integer >= 1")
-        if not isinstance(sampler, Sampler):
-            raise ConfigError(f"WavePlan sampler={sampler!r}: expected a Sampler (propose, state_dict, "
-                              f"load_state_dict)")
+        self._check(sampler, budget, size)
         self.path = Path(run_dir) / WAVES_FILE
         self.sampler, self.budget, self.size = sampler, budget, size
         self.waves: list[dict] = self._read()
@@ -50,6 +78,18 @@ class WavePlan:
             self.sampler.load_state_dict(self.waves[-1]["sampler"])
             logger.info("%d wave(s), %d simulation(s) recorded in %s: continuing from them", len(self.waves),
                         self.proposed, self.path)
+
+    @staticmethod
+    def _check(sampler: Sampler, budget: int, size: int) -> None:
+        for name, v in (("budget", budget), ("size", size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"WavePlan {name}={v!r}: expected an integer >= 1")
+        if not isinstance(sampler, Sampler):
+            raise ConfigError(f"WavePlan sampler={sampler!r}: expected a Sampler (propose, state_dict, "
+                              f"load_state_dict)")
+        capacity = getattr(sampler, "capacity", None)
+        if isinstance(capacity, int) and budget > capacity:
+            raise ConfigError(f"WavePlan budget={budget}: the sampler has {capacity} points")
 
     @property
     def proposed(self) -> int:
@@ -68,23 +108,32 @@ class WavePlan:
         """Every recorded simulation: ``(sim_id, params)``, in order."""
         return [(i, dict(p)) for w in self.waves for i, p in zip(w["ids"], w["params"])]
 
-    def next_wave(self, feedback: Feedback, feedback_step: int = 0) -> list[tuple[int, dict[str, float]]]:
-        """Propose, record and return the next wave (empty once the budget is proposed)."""
+    def next_wave(self, feedback: Feedback, feedback_step: int = 0,
+                  check: Callable[[int, dict[str, float]], object] | None = None) -> list[tuple[int, dict[str, float]]]:
+        """Propose, record and return the next wave (empty once the budget is proposed).
+        ``check(sim_id, params)`` runs on each before anything is recorded: one that raises
+        leaves no wave behind, and the sampler where it was."""
         n = min(self.size, self.budget - self.proposed)
         if n <= 0:
             return []
         before = self.sampler.state_dict()
         try:
-            return self._record(n, self.sampler.propose(n, feedback), feedback, feedback_step)
+            return self._record(n, self.sampler.propose(n, feedback), feedback, feedback_step, check)
         except BaseException:
             self.sampler.load_state_dict(before)  # a wave not recorded was never proposed
             raise
 
-    def _record(self, n: int, params: list, feedback: Feedback, feedback_step: int) -> list[tuple[int, dict]]:
+    def _record(self, n: int, params: list, feedback: Feedback, feedback_step: int, check) -> list[tuple[int, dict]]:
         if len(params) != n or not all(isinstance(p, Mapping) for p in params):
             raise ConfigError(f"the sampler proposed {len(params)} parameter sets for a wave of {n}: expected {n} "
                               f"dicts of parameter values")
+        bad = [p for p in params if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in p.values())]
+        if bad:
+            raise ConfigError(f"the sampler proposed {bad[0]}: every parameter must be a finite number")
         first = self.proposed
+        if check is not None:
+            for i, p in enumerate(params):
+                check(first + i, {str(k): float(v) for k, v in p.items()})
         wave = {"wave": len(self.waves), "ids": list(range(first, first + n)),
                 "params": [{str(k): float(v) for k, v in p.items()} for p in params],
                 "sampler": self.sampler.state_dict(), "feedback_step": int(feedback_step),
@@ -119,8 +168,11 @@ class WavePlan:
             raise ConfigError(f"{self.path}: larger than {MAX_BYTES} bytes: not a wave record of this library")
         lines = data.split(b"\n")
         complete, torn = lines[:-1], lines[-1]
-        if torn:
+        if torn:  # cut off, so that the next wave starts a line of its own
             logger.warning("%s: its last line is incomplete (a crash while it was written): dropped", self.path)
+            with open(self.path, "r+b") as f:
+                f.truncate(len(data) - len(torn))
+                os.fsync(f.fileno())
         waves: list[dict] = []
         for n, raw in enumerate(complete, 1):
             try:
@@ -138,3 +190,76 @@ class WavePlan:
                                   f"simulations numbered on from {sum(len(x['ids']) for x in waves)})")
             waves.append(w)
         return waves
+
+
+def rank_idle(running: list[int], ranks: int) -> bool:
+    """Whether a streaming trainer rank has no running simulation routed to it: it cannot step
+    (every rank needs a batch), so the others' simulations may be blocked on a full buffer and
+    the wave would never end -- the next wave must come now."""
+    from hpcml.stream.routing import route
+
+    return len({route(i, ranks) for i in running}) < ranks
+
+
+class Waves:
+    """An adaptive campaign's simulations for :class:`~hpcml.ensemble.runner.Run`: ``make(sim_id,
+    params) -> SimSpec`` builds each one the :class:`WavePlan` proposes; the next wave is
+    proposed once ``trigger`` of the last one has ended (or nothing runs). The plan is opened
+    (its record read) only once the run directory is claimed."""
+
+    def __init__(self, make: Callable[[int, dict[str, float]], SimSpec], sampler: Sampler, *, budget: int, size: int,
+                 trigger: float = 0.5) -> None:
+        if not callable(make):
+            raise ConfigError(f"simulation={make!r}: expected a function (sim_id, params) -> SimSpec")
+        if isinstance(trigger, bool) or not isinstance(trigger, (int, float)) or not 0 < trigger <= 1:
+            raise ConfigError(f"wave_trigger={trigger!r}: expected the fraction in (0, 1] of a wave that must end "
+                              f"before the next is proposed")
+        WavePlan._check(sampler, budget, size)
+        self.make, self.sampler, self.budget, self.size, self.trigger = make, sampler, budget, size, trigger
+        self.definition = {"budget": budget, "wave": size, "sampler": sampler.state_dict()}
+        self.plan: WavePlan | None = None
+
+    def open(self, run_dir: Path) -> list[SimSpec]:
+        """Read the record; the simulations of the waves proposed before (a resumed campaign)."""
+        self.plan = WavePlan(run_dir, self.sampler, budget=self.budget, size=self.size)
+        return [self._spec(i, p) for i, p in self.plan.simulations()]
+
+    def propose(self, contract) -> list[SimSpec]:
+        """The next wave, from the trainer's feedback file (none yet, or unreadable: no feedback)."""
+        step, feedback = 0, {}
+        if contract is not None:
+            try:
+                step, feedback = read_feedback(contract.feedback_file, campaign=contract.campaign)
+            except ConfigError as e:
+                logger.warning("the trainer's feedback is unusable (%s): this wave takes no feedback", e)
+        specs: dict[int, SimSpec] = {}
+        check = lambda i, p: specs.__setitem__(i, self._spec(i, p))  # noqa: E731 -- built before it is recorded
+        try:
+            wave = self.plan.next_wave(feedback, feedback_step=step, check=check)
+        except ConfigError as e:
+            if not feedback:
+                raise
+            logger.warning("the sampler cannot use the trainer's feedback (%s): this wave takes none", e)
+            specs.clear()
+            wave = self.plan.next_wave({}, feedback_step=step, check=check)
+        return [specs[i] for i, _ in wave]
+
+    def report(self, run_dir: Path, contract) -> Path | None:
+        """``run_dir/waves.png``: where the sampler went, coloured by wave and by loss."""
+        from hpcml.ensemble.wave_report import write_wave_report
+
+        if self.plan is None:
+            return None
+        try:
+            _, feedback = read_feedback(contract.feedback_file, campaign=contract.campaign)
+        except ConfigError:
+            feedback = {}
+        log = getattr(self.sampler, "log", None) or getattr(getattr(self.sampler, "cube", None), "log", frozenset())
+        return write_wave_report(run_dir, self.plan.waves, feedback, frozenset(log))
+
+    def _spec(self, sim_id: int, params: dict[str, float]) -> SimSpec:
+        spec = self.make(sim_id, dict(params))
+        if not isinstance(spec, SimSpec) or spec.sim_id != sim_id or dict(spec.params) != dict(params):
+            raise ConfigError(f"simulation({sim_id}, {params}) returned {spec!r}: expected a SimSpec with sim_id="
+                              f"{sim_id} and those params")
+        return spec

@@ -74,6 +74,7 @@ class CheckpointHook:
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
         self._owner = False
+        self._guarded = False
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
     def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
@@ -93,8 +94,10 @@ class CheckpointHook:
                 self.overlap = any(t.device.type != "cpu" for t in own.values())
                 logger.info("async saves: the snapshot copy %s", "overlaps the next step (state on an accelerator)"
                             if self.overlap else "blocks training (state on CPU: the copy would take its cores)")
-            if self.overlap:  # the next optimizer step, the first thing to change the saved tensors, waits
-                trainer.optimizer.register_step_pre_hook(lambda *_: self.saver.wait_staged())
+            if self.overlap and not self._guarded:  # the next optimizer step, the first thing to change the
+                # saved tensors, waits (once per hook: a synchronous save drops the saver, the next makes another)
+                trainer.optimizer.register_step_pre_hook(lambda *_: self.saver is not None and self.saver.wait_staged())
+                self._guarded = True
         if self.every and trainer.step % self.every == 0:
             if not self.async_save:
                 self.save(trainer)

@@ -9,7 +9,7 @@ rank's table (each rank trains on the simulations routed to it) and replaces
 ``run_dir/feedback.json`` atomically: ``{"campaign", "run", "step", "time", "params": [names],
 "sims": {sim: {"params": [...], "loss", "samples", "age"}}}``, ``age`` being the steps since
 the simulation's loss was last evaluated. The driver reads it with
-:func:`hpcml.ensemble.sampling.read_feedback`. The table is saved with every checkpoint and
+:func:`hpcml.ensemble.waves.read_feedback`. The table is saved with every checkpoint and
 comes back on resume, so a resumed campaign's sampler sees the feedback it would have seen.
 """
 
@@ -28,6 +28,10 @@ from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
 logger = get_logger(__name__)
+
+MAX_SIMS = 1 << 20
+"""Simulations a checkpoint's table may hold (a campaign of more would want another format)."""
+
 
 class SimFeedback:
     """Per-simulation loss, sample count and age; see the module docstring."""
@@ -95,15 +99,26 @@ class SimFeedback:
         """The merged table for a checkpoint's ``extra`` (collective: every rank saves alike)."""
         return {"every": self.every, "sims": {str(k): v for k, v in sorted(self.merged().items())}}
 
-    def load_state(self, state: dict | None) -> None:
-        """Take back a checkpoint's table; a checkpoint from before feedback existed has none."""
+    def load_state(self, state: dict | None, step: int) -> None:
+        """Take back a checkpoint's table (saved at ``step``); a checkpoint from before feedback
+        existed has none. Untrusted input: every entry is checked, in one line if it does not fit."""
         if state is None:
             return
         try:
-            sims = {int(k): {"params": [float(x) for x in v["params"]],
-                             "loss": None if v["loss"] is None else float(v["loss"]),
-                             "samples": int(v["samples"]), "at": None if v["at"] is None else int(v["at"])}
-                    for k, v in state["sims"].items()}
+            table = state["sims"]
+            if len(table) > MAX_SIMS:
+                raise ValueError(f"{len(table)} simulations, more than {MAX_SIMS}")
+            sims = {}
+            for k, v in table.items():
+                rec = {"params": [float(x) for x in v["params"]],
+                       "loss": None if v["loss"] is None else float(v["loss"]),
+                       "samples": int(v["samples"]), "at": None if v["at"] is None else int(v["at"])}
+                width = len(self.param_names) if self.param_names else len(rec["params"])
+                if (int(k) < 0 or len(rec["params"]) != width or not all(map(math.isfinite, rec["params"]))
+                        or (rec["loss"] is not None and not (math.isfinite(rec["loss"]) and rec["loss"] >= 0))
+                        or rec["samples"] < 0 or (rec["at"] is not None and not 0 <= rec["at"] <= step)):
+                    raise ValueError(f"simulation {str(k)[:20]}: {str(v)[:120]}")
+                sims[int(k)] = rec
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"the checkpoint's feedback table does not fit ({type(e).__name__}: {e})") from None
         self.sims = sims

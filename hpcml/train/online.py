@@ -219,7 +219,7 @@ class OnlineRun:
                               f"schedule stretches from the saved step)")
         self.source.load_state(load_source_states(report.path))
         if self.feedback is not None:
-            self.feedback.load_state(report.extra.get(FEEDBACK_KEY))
+            self.feedback.load_state(report.extra.get(FEEDBACK_KEY), self.trainer.step)
         self.resumed_at = self.trainer.step
         self._saved = (self.trainer.step, int(self.source.stats()["samples"]))
         if self.rank == 0:

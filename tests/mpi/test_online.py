@@ -369,7 +369,7 @@ def test_feedback_reports_every_simulation_and_survives_a_resume(comm, tmp_path_
     """Issue 25: the trainer publishes, per simulation, the loss of its samples, how many were
     trained on and their parameters; the table is in every checkpoint, so a resumed run's
     counts go on from the saved ones and end at every sample trained on, once."""
-    from hpcml.ensemble.sampling import read_feedback
+    from hpcml.ensemble.waves import read_feedback
 
     files = _blob_files(comm, tmp_path_factory)
     root = files[0].parent

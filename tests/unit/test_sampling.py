@@ -164,7 +164,7 @@ def _fb(tmp_path, rec):
 
 
 def test_read_feedback_gives_sim_stats_and_refuses_what_does_not_fit(tmp_path):
-    from hpcml.ensemble.sampling import read_feedback
+    from hpcml.ensemble.waves import read_feedback
 
     assert read_feedback(tmp_path / "none.json") == (0, {})  # the trainer has not published yet
     good = {"campaign": "c", "run": "r", "step": 30, "params": ["k", "q"],
@@ -200,6 +200,13 @@ def test_feedback_config_is_checked_in_one_line():
         SimFeedback(path=None, every=0, comm=None)
     with pytest.raises(ConfigError, match=r"^OnlineConfig\.feedback_every=0: expected an integer >= 1$"):
         OnlineConfig(feedback_file="f.json", feedback_every=0)
-    fb = SimFeedback(path=None, every=5, comm=None)
-    with pytest.raises(ConfigError, match=r"^the checkpoint's feedback table does not fit"):
-        fb.load_state({"sims": {"x": {"params": [1.0]}}})
+    fb = SimFeedback(path=None, every=5, comm=None, param_names=("k", "q"))
+    good = {"params": [1.0, 0.5], "loss": 0.2, "samples": 3, "at": 10}
+    fb.load_state({"sims": {"4": good}}, step=10)
+    assert fb.sims == {4: good}
+    for bad in ({"x": good}, {"4": {**good, "params": [1.0]}}, {"4": {**good, "loss": float("nan")}},
+                {"4": {**good, "params": [float("inf"), 0.0]}}, {"4": {**good, "samples": -1}},
+                {"4": {**good, "at": 11}}, {"4": {"params": [1.0, 0.5]}}):
+        with pytest.raises(ConfigError, match=r"^the checkpoint's feedback table does not fit"):
+            fb.load_state({"sims": bad}, step=10)
+    assert fb.sims == {4: good}  # a refused table changes nothing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from hpcml.ensemble.sampling import Breed, Halton, SimStats
@@ -59,6 +60,10 @@ def test_a_torn_last_line_is_dropped_and_a_foreign_record_refused(tmp_path):
     path.write_bytes(good + b'{"wave": 2, "ids": [24')  # killed while appending wave 2
     again = WavePlan(tmp_path, _sampler(), budget=50, size=12)
     assert len(again.waves) == 2 and again.simulations() == plan.simulations()
+    assert path.read_bytes() == good  # the torn piece is cut off: the next wave starts a line of its own
+    again.next_wave({})
+    assert len(WavePlan(tmp_path, _sampler(), budget=50, size=12).waves) == 3  # and reads back
+    path.write_bytes(good)
     lines = good.decode().splitlines()
     w = json.loads(lines[1])
     w["ids"] = [i + 1 for i in w["ids"]]  # numbered with a gap
@@ -87,3 +92,45 @@ def test_bad_plans_and_samplers_fail_in_one_line(tmp_path):
         short.next_wave({})
     assert not (tmp_path / WAVES_FILE).exists()  # nothing recorded of a wave that was refused
     assert short.sampler.state_dict()["drawn"] == 0  # and the sampler is where it was
+
+
+def test_a_wave_whose_simulations_cannot_be_built_is_not_recorded(tmp_path):
+    from hpcml.ensemble.spec import SimSpec
+    from hpcml.ensemble.waves import Waves
+
+    def make(sim_id, params):
+        if params["q"] > 0.0:
+            raise ConfigError(f"my simulation cannot take q={params['q']}")
+        return SimSpec(sim_id=sim_id, params=params, argv=["true"])
+
+    w = Waves(make, Halton(BOUNDS, seed=0), budget=8, size=4)
+    w.open(tmp_path)
+    with pytest.raises(ConfigError, match=r"^my simulation cannot take q="):
+        w.propose(None)
+    assert not (tmp_path / WAVES_FILE).exists() and w.sampler.state_dict()["drawn"] == 0
+
+
+def test_breed_skips_parents_it_cannot_place_and_huge_losses_do_not_overflow():
+    nan = {"a": SimStats(params={"k": float("nan"), "q": 0.9}, loss=9.0),
+           "b": SimStats(params={"k": 1.0, "q": 0.8}, loss=1e308),
+           "c": SimStats(params={"k": 2.0, "q": 0.7}, loss=1e308)}
+    s = Breed(bounds=BOUNDS, r_start=1.0, r_end=1.0, ramp_waves=0, parents=1.0, log={"k"})
+    pts = s.propose(20, nan)
+    assert s.last["parents"] == 2 and all(np.isfinite(list(p.values())).all() for p in pts)
+    from hpcml.ensemble.sampling import FullFactorial
+
+    with pytest.raises(ConfigError, match=r"^WavePlan budget=7: the sampler has 6 points$"):
+        WavePlan("/nonexistent", FullFactorial(BOUNDS, {"k": 2, "q": 3}), budget=7, size=2)
+
+
+def test_a_streaming_campaign_gives_every_trainer_rank_a_simulation_in_every_wave(tmp_path):
+    from hpcml.ensemble.campaign import Campaign, TrainingJob
+    from hpcml.ensemble.waves import rank_idle
+
+    assert rank_idle([0, 1, 4], 4) and not rank_idle([4, 1, 2, 7], 4) and rank_idle([], 1)
+    c = Campaign(run_dir=tmp_path / "run", config=object(), progress=False)
+    job = TrainingJob(argv=["train"], nodes=1, ranks=4, stream=True)
+    with pytest.raises(ConfigError, match=r"^waves of 2 for a streaming training job of 4 ranks: a wave must give "
+                                          r"every trainer rank a simulation .* use wave >= 4$"):
+        c.run_adaptive(lambda i, p: None, Halton(BOUNDS), budget=8, wave=2, training=job)
+    assert not (tmp_path / "run").exists()  # refused before anything was written

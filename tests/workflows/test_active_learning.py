@@ -1,0 +1,139 @@
+"""Issue 25 end to end: a Campaign runs its simulations in waves, each asked of the sampler
+with the trainer's feedback. Real Parsl, real simulation processes, a real training process
+-- all of them a user's own (scripts written into tmp_path, not hpcml's kernels or trainer):
+the trainer reports a high loss wherever q > 0.5, and the later waves go there. A driver
+killed between waves and run again with resume runs the recorded waves as they were, every
+simulation completed exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+parsl = pytest.importorskip("parsl")
+
+from hpcml.ensemble.campaign import Campaign, SimSpec, TrainingJob  # noqa: E402
+from hpcml.ensemble.sampling import Breed, Halton  # noqa: E402
+
+SIM = textwrap.dedent("""
+    import argparse, json, time
+    p = argparse.ArgumentParser()
+    p.add_argument("--sim-id", type=int, required=True)
+    p.add_argument("--params-json", required=True)
+    a = p.parse_args()
+    time.sleep(0.3)
+    print("HPCML_SIM_RESULT " + json.dumps({"params": json.loads(a.params_json)}), flush=True)
+""")
+
+# The user's trainer: for every simulation whose spec is in the run directory, a loss that is
+# high where q > 0.5 (where its surrogate would be wrong), published as hpcml's trainer does.
+TRAINER = textwrap.dedent("""
+    import glob, json, os, time
+    run_dir, campaign, run = os.environ["HPCML_RUN_DIR"], os.environ["HPCML_CAMPAIGN_ID"], os.environ["HPCML_RUN_ID"]
+    done, step = os.environ["HPCML_SIMS_DONE_FILE"], 0
+    while not os.path.exists(done):
+        sims = {}
+        for path in glob.glob(os.path.join(run_dir, "sims", "sim_*", "spec.json")):
+            spec = json.load(open(path))
+            p = spec["params"]
+            sims[str(spec["sim_id"])] = {"params": [p["k"], p["q"]], "loss": 5.0 if p["q"] > 0.5 else 0.1,
+                                         "samples": 3, "age": 0}
+        step += 1
+        tmp = os.path.join(run_dir, ".feedback.tmp")
+        json.dump({"campaign": campaign, "run": run, "step": step, "params": ["k", "q"], "sims": sims}, open(tmp, "w"))
+        os.replace(tmp, os.path.join(run_dir, "feedback.json"))
+        time.sleep(0.1)
+""")
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from test_active_learning import campaign_run
+    campaign_run(sys.argv[1], resume=sys.argv[3] == "resume")
+""")
+
+BOUNDS = {"k": (0.1, 10.0), "q": (-1.0, 1.0)}
+
+
+def _make(tmp: Path):
+    script = tmp / "sim.py"
+    script.write_text(SIM)
+
+    def make(sim_id: int, params: dict) -> SimSpec:
+        return SimSpec(sim_id=sim_id, params=params, argv=[sys.executable, str(script)], ranks=1)
+    return make
+
+
+def campaign_run(run_dir: str, resume: bool = False):
+    run_dir = Path(run_dir)
+    tmp = run_dir.parent
+    (tmp / "trainer.py").write_text(TRAINER)
+    sampler = Breed(bounds=BOUNDS, seed=3, log={"k"}, r_start=0.0, r_end=0.75, ramp_waves=1, sigma=0.02,
+                    parents=0.3)
+    c = Campaign(run_dir=run_dir, config=lambda: parsl.Config(
+        executors=[parsl.ThreadPoolExecutor(label="sims", max_threads=4)], retries=0),
+        sim_launch="", max_concurrent=4, progress=False)
+    return c.run_adaptive(_make(tmp), sampler, budget=12, wave=4, wave_trigger=1.0, resume=resume,
+                          training=TrainingJob(argv=[sys.executable, str(tmp / "trainer.py")], stream=False,
+                                               nodes=1))
+
+
+def _waves(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "waves.jsonl").read_text().splitlines()]
+
+
+def _completed_once(run_dir: Path) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for line in (run_dir / "provenance.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["status"] == "ok":
+            counts[r["sim_id"]] = counts.get(r["sim_id"], 0) + 1
+    return counts
+
+
+def test_waves_follow_the_trainers_feedback(tmp_path):
+    run_dir = tmp_path / "run"
+    res = campaign_run(str(run_dir))
+    assert res.ok and sorted(res.completed) == list(range(12)), res
+    waves = _waves(run_dir)
+    assert [w["ids"] for w in waves] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
+    assert waves[0]["feedback_sims"] == 0 and waves[2]["feedback_sims"] >= 4  # the later waves saw the trainer
+    assert waves[0]["params"] == Halton(BOUNDS, seed=3, log={"k"}).propose(4, {})  # no feedback yet: the base
+    static = sum(p["q"] > 0.5 for p in Halton(BOUNDS, seed=3, log={"k"}).propose(12, {})[4:])
+    later = sum(p["q"] > 0.5 for w in waves[1:] for p in w["params"])
+    assert static == 1 and later >= 4, later  # 5 of the 8 bred around parents with q > 0.5
+    assert _completed_once(run_dir) == {i: 1 for i in range(12)}
+    assert json.loads((run_dir / "campaign_id.json").read_text())["simulations"]["adaptive"] is True
+    png = (run_dir / "waves.png").read_bytes()  # where the sampler went, coloured by wave and by loss
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_a_driver_killed_between_waves_resumes_the_same_waves(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    p = subprocess.Popen([sys.executable, str(driver), str(run_dir), str(Path(__file__).parent), "new"], env=env,
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "waves.jsonl").exists() or len(_waves(run_dir)) < 2:
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)  # the driver, its trainer and its simulations
+    p.wait()
+    before = _waves(run_dir)
+    assert len(before) == 2
+    res = campaign_run(str(run_dir), resume=True)
+    assert res.ok and sorted(set(res.completed) | set(res.skipped)) == list(range(12)), res
+    after = _waves(run_dir)
+    assert after[:2] == before and len(after) == 3
+    assert _completed_once(run_dir) == {i: 1 for i in range(12)}
+    assert len(res.skipped) >= 1  # what completed before the kill was not run again
