@@ -224,6 +224,7 @@ class Campaign:
 
     def run_adaptive(self, simulation: Callable[[int, dict[str, float]], SimSpec], sampler, *, budget: int,
                      wave: int, training: TrainingJob | None = None, wave_trigger: float = 0.5,
+                     target: tuple[str, float] | None = None,
                      ready_file: Path | str | None = None, ready_timeout_s: float | None = None,
                      train_timeout_s: float | None = None, resume: bool = False) -> CampaignResult:
         """:meth:`run`, with the simulations proposed in waves while training goes on (active
@@ -234,13 +235,16 @@ class Campaign:
         (``run_dir/waves.jsonl``): ``resume`` runs the recorded waves' simulations as
         :meth:`run` does (what completed and was kept is not run again) and proposes on from
         the sampler's recorded state. The run directory's identity is the plan (budget, wave
-        size, the sampler's initial state); each simulation's spec is pinned by its id."""
+        size, the sampler's initial state); each simulation's spec is pinned by its id.
+        ``target=("val_rel_l2", 0.05)``: no wave is proposed once the trainer's feedback
+        reports that metric at or below the value (recorded: a resume proposes none either);
+        the simulations already proposed finish, then the campaign ends."""
         from types import SimpleNamespace
 
         from hpcml.ensemble.runner import Run
         from hpcml.ensemble.waves import Waves
 
-        waves = Waves(simulation, sampler, budget=budget, size=wave, trigger=wave_trigger)
+        waves = Waves(simulation, sampler, budget=budget, size=wave, trigger=wave_trigger, target=target)
         _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
         if streaming(training, ready_file):
             ranks = self.train_ranks(training)

@@ -19,6 +19,7 @@ import math
 import os
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcml.contract import read_json
@@ -35,14 +36,32 @@ MAX_BYTES = 256 << 20
 parameters is ~200 MB)."""
 
 
+@dataclass(frozen=True)
+class FeedbackRecord:
+    """The trainer's ``feedback.json``, checked."""
+
+    step: int
+    sims: dict[str, SimStats]
+    metrics: dict[str, float]
+    """Run-wide figures: ``loss`` (the latest training loss), ``val_rel_l2`` where the trainer
+    validates periodically (``OnlineConfig.val_every``), ``val_step``."""
+
+
 def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
                   max_bytes: int = 64 << 20) -> tuple[int, dict[str, SimStats]]:
     """The trainer's ``feedback.json`` (:mod:`hpcml.train.feedback`): ``(step, {sim: SimStats})``,
-    ``(0, {})`` while there is none. Untrusted input: size-bounded before parsing, every
-    field checked; another campaign's or run's file is refused naming both (ConfigError)."""
+    ``(0, {})`` while there is none (:func:`read_feedback_record` has its metrics too)."""
+    rec = read_feedback_record(path, campaign=campaign, run=run, max_bytes=max_bytes)
+    return rec.step, rec.sims
+
+
+def read_feedback_record(path, *, campaign: str | None = None, run: str | None = None,
+                         max_bytes: int = 64 << 20) -> FeedbackRecord:
+    """Untrusted input: size-bounded before parsing, every field checked; another campaign's
+    or run's file is refused naming both (ConfigError)."""
     rec = read_json(path, max_bytes=max_bytes)
     if rec is None:
-        return 0, {}
+        return FeedbackRecord(0, {}, {})
     for name, want in (("campaign", campaign), ("run", run)):
         if want is not None and rec.get(name) != want:
             raise ConfigError(f"{path}: written for {name} {rec.get(name)!r}, this is {want!r}")
@@ -50,6 +69,10 @@ def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(sims, dict) \
             or isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"{path}: expected {{'step': int, 'params': [names], 'sims': {{...}}}}")
+    metrics = rec.get("metrics", {})
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                and not isinstance(v, bool) for k, v in metrics.items()):
+        raise ConfigError(f"{path}: metrics must map names to numbers, got {str(metrics)[:80]}")
     out = {}
     for sim, r in sims.items():
         try:
@@ -62,8 +85,7 @@ def read_feedback(path, *, campaign: str | None = None, run: str | None = None,
                                      samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{path}: simulation {str(sim)[:40]!r}: {type(e).__name__}: {e}") from None
-    return step, out
-
+    return FeedbackRecord(step, out, {k: float(v) for k, v in metrics.items()})
 
 
 class WavePlan:
@@ -73,6 +95,8 @@ class WavePlan:
         self._check(sampler, budget, size)
         self.path = Path(run_dir) / WAVES_FILE
         self.sampler, self.budget, self.size = sampler, budget, size
+        self.ended: str | None = None
+        """Why no wave follows (a target reached), once :meth:`end` recorded it."""
         self.waves: list[dict] = self._read()
         if self.waves:
             self.sampler.load_state_dict(self.waves[-1]["sampler"])
@@ -97,8 +121,14 @@ class WavePlan:
 
     @property
     def done(self) -> bool:
-        """Every simulation of the budget proposed."""
-        return self.proposed >= self.budget
+        """Every simulation of the budget proposed, or the plan ended early."""
+        return self.ended is not None or self.proposed >= self.budget
+
+    def end(self, reason: str) -> None:
+        """No more waves (recorded: a resumed driver proposes none either)."""
+        self._append({"end": str(reason), "proposed": self.proposed})
+        self.ended = str(reason)
+        logger.info("no more waves after %d simulation(s): %s", self.proposed, reason)
 
     @property
     def n_waves(self) -> int:
@@ -114,7 +144,7 @@ class WavePlan:
         ``check(sim_id, params)`` runs on each before anything is recorded: one that raises
         leaves no wave behind, and the sampler where it was."""
         n = min(self.size, self.budget - self.proposed)
-        if n <= 0:
+        if n <= 0 or self.ended is not None:
             return []
         before = self.sampler.state_dict()
         try:
@@ -143,14 +173,20 @@ class WavePlan:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"wave {wave['wave']} cannot be recorded as JSON ({e}): a sampler's state_dict() and "
                               f"proposals must be plain numbers, strings, lists and dicts") from None
-        with open(self.path, "a") as f:  # appended and on disk before any simulation of it starts
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        self._append(line)
         self.waves.append(wave)
         logger.info("wave %d: simulations %d-%d proposed (feedback of %d simulations, step %d)", wave["wave"], first,
                     first + n - 1, len(feedback), feedback_step)
         return [(i, dict(p)) for i, p in zip(wave["ids"], wave["params"])]
+
+    def _append(self, line: str | dict) -> None:
+        """One line, on disk before anything it decides happens."""
+        if isinstance(line, dict):
+            line = json.dumps(line) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _read(self) -> list[dict]:
         try:
@@ -177,6 +213,10 @@ class WavePlan:
         for n, raw in enumerate(complete, 1):
             try:
                 w = json.loads(raw)
+                if isinstance(w, dict) and "end" in w and n == len(complete) \
+                        and w.get("proposed") == sum(len(x["ids"]) for x in waves):
+                    self.ended = str(w["end"])  # the plan ended there (a target reached)
+                    break
                 ok = (isinstance(w, dict) and w.get("wave") == len(waves) and isinstance(w.get("ids"), list)
                       and w["ids"] == list(range(sum(len(x["ids"]) for x in waves),
                                                  sum(len(x["ids"]) for x in waves) + len(w["ids"])))
@@ -208,14 +248,18 @@ class Waves:
     (its record read) only once the run directory is claimed."""
 
     def __init__(self, make: Callable[[int, dict[str, float]], SimSpec], sampler: Sampler, *, budget: int, size: int,
-                 trigger: float = 0.5) -> None:
+                 trigger: float = 0.5, target: tuple[str, float] | None = None) -> None:
         if not callable(make):
             raise ConfigError(f"simulation={make!r}: expected a function (sim_id, params) -> SimSpec")
         if isinstance(trigger, bool) or not isinstance(trigger, (int, float)) or not 0 < trigger <= 1:
             raise ConfigError(f"wave_trigger={trigger!r}: expected the fraction in (0, 1] of a wave that must end "
                               f"before the next is proposed")
         WavePlan._check(sampler, budget, size)
+        if target is not None and not (isinstance(target, tuple) and len(target) == 2 and isinstance(target[0], str)
+                                       and isinstance(target[1], (int, float)) and not isinstance(target[1], bool)):
+            raise ConfigError(f"target={target!r}: expected (metric name, value), e.g. ('val_rel_l2', 0.05)")
         self.make, self.sampler, self.budget, self.size, self.trigger = make, sampler, budget, size, trigger
+        self.target = target
         self.definition = {"budget": budget, "wave": size, "sampler": sampler.state_dict()}
         self.plan: WavePlan | None = None
 
@@ -226,12 +270,19 @@ class Waves:
 
     def propose(self, contract) -> list[SimSpec]:
         """The next wave, from the trainer's feedback file (none yet, or unreadable: no feedback)."""
-        step, feedback = 0, {}
+        rec = FeedbackRecord(0, {}, {})
         if contract is not None:
             try:
-                step, feedback = read_feedback(contract.feedback_file, campaign=contract.campaign)
+                rec = read_feedback_record(contract.feedback_file, campaign=contract.campaign)
             except ConfigError as e:
                 logger.warning("the trainer's feedback is unusable (%s): this wave takes no feedback", e)
+        step, feedback = rec.step, rec.sims
+        if self.target is not None and self.plan.waves:
+            name, bound = self.target
+            value = rec.metrics.get(name)
+            if value is not None and math.isfinite(value) and value <= bound:
+                self.plan.end(f"{name} {value:.4g} <= {bound:g} at training step {step}")
+                return []
         specs: dict[int, SimSpec] = {}
         check = lambda i, p: specs.__setitem__(i, self._spec(i, p))  # noqa: E731 -- built before it is recorded
         try:

@@ -7,8 +7,8 @@ forward: collective under FSDP, so every rank does it at the same steps) and kee
 simulation, an exponential average of the loss of its samples. Then rank 0 gathers every
 rank's table (each rank trains on the simulations routed to it) and replaces
 ``run_dir/feedback.json`` atomically: ``{"campaign", "run", "step", "time", "params": [names],
-"sims": {sim: {"params": [...], "loss", "samples", "age"}}}``, ``age`` being the steps since
-the simulation's loss was last evaluated. The driver reads it with
+"metrics": {"loss", "val_rel_l2", ...}, "sims": {sim: {"params": [...], "loss", "samples",
+"age"}}}``, ``age`` being the steps since the simulation's loss was last evaluated. The driver reads it with
 :func:`hpcml.ensemble.waves.read_feedback`. The table is saved with every checkpoint and
 comes back on resume, so a resumed campaign's sampler sees the feedback it would have seen.
 """
@@ -45,6 +45,8 @@ class SimFeedback:
         self.path, self.every, self.comm = (Path(path) if path else None), every, comm
         self.param_names, self.campaign, self.run, self.ema = list(param_names), campaign, run, ema
         self.sims: dict[int, dict[str, Any]] = {}
+        self.metrics: dict[str, float] = {}
+        """Run-wide figures published beside the table (the latest loss, a validation error)."""
         self.published_at: int | None = None
 
     def step(self, trainer, batch, step: int) -> None:
@@ -90,6 +92,7 @@ class SimFeedback:
                                                                  default=0))]
         write_json(self.path, {
             "campaign": self.campaign, "run": self.run, "step": step, "time": time.time(), "params": names,
+            "metrics": {k: v for k, v in self.metrics.items() if math.isfinite(v)},
             "sims": {str(sim): {"params": r["params"], "loss": r["loss"], "samples": r["samples"],
                                 "age": None if r["at"] is None else step - r["at"]}
                      for sim, r in sorted(table.items())}})

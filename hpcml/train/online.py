@@ -86,9 +86,12 @@ class OnlineConfig:
     (:mod:`hpcml.train.feedback`; ``feedback.json`` in a campaign; None: not kept)."""
     feedback_every: int = 10
     """Steps between evaluations of the batch per simulation (one extra forward each)."""
+    val_every: int = 0
+    """Steps between validations by the run's ``validate`` (published as feedback metrics, for a
+    campaign's target; 0: none during training)."""
 
     def __post_init__(self) -> None:
-        for name, least in (("keep", 1), ("ckpt_every", 0), ("feedback_every", 1)):
+        for name, least in (("keep", 1), ("ckpt_every", 0), ("feedback_every", 1), ("val_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= {least}")
@@ -139,7 +142,10 @@ class OnlineRun:
     """One online training run: resume, train, drain, report (see the module docstring)."""
 
     def __init__(self, trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
-                 on_step: Callable[[dict], None] | None = None) -> None:
+                 on_step: Callable[[dict], None] | None = None,
+                 validate: Callable[[], dict[str, float]] | None = None) -> None:
+        """``validate()``: run-wide figures (a held-out error), every ``config.val_every`` steps
+        on every rank (it may be collective), published with the feedback."""
         from hpcml.stream.loader import StreamLoader
         from hpcml.train.checkpointing import CheckpointHook
 
@@ -152,6 +158,7 @@ class OnlineRun:
             raise ConfigError(f"trainer.config.batch={self.batch!r}: online training takes the per-rank batch from "
                               f"the trainer's config (FieldTrainConfig(batch=...)), an integer >= 1")
         self.trainer, self.source, self.grid, self.config, self.on_step = trainer, source, grid, config, on_step
+        self.validate = validate
         self.comm, self.rank = grid.comm, grid.rank
         self.steps = trainer.config.steps
         capacity = source.buffer.config.capacity
@@ -249,7 +256,11 @@ class OnlineRun:
                 first = False
             m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
             if self.feedback is not None:
-                self.feedback.step(self.trainer, batch, self.trainer.step)
+                step = self.trainer.step
+                self.feedback.metrics["loss"] = float(m["loss"])
+                if self.validate is not None and self.config.val_every and step % self.config.val_every == 0:
+                    self.feedback.metrics.update({**self.validate(), "val_step": float(step)})  # before the publish
+                self.feedback.step(self.trainer, batch, step)
             if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
                 self.hook(self.trainer, {**m, "stop": False})
             if self.on_step is not None:

@@ -76,7 +76,7 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         result, run, grid = _run(model, c, params=params, fields=fields, scales=scales, steps=steps, batch=batch,
                                  config=config, buffer=buffer, online=online, parallel=parallel, loss_fn=loss_fn,
                                  files=files, server=_with_shape(server, shape), on_step=on_step,
-                                 torch_threads=torch_threads)
+                                 torch_threads=torch_threads, val_files=val_files)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         _close_stream(c, str(e))
@@ -123,7 +123,7 @@ def _close_stream(c: Contract, why: str) -> None:
 
 
 def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,
-         files, server, on_step, torch_threads):
+         files, server, on_step, torch_threads, val_files=()):
     import torch
 
     from hpcml.grid import ProcessGrid, install_abort_handler
@@ -156,11 +156,44 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
     ocfg = online or OnlineConfig.from_campaign(c, ckpt_every=max(1, cfg.steps // 20))
     if files is not None:
         ocfg = replace(ocfg, endpoints_file=None)
-    run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step)
+    run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step,
+                    validate=_validator(trainer, grid.comm, val_files, params, fields) if val_files else None)
     result = run.run()
     if rank == 0 and result.resumed_at is not None:
         print(f"[train] resumed at step {result.resumed_at} from {ocfg.ckpt_dir}", flush=True)
     return result, run, grid
+
+
+def _validator(trainer, comm, val_files, params, fields) -> Callable[[], dict[str, float]]:
+    """The held-out error during training (``OnlineConfig.val_every``): rank 0 lists the
+    held-out files there are so far -- they may still be being written -- reads the new ones
+    (a file it cannot read yet is tried again next time) and sends every rank the same
+    samples; every rank predicts (collective under FSDP)."""
+    import numpy as np
+
+    from hpcml.stream.files import read_samples
+
+    seen: dict[str, list] = {}
+
+    def validate() -> dict[str, float]:
+        new = {}
+        if comm.Get_rank() == 0:
+            files = val_files() if callable(val_files) else val_files
+            for f in sorted(str(v) for v in files):
+                if f not in seen and Path(f).is_file():
+                    try:
+                        new[f] = read_samples(f, fields, params)
+                    except Exception:  # noqa: BLE001 -- being written: the next validation reads it
+                        continue
+        seen.update(comm.bcast(new))
+        vals = [s for f in sorted(seen) for s in seen[f]]
+        if not vals:
+            return {}
+        err = trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
+                             np.stack([s.fields[0] for s in vals]))
+        return {"val_rel_l2": float(err), "val_samples": float(len(vals))}
+
+    return validate
 
 
 def _report(run, result, val_files, params, fields, report: bool, rank: int) -> None:

@@ -407,3 +407,31 @@ def test_feedback_reports_every_simulation_and_survives_a_resume(comm, tmp_path_
     assert evaluated and all(0 < st.loss < 10 for st in evaluated)
     with pytest.raises(ConfigError, match=r"written for campaign 'c1', this is 'c2'$"):
         read_feedback(fb, campaign="c2")
+
+
+def test_periodic_validation_is_published_for_the_campaigns_target(comm, tmp_path_factory):
+    """Issue 25: with ``val_every`` the held-out error of the files there are (rank 0 lists
+    and reads them, every rank predicts) goes into feedback.json's metrics with the latest
+    loss; the value is the trainer's own rel_l2 on those files."""
+    from hpcml.ensemble.waves import read_feedback_record
+    from hpcml.stream.files import read_samples
+    from hpcml.train.online import OnlineRun
+    from hpcml.train.surrogate_job import _validator
+
+    files = _blob_files(comm, tmp_path_factory)
+    root = files[0].parent
+    held_out, train_files = files[:2], files[2:]
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, source = _trainer_and_source(grid, train_files, 6)
+    validate = _validator(trainer, comm, lambda: held_out + [root / "not_yet.h5"], ("v", "w"), ("u",))
+    cfg = OnlineConfig(feedback_file=str(root / "fb_val.json"), feedback_every=2, val_every=4, campaign="c")
+    result = OnlineRun(trainer, source, grid=grid, config=cfg, validate=validate).run()
+    assert result.status == "ok", result.problems
+    rec = read_feedback_record(root / "fb_val.json", campaign="c")
+    assert rec.step == 6 and rec.metrics["val_step"] == 4.0 and rec.metrics["val_samples"] == 2 * N_OUT
+    vals = [s for f in held_out for s in read_samples(f, ("u",), ("v", "w"))]
+    assert 0 < rec.metrics["val_rel_l2"] < 10 and rec.metrics["loss"] == pytest.approx(trainer.history[-1]["loss"])
+    now = trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
+                         np.stack([s.fields[0] for s in vals]))
+    assert validate()["val_rel_l2"] == pytest.approx(now)  # the same figure the final report computes

@@ -134,3 +134,37 @@ def test_a_streaming_campaign_gives_every_trainer_rank_a_simulation_in_every_wav
                                           r"every trainer rank a simulation .* use wave >= 4$"):
         c.run_adaptive(lambda i, p: None, Halton(BOUNDS), budget=8, wave=2, training=job)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_target_reached_ends_the_plan_for_good(tmp_path):
+    from types import SimpleNamespace
+
+    from hpcml.ensemble.spec import SimSpec
+    from hpcml.ensemble.waves import Waves
+
+    def make(i, p):
+        return SimSpec(sim_id=i, params=p, argv=["true"])
+
+    fb = tmp_path / "feedback.json"
+    contract = SimpleNamespace(feedback_file=fb, campaign="c")
+    w = Waves(make, Halton(BOUNDS), budget=12, size=4, target=("val_rel_l2", 0.05))
+    w.open(tmp_path)
+    fb.write_text(json.dumps({"campaign": "c", "step": 5, "params": ["k", "q"], "sims": {},
+                              "metrics": {"val_rel_l2": 0.01}}))
+    assert [s.sim_id for s in w.propose(contract)] == [0, 1, 2, 3]  # the first wave is never skipped
+    fb.write_text(json.dumps({"campaign": "c", "step": 9, "params": ["k", "q"], "sims": {},
+                              "metrics": {"val_rel_l2": 0.2, "loss": 0.1}}))
+    assert [s.sim_id for s in w.propose(contract)] == [4, 5, 6, 7]  # not reached: the next wave
+    fb.write_text(json.dumps({"campaign": "c", "step": 20, "params": ["k", "q"], "sims": {},
+                              "metrics": {"val_rel_l2": 0.04}}))
+    assert w.propose(contract) == [] and w.plan.done
+    assert w.plan.ended == "val_rel_l2 0.04 <= 0.05 at training step 20"
+    again = Waves(make, Halton(BOUNDS), budget=12, size=4, target=("val_rel_l2", 0.05))
+    assert [s.sim_id for s in again.open(tmp_path)] == list(range(8))
+    assert again.plan.done and again.plan.ended == w.plan.ended  # a resumed driver proposes none either
+    with pytest.raises(ConfigError, match=r"^target=0\.05: expected \(metric name, value\)"):
+        Waves(make, Halton(BOUNDS), budget=12, size=4, target=0.05)
+    lines = (tmp_path / WAVES_FILE).read_text().splitlines()
+    (tmp_path / WAVES_FILE).write_text("\n".join([lines[0], lines[2], lines[1]]) + "\n")  # an end mid-record
+    with pytest.raises(ConfigError, match=r"line 2: not the next wave"):
+        WavePlan(tmp_path, Halton(BOUNDS), budget=12, size=4)

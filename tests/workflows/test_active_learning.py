@@ -48,7 +48,9 @@ TRAINER = textwrap.dedent("""
                                          "samples": 3, "age": 0}
         step += 1
         tmp = os.path.join(run_dir, ".feedback.tmp")
-        json.dump({"campaign": campaign, "run": run, "step": step, "params": ["k", "q"], "sims": sims}, open(tmp, "w"))
+        metrics = {"val_rel_l2": 1.0 / max(1, len(sims)), "loss": 0.5}  # better with every simulation
+        json.dump({"campaign": campaign, "run": run, "step": step, "params": ["k", "q"], "sims": sims,
+                   "metrics": metrics}, open(tmp, "w"))
         os.replace(tmp, os.path.join(run_dir, "feedback.json"))
         time.sleep(0.1)
 """)
@@ -72,7 +74,7 @@ def _make(tmp: Path):
     return make
 
 
-def campaign_run(run_dir: str, resume: bool = False):
+def campaign_run(run_dir: str, resume: bool = False, target=None):
     run_dir = Path(run_dir)
     tmp = run_dir.parent
     (tmp / "trainer.py").write_text(TRAINER)
@@ -81,7 +83,7 @@ def campaign_run(run_dir: str, resume: bool = False):
     c = Campaign(run_dir=run_dir, config=lambda: parsl.Config(
         executors=[parsl.ThreadPoolExecutor(label="sims", max_threads=4)], retries=0),
         sim_launch="", max_concurrent=4, progress=False)
-    return c.run_adaptive(_make(tmp), sampler, budget=12, wave=4, wave_trigger=1.0, resume=resume,
+    return c.run_adaptive(_make(tmp), sampler, budget=12, wave=4, wave_trigger=1.0, resume=resume, target=target,
                           training=TrainingJob(argv=[sys.executable, str(tmp / "trainer.py")], stream=False,
                                                nodes=1))
 
@@ -137,3 +139,16 @@ def test_a_driver_killed_between_waves_resumes_the_same_waves(tmp_path):
     assert after[:2] == before and len(after) == 3
     assert _completed_once(run_dir) == {i: 1 for i in range(12)}
     assert len(res.skipped) >= 1  # what completed before the kill was not run again
+
+
+def test_a_target_error_reached_ends_the_campaign_early(tmp_path):
+    """The user's trainer reports a held-out error of 1 / (simulations it knows): with a
+    target of 0.15 the third wave is never proposed (8 simulations give 0.125); the eight
+    finish, the trainer gets its done record, and the campaign ends ok."""
+    run_dir = tmp_path / "run"
+    res = campaign_run(str(run_dir), target=("val_rel_l2", 0.15))
+    assert res.ok and sorted(res.completed) == list(range(8)) and res.total == 8, res
+    lines = [json.loads(line) for line in (run_dir / "waves.jsonl").read_text().splitlines()]
+    assert [w.get("wave") for w in lines[:2]] == [0, 1]
+    assert lines[2]["end"].startswith("val_rel_l2 0.125 <= 0.15 at training step ") and lines[2]["proposed"] == 8
+    assert sorted(json.loads((run_dir / "sims_done.json").read_text())["completed"]) == list(range(8))
