@@ -1,0 +1,181 @@
+"""Adaptive sampling (Breed) against Halton at equal simulation budget (issue 25).
+
+The kernel is Gray-Scott (``kernels/gray_scott.py``) over Pearson's (F, k) map: where the
+feed and kill rates let v die out, u relaxes to a uniform field that any surrogate learns
+at once; near the boundary of the pattern-forming region the same initial squares grow
+into spots, stripes or waves whose shape changes fast with (F, k). The difficulty varies by
+orders of magnitude across the space, which is what adaptive sampling should find. (heat2d
+is smooth everywhere: no region for a sampler to find.)
+
+Each of ``--seeds`` seeds runs the same loop twice, once per sampler: waves of ``--wave``
+simulations up to ``--budget``, the real kernel run in-process for each (one rank,
+``MemorySink``), hpcml's FieldTrainer and MLPSurrogate trained ``--steps-per-wave`` steps on
+every sample so far after each wave, the per-simulation loss of those samples as the
+feedback (what ``hpcml.train.feedback`` publishes), and the next wave asked of the
+sampler. After every wave the surrogate is scored on a fixed held-out set drawn uniformly
+from the whole space: relative L2 per held-out simulation, mean and p95. The campaign
+machinery (Parsl, the stream, the wave record) is tested in tests/workflows; this measures
+the sampler.
+
+    python benchmarks/active_learning.py --json          # ~3 min on 2 cores
+    python benchmarks/active_learning.py --quick --json  # ~1 min: a smoke run
+
+The last JSON line carries ``p95_ratio`` and ``mean_ratio`` (adaptive / Halton at the full
+budget, the mean over seeds), ``sims_ratio`` (simulations adaptive needed to reach Halton's
+final p95, over the budget; null if it never did), ``seeds``, per-seed figures and the
+cost (driver CPU seconds in the sampler, feedback bytes per wave).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BOUNDS = {"F": (0.01, 0.07), "k": (0.045, 0.07)}
+
+
+def simulate(params: dict, args, cache: dict) -> list[tuple[float, np.ndarray]]:
+    """(t, u field) of each output of one Gray-Scott run at ``params`` (cached)."""
+    key = (params["F"], params["k"])
+    if key not in cache:
+        from mpi4py import MPI
+
+        from kernels.common import MemorySink
+        from kernels.gray_scott import GrayScottConfig, run
+
+        cfg = GrayScottConfig(nx=args.nx, ny=args.nx, steps=args.gs_steps, every=args.every, F=params["F"],
+                              k=params["k"], seed=1)
+        sink = MemorySink()
+        run(MPI.COMM_SELF, cfg, sink)
+        cache[key] = [(t, f["u"].astype(np.float32)) for _, t, f in sink.records]
+    return cache[key]
+
+
+def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> dict:
+    import torch
+
+    from hpcml.ensemble.sampling import Breed, Halton, SimStats
+    from hpcml.grid import ProcessGrid
+    from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
+    from hpcml.stream.buffer import Sample
+    from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    sampler = Halton(BOUNDS, seed=seed) if kind == "halton" else Breed(
+        bounds=BOUNDS, seed=seed, r_end=args.r_end, ramp_waves=args.ramp, sigma=args.sigma, parents=args.parents)
+    grid = ProcessGrid(dp=-1)
+    t_max = args.gs_steps * simulate(held_out[0], args, cache)[0][0] / args.every
+    scales = FieldScales(param_lo=tuple(b[0] for b in BOUNDS.values()), param_hi=tuple(b[1] for b in BOUNDS.values()),
+                         t_max=t_max, field_offset=0.6, field_scale=0.3)
+    n_waves = -(-args.budget // args.wave)
+    trainer = FieldTrainer(MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=args.nx, ny=args.nx, hidden=args.hidden,
+                                                           depth=3)),
+                           grid, FieldTrainConfig(steps=n_waves * args.steps_per_wave, batch=args.batch, lr=2e-3,
+                                                  progress=False, log_every=10**9), scales)
+    samples: list[Sample] = []
+    by_sim: dict[int, list[Sample]] = {}
+    feedback: dict[str, SimStats] = {}
+    curve, sampler_s, feedback_bytes = [], 0.0, []
+    val = [(p, simulate(p, args, cache)) for p in held_out]
+    while len(by_sim) < args.budget:
+        t = time.process_time()
+        wave = sampler.propose(min(args.wave, args.budget - len(by_sim)), feedback)
+        sampler_s += time.process_time() - t
+        for p in wave:
+            sim = len(by_sim)
+            out = [Sample(sim, i, tt, np.array([p["F"], p["k"]], np.float32), u[None])
+                   for i, (tt, u) in enumerate(simulate(p, args, cache))]
+            by_sim[sim] = out
+            samples += out
+        for _ in range(args.steps_per_wave):
+            trainer.train_step([samples[i] for i in rng.integers(0, len(samples), args.batch)])
+        feedback = {}
+        for sim, ss in by_sim.items():
+            loss = float(np.mean(trainer.sample_losses(ss)))
+            feedback[str(sim)] = SimStats(params={"F": float(ss[0].params[0]), "k": float(ss[0].params[1])},
+                                          loss=loss, samples=len(ss))
+        feedback_bytes.append(len(json.dumps({str(k): {"params": list(v.params.values()), "loss": v.loss,
+                                                        "samples": v.samples, "age": 0}
+                                               for k, v in feedback.items()})))
+        errs = []
+        for p, outs in val:
+            pred = trainer.predict(np.array([[p["F"], p["k"]]] * len(outs), np.float32),
+                                   np.array([tt for tt, _ in outs], np.float32))
+            true = np.stack([u for _, u in outs])
+            errs.append(float(np.linalg.norm(pred - true) / max(float(np.linalg.norm(true)), 1e-12)))
+        curve.append({"sims": len(by_sim), "mean": float(np.mean(errs)), "p95": float(np.percentile(errs, 95))})
+    hard = [k for k, v in feedback.items() if v.loss >= np.percentile([x.loss for x in feedback.values()], 75)]
+    return {"curve": curve, "sampler_cpu_s": sampler_s, "feedback_bytes_per_wave": int(np.mean(feedback_bytes)),
+            "points": [[v.params["F"], v.params["k"]] for v in feedback.values()], "hard_quarter": len(hard)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--wave", type=int, default=8)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--nx", type=int, default=32)
+    p.add_argument("--gs-steps", type=int, default=3000)
+    p.add_argument("--every", type=int, default=375)
+    p.add_argument("--held-out", type=int, default=48)
+    p.add_argument("--steps-per-wave", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--r-end", type=float, default=0.75)
+    p.add_argument("--ramp", type=int, default=3)
+    p.add_argument("--sigma", type=float, default=0.06)
+    p.add_argument("--parents", type=float, default=0.2)
+    p.add_argument("--quick", action="store_true", help="a smoke run: budget 16, waves of 4, 1 seed, small grid")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.budget, args.wave, args.seeds, args.nx, args.gs_steps, args.every = 16, 4, 1, 16, 600, 150
+        args.held_out, args.steps_per_wave = 8, 30
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    rng = np.random.default_rng(12345)  # the held-out set: uniform over the whole space, the same for every run
+    held_out = [{k: float(rng.uniform(*b)) for k, b in BOUNDS.items()} for _ in range(args.held_out)]
+    cache: dict = {}
+    t0 = time.perf_counter()
+    per_seed = []
+    for seed in range(args.seeds):
+        runs = {kind: one_run(kind, seed, held_out, args, cache) for kind in ("halton", "breed")}
+        h, b = runs["halton"]["curve"], runs["breed"]["curve"]
+        reach = next((c["sims"] for c in b if c["p95"] <= h[-1]["p95"]), None)
+        row = {"seed": seed, "halton": h[-1], "breed": b[-1], "p95_ratio": b[-1]["p95"] / h[-1]["p95"],
+               "mean_ratio": b[-1]["mean"] / h[-1]["mean"],
+               "sims_ratio": None if reach is None else reach / args.budget,
+               "curves": {"halton": h, "breed": b},
+               "cost": {k: {"sampler_cpu_s": runs[k]["sampler_cpu_s"],
+                            "feedback_bytes_per_wave": runs[k]["feedback_bytes_per_wave"]} for k in runs},
+               "points": {k: runs[k]["points"] for k in runs}}
+        per_seed.append(row)
+        if not args.json:
+            print(f"seed {seed}: p95 Halton {h[-1]['p95']:.4f} Breed {b[-1]['p95']:.4f} "
+                  f"(ratio {row['p95_ratio']:.3f}); mean {h[-1]['mean']:.4f} / {b[-1]['mean']:.4f}; "
+                  f"Halton's final p95 reached by Breed at {reach} of {args.budget} simulations", flush=True)
+    reached = [r["sims_ratio"] for r in per_seed]
+    out = {"benchmark": "active_learning", "kernel": "gray_scott", "bounds": BOUNDS, "budget": args.budget,
+           "wave": args.wave, "held_out": args.held_out, "nx": args.nx, "gs_steps": args.gs_steps,
+           "steps_per_wave": args.steps_per_wave, "breed": {"r_end": args.r_end, "ramp_waves": args.ramp,
+                                                            "sigma": args.sigma, "parents": args.parents},
+           "seconds": time.perf_counter() - t0, "seeds": args.seeds,
+           "p95_ratio": float(np.mean([r["p95_ratio"] for r in per_seed])),
+           "mean_ratio": float(np.mean([r["mean_ratio"] for r in per_seed])),
+           "sims_ratio": None if None in reached else float(np.mean(reached)),
+           "per_seed": per_seed}
+    print(json.dumps(out) if args.json else f"p95_ratio {out['p95_ratio']:.3f} mean_ratio {out['mean_ratio']:.3f} "
+          f"sims_ratio {out['sims_ratio']}")
+
+
+if __name__ == "__main__":
+    main()
