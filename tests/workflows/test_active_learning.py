@@ -152,3 +152,51 @@ def test_a_target_error_reached_ends_the_campaign_early(tmp_path):
     assert [w.get("wave") for w in lines[:2]] == [0, 1]
     assert lines[2]["end"].startswith("val_rel_l2 0.125 <= 0.15 at training step ") and lines[2]["proposed"] == 8
     assert sorted(json.loads((run_dir / "sims_done.json").read_text())["completed"]) == list(range(8))
+
+
+class WorstNeighbour:
+    """A user's own sampler, not hpcml's: the first wave on a diagonal, then each new point a
+    step away from the simulation with the highest reported loss (its own RNG, its own state)."""
+
+    def __init__(self, seed: int = 0):
+        import random
+
+        self.seed, self.calls, self.random = seed, 0, random.Random(seed)
+
+    def propose(self, n, feedback):
+        self.calls += 1
+        if not feedback:
+            return [{"k": 0.1 + 9.9 * (i + 0.5) / n, "q": -1.0 + 2.0 * (i + 0.5) / n} for i in range(n)]
+        worst = max(feedback.values(), key=lambda s: (s.loss, s.params["q"]))
+        out = []
+        for _ in range(n):
+            k = min(10.0, max(0.1, worst.params["k"] * (1 + 0.2 * self.random.uniform(-1, 1))))
+            q = min(1.0, max(-1.0, worst.params["q"] + 0.05 * self.random.uniform(-1, 1)))
+            out.append({"k": k, "q": q})
+        return out
+
+    def state_dict(self):
+        return {"seed": self.seed, "calls": self.calls, "random": repr(self.random.getstate())}
+
+    def load_state_dict(self, state):
+        import ast
+
+        self.seed, self.calls = state["seed"], state["calls"]
+        self.random.setstate(ast.literal_eval(state["random"]))
+
+
+def test_a_users_own_sampler_runs_adaptively(tmp_path):
+    """The same campaign with a sampler of the user's own: after the first wave every point is
+    near the worst simulation the trainer reported (q > 0.5), and the record holds its state."""
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    run_dir = tmp_path / "run"
+    c = Campaign(run_dir=run_dir, config=lambda: parsl.Config(
+        executors=[parsl.ThreadPoolExecutor(label="sims", max_threads=4)], retries=0),
+        sim_launch="", max_concurrent=4, progress=False)
+    res = c.run_adaptive(_make(tmp_path), WorstNeighbour(seed=5), budget=8, wave=4, wave_trigger=1.0,
+                         training=TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py")], stream=False,
+                                              nodes=1))
+    assert res.ok and sorted(res.completed) == list(range(8)), res
+    waves = _waves(run_dir)
+    assert waves[0]["params"][3]["q"] == pytest.approx(0.75) and waves[1]["sampler"]["calls"] == 2
+    assert all(p["q"] > 0.65 for p in waves[1]["params"]), waves[1]["params"]  # around the worst: q = 0.75
