@@ -227,6 +227,22 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dic
     """A protocol record, or None if the file is not there; ConfigError naming the file when
     it is not a regular file (a FIFO would block the reader, a symbolic link could point
     anywhere), too large, not JSON or not an object (checked for size before parsing)."""
+    data = read_bytes(path, max_bytes, "a small JSON record")
+    if data is None:
+        return None
+    try:
+        rec = json.loads(data)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from None
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(rec).__name__}")
+    return rec
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int, expected: str) -> bytes | None:
+    """A protocol file's bytes, or None if it is not there; ConfigError naming the file when
+    it is not a regular file (opened non-blocking, no links followed) or holds more than
+    ``max_bytes`` (``expected`` says what it should have been)."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -246,14 +262,8 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dic
         if fd >= 0:
             os.close(fd)
     if len(data) > max_bytes:
-        raise ConfigError(f"{path}: larger than {max_bytes} bytes, expected a small JSON record")
-    try:
-        rec = json.loads(data)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(rec).__name__}")
-    return rec
+        raise ConfigError(f"{path}: larger than {max_bytes} bytes, expected {expected}")
+    return data
 
 
 def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",

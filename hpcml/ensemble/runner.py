@@ -59,8 +59,7 @@ class Run:
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
         self.streams = streaming(training, ready_file)
         self.ready_file = ready_file if ready_file is not None or not self.streams else self.run_dir / ENDPOINTS_FILE
-        self.sims = [Sim(spec=s, dir=attempts.sim_dir(self.run_dir, s.sim_id),
-                         streams=self.streams and s.stream is not False) for s in sims]
+        self.sims = [self._sim(s) for s in sims]
         self.pool = SimPool(c, self.run_dir, self.sims, check=self._check_trainer, stopping=self._stopping,
                             show=self._show)
         self.pool.on_complete = self._completed
@@ -123,9 +122,7 @@ class Run:
                                   resume=self.resume, adaptive=self.waves.definition if self.waves else None)
         try:
             if self.waves:  # the waves proposed by an earlier run of this campaign: the same simulations
-                self.sims += [Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
-                                  streams=self.streams and spec.stream is not False)
-                              for spec in self.waves.open(self.run_dir)]
+                self.sims += [self._sim(spec) for spec in self.waves.open(self.run_dir)]
             self.contract = self._contract()
             self._prepare()
             return self._go(t0, alloc is None, train_hosts, sim_hosts)
@@ -272,9 +269,13 @@ class Run:
         return self.streams and self.training is not None and rank_idle(
             [s.spec.sim_id for s in self.pool.inflight.values() if s.streams], self.c.train_ranks(self.training))
 
+    def _sim(self, spec: SimSpec) -> Sim:
+        return Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
+                   streams=self.streams and spec.stream is not False)
+
     def _add(self, spec: SimSpec) -> Sim:
-        s = Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
-                streams=self.streams and spec.stream is not False)
+        """A simulation of a new wave, set up as :meth:`_prepare` sets up the others."""
+        s = self._sim(spec)
         rundir.record_spec(self.run_dir, spec)
         s.first = attempts.next_attempt(s.dir)
         self.sims.append(s)

@@ -115,14 +115,20 @@ def _n(n: object) -> int:
     return int(n)
 
 
-def _state(state: object, kind: str, keys: Collection[str]) -> dict:
-    if not isinstance(state, Mapping) or state.get("kind") != kind or set(state) != {"kind", *keys}:
-        raise ConfigError(f"{kind}.load_state_dict: expected {{'kind': {kind!r}, {', '.join(sorted(keys))}}}, "
+def _state(state: object, kind: str, keys: Collection[str], others: Collection[str] = (), *,
+           seed: int | None = None, name: str | None = None) -> dict:
+    """A state dict of ``kind`` with exactly ``keys`` (integers >= 0) and ``others``, drawn with
+    ``seed`` when one is given; errors say ``name.load_state_dict`` (default: the kind)."""
+    who = f"{name or kind}.load_state_dict"
+    if not isinstance(state, Mapping) or state.get("kind") != kind or set(state) != {"kind", *keys, *others}:
+        raise ConfigError(f"{who}: expected {{'kind': {kind!r}, {', '.join(sorted([*keys, *others]))}}}, "
                           f"got {str(state)[:120]}")
+    if seed is not None and state.get("seed") != seed:
+        raise ConfigError(f"{who}: the state was drawn with seed {state.get('seed')}, this sampler has seed {seed}")
     for k in keys:
         v = state[k]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{kind}.load_state_dict: {k}={v!r}, expected an integer >= 0")
+            raise ConfigError(f"{who}: {k}={v!r}, expected an integer >= 0")
     return dict(state)
 
 
@@ -153,11 +159,7 @@ class _Sequence:
         return {"kind": self.kind, "seed": self.seed, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict) -> None:
-        s = _state(state, self.kind, ("seed", "drawn"))
-        if s["seed"] != self.seed:
-            raise ConfigError(f"{self.kind}.load_state_dict: the state was drawn with seed {s['seed']}, this sampler "
-                              f"has seed {self.seed}")
-        self.drawn = s["drawn"]
+        self.drawn = _state(state, self.kind, ("seed", "drawn"), seed=self.seed)["drawn"]
 
 
 class Halton(_Sequence):
@@ -366,15 +368,6 @@ class Breed:
         return {"kind": "breed", "seed": self.seed, "wave": self.wave, "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, Mapping) or state.get("kind") != "breed" or set(state) != {"kind", "seed", "wave",
-                                                                                             "base"}:
-            raise ConfigError(f"Breed.load_state_dict: expected {{'kind': 'breed', seed, wave, base}}, got "
-                              f"{str(state)[:120]}")
-        if state["seed"] != self.seed:
-            raise ConfigError(f"Breed.load_state_dict: the state was drawn with seed {state['seed']}, this sampler "
-                              f"has seed {self.seed}")
-        w = state["wave"]
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            raise ConfigError(f"Breed.load_state_dict: wave={w!r}, expected an integer >= 0")
-        self.base.load_state_dict(state["base"])
-        self.wave = w
+        s = _state(state, "breed", ("seed", "wave"), ("base",), seed=self.seed, name="Breed")
+        self.base.load_state_dict(s["base"])
+        self.wave = s["wave"]

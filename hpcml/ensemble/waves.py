@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcml.contract import read_json
+from hpcml.contract import read_bytes, read_json
 from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
@@ -189,19 +188,9 @@ class WavePlan:
             os.fsync(f.fileno())
 
     def _read(self) -> list[dict]:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
+        data = read_bytes(self.path, MAX_BYTES, "a wave record of this library")
+        if data is None:
             return []
-        except OSError as e:
-            raise ConfigError(f"{self.path}: {e.strerror}; expected a regular file") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ConfigError(f"{self.path}: not a regular file")
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-        if len(data) > MAX_BYTES:
-            raise ConfigError(f"{self.path}: larger than {MAX_BYTES} bytes: not a wave record of this library")
         lines = data.split(b"\n")
         complete, torn = lines[:-1], lines[-1]
         if torn:  # cut off, so that the next wave starts a line of its own
@@ -210,16 +199,15 @@ class WavePlan:
                 f.truncate(len(data) - len(torn))
                 os.fsync(f.fileno())
         waves: list[dict] = []
+        first = 0  # the id the next recorded wave starts at
         for n, raw in enumerate(complete, 1):
             try:
                 w = json.loads(raw)
-                if isinstance(w, dict) and "end" in w and n == len(complete) \
-                        and w.get("proposed") == sum(len(x["ids"]) for x in waves):
+                if isinstance(w, dict) and "end" in w and n == len(complete) and w.get("proposed") == first:
                     self.ended = str(w["end"])  # the plan ended there (a target reached)
                     break
                 ok = (isinstance(w, dict) and w.get("wave") == len(waves) and isinstance(w.get("ids"), list)
-                      and w["ids"] == list(range(sum(len(x["ids"]) for x in waves),
-                                                 sum(len(x["ids"]) for x in waves) + len(w["ids"])))
+                      and w["ids"] == list(range(first, first + len(w["ids"])))
                       and isinstance(w.get("params"), list) and len(w["params"]) == len(w["ids"])
                       and all(isinstance(p, dict) and all(isinstance(v, (int, float)) for v in p.values())
                               for p in w["params"]) and isinstance(w.get("sampler"), dict))
@@ -227,8 +215,9 @@ class WavePlan:
                 ok = False
             if not ok:
                 raise ConfigError(f"{self.path}, line {n}: not the next wave of this record (wave {len(waves)}, "
-                                  f"simulations numbered on from {sum(len(x['ids']) for x in waves)})")
+                                  f"simulations numbered on from {first})")
             waves.append(w)
+            first += len(w["ids"])
         return waves
 
 

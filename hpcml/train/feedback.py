@@ -48,9 +48,11 @@ class SimFeedback:
         self.metrics: dict[str, float] = {}
         """Run-wide figures published beside the table (the latest loss, a validation error)."""
         self.published_at: int | None = None
+        self._published: dict[int, dict[str, Any]] | None = None  # the merged table, until the next step
 
     def step(self, trainer, batch, step: int) -> None:
         """After a training step on ``batch`` (collective every ``every`` steps)."""
+        self._published = None  # every rank steps together: all drop it alike
         for s in batch:
             rec = self.sims.get(s.sim)
             if rec is None:
@@ -84,7 +86,7 @@ class SimFeedback:
 
     def publish(self, step: int) -> None:
         """Gather and, on rank 0, replace the file (collective)."""
-        table = self.merged()
+        table = self._published = self.merged()
         self.published_at = step
         if self.path is None or self.comm.Get_rank() != 0:
             return
@@ -99,8 +101,10 @@ class SimFeedback:
 
     # -- checkpoint ---------------------------------------------------------------------------
     def state(self) -> dict:
-        """The merged table for a checkpoint's ``extra`` (collective: every rank saves alike)."""
-        return {"every": self.every, "sims": {str(k): v for k, v in sorted(self.merged().items())}}
+        """The merged table for a checkpoint's ``extra`` (collective, unless it was just published:
+        every rank saves alike)."""
+        table = self._published if self._published is not None else self.merged()  # a save follows a publish
+        return {"every": self.every, "sims": {str(k): v for k, v in sorted(table.items())}}
 
     def load_state(self, state: dict | None, step: int) -> None:
         """Take back a checkpoint's table (saved at ``step``); a checkpoint from before feedback
