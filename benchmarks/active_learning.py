@@ -38,24 +38,44 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BOUNDS = {"F": (0.01, 0.07), "k": (0.045, 0.07)}
+KERNELS = {
+    # Pearson's map: dead (uniform u) to spots, stripes and waves; the pattern regions are chaotic
+    "gray_scott": {"bounds": {"F": (0.01, 0.07), "k": (0.045, 0.07)}, "field": "u", "offset": 0.6, "scale": 0.3},
+    # a Gaussian source of fixed total heat along y = 1/2: narrow ones make sharp peaks that move with x
+    "heat2d": {"bounds": {"source_x": (0.1, 0.9), "source_width": (0.02, 0.2)}, "field": "T", "offset": 0.0,
+               "scale": 0.5},
+}
 
 
 def simulate(params: dict, args, cache: dict) -> list[tuple[float, np.ndarray]]:
-    """(t, u field) of each output of one Gray-Scott run at ``params`` (cached)."""
-    key = (params["F"], params["k"])
+    """(t, field) of each output of one run of ``args.kernel`` at ``params`` (cached)."""
+    key = tuple(params.values())
     if key not in cache:
         from mpi4py import MPI
 
         from kernels.common import MemorySink
-        from kernels.gray_scott import GrayScottConfig, run
 
-        cfg = GrayScottConfig(nx=args.nx, ny=args.nx, steps=args.gs_steps, every=args.every, F=params["F"],
-                              k=params["k"], seed=1)
+        if args.kernel == "gray_scott":
+            from kernels.gray_scott import GrayScottConfig as Config, run
+
+            cfg = Config(nx=args.nx, ny=args.nx, steps=args.gs_steps, every=args.every, seed=1, **params)
+        else:
+            from kernels.heat2d import HeatConfig as Config, run
+
+            cfg = Config(nx=args.nx, ny=args.nx, steps=args.heat_steps, every=args.heat_steps // 8, alpha=0.01,
+                         t_init=0.0, source_power=0.05, source_y=0.5, **params)
         sink = MemorySink()
         run(MPI.COMM_SELF, cfg, sink)
-        cache[key] = [(t, f["u"].astype(np.float32)) for _, t, f in sink.records]
+        name = KERNELS[args.kernel]["field"]
+        cache[key] = [(t, f[name].astype(np.float32)) for _, t, f in sink.records]
     return cache[key]
+
+
+def rel_l2(trainer, samples) -> float:
+    """The relative L2 error of the surrogate over one simulation's samples."""
+    pred = trainer.predict(np.stack([s.params for s in samples]), np.array([s.t for s in samples], np.float32))
+    true = np.stack([s.fields[0] for s in samples])
+    return float(np.linalg.norm(pred - true) / max(float(np.linalg.norm(true)), 1e-12))
 
 
 def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> dict:
@@ -69,12 +89,20 @@ def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> di
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    sampler = Halton(BOUNDS, seed=seed) if kind == "halton" else Breed(
-        bounds=BOUNDS, seed=seed, r_end=args.r_end, ramp_waves=args.ramp, sigma=args.sigma, parents=args.parents)
+    kern = KERNELS[args.kernel]
+    bounds, names = kern["bounds"], list(kern["bounds"])
+    sampler = Halton(bounds, seed=seed) if kind == "halton" else Breed(
+        bounds=bounds, seed=seed, r_end=args.r_end, ramp_waves=args.ramp, sigma=args.sigma, parents=args.parents,
+        score="surprise" if args.feedback == "surprise" else "loss")
+    from mpi4py import MPI
+
+    from hpcml.train.feedback import SimFeedback
+
+    fb = SimFeedback(path=None, every=10, comm=MPI.COMM_SELF, param_names=names)  # what the trainer publishes
     grid = ProcessGrid(dp=-1)
-    t_max = args.gs_steps * simulate(held_out[0], args, cache)[0][0] / args.every
-    scales = FieldScales(param_lo=tuple(b[0] for b in BOUNDS.values()), param_hi=tuple(b[1] for b in BOUNDS.values()),
-                         t_max=t_max, field_offset=0.6, field_scale=0.3)
+    t_max = simulate(held_out[0], args, cache)[-1][0]
+    scales = FieldScales(param_lo=tuple(b[0] for b in bounds.values()), param_hi=tuple(b[1] for b in bounds.values()),
+                         t_max=t_max, field_offset=kern["offset"], field_scale=kern["scale"])
     n_waves = -(-args.budget // args.wave)
     trainer = FieldTrainer(MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=args.nx, ny=args.nx, hidden=args.hidden,
                                                            depth=3)),
@@ -91,35 +119,45 @@ def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> di
         sampler_s += time.process_time() - t
         for p in wave:
             sim = len(by_sim)
-            out = [Sample(sim, i, tt, np.array([p["F"], p["k"]], np.float32), u[None])
+            out = [Sample(sim, i, tt, np.array([p[n] for n in names], np.float32), u[None])
                    for i, (tt, u) in enumerate(simulate(p, args, cache))]
             by_sim[sim] = out
             samples += out
-        for _ in range(args.steps_per_wave):
-            trainer.train_step([samples[i] for i in rng.integers(0, len(samples), args.batch)])
+        for _ in range(args.steps_per_wave):  # as hpcml.train.online steps: fresh losses first, then the step
+            batch = [samples[i] for i in rng.integers(0, len(samples), args.batch)]
+            if fb.novel(batch):
+                fb.fresh(trainer, batch)
+            fb.metrics["loss"] = float(trainer.train_step(batch)["loss"])
+            fb.step(trainer, batch, trainer.step)
         feedback = {}
         for sim, ss in by_sim.items():
+            if args.feedback == "surprise":  # hpcml.train.feedback's out-of-sample measure (its loss beside it)
+                rec = fb.sims.get(sim)
+                if rec is None:  # not drawn into a batch yet
+                    continue
+                feedback[str(sim)] = SimStats(params=dict(zip(names, rec["params"])), loss=rec["loss"] or 0.0,
+                                              samples=rec["samples"], fresh=rec["fresh"], surprise=rec["surprise"])
+                continue
             if args.feedback == "rel_l2":  # the score's own measure, per simulation
-                pred = trainer.predict(np.stack([s.params for s in ss]), np.array([s.t for s in ss], np.float32))
-                true = np.stack([s.fields[0] for s in ss])
-                loss = float(np.linalg.norm(pred - true) / max(float(np.linalg.norm(true)), 1e-12))
+                loss = rel_l2(trainer, ss)
             else:  # what hpcml.train.feedback publishes: the training loss of its samples
                 loss = float(np.mean(trainer.sample_losses(ss)))
-            feedback[str(sim)] = SimStats(params={"F": float(ss[0].params[0]), "k": float(ss[0].params[1])},
+            feedback[str(sim)] = SimStats(params=dict(zip(names, map(float, ss[0].params))),
                                           loss=loss, samples=len(ss))
         feedback_bytes.append(len(json.dumps({str(k): {"params": list(v.params.values()), "loss": v.loss,
                                                         "samples": v.samples, "age": 0}
                                                for k, v in feedback.items()})))
         errs = []
         for p, outs in val:
-            pred = trainer.predict(np.array([[p["F"], p["k"]]] * len(outs), np.float32),
+            pred = trainer.predict(np.array([[p[n] for n in names]] * len(outs), np.float32),
                                    np.array([tt for tt, _ in outs], np.float32))
             true = np.stack([u for _, u in outs])
             errs.append(float(np.linalg.norm(pred - true) / max(float(np.linalg.norm(true)), 1e-12)))
         curve.append({"sims": len(by_sim), "mean": float(np.mean(errs)), "p95": float(np.percentile(errs, 95))})
-    hard = [k for k, v in feedback.items() if v.loss >= np.percentile([x.loss for x in feedback.values()], 75)]
-    return {"curve": curve, "sampler_cpu_s": sampler_s, "feedback_bytes_per_wave": int(np.mean(feedback_bytes)),
-            "points": [[v.params["F"], v.params["k"]] for v in feedback.values()], "hard_quarter": len(hard)}
+    score = [v.surprise if args.feedback == "surprise" else v.loss for v in feedback.values()]
+    return {"curve": curve, "held_out_errors": errs, "sampler_cpu_s": sampler_s,
+            "feedback_bytes_per_wave": int(np.mean(feedback_bytes)),
+            "points": [list(v.params.values()) for v in feedback.values()], "scores": score}
 
 
 def main() -> None:
@@ -130,6 +168,8 @@ def main() -> None:
     p.add_argument("--nx", type=int, default=32)
     p.add_argument("--gs-steps", type=int, default=3000)
     p.add_argument("--every", type=int, default=375)
+    p.add_argument("--heat-steps", type=int, default=64, help="heat2d: time steps (8 outputs)")
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="gray_scott")
     p.add_argument("--held-out", type=int, default=48)
     p.add_argument("--steps-per-wave", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
@@ -138,8 +178,10 @@ def main() -> None:
     p.add_argument("--ramp", type=int, default=3)
     p.add_argument("--sigma", type=float, default=0.06)
     p.add_argument("--parents", type=float, default=0.2)
-    p.add_argument("--feedback", choices=("mse", "rel_l2"), default="mse",
-                   help="the per-simulation loss Breed reads: the training loss (as published) or relative L2")
+    p.add_argument("--feedback", choices=("mse", "rel_l2", "surprise"), default="mse",
+                   help="what Breed reads per simulation: the training loss of its samples (mse), their relative "
+                        "L2 (rel_l2), or hpcml.train.feedback's surprise (its loss before it was trained on, over "
+                        "the training loss then)")
     p.add_argument("--quick", action="store_true", help="a smoke run: budget 16, waves of 4, 1 seed, small grid")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -150,7 +192,8 @@ def main() -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     rng = np.random.default_rng(12345)  # the held-out set: uniform over the whole space, the same for every run
-    held_out = [{k: float(rng.uniform(*b)) for k, b in BOUNDS.items()} for _ in range(args.held_out)]
+    held_out = [{k: float(rng.uniform(*b)) for k, b in KERNELS[args.kernel]["bounds"].items()}
+                for _ in range(args.held_out)]
     cache: dict = {}
     t0 = time.perf_counter()
     per_seed = []
@@ -171,7 +214,8 @@ def main() -> None:
                   f"(ratio {row['p95_ratio']:.3f}); mean {h[-1]['mean']:.4f} / {b[-1]['mean']:.4f}; "
                   f"Halton's final p95 reached by Breed at {reach} of {args.budget} simulations", flush=True)
     reached = [r["sims_ratio"] for r in per_seed]
-    out = {"benchmark": "active_learning", "kernel": "gray_scott", "bounds": BOUNDS, "budget": args.budget,
+    out = {"benchmark": "active_learning", "kernel": args.kernel, "bounds": KERNELS[args.kernel]["bounds"],
+           "budget": args.budget,
            "wave": args.wave, "held_out": args.held_out, "nx": args.nx, "gs_steps": args.gs_steps,
            "steps_per_wave": args.steps_per_wave, "feedback": args.feedback,
            "breed": {"r_end": args.r_end, "ramp_waves": args.ramp, "sigma": args.sigma, "parents": args.parents},

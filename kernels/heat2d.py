@@ -4,7 +4,12 @@
 Dirichlet temperatures on the four sides live in the ghost layer; explicit Euler in time on
 the 5-point Laplacian (second order in space, first in time: with ``dt ~ dx^2`` the error
 falls as ``dx^2``). ``init="sine"`` is the analytic case ``T = t_init exp(-2 pi^2 alpha t)
-sin(pi x) sin(pi y)`` (zero boundaries).
+sin(pi x) sin(pi y)`` (zero boundaries). ``source_power > 0`` adds a Gaussian heat source of
+that total rate, ``q(x, y) = source_power / (2 pi w^2) exp(-((x - source_x)^2 + (y -
+source_y)^2) / (2 w^2))`` with ``w = source_width``, to the right-hand side: the same heat
+from a narrower source makes a sharper, higher peak that moves with its centre, so how hard
+the field is to learn varies strongly across (centre, width) -- what an adaptive sampler is
+for (``benchmarks/active_learning.py --kernel heat2d``).
 
     mpiexec -n 4 python -m kernels.heat2d --nx 256 --ny 256 --steps 100 --every 10 --out heat.h5
 """
@@ -34,18 +39,28 @@ class HeatConfig(GridConfig):
     t_bottom: float = param(0.0, "temperature on the side y = 0")
     t_top: float = param(0.0, "temperature on the side y = 1")
     t_init: float = param(1.0, "initial interior temperature (the amplitude with --init sine)")
+    source_power: float = param(0.0, "heat a Gaussian source adds per unit time, its integral over the plane "
+                                     "(0: no source)")
+    source_x: float = param(0.5, "x of the source's centre")
+    source_y: float = param(0.5, "y of the source's centre")
+    source_width: float = param(0.1, "standard deviation of the source (> 0)")
     init: str = option("uniform", "initial condition: 'uniform' (t_init everywhere) or 'sine' (the analytic test "
                                   "case: t_init sin(pi x) sin(pi y), zero boundaries)", choices=["uniform", "sine"])
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_min(self, "alpha")
+        check_min(self, "alpha", "source_width")
+        check_min(self, "source_power", strict=False)
+        for name in ("source_x", "source_y"):
+            if not np.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.init not in ("uniform", "sine"):
             raise ConfigError(f"init must be 'uniform' or 'sine', got {self.init!r}")
         if self.init == "sine":
-            hot = {k: v for k, v in self.params.items() if k.startswith("t_") and k != "t_init" and v != 0}
+            hot = {k: v for k, v in self.params.items()
+                   if (k.startswith("t_") and k != "t_init" or k == "source_power") and v != 0}
             if hot:
-                raise ConfigError("init='sine' is the analytic case with zero boundary temperatures, got "
+                raise ConfigError("init='sine' is the analytic case with zero boundary temperatures and no source, got "
                                   + ", ".join(f"{k}={v}" for k, v in hot.items()))
         self.time_step  # noqa: B018 - validates dt against the stability limit
 
@@ -64,6 +79,16 @@ def exact(cfg: HeatConfig, t: float, decomp: Decomposition) -> np.ndarray:
     (i, j), (dx, dy) = global_indices(decomp), cfg.spacing
     decay = cfg.t_init * np.exp(-2 * np.pi**2 * cfg.alpha * t)
     return decay * np.sin(np.pi * (i + 1) * dx) * np.sin(np.pi * (j + 1) * dy)
+
+
+def source(cfg: HeatConfig, decomp: Decomposition) -> np.ndarray | None:
+    """The Gaussian source ``q`` on this rank's block (``None`` without one)."""
+    if cfg.source_power == 0:
+        return None
+    (i, j), (dx, dy) = global_indices(decomp), cfg.spacing
+    r2 = ((i + 1) * dx - cfg.source_x) ** 2 + ((j + 1) * dy - cfg.source_y) ** 2
+    w2 = cfg.source_width**2
+    return cfg.source_power / (2 * np.pi * w2) * np.exp(-r2 / (2 * w2))
 
 
 def initial_state(cfg: HeatConfig, decomp: Decomposition) -> np.ndarray:
@@ -95,9 +120,13 @@ def run(comm: MPI.Comm, cfg: HeatConfig, sink: Sink | None = None, *,
     (dx, dy), dt = cfg.spacing, cfg.time_step
     rx, ry = cfg.alpha * dt / dx**2, cfg.alpha * dt / dy**2
     stencil, inc = Stencil(decomp.local_shape), np.empty(decomp.local_shape)
+    q = source(cfg, decomp)
+    heat = None if q is None else dt * q
 
     def advance() -> None:
         state[0, 1:-1, 1:-1] += stencil.diffusion(state[0], rx, ry, out=inc)
+        if heat is not None:
+            state[0, 1:-1, 1:-1] += heat
 
     march(state, decomp, advance, cfg=cfg, names=FIELDS, sink=sink)
     return state[0, 1:-1, 1:-1].copy()

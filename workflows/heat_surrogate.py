@@ -2,14 +2,18 @@
 
     python workflows/heat_surrogate.py --site local --sims 16 --mode online --run-dir runs/demo
     python workflows/heat_surrogate.py --site local --sims 16 --mode offline --run-dir runs/offline
+    python workflows/heat_surrogate.py --site local --sims 16 --adaptive --wave 4 --run-dir runs/adaptive
 
 Online: a Parsl campaign runs ``--sims`` heat simulations (``kernels.heat2d``, MPI) whose
 output streams into a data-parallel training job of an MLP surrogate (parameters, t) ->
 temperature field. Offline: the simulations write HDF5 first, then the same trainer reads
-the files, for the same number of gradient steps. Both validate on held-out simulations
-and write ``summary.json`` and ``report.png`` into the run directory. This script is the
-driver; with ``--role train`` it is the training job the driver starts. A run directory
-holds one campaign: running again in it needs ``--resume`` and the same design.
+the files, for the same number of gradient steps. ``--adaptive`` (online): the training
+simulations' parameters come in waves of ``--wave`` from a Breed sampler fed by the trainer's
+per-simulation losses (docs/active-learning.md), the held-out ones from the fixed design.
+All validate on held-out simulations and write ``summary.json`` and ``report.png`` into
+the run directory. This script is the driver; with ``--role train`` it is the training job
+the driver starts. A run directory holds one campaign: running again in it needs
+``--resume`` and the same design.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARAMS = ("alpha", "t_left", "t_right", "t_bottom", "t_top")
 BOUNDS = {"alpha": (0.5, 1.5), "t_left": (0.0, 1.0), "t_right": (0.0, 1.0), "t_bottom": (0.0, 1.0), "t_top": (0.0, 1.0)}
 POSITIVE = ("sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "train_nodes", "max_concurrent",
-            "steps", "batch", "capacity")
+            "steps", "batch", "capacity", "wave")
 NATURAL = ("val_sims", "ckpt_every", "trainer_restarts", "crash_trainer_times", "crash_trainer_rank", "retries")
 
 
@@ -57,10 +61,13 @@ def parse(argv=None) -> argparse.Namespace:
             ("crash-trainer-at", int, None, "reliability test: the first trainer kills itself after this step"),
             ("crash-trainer-times", int, 1, "that many training jobs in a row crash"),
             ("crash-trainer-rank", int, 0, "the trainer rank that kills itself"),
-            ("trainer-restarts", int, 1, "relaunches of a failed training job (it resumes from its checkpoint)")):
+            ("trainer-restarts", int, 1, "relaunches of a failed training job (it resumes from its checkpoint)"),
+            ("wave", int, 4, "--adaptive: simulations proposed at a time"),
+            ("target", float, None, "--adaptive: propose no more once the held-out relative L2 is at most this")):
         a(f"--{flag}", type=kind, default=default, help=text or None)
     a("--mode", choices=("online", "offline"), default="online")
     a("--buffer", choices=("fifo", "firo", "reservoir"), default="reservoir")
+    a("--adaptive", action="store_true", help="online: propose the training simulations in waves (active learning)")
     for flag in ("resume", "no-report", "quiet"):  # continue the campaign in --run-dir; no report.png; no progress
         a(f"--{flag}", action="store_true")
     a("--role", choices=("driver", "train"), default="driver", help=argparse.SUPPRESS)
@@ -70,6 +77,10 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= {int(name in POSITIVE)}, got {getattr(args, name)}")
     if args.sim_steps < args.every:
         p.error(f"--sim-steps {args.sim_steps} < --every {args.every}: the simulations would output nothing")
+    if args.adaptive and args.mode != "online":
+        p.error("--adaptive needs --mode online: the waves follow the trainer's feedback while it trains")
+    if args.target is not None and not (args.adaptive and 0 < args.target < float("inf")):
+        p.error(f"--target {args.target}: expected a relative L2 > 0, with --adaptive")
     if not 0 < args.lr < float("inf"):
         p.error(f"--lr {args.lr}: expected a finite learning rate > 0")
     from hpcml.stream import BufferConfig
@@ -88,6 +99,7 @@ def dt_for(args) -> float:
 
 def driver(args, argv: list[str]) -> None:
     from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design, load_site
+    from hpcml.ensemble.sampling import Breed
     from hpcml.errors import ConfigError, LaunchError
 
     t0, run_dir = time.perf_counter(), Path(args.run_dir).resolve()
@@ -99,7 +111,8 @@ def driver(args, argv: list[str]) -> None:
             f"directory (or a path to create one) under a directory", 2)
     online, sims = args.mode == "online", []
     crash = tuple(int(x) for x in args.crash_sim.split(":")) if args.crash_sim else (-1, 0)
-    for i, params in enumerate(design("lhs", BOUNDS, args.sims + args.val_sims, seed=args.seed)):
+
+    def simulation(i: int, params: dict[str, float]) -> SimSpec:
         held_out = i >= args.sims
         out = run_dir / ("val" if held_out else "data") / f"sim_{i:05d}.h5"
         out.parent.mkdir(exist_ok=True)
@@ -107,7 +120,11 @@ def driver(args, argv: list[str]) -> None:
                   str(args.sim_steps), "--every", str(args.every), "--dt", repr(dt_for(args)), "--t-init", "0",
                   *(["--stream"] if online and not held_out else ["--out", str(out)]),
                   *(["--crash-at-step", str(crash[1])] if crash[0] == i else [])]
-        sims.append(SimSpec(sim_id=i, params=params, argv=argv_i, ranks=args.sim_ranks, stream=online and not held_out))
+        return SimSpec(sim_id=i, params=params, argv=argv_i, ranks=args.sim_ranks, stream=online and not held_out)
+
+    for i, params in enumerate(design("lhs", BOUNDS, args.sims + args.val_sims, seed=args.seed)):
+        if not args.adaptive or i >= args.sims:  # adaptive: the sampler proposes the training ones
+            sims.append(simulation(i, params))
     ranks = args.train_ranks if args.train_ranks is not None or site.has_gpus else site.train_ranks(args.train_nodes)
     path = {"PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}  # kernels
     training = TrainingJob(argv=[sys.executable, str(Path(__file__).resolve()), *argv, "--role", "train"], ranks=ranks,
@@ -119,7 +136,12 @@ def driver(args, argv: list[str]) -> None:
                         env=training.env)
     problems = []
     try:
-        result = campaign.run(sims, training=training if online else None, resume=args.resume)
+        if args.adaptive:
+            result = campaign.run_adaptive(
+                simulation, Breed(bounds=BOUNDS, seed=args.seed), budget=args.sims, wave=args.wave, training=training,
+                sims=sims, target=None if args.target is None else ("val_rel_l2", args.target), resume=args.resume)
+        else:
+            result = campaign.run(sims, training=training if online else None, resume=args.resume)
         if not online and not result.interrupted:  # the simulations wrote files: now the trainer alone reads them
             trained = campaign.train(training, resume=args.resume)
             result = dataclasses.replace(result, training_returncode=trained.training_returncode, run_id=trained.run_id,
@@ -181,7 +203,9 @@ def train(args) -> int:
             t_max=args.sim_steps * dt_for(args), field_offset=0.5, field_scale=0.5),
         config=FieldTrainConfig(lr=args.lr, seed=args.seed, progress=not args.quiet, log_every=25),
         buffer=BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark, seed=args.seed),
-        online=OnlineConfig.from_campaign(ckpt_every=args.ckpt_every), server={"end_grace_s": 10.0},
+        # adaptive: the held-out error every 50 steps, published with the feedback (for --target)
+        online=OnlineConfig.from_campaign(ckpt_every=args.ckpt_every, val_every=50 if args.adaptive else 0),
+        server={"end_grace_s": 10.0},
         shape=(args.nx, args.ny),  # bounds what one simulation's connection may make the trainer hold
         files=None if args.mode == "online" else sorted((run_dir / "data").glob("sim_*.h5")),
         val_files=lambda: sorted((run_dir / "val").glob("sim_*.h5")), report=not args.no_report, on_step=crash_test,

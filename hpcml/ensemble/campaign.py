@@ -207,10 +207,7 @@ class Campaign:
         simulations: see :meth:`train`.
         """
         sims = list(sims)
-        ids = [s.sim_id for s in sims]
-        if len(set(ids)) != len(ids):
-            dup = sorted(i for i, n in Counter(ids).items() if n > 1)
-            raise ConfigError(f"sim_id values must be unique, repeated: {dup}")
+        _check_unique(sims)
         if not sims and training is None:
             raise ConfigError("nothing to run: give simulations, a training job (training=) or both")
         _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
@@ -226,7 +223,8 @@ class Campaign:
                      wave: int, training: TrainingJob | None = None, wave_trigger: float = 0.5,
                      target: tuple[str, float] | None = None,
                      ready_file: Path | str | None = None, ready_timeout_s: float | None = None,
-                     train_timeout_s: float | None = None, resume: bool = False) -> CampaignResult:
+                     train_timeout_s: float | None = None, resume: bool = False,
+                     sims: Sequence[SimSpec] = ()) -> CampaignResult:
         """:meth:`run`, with the simulations proposed in waves while training goes on (active
         learning, docs/active-learning.md): ``budget`` simulations in waves of ``wave``, each
         wave asked of ``sampler`` (:mod:`hpcml.ensemble.sampling`) with the trainer's latest
@@ -238,7 +236,10 @@ class Campaign:
         size, the sampler's initial state); each simulation's spec is pinned by its id.
         ``target=("val_rel_l2", 0.05)``: no wave is proposed once the trainer's feedback
         reports that metric at or below the value (recorded: a resume proposes none either);
-        the simulations already proposed finish, then the campaign ends."""
+        the simulations already proposed finish, then the campaign ends. ``sims``: simulations
+        of a fixed design run besides the waves, from the start (held-out simulations to
+        validate on, say), with ids from ``budget`` up: part of the plan, run once as
+        :meth:`run` runs them."""
         from types import SimpleNamespace
 
         from hpcml.ensemble.runner import Run
@@ -246,14 +247,21 @@ class Campaign:
 
         waves = Waves(simulation, sampler, budget=budget, size=wave, trigger=wave_trigger, target=target)
         _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
+        sims = list(sims)
+        _check_unique(sims)
+        low = sorted(s.sim_id for s in sims if s.sim_id < budget)
+        if low:
+            raise ConfigError(f"fixed simulation id(s) {low[:5]} of run_adaptive's sims collide with the waves' ids 0 "
+                              f"to {budget - 1}: expected ids >= budget={budget}")
         if streaming(training, ready_file):
             ranks = self.train_ranks(training)
             if wave < ranks:
                 raise ConfigError(f"waves of {wave} for a streaming training job of {ranks} ranks: a wave must give "
                                   f"every trainer rank a simulation (each rank needs a batch to step); use wave >= "
                                   f"{ranks}")
-            check_stream_ranks([SimpleNamespace(sim_id=i) for i in range(budget)], ranks)
-        return Run(self, [], training, Path(ready_file) if ready_file is not None else None,
+            check_stream_ranks([SimpleNamespace(sim_id=i) for i in range(budget)]
+                               + [s for s in sims if s.stream is not False], ranks)
+        return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
                    ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
                    waves=waves).execute()
 
@@ -265,6 +273,13 @@ class Campaign:
         is ``run_dir/training.json`` (``campaign.json`` keeps the simulations'). The same
         as ``run([], training=training)``."""
         return self.run([], training=training, train_timeout_s=train_timeout_s, resume=resume)
+
+
+def _check_unique(sims: Sequence[SimSpec]) -> None:
+    ids = [s.sim_id for s in sims]
+    if len(set(ids)) != len(ids):
+        dup = sorted(i for i, n in Counter(ids).items() if n > 1)
+        raise ConfigError(f"sim_id values must be unique, repeated: {dup}")
 
 
 def _check_waits(training: TrainingJob | None, ready_file, ready_timeout_s, train_timeout_s) -> None:

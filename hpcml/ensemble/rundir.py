@@ -74,14 +74,14 @@ def definition(sims: Sequence[SimSpec], training: TrainingJob | None, adaptive: 
     may change (more steps: the trainer's resume rule, docs/parallel.md). Only the parts
     given (a training-only run defines no simulations); the training argv is recorded."""
     d: dict[str, Any] = {}
-    if sims:
-        canon = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
-                           sort_keys=True)
-        d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(canon.encode()).hexdigest()[:16]}
-    if adaptive is not None:  # waves: the plan defines the simulations (each one's spec.json pins it)
-        canon = json.dumps(adaptive, sort_keys=True)
+    fixed = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
+                       sort_keys=True) if sims else ""
+    if sims and adaptive is None:
+        d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(fixed.encode()).hexdigest()[:16]}
+    if adaptive is not None:  # waves: the plan defines them (each one's spec.json pins it), and the fixed ones
+        canon = json.dumps(adaptive, sort_keys=True) + fixed
         d["simulations"] = {"adaptive": True, "digest": hashlib.sha256(canon.encode()).hexdigest()[:16],
-                            "count": adaptive.get("budget")}
+                            "count": adaptive.get("budget") + len(sims)}
     if training is not None:
         d["training"] = {"argv": list(training.argv)}
     return d

@@ -72,7 +72,8 @@ class Run:
         self.stop_reason: str | None = None
         self.deadline: float | None = c.deadline
         self.samples: dict | None = None
-        self.progress = ProgressLine(waves.budget if waves else len(sims), enabled=c.progress,
+        self.fixed = len(sims)  # with waves: the simulations of a fixed design run besides them
+        self.progress = ProgressLine(self._total(), enabled=c.progress,
                                      every_s=c.progress_every_s)
 
     # -- time and stopping ------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Run:
                                                  sims=bool(self.sims) or self.waves is not None)
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,
                         ",".join(train_hosts) or "-", ",".join(sim_hosts) or "-")
-        self.claim = rundir.claim(self.run_dir, [] if self.waves else [s.spec for s in self.sims], self.training,
+        self.claim = rundir.claim(self.run_dir, [s.spec for s in self.sims], self.training,
                                   resume=self.resume, adaptive=self.waves.definition if self.waves else None)
         try:
             if self.waves:  # the waves proposed by an earlier run of this campaign: the same simulations
@@ -221,7 +222,7 @@ class Run:
             stream["done_file"] = str(self.run_dir / DONE_FILE)
         return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
                         resume=self.resume and self.claim.held, steps=t.steps if t else None,
-                        batch=t.batch if t else None, n_sims=self.waves.budget if self.waves else len(self.sims),
+                        batch=t.batch if t else None, n_sims=self._total(),
                         deadline=self.deadline,
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
 
@@ -261,8 +262,12 @@ class Run:
         if last and self.pool.inflight and ended < w.trigger * len(last) and not self._rank_idle():
             return []
         new = [self._add(spec) for spec in w.propose(self.contract)]
-        self.progress.total = w.plan.budget
+        self.progress.total = self._total()
         return new
+
+    def _total(self) -> int:
+        """Simulations of the whole campaign: the waves' budget and the fixed ones."""
+        return self.fixed + (self.waves.budget if self.waves else 0)
 
     def _rank_idle(self) -> bool:
         """A streaming trainer rank with no running simulation (:func:`~hpcml.ensemble.waves.rank_idle`)."""

@@ -46,10 +46,18 @@ class SimStats:
     """Samples of it trained on so far."""
     age: int = 0
     """Trainer steps since its loss was last evaluated."""
+    fresh: float | None = None
+    """Its loss before the trainer trained on it: out-of-sample (None: not measured)."""
+    surprise: float | None = None
+    """``fresh`` over the training loss of that moment (>> 1: a region the surrogate has not learnt)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
             raise ConfigError(f"SimStats.loss={self.loss!r}: expected a number (NaN or inf: not used as a parent)")
+        for name in ("fresh", "surprise"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ConfigError(f"SimStats.{name}={v!r}: expected a number or None")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0:
             raise ConfigError(f"SimStats.samples={self.samples!r}: expected an integer >= 0")
         if isinstance(self.age, bool) or not isinstance(self.age, int) or self.age < 0:
@@ -273,8 +281,10 @@ def static(kind: str, bounds: Bounds, *, seed: int = 0, log: Collection[str] = f
 class Breed:
     """Adaptive sampling after Melissa's Breed: wave ``w`` draws ``round(R_w * n)`` points from
     Gaussians (std ``sigma`` of each axis, in the unit cube) around parents picked among the
-    ``parents`` fraction of simulations with the highest loss, with probability proportional to
-    their loss; the rest come from ``base`` (a Halton sequence by default). ``R_w`` ramps
+    ``parents`` fraction of simulations with the highest ``score``, with probability proportional
+    to it (``"loss"``: the training loss, as Melissa's; ``"surprise"``: the out-of-sample loss
+    before training on it, relative, see :class:`SimStats`; a simulation without one is no
+    parent); the rest come from ``base`` (a Halton sequence by default). ``R_w`` ramps
     linearly from ``r_start`` to ``r_end`` over ``ramp_waves`` waves, so the base design covers
     the space before the sampler trusts the surrogate's errors. A child outside the bounds is
     drawn again (a truncated Gaussian: clipping would pile children on the faces). The first
@@ -289,6 +299,7 @@ class Breed:
     sigma: float = 0.08
     parents: float = 0.25
     base: Sampler | None = None
+    score: str = "loss"
     wave: int = field(default=0, init=False)
     last: dict = field(default_factory=dict, init=False)
     """What the last wave did: ``{"wave", "r", "bred", "parents"}`` (for the report)."""
@@ -304,6 +315,8 @@ class Breed:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                 raise ConfigError(f"Breed.{name}={v!r}: expected {want}")
+        if self.score not in ("loss", "surprise"):
+            raise ConfigError(f"Breed.score={self.score!r}: expected 'loss' or 'surprise'")
         if self.base is None:
             self.base = Halton(self.bounds, seed=self.seed, log=self.log)
         elif not isinstance(self.base, Sampler):
@@ -344,8 +357,9 @@ class Breed:
             if missing:
                 raise ConfigError(f"feedback[{sim!r}] lacks the parameters {missing} of the bounds")
             unit = self.cube.unit(st.params)
-            if math.isfinite(st.loss) and st.loss >= 0 and np.all(np.isfinite(unit)):
-                rows.append((st.loss, sim, unit))
+            score = st.loss if self.score == "loss" else st.surprise
+            if score is not None and math.isfinite(score) and score >= 0 and np.all(np.isfinite(unit)):
+                rows.append((float(score), sim, unit))
         if not rows or max(r[0] for r in rows) <= 0:
             return None, None
         rows.sort(key=lambda r: (-r[0], r[1]))

@@ -81,7 +81,8 @@ def read_feedback_record(path, *, campaign: str | None = None, run: str | None =
             loss = r["loss"]
             out[str(sim)] = SimStats(params={n: float(v) for n, v in zip(names, vals)},
                                      loss=float("nan") if loss is None else float(loss),
-                                     samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]))
+                                     samples=int(r["samples"]), age=0 if r["age"] is None else int(r["age"]),
+                                     **{k: None if r.get(k) is None else float(r[k]) for k in ("fresh", "surprise")})
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{path}: simulation {str(sim)[:40]!r}: {type(e).__name__}: {e}") from None
     return FeedbackRecord(step, out, {k: float(v) for k, v in metrics.items()})

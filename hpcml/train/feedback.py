@@ -8,7 +8,16 @@ simulation, an exponential average of the loss of its samples. Then rank 0 gathe
 rank's table (each rank trains on the simulations routed to it) and replaces
 ``run_dir/feedback.json`` atomically: ``{"campaign", "run", "step", "time", "params": [names],
 "metrics": {"loss", "val_rel_l2", ...}, "sims": {sim: {"params": [...], "loss", "samples",
-"age"}}}``, ``age`` being the steps since the simulation's loss was last evaluated. The driver reads it with
+"age", "fresh", "surprise"}}}``, ``age`` being the steps since the simulation's loss was last evaluated.
+
+``loss`` is in-sample: once trained on, a simulation's samples fit better than its
+neighbourhood would, so a hard region whose simulations are memorised looks easy. The
+trainer also measures each simulation the first time a batch brings it, before the step
+that trains on it (:meth:`SimFeedback.fresh`; the loader makes every rank take that extra
+forward at the same step): ``fresh`` is that out-of-sample loss -- how wrong the surrogate
+was at these parameters before it saw them -- and ``surprise`` is ``fresh`` over the
+training loss of the step before, comparable across the run (an untrained model is equally
+wrong everywhere: ~1; later, a simulation in a region the surrogate has not learnt: >> 1). The driver reads it with
 :func:`hpcml.ensemble.waves.read_feedback`. The table is saved with every checkpoint and
 comes back on resume, so a resumed campaign's sampler sees the feedback it would have seen.
 """
@@ -56,8 +65,7 @@ class SimFeedback:
         for s in batch:
             rec = self.sims.get(s.sim)
             if rec is None:
-                rec = self.sims[s.sim] = {"params": [float(v) for v in np.asarray(s.params).ravel()], "loss": None,
-                                          "samples": 0, "at": None}
+                rec = self.sims[s.sim] = self._new(s)
             rec["samples"] += 1
         if step % self.every:
             return
@@ -73,6 +81,33 @@ class SimFeedback:
                     self.ema * float(loss) + (1 - self.ema) * rec["loss"]
             rec["at"] = step
         self.publish(step)
+
+    @staticmethod
+    def _new(sample) -> dict[str, Any]:
+        return {"params": [float(v) for v in np.asarray(sample.params).ravel()], "loss": None, "samples": 0,
+                "at": None, "fresh": None, "surprise": None}
+
+    def novel(self, batch) -> bool:
+        """Whether ``batch`` brings a simulation never trained on (for the loader's agreement)."""
+        return any(s.sim not in self.sims for s in batch)
+
+    def fresh(self, trainer, batch) -> None:
+        """Before the step that trains on ``batch`` (collective: every rank, when the loader says
+        any rank's batch is novel): each new simulation's loss on its samples here, and that
+        over the last training loss (``surprise``)."""
+        losses = trainer.sample_losses(batch)
+        new: dict[int, list[float]] = {}
+        for s, loss in zip(batch, losses):
+            if s.sim not in self.sims and math.isfinite(loss):
+                new.setdefault(s.sim, []).append(float(loss))
+        ref = self.metrics.get("loss")
+        if ref is None or not (math.isfinite(ref) and ref > 0):  # the first step: this batch is the reference
+            ref = float(np.mean([v for v in losses if math.isfinite(v)] or [0.0]))
+        for s in batch:
+            if s.sim in new and s.sim not in self.sims:
+                rec = self.sims[s.sim] = self._new(s)
+                rec["fresh"] = float(np.mean(new[s.sim]))
+                rec["surprise"] = rec["fresh"] / ref if ref > 0 else None
 
     def merged(self) -> dict[int, dict[str, Any]]:
         """Every rank's table, merged (collective): per simulation the entry evaluated last."""
@@ -96,7 +131,8 @@ class SimFeedback:
             "campaign": self.campaign, "run": self.run, "step": step, "time": time.time(), "params": names,
             "metrics": {k: v for k, v in self.metrics.items() if math.isfinite(v)},
             "sims": {str(sim): {"params": r["params"], "loss": r["loss"], "samples": r["samples"],
-                                "age": None if r["at"] is None else step - r["at"]}
+                                "age": None if r["at"] is None else step - r["at"], "fresh": r.get("fresh"),
+                                "surprise": r.get("surprise")}
                      for sim, r in sorted(table.items())}})
 
     # -- checkpoint ---------------------------------------------------------------------------
@@ -119,10 +155,12 @@ class SimFeedback:
             for k, v in table.items():
                 rec = {"params": [float(x) for x in v["params"]],
                        "loss": None if v["loss"] is None else float(v["loss"]),
-                       "samples": int(v["samples"]), "at": None if v["at"] is None else int(v["at"])}
+                       "samples": int(v["samples"]), "at": None if v["at"] is None else int(v["at"]),
+                       **{k: None if v.get(k) is None else float(v[k]) for k in ("fresh", "surprise")}}
                 width = len(self.param_names) if self.param_names else len(rec["params"])
                 if (int(k) < 0 or len(rec["params"]) != width or not all(map(math.isfinite, rec["params"]))
-                        or (rec["loss"] is not None and not (math.isfinite(rec["loss"]) and rec["loss"] >= 0))
+                        or any(rec[x] is not None and not (math.isfinite(rec[x]) and rec[x] >= 0)
+                               for x in ("loss", "fresh", "surprise"))
                         or rec["samples"] < 0 or (rec["at"] is not None and not 0 <= rec["at"] <= step)):
                     raise ValueError(f"simulation {str(k)[:20]}: {str(v)[:120]}")
                 sims[int(k)] = rec

@@ -168,7 +168,6 @@ class OnlineRun:
         self.hook = None if not config.ckpt_dir else CheckpointHook(
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
             state=self._source_state)
-        self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping)
         self.feedback = None
         if config.feedback_file and callable(getattr(trainer, "sample_losses", None)):
             from hpcml.train.feedback import SimFeedback
@@ -176,6 +175,8 @@ class OnlineRun:
             names = getattr(source, "param_names", None) or getattr(getattr(source, "config", None), "param_names", ())
             self.feedback = SimFeedback(path=config.feedback_file, every=config.feedback_every, comm=self.comm,
                                         param_names=names, campaign=config.campaign, run=config.run)
+        self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping,
+                                   novel=self.feedback.novel if self.feedback is not None else None)
         self.resumed_at: int | None = None
         self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
         self.drained = 0
@@ -254,6 +255,8 @@ class OnlineRun:
             if first:
                 self._check_first(batch)
                 first = False
+            if self.feedback is not None and self.loader.novel:  # a simulation never trained on: how wrong first
+                self.feedback.fresh(self.trainer, batch)
             m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
             if self.feedback is not None:
                 step = self.trainer.step

@@ -405,6 +405,9 @@ def test_feedback_reports_every_simulation_and_survives_a_resume(comm, tmp_path_
         assert st.age >= 0
     evaluated = [st for st in sims.values() if st.loss == st.loss]
     assert evaluated and all(0 < st.loss < 10 for st in evaluated)
+    # every simulation was scored once, before a step trained on it (the loader's agreement put
+    # every rank through that forward together: no hang), and kept across the resume
+    assert all(st.fresh is not None and 0 < st.fresh < 10 and st.surprise > 0 for st in sims.values()), sims
     with pytest.raises(ConfigError, match=r"written for campaign 'c1', this is 'c2'$"):
         read_feedback(fb, campaign="c2")
 

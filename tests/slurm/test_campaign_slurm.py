@@ -5,7 +5,9 @@
 - one allocation: the driver inside an `hpcml job --driver` batch job; the trainer on the
   job's first node, the simulations as srun steps on the other (Parsl's workers start in
   the job) -- and split by the walltime warning into two jobs: every simulation completes
-  exactly once, every sample is ingested exactly once, no finished simulation runs again.
+  exactly once, every sample is ingested exactly once, no finished simulation runs again;
+- the same, adaptive (issue 25): the simulations proposed in waves from the trainer's
+  feedback; the requeued job proposes the same waves and runs none of them twice.
 """
 
 from __future__ import annotations
@@ -99,3 +101,39 @@ def test_one_allocation_campaign_split_by_the_walltime_warning(tmp_path):
     assert campaign["training"]["launch"].startswith("srun --nodelist=n1 -N1 -n2 ")  # trainer on the first node
     assert {r["command"].split("--nodelist ")[1].split()[0] for r in recs} == {"n2"}  # simulations on the other
     assert job(job_id)["NodeList"] == "n[1-2]"
+
+
+def waves(run_dir: Path) -> list[dict]:
+    path = run_dir / "waves.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [PY, HEAT, "--site", "slurm-local", "--resume", "--run-dir", str(run_dir), "--adaptive", "--wave", "2",
+           *LONG]
+    job_id = submit(tmp_path, "adaptive", nodes="2", walltime="00:10:00", cmd=cmd, driver=True)
+    # the warning comes with two waves proposed, three simulations done and another running
+    wait_until(lambda: len(waves(run_dir)) >= 2 and (run_dir / "provenance.jsonl").exists() and
+               sum(r["status"] == "ok" and r["sim_id"] < SIMS for r in provenance(run_dir)) >= 3 and running(run_dir),
+               300, "two waves, three finished simulations and a running one")
+    sh("scancel", "--signal=USR1", "--batch", job_id, check=True)
+    before = waves(run_dir)
+    record = wait_done(job_id, 400)
+    text = (tmp_path / f"adaptive-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and int(record["Restarts"]) >= 1, text[-3000:]
+    assert "hpcml-job: not finished (exit 75): requeueing job" in text and "interrupted (walltime warning)" in text
+    after = waves(run_dir)
+    assert after[:len(before)] == before  # the requeued job proposed on from the recorded waves
+    assert [w["ids"] for w in after] == [[0, 1], [2, 3], [4, 5]]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert (s["status"], s["sims_completed"], s["sims_failed"]) == ("ok", SIMS, 0), s
+    assert s["sims_resumed"] >= 3
+    assert (s["samples_ingested"], s["samples_missing"], s["duplicate_samples"]) == (SIMS * OUTPUTS, 0, 0), s
+    keys = seen_keys(run_dir)  # exactly once
+    assert len(keys) == SIMS * OUTPUTS == len({tuple(k) for k in keys.tolist()})
+    recs = provenance(run_dir)
+    for sim in range(SIMS + 1):  # the held-out one (id 6) beside the waves
+        mine = [r for r in recs if r["sim_id"] == sim]
+        assert sum(r["status"] == "ok" for r in mine) == 1, mine
+    assert json.loads((run_dir / "campaign_id.json").read_text())["simulations"]["count"] == SIMS + 1

@@ -6,6 +6,7 @@ tested under mpiexec in tests/workflows/test_kernels_mpi.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -40,6 +41,27 @@ def test_heat_converges_at_second_order_to_the_analytic_solution():
     orders = [math.log(e1 / e2) / math.log(h1 / h2), math.log(e2 / e3) / math.log(h2 / h3)]
     assert all(1.8 <= p <= 2.2 for p in orders), orders
     assert e3 < 2e-4  # and the error itself is small: exp(-2 pi^2 0.05) = 0.37 is the peak value
+
+
+def test_heat_source_adds_its_heat_and_peaks_at_its_centre():
+    """From a cold start with cold walls, the first step adds exactly dt x q (the Laplacian of
+    zero is zero); later the field peaks on the grid point nearest the centre and the heat
+    stays below what the source put in (the walls take some)."""
+    one = heat2d.HeatConfig(nx=21, ny=21, steps=1, every=1, t_init=0.0, source_power=3.0, source_x=0.3,
+                            source_y=0.7, source_width=0.05)
+    d = decompose(SELF, 21, 21, periodic=False)
+    q = heat2d.source(one, d)
+    np.testing.assert_allclose(heat2d.run(SELF, one, decomp=d), one.time_step * q, rtol=1e-12)
+    i, j = np.unravel_index(np.argmax(q), q.shape)
+    r2 = (7 / 22 - 0.3) ** 2 + (15 / 22 - 0.7) ** 2  # the grid point (6, 14) is the nearest to (0.3, 0.7)
+    assert (i, j) == (6, 14) and q.max() == pytest.approx(3.0 / (2 * np.pi * 0.05**2) * np.exp(-r2 / (2 * 0.05**2)),
+                                                          rel=1e-12)
+    many = dataclasses.replace(one, steps=200, every=200)
+    field = heat2d.run(SELF, many)
+    assert np.unravel_index(np.argmax(field), field.shape) == (i, j)
+    assert 0 < field.sum() < 200 * one.time_step * q.sum()
+    assert q.sum() * one.spacing[0] ** 2 == pytest.approx(3.0, rel=1e-3)  # its integral is source_power
+    assert heat2d.source(heat2d.HeatConfig(), d) is None  # no source: the plain heat equation
 
 
 def test_heat_walls_and_steady_state():
@@ -123,7 +145,13 @@ def test_decompose_on_one_rank_is_the_whole_grid():
     (dict(every=0), "every must be an integer >= 1, got 0"),
     (dict(nx=32, ny=32, dt=0.01), "dt=0.01 is unstable: expected dt <= 0.000229568 (explicit limit"),
     (dict(dt=-1e-5), "dt must be > 0, got -1e-05"),
-    (dict(init="sine", t_top=2.0), "init='sine' is the analytic case with zero boundary temperatures, got t_top=2.0"),
+    (dict(init="sine", t_top=2.0),
+     "init='sine' is the analytic case with zero boundary temperatures and no source, got t_top=2.0"),
+    (dict(init="sine", source_power=1.0),
+     "init='sine' is the analytic case with zero boundary temperatures and no source, got source_power=1.0"),
+    (dict(source_width=0.0), "source_width must be > 0, got 0.0"),
+    (dict(source_power=-1.0), "source_power must be >= 0, got -1.0"),
+    (dict(source_x=float("inf")), "source_x must be a finite number, got inf"),
     (dict(crash_at_step=0), "crash_at_step must be >= 1, got 0"),
 ])
 def test_heat_config_rejects_bad_values_naming_them(kwargs, message):

@@ -202,11 +202,74 @@ def test_feedback_config_is_checked_in_one_line():
         OnlineConfig(feedback_file="f.json", feedback_every=0)
     fb = SimFeedback(path=None, every=5, comm=None, param_names=("k", "q"))
     good = {"params": [1.0, 0.5], "loss": 0.2, "samples": 3, "at": 10}
-    fb.load_state({"sims": {"4": good}}, step=10)
+    fb.load_state({"sims": {"4": good}}, step=10)  # a checkpoint from before fresh losses: none
+    good = {**good, "fresh": None, "surprise": None}
     assert fb.sims == {4: good}
+    fb.load_state({"sims": {"4": {**good, "fresh": 0.5, "surprise": 2.5}}}, step=10)
+    assert fb.sims[4]["fresh"] == 0.5 and fb.sims[4]["surprise"] == 2.5
+    fb.load_state({"sims": {"4": good}}, step=10)
     for bad in ({"x": good}, {"4": {**good, "params": [1.0]}}, {"4": {**good, "loss": float("nan")}},
+                {"4": {**good, "fresh": -1.0}}, {"4": {**good, "surprise": float("inf")}},
+                {"4": {**good, "fresh": "high"}},
                 {"4": {**good, "params": [float("inf"), 0.0]}}, {"4": {**good, "samples": -1}},
                 {"4": {**good, "at": 11}}, {"4": {"params": [1.0, 0.5]}}):
         with pytest.raises(ConfigError, match=r"^the checkpoint's feedback table does not fit"):
             fb.load_state({"sims": bad}, step=10)
     assert fb.sims == {4: good}  # a refused table changes nothing
+
+
+class _Losses:
+    """A trainer's ``sample_losses`` as the feedback calls it: a fixed loss per simulation."""
+
+    def __init__(self, by_sim):
+        self.by_sim, self.calls = by_sim, 0
+
+    def sample_losses(self, batch):
+        self.calls += 1
+        return [self.by_sim[s.sim] for s in batch]
+
+
+def test_fresh_loss_is_measured_once_before_a_simulation_is_trained_on():
+    """A simulation's first batch is scored before the step trains on it (out of sample), once;
+    surprise is that over the last training loss, the batch's own mean at the first step."""
+    from mpi4py import MPI
+
+    from hpcml.stream.buffer import Sample
+    from hpcml.train.feedback import SimFeedback
+
+    def sample(sim, step=0):
+        return Sample(sim, step, 0.0, np.array([float(sim), 0.5], np.float32), np.zeros((1, 2, 2), np.float32))
+
+    fb = SimFeedback(path=None, every=1000, comm=MPI.COMM_SELF, param_names=("k", "q"))
+    trainer = _Losses({0: 2.0, 1: 4.0, 2: 9.0})
+    first = [sample(0), sample(0, 1), sample(1)]
+    assert fb.novel(first)
+    fb.fresh(trainer, first)  # the first step: the reference is this batch's mean loss, 8/3
+    fb.step(trainer, first, 1)
+    assert (fb.sims[0]["fresh"], fb.sims[1]["fresh"]) == (2.0, 4.0)
+    assert fb.sims[0]["surprise"] == pytest.approx(2.0 / (8 / 3)) and fb.sims[0]["samples"] == 2
+    assert not fb.novel([sample(0), sample(1)])
+    fb.metrics["loss"] = 0.5  # the training loss of the step before
+    trainer.by_sim[0] = 0.01  # trained on now: its in-sample loss no longer moves its fresh one
+    fb.fresh(trainer, [sample(0), sample(2)])
+    assert (fb.sims[0]["fresh"], fb.sims[2]["fresh"], fb.sims[2]["surprise"]) == (2.0, 9.0, 18.0)
+    fb.publish(2)
+    assert fb.state()["sims"]["2"]["surprise"] == 18.0
+
+
+def test_breed_by_surprise_breeds_around_the_simulations_it_was_most_wrong_about():
+    """score="surprise": parents by out-of-sample surprise, not by the in-sample loss (which
+    here points the other way); a simulation without one is no parent."""
+    bounds = {"k": (0.0, 1.0), "q": (0.0, 1.0)}
+    fb = {"0": SimStats(params={"k": 0.1, "q": 0.1}, loss=9.0, surprise=0.5),
+          "1": SimStats(params={"k": 0.9, "q": 0.9}, loss=0.1, surprise=6.0),
+          "2": SimStats(params={"k": 0.5, "q": 0.5}, loss=5.0)}
+    by_surprise = Breed(bounds=bounds, seed=0, r_start=1.0, r_end=1.0, ramp_waves=0, sigma=0.02, parents=0.5,
+                        score="surprise")
+    assert all(p["k"] > 0.8 and p["q"] > 0.8 for p in by_surprise.propose(6, fb))
+    by_loss = Breed(bounds=bounds, seed=0, r_start=1.0, r_end=1.0, ramp_waves=0, sigma=0.02, parents=0.2)
+    assert all(p["k"] < 0.2 and p["q"] < 0.2 for p in by_loss.propose(6, fb))
+    with pytest.raises(ConfigError, match=r"^Breed\.score='fresh': expected 'loss' or 'surprise'$"):
+        Breed(bounds=bounds, score="fresh")
+    with pytest.raises(ConfigError, match=r"^SimStats\.surprise='x': expected a number or None$"):
+        SimStats(params={"k": 0.1}, loss=1.0, surprise="x")

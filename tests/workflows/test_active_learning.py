@@ -22,6 +22,7 @@ parsl = pytest.importorskip("parsl")
 
 from hpcml.ensemble.campaign import Campaign, SimSpec, TrainingJob  # noqa: E402
 from hpcml.ensemble.sampling import Breed, Halton  # noqa: E402
+from hpcml.errors import ConfigError  # noqa: E402
 
 SIM = textwrap.dedent("""
     import argparse, json, time
@@ -74,7 +75,7 @@ def _make(tmp: Path):
     return make
 
 
-def campaign_run(run_dir: str, resume: bool = False, target=None):
+def campaign_run(run_dir: str, resume: bool = False, target=None, fixed=()):
     run_dir = Path(run_dir)
     tmp = run_dir.parent
     (tmp / "trainer.py").write_text(TRAINER)
@@ -84,7 +85,7 @@ def campaign_run(run_dir: str, resume: bool = False, target=None):
         executors=[parsl.ThreadPoolExecutor(label="sims", max_threads=4)], retries=0),
         sim_launch="", max_concurrent=4, progress=False)
     return c.run_adaptive(_make(tmp), sampler, budget=12, wave=4, wave_trigger=1.0, resume=resume, target=target,
-                          training=TrainingJob(argv=[sys.executable, str(tmp / "trainer.py")], stream=False,
+                          sims=fixed, training=TrainingJob(argv=[sys.executable, str(tmp / "trainer.py")], stream=False,
                                                nodes=1))
 
 
@@ -152,6 +153,30 @@ def test_a_target_error_reached_ends_the_campaign_early(tmp_path):
     assert [w.get("wave") for w in lines[:2]] == [0, 1]
     assert lines[2]["end"].startswith("val_rel_l2 0.125 <= 0.15 at training step ") and lines[2]["proposed"] == 8
     assert sorted(json.loads((run_dir / "sims_done.json").read_text())["completed"]) == list(range(8))
+
+
+def test_fixed_simulations_run_besides_the_waves(tmp_path):
+    """Held-out simulations (a fixed design, ids from the budget up) run once beside the waves
+    and are part of the campaign's definition: a resume with other ones is refused, and ids
+    that collide with the waves' are refused before anything is written."""
+    run_dir, make = tmp_path / "run", _make(tmp_path)
+    held = [make(12 + i, {"k": 1.0, "q": q}) for i, q in enumerate((-0.5, 0.5))]
+    res = campaign_run(str(run_dir), fixed=held)
+    assert res.ok and sorted(res.completed) == list(range(14)) and res.total == 14, res
+    assert [w["ids"] for w in _waves(run_dir)] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
+    assert _completed_once(run_dir) == {i: 1 for i in range(14)}
+    assert json.loads((run_dir / "sims" / "sim_00013" / "spec.json").read_text())["params"] == {"k": 1.0, "q": 0.5}
+    defined = json.loads((run_dir / "campaign_id.json").read_text())["simulations"]
+    assert (defined["count"], defined["adaptive"]) == (14, True)
+    with pytest.raises(ConfigError, match=r"defined with other simulations \(14 adaptive simulations, digest "
+                                          r"\w+; given 13 adaptive simulations"):
+        campaign_run(str(run_dir), resume=True, fixed=held[:1])
+    with pytest.raises(ConfigError, match=r"^fixed simulation id\(s\) \[3\] of run_adaptive's sims collide with the "
+                                          r"waves' ids 0 to 11: expected ids >= budget=12$"):
+        campaign_run(str(tmp_path / "other"), fixed=[make(3, {"k": 1.0, "q": 0.0})])
+    assert not (tmp_path / "other").exists()
+    res = campaign_run(str(run_dir), resume=True, fixed=held)  # unchanged: nothing runs again
+    assert res.ok and sorted(res.skipped) == list(range(14)) and _completed_once(run_dir) == {i: 1 for i in range(14)}
 
 
 class WorstNeighbour:
