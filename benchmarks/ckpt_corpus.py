@@ -467,8 +467,8 @@ def build_references(workdir: Path, with_key: bool = True) -> dict:
             if keyed:
                 _save(run, ctx.ref / "other-key", OTHER_KEY_TEXT)
             else:
-                from hpcml.models.transformer import torchtitan
-                from hpcml.models.transformer.hf import export_hf
+                from hpcml.interop import torchtitan
+                from hpcml.interop.hf import export_hf
 
                 export_hf(ctx.ck, ctx.hf)
                 torchtitan.to_dcp(ctx.ck, ctx.dcp)

@@ -5,7 +5,7 @@
 
 A Transformer and its AdamW state (parameters, exp_avg, exp_avg_sq: 12 bytes a parameter)
 are saved as an hpcml checkpoint, converted to a torchtitan-layout DCP directory and back
-(``hpcml.models.transformer.torchtitan``), and the round trip is checked bitwise; the
+(``hpcml.interop.torchtitan``), and the round trip is checked bitwise; the
 reading half of each direction is timed alone (``read_hpcml_s``, ``read_dcp_s``). The
 physical limit of a conversion is reading the state once and writing it once:
 ``dd bs=16M conv=fsync`` of the same bytes, then reading them back (page cache dropped
@@ -58,7 +58,7 @@ def main() -> None:
     from hpcml import ckpt
     from hpcml.ckpt.dcp_safe import DcpReader
     from hpcml.models.transformer import Transformer, TransformerConfig
-    from hpcml.models.transformer import torchtitan as tt
+    from hpcml.interop import torchtitan as tt
     from hpcml.models.transformer.parallelize import TransformerPlan
     from hpcml.train.loop import LoopConfig, make_optimizer
 

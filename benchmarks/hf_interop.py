@@ -77,7 +77,7 @@ def main() -> None:
     from hpcml import ckpt
     from hpcml.grid import Layout, ProcessGrid
     from hpcml.models.transformer import TransformerConfig
-    from hpcml.models.transformer.hf import export_hf, load_hf_into
+    from hpcml.interop.hf import export_hf, load_hf_into
     from hpcml.models.transformer.parallelize import TransformerPlan
     from hpcml.parallel import ParallelConfig, parallelize
 

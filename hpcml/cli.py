@@ -147,7 +147,9 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
     elif c == "sign":
         print(f"{args.ckpt}: signed with key {tools.sign(args.ckpt)}")
     elif c == "export":
-        n = tools.export(args.ckpt, args.out, args.format)
+        from hpcml.interop import export
+
+        n = export(args.ckpt, args.out, args.format)
         print(f"wrote {args.out} ({n / 1e6:.1f} MB, {args.format})")
     elif c == "consolidate":
         n = tools.consolidate(args.ckpt, args.out)
@@ -159,7 +161,8 @@ def _cmd_ckpt(args: argparse.Namespace) -> int:
 
 def _ckpt_convert(args: argparse.Namespace) -> None:
     from hpcml.ckpt.tools import out_dir
-    from hpcml.models.transformer import TransformerConfig, torchtitan
+    from hpcml.interop import torchtitan
+    from hpcml.models.transformer import TransformerConfig
 
     cfg = TransformerConfig.preset(args.model) if args.model else None
     out_dir(args.dst)

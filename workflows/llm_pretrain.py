@@ -34,7 +34,8 @@ from hpcml.ckpt import resolve
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
-from hpcml.models.transformer import PRESETS, TransformerConfig, hf
+from hpcml.interop import hf
+from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES
 from hpcml.train import TrainConfig

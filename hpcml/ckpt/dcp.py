@@ -5,7 +5,7 @@ torchtitan's ``CheckpointManager`` saves one flat state dict: the model's state-
 the top level, its FQN-keyed optimizer state (``optimizer.state.<fqn>.<name>``,
 ``optimizer.param_groups.<fqn>.<key>``), ``lr_scheduler.last_epoch``, ``train_state.step``
 and ``.ntokens_seen``, ``dataloader.*``. How a model's names and fused layouts differ is the
-model's to say (a list of :class:`ParamMap`, e.g. :mod:`hpcml.models.transformer.torchtitan`);
+model's to say (a list of :class:`ParamMap`, e.g. :mod:`hpcml.interop.torchtitan`);
 this module walks it. An export also stores ``hpcml.extra`` (the hpcml JSON state) and
 ``hpcml.tensors.*`` (per-rank RNG), which torchtitan ignores, so hpcml -> DCP -> hpcml is exact.
 

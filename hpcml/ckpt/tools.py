@@ -156,14 +156,11 @@ def out_dir(out: str | os.PathLike) -> Path:
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "safetensors") -> int:
-    """Consolidated model weights for inference: ``safetensors``, ``torch`` (torch.save), or
-    ``hf`` (a Hugging Face Llama directory ``out``: :mod:`hpcml.models.transformer.hf`). Returns bytes."""
-    if fmt_name not in ("safetensors", "torch", "hf"):  # before reading every weight
-        raise ConfigError(f"export format {fmt_name!r} unknown: expected safetensors, torch or hf")
-    if fmt_name == "hf":
-        from hpcml.models.transformer.hf import export_hf
-
-        return export_hf(path, out_dir(out))["bytes"]
+    """Consolidated model weights for inference: ``safetensors`` or ``torch`` (torch.save);
+    ``hf`` (a Hugging Face directory) is :func:`hpcml.interop.export`'s. Returns bytes."""
+    if fmt_name not in ("safetensors", "torch"):  # before reading every weight
+        raise ConfigError(f"export format {fmt_name!r} unknown: expected safetensors or torch"
+                          + (" (hf: hpcml.interop.export, or hpcml ckpt export --format hf)" if fmt_name == "hf" else ""))
     out_file(out)
     with Checkpoint(path) as ck:
         weights, source, model = model_weights(ck), ck.path, ck.extra.get("model")

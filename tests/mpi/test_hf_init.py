@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 from torch.distributed.tensor import DTensor
 
-from hpcml.models.transformer import hf
+from hpcml.interop import hf
 from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
 from hpcml.train.recipe import build_llm_trainer

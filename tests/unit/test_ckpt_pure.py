@@ -199,8 +199,14 @@ def test_single_file_without_parallel_hdf5_is_a_missing_feature():
 def test_export_format_is_checked_before_reading(tmp_path):
     from hpcml.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors, torch or hf$"):
+    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors or torch$"):
         tools.export(tmp_path / "no-such-checkpoint", tmp_path / "m.onnx", "onnx")
+    from hpcml import interop
+
+    with pytest.raises(ConfigError, match=r"^export format 'onnx' unknown: expected safetensors, torch or hf$"):
+        interop.export(tmp_path / "no-such-checkpoint", tmp_path / "m.onnx", "onnx")
+    with pytest.raises(ConfigError, match=r"^export format 'hf' unknown: expected safetensors or torch \(hf: "):
+        tools.export(tmp_path / "no-such-checkpoint", tmp_path / "m", "hf")
 
 
 def test_inspect_names_the_placement_of_tensors_rank0_does_not_hold(tmp_path):

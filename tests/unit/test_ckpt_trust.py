@@ -274,7 +274,7 @@ def test_second_job_refused_naming_the_owner_then_stale_lock_recovered(tmp_path)
 def test_hf_config_bounded_by_its_safetensors(tmp_path):
     from safetensors.torch import save_file
 
-    from hpcml.models.transformer.hf import config_from_hf
+    from hpcml.interop.hf import config_from_hf
 
     d = tmp_path / "hf"
     d.mkdir()
@@ -290,7 +290,7 @@ def test_hf_config_bounded_by_its_safetensors(tmp_path):
 
 def test_export_hf_config_bounded_by_the_checkpoint(tmp_path):
     from hpcml.models.transformer import TransformerConfig
-    from hpcml.models.transformer.hf import config_from_checkpoint
+    from hpcml.interop.hf import config_from_checkpoint
 
     cfg = TransformerConfig.preset("tiny")
     for fields in ({"n_layers": 10 ** 6}, {"dim": 1 << 20, "n_heads": 1, "n_kv_heads": 1}):

@@ -9,7 +9,7 @@ import h5py
 import pytest
 import torch
 
-from hpcml import ckpt
+from hpcml import ckpt, interop
 from hpcml.ckpt import tools
 from hpcml.cli import MAX_PRINT_WORLD, main
 from hpcml.errors import CheckpointError, ConfigError, GridError
@@ -120,7 +120,7 @@ def test_ckpt_outputs_under_a_file_are_one_line(capsys, saved, tmp_path):
         assert capsys.readouterr().err == (f"hpcml: error: output directory {args[2]}: {plain} is a file, expected "
                                            f"a directory or a new path\n")
     with pytest.raises(ConfigError, match=f"^output directory {under}: {plain} is a file"):
-        tools.export(root, under, "hf")
+        interop.export(root, under, "hf")
 
 
 @pytest.mark.parametrize("script, message", [

@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint (DCP) in torchtitan's layout, both ways, on one process.
 
 The torchtitan side is a reference written here from torchtitan's own code (the commit in
-``hpcml.models.transformer.torchtitan``): ``FusedQKVLinear._split_qkv_on_save`` for the
+``hpcml.interop.torchtitan``): ``FusedQKVLinear._split_qkv_on_save`` for the
 model entries, ``_merge_qkv_on_load``'s grouped rows for a fused optimizer state, the flat
 ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` optimizer dict, ``lr_scheduler``,
 ``train_state`` and a pickled ``dataloader`` entry. What hpcml reads back must resume with
@@ -26,7 +26,7 @@ from hpcml.ckpt.dcp_safe import DcpReader
 from hpcml.cli import main
 from hpcml.errors import CheckpointError
 from hpcml.models.transformer import TransformerConfig
-from hpcml.models.transformer import torchtitan as tt
+from hpcml.interop import torchtitan as tt
 from hpcml.train.checkpointing import load_trainer, save_trainer
 from hpcml.train.recipe import build_llm_trainer
 from hpcml.train.trainer import TrainConfig

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from hpcml import ckpt  # noqa: E402
 from hpcml.errors import CheckpointError, ConfigError  # noqa: E402
 from hpcml.models.transformer import Transformer, TransformerConfig  # noqa: E402
-from hpcml.models.transformer import hf  # noqa: E402
+from hpcml.interop import hf  # noqa: E402
 from hpcml.models.transformer.parallelize import TransformerPlan  # noqa: E402
 from tests.hf_reference import hf_logits, make_llama, randomise  # noqa: E402
 
@@ -266,7 +266,7 @@ def test_model_that_does_not_fit_is_refused(tmp_path):
 
 
 def test_importing_hpcml_loads_no_transformers_or_safetensors():
-    code = ("import sys, hpcml, hpcml.ckpt.tools, hpcml.models.transformer.hf; "
+    code = ("import sys, hpcml, hpcml.ckpt.tools, hpcml.interop.hf; "
             "print([m for m in ('transformers', 'safetensors') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hpcml.ckpt.tools import export, model_weights  # noqa: E402
+from hpcml.ckpt.tools import model_weights  # noqa: E402
+from hpcml.interop import export  # noqa: E402
 from hpcml.models.transformer import Transformer, cross_entropy  # noqa: E402
-from hpcml.models.transformer.hf import config_from_checkpoint  # noqa: E402
+from hpcml.interop.hf import config_from_checkpoint  # noqa: E402
 from hpcml.train.data import SyntheticTokens  # noqa: E402
 from tests.hf_reference import hf_logits, make_llama  # noqa: E402
 from tests.workflows.test_mpi_launch import ENV, ROOT, mpiexec  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
-from hpcml.models.transformer.hf_files import SafetensorsDir, data_bytes, read_json
+from hpcml.interop.hf_files import SafetensorsDir, data_bytes, read_json
 from hpcml.models.transformer.model import TransformerConfig
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,0 +1,69 @@
+"""The packages of hpcml are layers: each imports only layers below it (docs/how-it-fits.md
+draws them). Every import counts -- module level or inside a function, where the lazy ones
+live -- so an upward import (the old ``ckpt.tools`` -> ``models.transformer.hf`` cycle)
+fails here, naming the module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "hpcml"
+
+#: Lowest first; packages in one row import none of each other.
+LAYERS = [
+    ["errors", "stop"],
+    ["env", "net", "contract"],
+    ["log", "info"],
+    ["grid", "stream", "lifeline"],
+    ["parallel", "ckpt"],
+    ["models"],
+    ["interop"],
+    ["train"],
+    ["ensemble"],
+    ["cli", "hpcml"],  # hpcml: the package's __init__ (lazy names of everything)
+]
+RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(package, imported package, module file) for every import of another hpcml package."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        pkg = "hpcml" if rel.parts == ("__init__",) else rel.parts[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module == "hpcml":  # from hpcml import stop, env: submodules (or the version)
+                    targets = [a.name for a in node.names if a.name != "__version__"]
+                else:
+                    targets = [node.module.split(".")[1]] if node.module.startswith("hpcml.") else []
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("hpcml.")]
+            else:
+                continue
+            out += [(pkg, t, str(path.relative_to(ROOT.parent))) for t in targets if t != pkg]
+    return out
+
+
+def test_every_package_has_a_layer():
+    packages = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+                if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert packages - set(RANK) == set(), "a new package: put it in LAYERS (and docs/how-it-fits.md)"
+
+
+def test_no_import_points_up_or_sideways():
+    found = imports()
+    assert len(found) > 50  # the walk sees the imports (a broken walk would pass vacuously)
+    bad = sorted({f"{f}: {a} (layer {RANK[a]}) imports {b} (layer {RANK[b]})" for a, b, f in found
+                  if RANK[b] >= RANK[a]})
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.parametrize("lower, upper", [("ckpt", "models"), ("models", "interop"), ("ckpt", "interop"),
+                                          ("parallel", "models"), ("stream", "train")])
+def test_the_layers_that_matter_are_in_order(lower, upper):
+    assert RANK[lower] < RANK[upper]
+    assert any(a == upper and b == lower for a, b, _ in imports())  # the edge is real, not only allowed
