@@ -18,13 +18,15 @@ def randomise(params, std: float = 0.1, seed: int = 0) -> None:
 
 def make_llama(path: str | Path, *, vocab: int = 250, dim: int = 64, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, hidden: int = 96, tied: bool = False, theta: float = 500.0,
-               max_pos: int = 64, seed: int = 0, **extra) -> Path:
-    """A random LlamaForCausalLM saved with ``save_pretrained`` (fp32 safetensors) under ``path``."""
+               max_pos: int = 64, seed: int = 0, rope: dict | None = None, **extra) -> Path:
+    """A random LlamaForCausalLM saved with ``save_pretrained`` (fp32 safetensors) under ``path``;
+    ``rope``: its rope_parameters beyond rope_theta (e.g. Llama 3's scaling)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, intermediate_size=hidden, tie_word_embeddings=tied,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta}, max_position_embeddings=max_pos,
+                      rope_parameters={"rope_type": "default", **(rope or {}), "rope_theta": theta},
+                      max_position_embeddings=max_pos,
                       rms_norm_eps=1e-6, **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
     p.add_argument("--fused-qkv", action="store_true", help="one wqkv weight per layer (checkpointed in logical order)")
     p.add_argument("--fused-mlp", action="store_true", help="one w13 (gate/up) weight per layer")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="one weight for the embedding and the output (Llama 3.2 1B/3B); needs --tp 1 and --pp 1")
     p.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
                               f"E[xK] or a MoE preset (tiny-moe, mixtral-8x7b, grin-moe)")
         if moe_kw:
             model_cfg = replace(model_cfg, **moe_kw)
+        if args.tie_embeddings:
+            model_cfg = replace(model_cfg, tie_embeddings=True)
         if args.fused_qkv or args.fused_mlp:
             model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,

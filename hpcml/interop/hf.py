@@ -47,7 +47,7 @@ _BLOCK = {  # hpcml name within a block -> its HF parts, in fused order
     "ffn_norm.weight": ("post_attention_layernorm",),
 }
 _REFUSED = {  # config.json keys hpcml cannot honour (when set): why
-    "rope_scaling": "rope scaling", "quantization_config": "quantized weights", "sliding_window": "sliding-window attention",
+    "quantization_config": "quantized weights", "sliding_window": "sliding-window attention",
     "attention_bias": "attention biases", "mlp_bias": "MLP biases",
 }
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -116,7 +116,11 @@ def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
             "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} if not cfg.rope_llama3 else {
+                "rope_type": "llama3", "rope_theta": cfg.rope_theta,
+                **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}},
+            **({"rope_scaling": {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}}}
+               if cfg.rope_llama3 else {}),  # transformers 4.x reads this one
             "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
             "torch_dtype": dtype, "dtype": dtype, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "initializer_range": cfg.init_std}
@@ -141,15 +145,42 @@ def _float(c: dict, key: str, default: float) -> float:
     return float(v)
 
 
-def _rope_theta(c: dict) -> float:
-    params = c.get("rope_parameters")
-    if params is None:
-        return _float(c, "rope_theta", 10000.0)
-    if not isinstance(params, dict) or params.get("rope_type", "default") != "default" \
-            or set(params) - {"rope_type", "rope_theta"}:
-        raise ConfigError(f"config.json rope_parameters {params!r}: only the default rotary embedding "
-                          f"(rope_type 'default', rope_theta) is supported")
-    return _float(params, "rope_theta", 10000.0)
+_LLAMA3_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_seq"}
+
+
+def _rope(c: dict) -> dict:
+    """The rotary fields of a config.json: ``rope_parameters`` (transformers 5) or ``rope_theta``
+    and ``rope_scaling`` (4.x), read as transformers 5.x reads them: ``rope_scaling`` wins when
+    set, ``rope_theta`` at the top wins over ``rope_parameters``'. ``rope_type`` default (no
+    scaling) and llama3 are taken; any other scaling changes the function and is refused in one line."""
+    params, scaling = c.get("rope_parameters"), c.get("rope_scaling")
+    for key, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"config.json {key} {str(v)[:80]}: expected an object")
+    theta = c.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    params = {**(scaling or params or {}), "rope_theta": theta}
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict = {"rope_theta": _float(params, "rope_theta", 10000.0)}
+    if kind == "default":
+        extra = set(params) - {"rope_type", "type", "rope_theta"}
+        if extra:
+            raise ConfigError(f"config.json rope parameters: rope_type 'default' with {sorted(extra)}: expected "
+                              f"only rope_theta")
+        return out
+    if kind != "llama3":
+        raise ConfigError(f"config.json rope_type {str(kind)[:40]!r}: unsupported by hpcml's Transformer (it has "
+                          f"'default' and 'llama3')")
+    extra = set(params) - {"rope_type", "type", "rope_theta", *_LLAMA3_KEYS}
+    if extra:
+        raise ConfigError(f"config.json llama3 rope parameters: unknown keys {sorted(extra)}")
+    out["rope_scaling"] = "llama3"
+    for key, name in _LLAMA3_KEYS.items():
+        if key not in params:
+            raise ConfigError(f"config.json llama3 rope parameters lack {key}")
+        out[name] = _int(params, key) if name == "rope_original_max_seq" else _float(params, key, 0)
+    return out
 
 
 def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
@@ -168,6 +199,8 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
     act = c.get("hidden_act", "silu")
     refused += [f"hidden_act={act!r} (only silu)"] if act != "silu" else []
     refused += [f"pretraining_tp={c['pretraining_tp']!r}"] if c.get("pretraining_tp") not in (None, 1) else []
+    refused += [f"attention_dropout={c['attention_dropout']!r} (no dropout)"] \
+        if c.get("attention_dropout") not in (None, 0, 0.0) else []
     if refused:
         raise ConfigError(f"{path}: unsupported by hpcml's Transformer: {', '.join(refused)}")
     dim, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
@@ -180,7 +213,7 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
     cfg = TransformerConfig(vocab_size=_int(c, "vocab_size"), dim=dim, n_layers=_int(c, "num_hidden_layers"),
                             n_heads=heads, n_kv_heads=_int(c, "num_key_value_heads", heads),
                             ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048, MAX_POSITIONS),
-                            rope_theta=_rope_theta(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
+                            **_rope(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
                             vocab_multiple=math.gcd(_int(c, "vocab_size"), 64))
     on_disk = data_bytes(Path(path))
     if on_disk is not None and 2 * cfg.num_params() > on_disk:  # before any model of this size is built: 2 bytes a parameter at least
@@ -287,7 +320,7 @@ class HFLoadReport:
 
 
 def _check_fits(model: TransformerConfig, hf: TransformerConfig, path) -> None:
-    keys = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden", "rope_theta", "norm_eps")
+    keys = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden", "rope_theta", "rope_llama3", "norm_eps")
     diff = [f"{k} {getattr(model, k)} vs {getattr(hf, k)}" for k in keys if getattr(model, k) != getattr(hf, k)]
     if model.tie_embeddings and not hf.tie_embeddings:
         diff.append("tie_embeddings True vs False (the HF model has its own lm_head)")

@@ -74,6 +74,41 @@ def test_import_gives_transformers_logits(tmp_path, kind):
     assert model.tok_embeddings.weight[250:].abs().max() == 0  # padded vocabulary: zeros
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+def test_llama3_rope_scaling_both_ways_gives_transformers_logits(tmp_path):
+    """Llama 3.1's rope scaling (what every torchtitan Llama 3 uses): head_dim 16 and theta 500
+    put the 8 frequencies in all three bands (wavelengths 6 to 1147 against 8 and 32). Imported:
+    transformers' logits; a model without the scaling is refused, not loaded 1e-3 off; exported:
+    transformers reads the scaling back and gives hpcml's logits."""
+    from dataclasses import replace
+
+    src = make_llama(tmp_path / "hf", rope=LLAMA3, theta=500.0)
+    cfg = hf.config_from_hf(src)
+    assert (cfg.rope_scaling, cfg.rope_llama3, cfg.rope_theta) == ("llama3", (4.0, 1.0, 4.0, 32), 500.0)
+    model = Transformer(cfg)
+    hf.load_hf_into(model, src)
+    tokens = torch.randint(0, 250, (2, 60), generator=torch.Generator().manual_seed(2))
+    assert_close(logits(model, tokens), hf_logits(src, tokens))
+    plain = Transformer(replace(cfg, rope_scaling="none"))
+    with pytest.raises(ConfigError, match=r"does not fit the model \(model vs HF\): rope_llama3 None vs "
+                                          r"\(4.0, 1.0, 4.0, 32\)$"):
+        hf.load_hf_into(plain, src)
+    assert not torch.allclose(plain.rope_cos, model.rope_cos)  # the scaling changes the function
+    ours, path = saved(tmp_path / "ours", cfg)
+    hf.export_hf(path, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["rope_parameters"] == {**LLAMA3, "rope_theta": 500.0}
+    assert_close(hf_logits(tmp_path / "back", tokens), logits(ours, tokens))
+    # the legacy spelling (transformers 4.x: rope_theta + rope_scaling) reads the same
+    c = json.loads((src / "config.json").read_text())
+    del c["rope_parameters"]
+    (src / "config.json").write_text(json.dumps({**c, "rope_theta": 500.0, "rope_scaling": LLAMA3}))
+    assert hf.config_from_hf(src) == cfg
+
+
 def test_tied_hf_model_loads_untied(tmp_path):
     src = make_llama(tmp_path / "hf", tied=True)
     model = Transformer(hf.config_from_hf(src, tie_embeddings=False))
@@ -137,6 +172,12 @@ def test_config_dict_round_trip_and_refusals():
         TransformerConfig.from_dict({"dim": "64", "fused_qkv": 1})
     with pytest.raises(ConfigError, match="norm_eps must be > 0"):
         TransformerConfig.from_dict({"norm_eps": 0.0})
+    with pytest.raises(ConfigError, match=r"^rope_scaling 'yarn': expected 'none' or 'llama3'$"):
+        TransformerConfig.from_dict({"rope_scaling": "yarn"})
+    with pytest.raises(ConfigError, match=r"^llama3 rope scaling: factor 8.0, low_freq_factor 4.0, high_freq_factor "
+                                          r"1.0, original max seq 8192: expected factor >= 1, 0 < low < high"):
+        TransformerConfig(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
+    assert TransformerConfig(rope_factor=0.5).rope_llama3 is None  # the factors mean nothing without the scaling
 
 
 def test_export_refusals(tmp_path):
@@ -161,8 +202,14 @@ def test_export_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling=.*rope scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "only the default rotary"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "^config.json llama3 rope parameters lack "
+                                                                "low_freq_factor$"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     r"^config.json rope_type 'yarn': unsupported by hpcml's Transformer \(it has 'default' and 'llama3'\)$"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 4.0}},
+     r"^config.json rope parameters: rope_type 'default' with \['factor'\]: expected only rope_theta$"),
+    ({"rope_scaling": "linear"}, r"^config.json rope_scaling linear: expected an object$"),
+    ({"attention_dropout": 0.1}, r"attention_dropout=0.1 \(no dropout\)"),
     ({"attention_bias": True}, "attention biases"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' \(only silu\)"),
     ({"head_dim": 32}, "head_dim 32 with hidden_size 64 and 4 heads"),

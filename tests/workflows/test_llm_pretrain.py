@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
+import h5py
 import pytest
 
 from tests.workflows.test_mpi_launch import ENV, ROOT, mpiexec
@@ -70,3 +71,26 @@ def test_moe_with_ep_matches_one_process_and_reports_balance():
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "llm_pretrain: error: --moe-capacity needs a MoE model: give --moe E[xK] or a MoE preset "
         "(tiny-moe, mixtral-8x7b, grin-moe)")
+
+
+def test_tied_embeddings_train_on_fsdp_and_resume_bitwise(tmp_path):
+    """Issue 26: Llama 3.2 1B/3B tie the embedding and the output; ``--tie-embeddings`` builds
+    that model, FSDP over 2 ranks trains the one-process losses, a resumed run continues them
+    bitwise, and tp 2 is refused in one line (a tied weight cannot split two ways)."""
+    args = [*ARGS[2:], "--steps", "6", "--tie-embeddings"]
+    one = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=ENV, timeout=300,
+                         cwd=ROOT)
+    ref = losses(one)
+    ck = tmp_path / "ck"
+    full = mpiexec(2, sys.executable, SCRIPT, *args, "--fsdp", "--ckpt-dir", str(ck), "--ckpt-every", "2", "--keep",
+                   "5", timeout=300)
+    assert losses(full) == pytest.approx(ref, rel=1e-4)
+    with h5py.File(ck / "step_00000006" / "index.h5") as f:  # one weight, saved once
+        assert "tok_embeddings.weight" in f["model"] and "output.weight" not in f["model"]
+    shutil.rmtree(ck / "step_00000006")
+    (ck / "latest").write_text("step_00000004\n")
+    again = mpiexec(2, sys.executable, SCRIPT, *args, "--fsdp", "--ckpt-dir", str(ck), "--resume", timeout=300)
+    assert losses(again) == losses(full)[4:]  # bitwise
+    bad = mpiexec(2, sys.executable, SCRIPT, *args, "--tp", "2", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "llm_pretrain: error: tie_embeddings needs tp 1 and pp 1, got tp 2, pp 1"]

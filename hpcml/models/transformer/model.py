@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcml.errors import ConfigError
+from hpcml.models.transformer.rope import apply_rope, rope_tables
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -45,6 +46,13 @@ class TransformerConfig:
     ffn_multiple: int = 64
     max_seq_len: int = 128
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    """Rotary frequency scaling: none, or llama3 (Llama 3.1+'s, :mod:`hpcml.models.transformer.rope`)."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq: int = 8192
+    """llama3 scaling's ``original_max_position_embeddings``."""
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     vocab_multiple: int = 64
@@ -89,6 +97,14 @@ class TransformerConfig:
         if not (self.rope_theta > 0 and self.norm_eps > 0 and self.init_std >= 0):
             raise ConfigError(f"rope_theta and norm_eps must be > 0, init_std >= 0; got {self.rope_theta}, "
                               f"{self.norm_eps}, {self.init_std}")
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ConfigError(f"rope_scaling {self.rope_scaling!r}: expected 'none' or 'llama3'")
+        if self.rope_scaling == "llama3" and not (self.rope_factor >= 1 and self.rope_original_max_seq >= 1
+                                                  and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ConfigError(f"llama3 rope scaling: factor {self.rope_factor}, low_freq_factor "
+                              f"{self.rope_low_freq_factor}, high_freq_factor {self.rope_high_freq_factor}, original "
+                              f"max seq {self.rope_original_max_seq}: expected factor >= 1, 0 < low < high, "
+                              f"original >= 1")
         if self.dim % self.n_heads:
             raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.head_dim % 2:
@@ -111,6 +127,13 @@ class TransformerConfig:
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.n_layers))
+
+    @property
+    def rope_llama3(self) -> tuple[float, float, float, int] | None:
+        """llama3 scaling's (factor, low, high, original max seq); None without scaling."""
+        if self.rope_scaling != "llama3":
+            return None
+        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq)
 
     @property
     def kv_heads(self) -> int:
@@ -182,7 +205,10 @@ class TransformerConfig:
         otherwise derive by reading this module (widths, padding, the rotary convention)."""
         return {"type": "transformer", "config": self.to_dict(), "head_dim": self.head_dim,
                 "kv_heads": self.kv_heads, "hidden": self.hidden, "padded_vocab": self.padded_vocab,
-                "rope": {"pairs": "interleaved", "theta": self.rope_theta,
+                "rope": {"pairs": "interleaved", "theta": self.rope_theta, "scaling": self.rope_scaling,
+                         **({"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
+                             "high_freq_factor": self.rope_high_freq_factor,
+                             "original_max_seq": self.rope_original_max_seq} if self.rope_llama3 else {}),
                          "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
                                   "(x[i], x[i + head_dim/2])"},
                 "norm": {"type": "rmsnorm", "eps": self.norm_eps}, "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))",
@@ -227,20 +253,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` [B, S, H, D] by the angles of its positions (cos/sin [S, D/2])."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -337,7 +349,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_llama3)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.seq_shard = (0, 1)

@@ -12,6 +12,13 @@ def _megatron(h: int, heads: int, layers: int) -> TransformerConfig:
                              ffn_multiple=128, vocab_multiple=128)
 
 
+def _llama3(dim: int, layers: int, heads: int, hidden: int) -> TransformerConfig:
+    return TransformerConfig(vocab_size=128256, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
+                             ffn_hidden=hidden, max_seq_len=8192, rope_theta=500000.0, rope_scaling="llama3",
+                             rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                             rope_original_max_seq=8192)
+
+
 PRESETS: dict[str, TransformerConfig] = {
     "tiny": TransformerConfig(vocab_size=256, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=128,
                               max_seq_len=64),
@@ -27,6 +34,15 @@ PRESETS: dict[str, TransformerConfig] = {
     "megatron-310b": _megatron(16384, 128, 96),
     "megatron-530b": _megatron(20480, 128, 105),
     "megatron-1t": _megatron(25600, 160, 128),
+    # Llama 1 (Touvron et al. 2023a), Llama 2 70B (2023b), Llama 3.1 (Dubey et al. 2024; its rope
+    # scaling, which torchtitan's Llama 3 configs use too): shapes from the papers and model cards
+    "llama-7b": TransformerConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008,
+                                  max_seq_len=2048, norm_eps=1e-6),
+    "llama2-70b": TransformerConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                                    ffn_hidden=28672, max_seq_len=4096),
+    "llama3-8b": _llama3(4096, 32, 32, 14336),
+    "llama3-70b": _llama3(8192, 80, 64, 28672),
+    "llama3-405b": _llama3(16384, 126, 128, 53248),
     "llama-13b": TransformerConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
                                    max_seq_len=2048),
     "llama-30b": TransformerConfig(vocab_size=32000, dim=6656, n_layers=60, n_heads=52, ffn_hidden=17920,
