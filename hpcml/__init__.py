@@ -31,8 +31,8 @@ _EXPORTS = {
     "BufferConfig": "hpcml.stream",
     "save": "hpcml.ckpt", "load": "hpcml.ckpt",
 }
-_SUBMODULES = {"ckpt", "contract", "ensemble", "env", "errors", "grid", "lifeline", "log", "models", "net", "parallel",
-               "stop", "stream", "train"}
+_SUBMODULES = {"ckpt", "contract", "ensemble", "env", "errors", "grid", "interop", "lifeline", "log", "models", "net",
+               "parallel", "stop", "stream", "train"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -51,7 +51,7 @@ class HeatConfig(GridConfig):
         super().__post_init__()
         check_min(self, "alpha", "source_width")
         check_min(self, "source_power", strict=False)
-        for name in ("source_x", "source_y"):
+        for name in ("source_power", "source_x", "source_y", "source_width"):
             if not np.isfinite(getattr(self, name)):
                 raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.init not in ("uniform", "sine"):

@@ -21,15 +21,17 @@ def make_llama(path: str | Path, *, vocab: int = 250, dim: int = 64, layers: int
                max_pos: int = 64, seed: int = 0, rope: dict | None = None, **extra) -> Path:
     """A random LlamaForCausalLM saved with ``save_pretrained`` (fp32 safetensors) under ``path``;
     ``rope``: its rope_parameters beyond rope_theta (e.g. Llama 3's scaling)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+    qwen = extra.pop("qwen2", False)  # Qwen2: Llama with biases on q, k and v
+    config, model_cls = (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, intermediate_size=hidden, tie_word_embeddings=tied,
                       rope_parameters={"rope_type": "default", **(rope or {}), "rope_theta": theta},
                       max_position_embeddings=max_pos,
                       rms_norm_eps=1e-6, **extra)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     randomise(model.parameters(), seed=seed)
     model.save_pretrained(path)
     return Path(path)

@@ -79,8 +79,9 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--sim-steps {args.sim_steps} < --every {args.every}: the simulations would output nothing")
     if args.adaptive and args.mode != "online":
         p.error("--adaptive needs --mode online: the waves follow the trainer's feedback while it trains")
-    if args.target is not None and not (args.adaptive and 0 < args.target < float("inf")):
-        p.error(f"--target {args.target}: expected a relative L2 > 0, with --adaptive")
+    if args.target is not None and not (args.adaptive and 0 < args.target < float("inf") and args.val_sims):
+        p.error(f"--target {args.target}: expected a relative L2 > 0, with --adaptive and --val-sims >= 1 (the "
+                f"held-out simulations it is measured on)")
     if not 0 < args.lr < float("inf"):
         p.error(f"--lr {args.lr}: expected a finite learning rate > 0")
     from hpcml.stream import BufferConfig

@@ -45,11 +45,17 @@ _BLOCK = {  # hpcml name within a block -> its HF parts, in fused order
     "feed_forward.w3.weight": ("mlp.up_proj",), "feed_forward.w13.weight": ("mlp.gate_proj", "mlp.up_proj"),
     "feed_forward.w2.weight": ("mlp.down_proj",), "attention_norm.weight": ("input_layernorm",),
     "ffn_norm.weight": ("post_attention_layernorm",),
+    "attention.wq.bias": ("self_attn.q_proj",), "attention.wk.bias": ("self_attn.k_proj",),
+    "attention.wv.bias": ("self_attn.v_proj",),
+    "attention.wqkv.bias": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 }
 _REFUSED = {  # config.json keys hpcml cannot honour (when set): why
     "quantization_config": "quantized weights", "sliding_window": "sliding-window attention",
-    "attention_bias": "attention biases", "mlp_bias": "MLP biases",
+    "attention_bias": "attention biases on q, k, v and o: hpcml has Qwen2's, on q, k and v",
+    "mlp_bias": "MLP biases",
 }
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""The model types read: Llama, and Qwen2 (Llama with biases on q, k and v)."""
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -74,6 +80,10 @@ def hf_shapes(cfg: TransformerConfig, tied: bool | None = None) -> dict[str, tup
                     p + "self_attn.v_proj.weight": (cfg.kv_heads * hd, d), p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
                     p + "mlp.gate_proj.weight": (h, d), p + "mlp.up_proj.weight": (h, d), p + "mlp.down_proj.weight": (d, h),
                     p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        if cfg.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
+                        p + "self_attn.k_proj.bias": (cfg.kv_heads * hd,),
+                        p + "self_attn.v_proj.bias": (cfg.kv_heads * hd,)})
     out["model.norm.weight"] = (d,)
     if not (cfg.tie_embeddings if tied is None else tied):
         out["lm_head.weight"] = (cfg.vocab_size, d)
@@ -94,7 +104,8 @@ def hf_parts(name: str, cfg: TransformerConfig, hf_tied: bool = False) -> list[H
     hd = cfg.head_dim
     rows = {"q_proj": cfg.n_heads * hd, "k_proj": cfg.kv_heads * hd, "v_proj": cfg.kv_heads * hd, "gate_proj": cfg.hidden,
             "up_proj": cfg.hidden}
-    return [HFPart(f"model.layers.{m[1]}.{part}.weight", rows.get(part.rsplit(".", 1)[-1], cfg.dim),
+    kind = m[2].rsplit(".", 1)[1]  # weight or bias
+    return [HFPart(f"model.layers.{m[1]}.{part}.{kind}", rows.get(part.rsplit(".", 1)[-1], cfg.dim),
                    part.endswith(("q_proj", "k_proj"))) for part in _BLOCK[m[2]]]
 
 
@@ -111,8 +122,11 @@ def hf_rows(rows, head_dim: int):
 
 # -- configs --------------------------------------------------------------------------------
 def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
-    """``config.json`` of the HF Llama model equal to ``cfg``."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    """``config.json`` of the HF Llama model equal to ``cfg`` (Qwen2 with ``qkv_bias``)."""
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers} \
+        if cfg.qkv_bias else {"attention_bias": False, "mlp_bias": False}
+    return {"architectures": [_ARCH[kind]], "model_type": kind, "vocab_size": cfg.vocab_size, **qwen,
             "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
@@ -122,8 +136,7 @@ def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
             **({"rope_scaling": {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}}}
                if cfg.rope_llama3 else {}),  # transformers 4.x reads this one
             "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-            "torch_dtype": dtype, "dtype": dtype, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "initializer_range": cfg.init_std}
+            "torch_dtype": dtype, "dtype": dtype, "hidden_act": "silu", "initializer_range": cfg.init_std}
 
 
 MAX_POSITIONS = 1 << 21
@@ -140,8 +153,8 @@ def _int(c: dict, key: str, default: int | None = None, most: int = 1 << 40) -> 
 
 def _float(c: dict, key: str, default: float) -> float:
     v = c.get(key, default)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-        raise ConfigError(f"config.json {key}={v!r}: expected a positive number")
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
+        raise ConfigError(f"config.json {key}={v!r}: expected a positive finite number")
     return float(v)
 
 
@@ -152,15 +165,22 @@ _LLAMA3_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_facto
 
 def _rope(c: dict) -> dict:
     """The rotary fields of a config.json: ``rope_parameters`` (transformers 5) or ``rope_theta``
-    and ``rope_scaling`` (4.x), read as transformers 5.x reads them: ``rope_scaling`` wins when
-    set, ``rope_theta`` at the top wins over ``rope_parameters``'. ``rope_type`` default (no
-    scaling) and llama3 are taken; any other scaling changes the function and is refused in one line."""
+    and ``rope_scaling`` (4.x); ``rope_scaling`` wins when set, as in transformers 5. A theta
+    given in two places with two values is refused (transformers' versions disagree on which
+    wins, and either way half the readers would build another function). ``rope_type`` default
+    (no scaling) and llama3 are taken; any other scaling changes the function and is refused."""
     params, scaling = c.get("rope_parameters"), c.get("rope_scaling")
     for key, v in (("rope_parameters", params), ("rope_scaling", scaling)):
         if v is not None and not isinstance(v, dict):
             raise ConfigError(f"config.json {key} {str(v)[:80]}: expected an object")
-    theta = c.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
-    params = {**(scaling or params or {}), "rope_theta": theta}
+    places = (("rope_theta", {"rope_theta": c.get("rope_theta")}), ("rope_parameters", params or {}),
+              ("rope_scaling", scaling or {}))
+    thetas = {where: d["rope_theta"] for where, d in places if d.get("rope_theta") is not None}
+    if len({float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+            for v in thetas.values()}) > 1:
+        raise ConfigError(f"config.json gives rope_theta {', '.join(f'{v!r} ({k})' for k, v in thetas.items())}: "
+                          f"expected one value")
+    params = {**(scaling or params or {}), "rope_theta": next(iter(thetas.values()), 10000.0)}
     kind = params.get("rope_type", params.get("type", "default"))
     out: dict = {"rope_theta": _float(params, "rope_theta", 10000.0)}
     if kind == "default":
@@ -192,9 +212,15 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
     c = read_json(Path(path), "config.json", 1 << 20)
     if not isinstance(c, dict):
         raise ConfigError(f"{Path(path) / 'config.json'}: expected a JSON object")
-    if c.get("model_type") != "llama" or not set(c.get("architectures") or ["LlamaForCausalLM"]) <= {"LlamaForCausalLM"}:
-        raise ConfigError(f"{path}: model_type {c.get('model_type')!r}, architectures {c.get('architectures')}: "
-                          f"expected a Llama model (model_type 'llama', LlamaForCausalLM)")
+    kind = c.get("model_type")
+    if kind not in _ARCH or not set(c.get("architectures") or [_ARCH[kind]]) <= {_ARCH[kind]}:
+        raise ConfigError(f"{path}: model_type {str(kind)[:40]!r}, architectures {str(c.get('architectures'))[:80]}: "
+                          f"expected a Llama model (model_type 'llama', LlamaForCausalLM) or Qwen2 ('qwen2', "
+                          f"Qwen2ForCausalLM)")
+    if kind == "qwen2":  # Qwen2 writes a window size it does not use unless use_sliding_window
+        layers = c.get("layer_types") or []
+        windowed = c.get("use_sliding_window") or (isinstance(layers, list) and "sliding_attention" in layers)
+        c = {**c, "sliding_window": c.get("sliding_window") if windowed else None}
     refused = [f"{k}={c[k]!r} ({why})" for k, why in _REFUSED.items() if c.get(k) not in (None, False)]
     act = c.get("hidden_act", "silu")
     refused += [f"hidden_act={act!r} (only silu)"] if act != "silu" else []
@@ -214,7 +240,7 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
                             n_heads=heads, n_kv_heads=_int(c, "num_key_value_heads", heads),
                             ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048, MAX_POSITIONS),
                             **_rope(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
-                            vocab_multiple=math.gcd(_int(c, "vocab_size"), 64))
+                            vocab_multiple=math.gcd(_int(c, "vocab_size"), 64), qkv_bias=kind == "qwen2")
     on_disk = data_bytes(Path(path))
     if on_disk is not None and 2 * cfg.num_params() > on_disk:  # before any model of this size is built: 2 bytes a parameter at least
         raise CheckpointError(f"{Path(path) / 'config.json'} describes {cfg.num_params():,} parameters "
@@ -320,7 +346,8 @@ class HFLoadReport:
 
 
 def _check_fits(model: TransformerConfig, hf: TransformerConfig, path) -> None:
-    keys = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden", "rope_theta", "rope_llama3", "norm_eps")
+    keys = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden", "rope_theta", "rope_llama3", "norm_eps",
+            "qkv_bias")
     diff = [f"{k} {getattr(model, k)} vs {getattr(hf, k)}" for k in keys if getattr(model, k) != getattr(hf, k)]
     if model.tie_embeddings and not hf.tie_embeddings:
         diff.append("tie_embeddings True vs False (the HF model has its own lm_head)")

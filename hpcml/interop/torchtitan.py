@@ -20,7 +20,7 @@ import os
 from dataclasses import replace
 
 from hpcml.ckpt.dcp import Converted, ParamMap, Rows, carried_extra, export_titan, import_titan
-from hpcml.errors import CheckpointError
+from hpcml.errors import CheckpointError, ConfigError
 from hpcml.models.transformer.model import TransformerConfig
 
 TORCHTITAN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
@@ -64,6 +64,9 @@ def param_maps(cfg: TransformerConfig, *, titan_fused_qkv: bool = True) -> list[
     """Each parameter of ``cfg``'s model and its torchtitan names and rows, in ``named_parameters``
     order. ``titan_fused_qkv``: the torchtitan model builds ``FusedQKVLinear`` (all its Llama3
     configs do), so its optimizer state is ``qkv_linear.wqkv`` in grouped order."""
+    if cfg.qkv_bias:
+        raise ConfigError("a model with q, k, v biases (qkv_bias, Qwen2's attention): torchtitan's Llama has no "
+                          "biases, so it has no torchtitan form; export it to Hugging Face instead")
     vocab = (cfg.padded_vocab, cfg.dim)
     emb = ParamMap.same("tok_embeddings.weight", vocab)
     if cfg.tie_embeddings:  # torchtitan's state dict holds the shared weight under both names

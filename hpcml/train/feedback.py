@@ -140,7 +140,9 @@ class SimFeedback:
         """The merged table for a checkpoint's ``extra`` (collective, unless it was just published:
         every rank saves alike)."""
         table = self._published if self._published is not None else self.merged()  # a save follows a publish
-        return {"every": self.every, "sims": {str(k): v for k, v in sorted(table.items())}}
+        loss = self.metrics.get("loss")  # surprise's reference: a resumed run goes on from it
+        return {"every": self.every, "sims": {str(k): v for k, v in sorted(table.items())},
+                **({"loss": loss} if loss is not None and math.isfinite(loss) else {})}
 
     def load_state(self, state: dict | None, step: int) -> None:
         """Take back a checkpoint's table (saved at ``step``); a checkpoint from before feedback
@@ -164,6 +166,12 @@ class SimFeedback:
                         or rec["samples"] < 0 or (rec["at"] is not None and not 0 <= rec["at"] <= step)):
                     raise ValueError(f"simulation {str(k)[:20]}: {str(v)[:120]}")
                 sims[int(k)] = rec
+            loss = state.get("loss")
+            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))
+                                     or not math.isfinite(loss)):
+                raise ValueError(f"loss {str(loss)[:40]}: expected a finite number")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"the checkpoint's feedback table does not fit ({type(e).__name__}: {e})") from None
         self.sims = sims
+        if loss is not None:
+            self.metrics["loss"] = float(loss)

@@ -347,7 +347,8 @@ def test_fused_declarations_that_do_not_fit_fail_on_every_rank(comm, shared_dir)
     assert not (root / "step_00000002").exists() and not (root / "step_00000003").exists()
 
 
-FUSED_MODEL = TransformerConfig.preset("tiny", fused_qkv=True, fused_mlp=True)  # GQA: q 64, k = v 32 rows; w13 [128, 128]
+# GQA: q 64, k = v 32 rows; w13 [128, 128]; Qwen2's q, k, v biases, fused as the weight
+FUSED_MODEL = TransformerConfig.preset("tiny", fused_qkv=True, fused_mlp=True, qkv_bias=True)
 FUSED_TRAIN = TrainConfig(**{**TRAIN.__dict__, "steps": 2, "global_batch": 4})
 FUSED_CASES = {2: [("tp2", {"tp": 2}, {}, ("dp2", {"dp": 2}, {}))],
                4: [("tp2xfsdp2", {"tp": 2}, {"fsdp": True}, ("tp4", {"tp": 4}, {}))]}.get(WORLD, [])
@@ -365,9 +366,10 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
     assert [m["loss"] for m in trainer.fit()] == pytest.approx(ref_losses, rel=1e-4)
     result = save_trainer(trainer, shared_dir / f"fused-model-{name}")
     fused = [n for n in trainer.state_tensors() if ("wqkv" in n or "w13" in n) and not n.endswith("/step")]
-    assert len(fused) == 3 * 2 * FUSED_MODEL.n_layers
+    assert len(fused) == 3 * 3 * FUSED_MODEL.n_layers  # wqkv weight and bias, w13: each with exp_avg, exp_avg_sq
     with h5py.File(result.path / "index.h5", "r") as index, ckpt.Checkpoint(result.path) as ck:
-        for pname in ("layers.0.attention.wqkv.weight", "layers.3.feed_forward.w13.weight"):
+        for pname in ("layers.0.attention.wqkv.weight", "layers.3.feed_forward.w13.weight",
+                      "layers.1.attention.wqkv.bias"):
             logical = ckpt.read_tensor(ck, f"model/{pname}")  # the unparallelised model's weight
             assert float((logical - ref_params[pname]).norm() / ref_params[pname].norm()) < 1e-4, pname
         tp_rank, tp = trainer.grid.coords["tp"], trainer.grid.layout.tp

@@ -25,19 +25,21 @@ WORLD = MPI.COMM_WORLD.Get_size()
 TRAIN = TrainConfig(steps=1, global_batch=4, micro_batch=1, seq_len=16, progress=False)
 TOKENS = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
 LAYOUTS = {
-    2: [("tp2", {"tp": 2}, {}), ("pp2", {"pp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True})],
+    2: [("tp2", {"tp": 2}, {}), ("pp2", {"pp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}),
+        ("tp2-qwen2", {"tp": 2}, {}), ("tp2-qwen2-fused", {"tp": 2}, {})],
     4: [("tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("pp2xtp2-fused", {"pp": 2, "tp": 2}, {})],
 }
 
 
 @pytest.fixture(scope="module")
 def hf_model(comm):
-    """A random HF Llama (grouped-query, vocabulary 250: hpcml pads it to 256) on rank 0's disk,
-    and its logits on TOKENS, for all ranks."""
+    """A random HF Llama (grouped-query, vocabulary 250: hpcml pads it to 256) and a Qwen2 (the
+    same with q, k, v biases) on rank 0's disk, and their logits on TOKENS, for all ranks."""
     root = tempfile.mkdtemp(prefix="hpcml_hf_") if comm.rank == 0 else None
-    want = hf_logits(make_llama(Path(root) / "llama", kv_heads=2), TOKENS) if comm.rank == 0 else None
+    want = {k: hf_logits(make_llama(Path(root) / k, kv_heads=2, qwen2=k == "qwen2"), TOKENS)
+            for k in ("llama", "qwen2")} if comm.rank == 0 else None
     root, want = comm.bcast((root, want))
-    yield Path(root) / "llama", want
+    yield Path(root), want
     comm.Barrier()
     if comm.rank == 0:
         shutil.rmtree(root)
@@ -59,7 +61,9 @@ def full_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])
 def test_step0_logits_equal_transformers(comm, hf_model, name, degrees, pkw):
-    hf_dir, want = hf_model
+    root, wants = hf_model
+    kind = "qwen2" if "qwen2" in name else "llama"
+    hf_dir, want = root / kind, wants[kind]
     fused = {"fused_qkv": True, "fused_mlp": True} if "fused" in name else {}
     untie = {"tie_embeddings": False}
     trainer = build_llm_trainer(hf.config_from_hf(hf_dir, **fused, **untie), TRAIN, ParallelConfig(**pkw), **degrees)

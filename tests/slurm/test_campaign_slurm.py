@@ -104,8 +104,10 @@ def test_one_allocation_campaign_split_by_the_walltime_warning(tmp_path):
 
 
 def waves(run_dir: Path) -> list[dict]:
+    """The recorded waves (a line being appended is not one yet)."""
     path = run_dir / "waves.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")] \
+        if path.exists() else []
 
 
 def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
@@ -129,6 +131,8 @@ def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
     s = json.loads((run_dir / "summary.json").read_text())
     assert (s["status"], s["sims_completed"], s["sims_failed"]) == ("ok", SIMS, 0), s
     assert s["sims_resumed"] >= 3
+    train_out = (run_dir / "train.out").read_text()  # the warning split the training too
+    assert "[train] stopped at step" in train_out and "[train] resumed at step" in train_out
     assert (s["samples_ingested"], s["samples_missing"], s["duplicate_samples"]) == (SIMS * OUTPUTS, 0, 0), s
     keys = seen_keys(run_dir)  # exactly once
     assert len(keys) == SIMS * OUTPUTS == len({tuple(k) for k in keys.tolist()})
@@ -136,4 +140,5 @@ def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
     for sim in range(SIMS + 1):  # the held-out one (id 6) beside the waves
         mine = [r for r in recs if r["sim_id"] == sim]
         assert sum(r["status"] == "ok" for r in mine) == 1, mine
+    assert any(r["status"] == "cancelled" for r in recs)  # the warning stopped a running one
     assert json.loads((run_dir / "campaign_id.json").read_text())["simulations"]["count"] == SIMS + 1

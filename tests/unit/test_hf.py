@@ -109,6 +109,33 @@ def test_llama3_rope_scaling_both_ways_gives_transformers_logits(tmp_path):
     assert hf.config_from_hf(src) == cfg
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_qwen2_attention_biases_both_ways_give_transformers_logits(tmp_path, fused):
+    """Qwen2 is Llama with biases on q, k and v (not o): imported, plain or fused, the logits
+    are transformers' (the q/k bias rows take the rotary permutation as the weight rows do);
+    exported, transformers builds a Qwen2ForCausalLM with hpcml's logits. torchtitan's Llama
+    has no biases: refused in one line."""
+    from hpcml.interop import torchtitan
+
+    src = make_llama(tmp_path / "qwen", kv_heads=2, qwen2=True, tied=True, sliding_window=4096)
+    cfg = hf.config_from_hf(src, fused_qkv=fused)
+    assert cfg.qkv_bias and cfg.tie_embeddings  # the window size is written but unused (use_sliding_window false)
+    model = Transformer(cfg)
+    report = hf.load_hf_into(model, src)
+    assert report.bytes_read == report.hf_bytes
+    assert_close(logits(model), hf_logits(src, TOKENS))
+    assert model.layers["0"].attention.state_dict()["wqkv.bias" if fused else "wq.bias"].abs().min() > 0.5
+    ours, path = saved(tmp_path / "ours", cfg)
+    hf.export_hf(path, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["model_type"], back["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+    assert_close(hf_logits(tmp_path / "back", TOKENS), logits(ours))
+    with pytest.raises(ConfigError, match=r"^a model with q, k, v biases \(qkv_bias, Qwen2's attention\): "
+                                          r"torchtitan's Llama has no biases"):
+        torchtitan.param_maps(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
 def test_tied_hf_model_loads_untied(tmp_path):
     src = make_llama(tmp_path / "hf", tied=True)
     model = Transformer(hf.config_from_hf(src, tie_embeddings=False))
@@ -209,11 +236,17 @@ def test_export_refusals(tmp_path):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 4.0}},
      r"^config.json rope parameters: rope_type 'default' with \['factor'\]: expected only rope_theta$"),
     ({"rope_scaling": "linear"}, r"^config.json rope_scaling linear: expected an object$"),
+    ({"rope_theta": 1e4}, r"^config.json gives rope_theta 10000.0 \(rope_theta\), 500.0 \(rope_parameters\): "
+                          r"expected one value$"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     r"rope_theta=inf: expected a positive finite number"),
     ({"attention_dropout": 0.1}, r"attention_dropout=0.1 \(no dropout\)"),
-    ({"attention_bias": True}, "attention biases"),
+    ({"attention_bias": True}, r"attention_bias=True \(attention biases on q, k, v and o: hpcml has Qwen2's"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' \(only silu\)"),
     ({"head_dim": 32}, "head_dim 32 with hidden_size 64 and 4 heads"),
-    ({"model_type": "gpt2"}, "expected a Llama model"),
+    ({"model_type": "gpt2"}, r"expected a Llama model \(model_type 'llama', LlamaForCausalLM\) or Qwen2"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+      "sliding_window": 16}, r"sliding_window=16 \(sliding-window attention\)"),
     ({"vocab_size": -3}, r"vocab_size=-3: expected an integer from 1 to"),
 ])
 def test_config_refusals(tmp_path, change, match):

@@ -152,6 +152,7 @@ def test_decompose_on_one_rank_is_the_whole_grid():
     (dict(source_width=0.0), "source_width must be > 0, got 0.0"),
     (dict(source_power=-1.0), "source_power must be >= 0, got -1.0"),
     (dict(source_x=float("inf")), "source_x must be a finite number, got inf"),
+    (dict(source_width=float("inf")), "source_width must be a finite number, got inf"),
     (dict(crash_at_step=0), "crash_at_step must be >= 1, got 0"),
 ])
 def test_heat_config_rejects_bad_values_naming_them(kwargs, message):

@@ -29,19 +29,32 @@ RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 
 
 def imports() -> list[tuple[str, str, str]]:
-    """(package, imported package, module file) for every import of another hpcml package."""
+    """(package, imported package, module file) for every import of another hpcml package:
+    absolute and relative ones, and the ``importlib.import_module("hpcml.x...")`` of the lazy
+    name tables (an f-string counts by its constant start)."""
     out = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         pkg = "hpcml" if rel.parts == ("__init__",) else rel.parts[0]
+        here = ["hpcml", *rel.parts[:-1]]  # the package this file is in
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if isinstance(node, ast.ImportFrom) and node.level > 0:  # from . import x, from ..grid import y
+                base = here[:len(here) - (node.level - 1)]
+                node = ast.ImportFrom(module=".".join(base + ([node.module] if node.module else [])),
+                                      names=node.names, level=0)
+            if isinstance(node, ast.ImportFrom) and node.module:
                 if node.module == "hpcml":  # from hpcml import stop, env: submodules (or the version)
                     targets = [a.name for a in node.names if a.name != "__version__"]
                 else:
                     targets = [node.module.split(".")[1]] if node.module.startswith("hpcml.") else []
             elif isinstance(node, ast.Import):
                 targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("hpcml.")]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args:
+                arg = node.args[0]
+                first = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+                text = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+                name = text.split(".")[1] if text.startswith("hpcml.") else ""
+                targets = [name] if name and name in RANK else []  # "hpcml.{name}": the root's own lazy table
             else:
                 continue
             out += [(pkg, t, str(path.relative_to(ROOT.parent))) for t in targets if t != pkg]

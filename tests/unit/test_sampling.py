@@ -254,7 +254,15 @@ def test_fresh_loss_is_measured_once_before_a_simulation_is_trained_on():
     fb.fresh(trainer, [sample(0), sample(2)])
     assert (fb.sims[0]["fresh"], fb.sims[2]["fresh"], fb.sims[2]["surprise"]) == (2.0, 9.0, 18.0)
     fb.publish(2)
-    assert fb.state()["sims"]["2"]["surprise"] == 18.0
+    state = fb.state()
+    assert state["sims"]["2"]["surprise"] == 18.0 and state["loss"] == 0.5
+    again = SimFeedback(path=None, every=1000, comm=MPI.COMM_SELF, param_names=("k", "q"))
+    again.load_state(state, step=2)  # a resumed run: the next new simulation's surprise is over the saved loss
+    trainer.by_sim[3] = 2.0
+    again.fresh(trainer, [sample(3)])
+    assert again.sims[3]["surprise"] == 4.0
+    with pytest.raises(ConfigError, match=r"does not fit \(ValueError: loss inf: expected a finite number\)"):
+        again.load_state({**state, "loss": float("inf")}, step=2)
 
 
 def test_breed_by_surprise_breeds_around_the_simulations_it_was_most_wrong_about():

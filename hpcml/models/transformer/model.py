@@ -55,6 +55,8 @@ class TransformerConfig:
     """llama3 scaling's ``original_max_position_embeddings``."""
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections, none on o (Qwen2's attention)."""
     vocab_multiple: int = 64
     """Pad the vocabulary to a multiple of this (layout-independent, so every layout trains the same model)."""
     init_std: float = 0.02
@@ -153,6 +155,8 @@ class TransformerConfig:
         hd, out = self.head_dim, {}
         if self.fused_qkv:
             out["attention.wqkv.weight"] = [self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+            if self.qkv_bias:
+                out["attention.wqkv.bias"] = out["attention.wqkv.weight"]
         if self.fused_mlp:
             out["feed_forward.w13.weight"] = [self.hidden, self.hidden]
         return out
@@ -167,7 +171,7 @@ class TransformerConfig:
         from hpcml.models.transformer.moe_config import moe_params
 
         hd = self.head_dim
-        attn = self.dim * hd * (2 * self.n_heads + 2 * self.kv_heads)
+        attn = (self.dim + self.qkv_bias) * hd * (self.n_heads + 2 * self.kv_heads) + self.dim * hd * self.n_heads
         mlp = 3 * self.dim * self.hidden
         total, used = moe_params(self) if self.n_experts else (0, 0)
         ffn = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * (used if active else total)
@@ -176,7 +180,8 @@ class TransformerConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x active matmul parameters + causal attention scores (PaLM's count)."""
-        matmul = self.num_params(embeddings=False, active=True) - self.n_layers * 2 * self.dim - self.dim
+        matmul = self.num_params(embeddings=False, active=True) - self.n_layers * 2 * self.dim - self.dim \
+            - self.n_layers * self.qkv_bias * self.head_dim * (self.n_heads + 2 * self.kv_heads)  # norms, biases
         matmul += self.padded_vocab * self.dim  # the output projection is a matmul, the embedding lookup is not
         return 6 * matmul + 6 * self.n_layers * self.dim * seq_len  # 12*l*h*s/2 for a causal mask
 
@@ -212,7 +217,7 @@ class TransformerConfig:
                          "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
                                   "(x[i], x[i + head_dim/2])"},
                 "norm": {"type": "rmsnorm", "eps": self.norm_eps}, "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))",
-                "tie_embeddings": self.tie_embeddings, "fused_widths": self.fused_widths,
+                "tie_embeddings": self.tie_embeddings, "qkv_bias": self.qkv_bias, "fused_widths": self.fused_widths,
                 **({"moe": {"layers": [i for i in range(self.n_layers) if self.is_moe(i)],
                             "experts": self.n_experts, "top_k": self.moe_top_k, "expert_hidden": self.expert_hidden,
                             "layout": "feed_forward.experts.w1/w3 [expert, hidden, dim], w2 [expert, dim, hidden]: "
@@ -262,11 +267,11 @@ class Attention(nn.Module):
         self.head_dim = hd
         self.n_heads, self.kv_heads = cfg.n_heads, cfg.kv_heads
         if cfg.fused_qkv:  # tensor-parallel rank r holds [wq_r; wk_r; wv_r] (its plan)
-            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=False)
+            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=cfg.qkv_bias)
         else:
-            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
-            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=cfg.qkv_bias)
+            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         self.core: nn.Module = CausalAttention()
         """q, k, v [B, S, H, D] -> out; a context-parallel plan wraps it (no parameters: names stay)."""
@@ -364,7 +369,7 @@ class Transformer(nn.Module):
         """Normal(0, init_std) for matrices, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if name.endswith("expert_bias"):
+            if name.endswith(("expert_bias", ".bias")):
                 nn.init.zeros_(p)
             elif p.dim() == 1:
                 nn.init.ones_(p)
