@@ -49,10 +49,10 @@ def test_init_from_hf_on_tp2_then_export_back(tmp_path):
 def test_unsupported_hf_model_is_one_line(tmp_path):
     src = make_llama(tmp_path / "llama")
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    (src / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}))
     out = subprocess.run([sys.executable, SCRIPT, "--init-from", str(src), *ARGS], capture_output=True, text=True,
                          env=ENV, timeout=120, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"llm_pretrain: error: {src}: unsupported by hpcml's Transformer: rope_scaling={{'rope_type': 'llama3', "
-        f"'factor': 8.0}} (rope scaling)"]
+        "llm_pretrain: error: config.json rope_type 'yarn': unsupported by hpcml's Transformer (it has 'default' and "
+        "'llama3')"]

@@ -25,7 +25,8 @@ RUNS = {
     "gray_scott": ["--params-json", '{"F": 0.03, "k": 0.06, "seed": 2}', "--Dv", "0.09"],
 }
 PARAMS = {
-    "heat2d": {"alpha": 0.5, "t_left": 1.0, "t_right": 0.0, "t_bottom": 0.0, "t_top": 0.25, "t_init": 0.5},
+    "heat2d": {"alpha": 0.5, "t_left": 1.0, "t_right": 0.0, "t_bottom": 0.0, "t_top": 0.25, "t_init": 0.5,
+               "source_power": 0.0, "source_x": 0.5, "source_y": 0.5, "source_width": 0.1},
     "gray_scott": {"F": 0.03, "k": 0.06, "Du": 0.2, "Dv": 0.09, "seed": 2.0},
 }
 FIELDS = {"heat2d": ["T"], "gray_scott": ["u", "v"]}
@@ -121,7 +122,7 @@ def test_killed_run_leaves_no_final_file_and_the_retry_completes(runs, tmp_path)
      "gray_scott: error: nx=1 is smaller than the 2 ranks along x (process grid 2x2 for 4 ranks): expected nx >= 2"),
     (2, "heat2d", ["--params-json", '{"alpha": 1, "t_middle": 3}'],
      "heat2d: error: unknown parameter 't_middle' in --params-json: expected one of "
-     "alpha, t_left, t_right, t_bottom, t_top, t_init"),
+     "alpha, t_left, t_right, t_bottom, t_top, t_init, source_power, source_x, source_y, source_width"),
 ])
 def test_bad_input_is_one_line_and_exit_2(n, kernel, args, message):
     out = launch(n, kernel, *args)
