@@ -112,7 +112,8 @@ def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> di
     by_sim: dict[int, list[Sample]] = {}
     feedback: dict[str, SimStats] = {}
     curve, sampler_s, feedback_bytes = [], 0.0, []
-    val = [(p, simulate(p, args, cache)) for p in held_out]
+    val = [[Sample(-1, i, tt, np.array([p[n] for n in names], np.float32), u[None])
+            for i, (tt, u) in enumerate(simulate(p, args, cache))] for p in held_out]
     while len(by_sim) < args.budget:
         t = time.process_time()
         wave = sampler.propose(min(args.wave, args.budget - len(by_sim)), feedback)
@@ -147,12 +148,7 @@ def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> di
         feedback_bytes.append(len(json.dumps({str(k): {"params": list(v.params.values()), "loss": v.loss,
                                                         "samples": v.samples, "age": 0}
                                                for k, v in feedback.items()})))
-        errs = []
-        for p, outs in val:
-            pred = trainer.predict(np.array([[p[n] for n in names]] * len(outs), np.float32),
-                                   np.array([tt for tt, _ in outs], np.float32))
-            true = np.stack([u for _, u in outs])
-            errs.append(float(np.linalg.norm(pred - true) / max(float(np.linalg.norm(true)), 1e-12)))
+        errs = [rel_l2(trainer, ss) for ss in val]
         curve.append({"sims": len(by_sim), "mean": float(np.mean(errs)), "p95": float(np.percentile(errs, 95))})
     score = [v.surprise if args.feedback == "surprise" else v.loss for v in feedback.values()]
     return {"curve": curve, "held_out_errors": errs, "sampler_cpu_s": sampler_s,

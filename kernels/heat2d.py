@@ -76,17 +76,22 @@ class HeatConfig(GridConfig):
 
 def exact(cfg: HeatConfig, t: float, decomp: Decomposition) -> np.ndarray:
     """The analytic solution of the ``init="sine"`` case on this rank's block."""
+    x, y = coordinates(cfg, decomp)
+    return cfg.t_init * np.exp(-2 * np.pi**2 * cfg.alpha * t) * np.sin(np.pi * x) * np.sin(np.pi * y)
+
+
+def coordinates(cfg: HeatConfig, decomp: Decomposition) -> tuple[np.ndarray, np.ndarray]:
+    """x and y of this rank's interior points (open grids: broadcast them)."""
     (i, j), (dx, dy) = global_indices(decomp), cfg.spacing
-    decay = cfg.t_init * np.exp(-2 * np.pi**2 * cfg.alpha * t)
-    return decay * np.sin(np.pi * (i + 1) * dx) * np.sin(np.pi * (j + 1) * dy)
+    return (i + 1) * dx, (j + 1) * dy
 
 
 def source(cfg: HeatConfig, decomp: Decomposition) -> np.ndarray | None:
     """The Gaussian source ``q`` on this rank's block (``None`` without one)."""
     if cfg.source_power == 0:
         return None
-    (i, j), (dx, dy) = global_indices(decomp), cfg.spacing
-    r2 = ((i + 1) * dx - cfg.source_x) ** 2 + ((j + 1) * dy - cfg.source_y) ** 2
+    x, y = coordinates(cfg, decomp)
+    r2 = (x - cfg.source_x) ** 2 + (y - cfg.source_y) ** 2
     w2 = cfg.source_width**2
     return cfg.source_power / (2 * np.pi * w2) * np.exp(-r2 / (2 * w2))
 
@@ -120,8 +125,9 @@ def run(comm: MPI.Comm, cfg: HeatConfig, sink: Sink | None = None, *,
     (dx, dy), dt = cfg.spacing, cfg.time_step
     rx, ry = cfg.alpha * dt / dx**2, cfg.alpha * dt / dy**2
     stencil, inc = Stencil(decomp.local_shape), np.empty(decomp.local_shape)
-    q = source(cfg, decomp)
-    heat = None if q is None else dt * q
+    heat = source(cfg, decomp)  # per step: dt q
+    if heat is not None:
+        heat *= dt
 
     def advance() -> None:
         state[0, 1:-1, 1:-1] += stencil.diffusion(state[0], rx, ry, out=inc)

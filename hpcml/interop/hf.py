@@ -124,17 +124,16 @@ def hf_rows(rows, head_dim: int):
 def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the HF Llama model equal to ``cfg`` (Qwen2 with ``qkv_bias``)."""
     kind = "qwen2" if cfg.qkv_bias else "llama"
+    llama3 = {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}} \
+        if cfg.rope_llama3 else None
     qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers} \
         if cfg.qkv_bias else {"attention_bias": False, "mlp_bias": False}
     return {"architectures": [_ARCH[kind]], "model_type": kind, "vocab_size": cfg.vocab_size, **qwen,
             "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} if not cfg.rope_llama3 else {
-                "rope_type": "llama3", "rope_theta": cfg.rope_theta,
-                **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}},
-            **({"rope_scaling": {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}}}
-               if cfg.rope_llama3 else {}),  # transformers 4.x reads this one
+            "rope_parameters": {**(llama3 or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
+            **({"rope_scaling": llama3} if llama3 else {}),  # transformers 4.x reads this one
             "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
             "torch_dtype": dtype, "dtype": dtype, "hidden_act": "silu", "initializer_range": cfg.init_std}
 

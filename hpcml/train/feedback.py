@@ -96,18 +96,17 @@ class SimFeedback:
         any rank's batch is novel): each new simulation's loss on its samples here, and that
         over the last training loss (``surprise``)."""
         losses = trainer.sample_losses(batch)
-        new: dict[int, list[float]] = {}
+        new: dict[int, tuple[Any, list[float]]] = {}  # sim -> (a sample of it, its losses here)
         for s, loss in zip(batch, losses):
             if s.sim not in self.sims and math.isfinite(loss):
-                new.setdefault(s.sim, []).append(float(loss))
+                new.setdefault(s.sim, (s, []))[1].append(float(loss))
         ref = self.metrics.get("loss")
         if ref is None or not (math.isfinite(ref) and ref > 0):  # the first step: this batch is the reference
             ref = float(np.mean([v for v in losses if math.isfinite(v)] or [0.0]))
-        for s in batch:
-            if s.sim in new and s.sim not in self.sims:
-                rec = self.sims[s.sim] = self._new(s)
-                rec["fresh"] = float(np.mean(new[s.sim]))
-                rec["surprise"] = rec["fresh"] / ref if ref > 0 else None
+        for sim, (sample, mine) in new.items():
+            rec = self.sims[sim] = self._new(sample)
+            rec["fresh"] = float(np.mean(mine))
+            rec["surprise"] = rec["fresh"] / ref if ref > 0 else None
 
     def merged(self) -> dict[int, dict[str, Any]]:
         """Every rank's table, merged (collective): per simulation the entry evaluated last."""
