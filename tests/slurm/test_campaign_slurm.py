@@ -133,7 +133,9 @@ def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
     assert s["sims_resumed"] >= 3
     train_out = (run_dir / "train.out").read_text()  # the warning split the training too
     assert "[train] stopped at step" in train_out and "[train] resumed at step" in train_out
-    assert (s["samples_ingested"], s["samples_missing"], s["duplicate_samples"]) == (SIMS * OUTPUTS, 0, 0), s
+    # a simulation cut off by the warning runs again and resends what the trainer already holds:
+    # the server drops those (duplicate_samples counts them), so every sample is trained on once
+    assert (s["samples_ingested"], s["samples_missing"]) == (SIMS * OUTPUTS, 0), s
     keys = seen_keys(run_dir)  # exactly once
     assert len(keys) == SIMS * OUTPUTS == len({tuple(k) for k in keys.tolist()})
     recs = provenance(run_dir)
