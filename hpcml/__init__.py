@@ -32,7 +32,7 @@ _EXPORTS = {
     "save": "hpcml.ckpt", "load": "hpcml.ckpt",
 }
 _SUBMODULES = {"ckpt", "contract", "ensemble", "env", "errors", "grid", "interop", "lifeline", "log", "models", "net",
-               "parallel", "stop", "stream", "train"}
+               "parallel", "plan", "stop", "stream", "train"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

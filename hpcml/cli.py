@@ -31,6 +31,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="MPI, parallel HDF5, torch backends, devices and launch environment")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    from hpcml.plan.command import add_parser as add_plan
+
+    add_plan(sub)
+
     p = sub.add_parser("grid", help="print a process-grid layout, or build and check it under mpiexec")
     p.add_argument("--world", type=int, help="world size (default: the launcher's, or MPI's with --check)")
     for axis in DEGREE_AXES:
@@ -232,6 +236,12 @@ def _degrees(args: argparse.Namespace) -> dict[str, int]:
     return {a: getattr(args, a) for a in DEGREE_AXES if getattr(args, a) is not None}
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hpcml.plan.command import run
+
+    return run(args)
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from hpcml import info
 
@@ -337,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown axis {extra[0][2:]!r}: expected one of {', '.join(DEGREE_AXES)}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt, "job": _cmd_job}[args.command](args)
+        commands = {"info": _cmd_info, "grid": _cmd_grid, "ckpt": _cmd_ckpt, "job": _cmd_job, "plan": _cmd_plan}
+        return commands[args.command](args)
     except HpcmlError as e:
         if not isinstance(e, ConfigError) or env.detect().rank == 0:
             print(f"hpcml: error: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
 from hpcml.interop.hf_files import SafetensorsDir, data_bytes, read_json
-from hpcml.models.transformer.model import TransformerConfig
+from hpcml.models.transformer.config import TransformerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

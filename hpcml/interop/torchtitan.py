@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from hpcml.ckpt.dcp import Converted, ParamMap, Rows, carried_extra, export_titan, import_titan
 from hpcml.errors import CheckpointError, ConfigError
-from hpcml.models.transformer.model import TransformerConfig
+from hpcml.models.transformer.config import TransformerConfig
 
 TORCHTITAN_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"
 """The torchtitan commit whose names and checkpoint layout this map follows."""

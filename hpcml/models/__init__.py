@@ -1,7 +1,14 @@
-"""Reference models: a Llama-style decoder transformer and field surrogates. No rank logic here."""
+"""Reference models: a Llama-style decoder transformer and field surrogates. No rank logic here.
+Names load on first use, so ``hpcml.models.transformer.config`` is read without torch."""
 
-from hpcml.models.surrogate import ConvSurrogate, ConvSurrogateConfig, MLPSurrogate, MLPSurrogateConfig
-from hpcml.models.transformer import PRESETS, Transformer, TransformerConfig, cross_entropy
+from __future__ import annotations
 
-__all__ = ["PRESETS", "ConvSurrogate", "ConvSurrogateConfig", "MLPSurrogate", "MLPSurrogateConfig", "Transformer",
-           "TransformerConfig", "cross_entropy"]
+from hpcml.lazy import lazy_names
+
+_WHERE = {"ConvSurrogate": "surrogate", "ConvSurrogateConfig": "surrogate", "MLPSurrogate": "surrogate",
+          "MLPSurrogateConfig": "surrogate", "PRESETS": "transformer", "Transformer": "transformer",
+          "TransformerConfig": "transformer", "cross_entropy": "transformer"}
+
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_names(__name__, _WHERE)

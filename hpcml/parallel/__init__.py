@@ -1,9 +1,17 @@
 """Parallelism on the grid with torch-native engines: FSDP2 / DDP on dp, DTensor on tp,
 ``torch.distributed.pipelining`` on pp, Ulysses all-to-all attention on cp -- applied to a
-model by its plan (:mod:`hpcml.parallel.plan`). Imports no model."""
+model by its plan (:mod:`hpcml.parallel.plan`). Imports no model.
 
-from hpcml.parallel.api import ParallelModel, parallelize
-from hpcml.parallel.config import ParallelConfig, split_layers
-from hpcml.parallel.plan import DataParallelPlan, ParallelPlan
+Names load on first use: ``hpcml.parallel.config`` (the choices and the layer split) is pure
+arithmetic that the planner reads without torch."""
 
-__all__ = ["DataParallelPlan", "ParallelConfig", "ParallelModel", "ParallelPlan", "parallelize", "split_layers"]
+from __future__ import annotations
+
+from hpcml.lazy import lazy_names
+
+_WHERE = {"ParallelModel": "api", "parallelize": "api", "ParallelConfig": "config", "split_layers": "config",
+          "DataParallelPlan": "plan", "ParallelPlan": "plan"}
+
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_names(__name__, _WHERE)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / "hpcml"
 
 #: Lowest first; packages in one row import none of each other.
 LAYERS = [
-    ["errors", "stop"],
+    ["errors", "stop", "lazy"],
     ["env", "net", "contract"],
     ["log", "info"],
     ["grid", "stream", "lifeline"],
@@ -23,6 +23,7 @@ LAYERS = [
     ["interop"],
     ["train"],
     ["ensemble"],
+    ["plan"],  # reads model shapes, the grid's rules and site facts; runs nothing
     ["cli", "hpcml"],  # hpcml: the package's __init__ (lazy names of everything)
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}

@@ -31,9 +31,10 @@ def test_preset_sizes():
         cfg = PRESETS[name]
         assert cfg.num_params(embeddings=False) == pytest.approx(12 * cfg.n_layers * cfg.dim ** 2, rel=0.01), name
     assert PRESETS["megatron-1t"].num_params() / 1e12 == pytest.approx(1.008, rel=0.01)
+    assert PRESETS["gpt3-175b"].num_params() / 1e9 == pytest.approx(174.6, rel=0.01)  # Narayanan et al. Table 2
     assert PRESETS["llama-65b"].num_params() / 1e9 == pytest.approx(65.3, rel=0.02)
     # the published counts: Llama 1 7B 6.74B, Llama 2 70B 68.98B, Llama 3.1 8B 8.03B / 70B 70.55B / 405B 405.85B
-    for name, billions in (("llama-7b", 6.738), ("llama2-70b", 68.977), ("llama3-8b", 8.030), ("llama3-70b", 70.554),
+    for name, billions in (("llama-7b", 6.738), ("llama2-7b", 6.738), ("llama2-13b", 13.016), ("llama2-70b", 68.977), ("llama3-8b", 8.030), ("llama3-70b", 70.554),
                            ("llama3-405b", 405.853)):
         assert PRESETS[name].num_params() / 1e9 == pytest.approx(billions, abs=1e-3), name
     l3 = PRESETS["llama3-8b"]

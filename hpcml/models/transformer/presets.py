@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hpcml.models.transformer.model import TransformerConfig
+from hpcml.models.transformer.config import TransformerConfig
 
 
 def _megatron(h: int, heads: int, layers: int) -> TransformerConfig:
@@ -24,6 +24,9 @@ PRESETS: dict[str, TransformerConfig] = {
                               max_seq_len=64),
     "small": TransformerConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024,
                                tie_embeddings=True, ffn_multiple=256),
+    # a model a 2-core CPU trains in about a second a step: the planner's validation runs (benchmarks/plan_validate.py)
+    "mini": TransformerConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=704,
+                              max_seq_len=512),
     "megatron-1.7b": _megatron(2304, 24, 24),
     "megatron-3.6b": _megatron(3072, 32, 30),
     "megatron-7.5b": _megatron(4096, 32, 36),
@@ -34,10 +37,17 @@ PRESETS: dict[str, TransformerConfig] = {
     "megatron-310b": _megatron(16384, 128, 96),
     "megatron-530b": _megatron(20480, 128, 105),
     "megatron-1t": _megatron(25600, 160, 128),
+    # Korthikanti et al. 2022, Table 3 (with 530B = megatron-530b and 1T = megatron-1t above)
+    "megatron-22b": _megatron(6144, 64, 48),
+    "gpt3-175b": _megatron(12288, 96, 96),
     # Llama 1 (Touvron et al. 2023a), Llama 2 70B (2023b), Llama 3.1 (Dubey et al. 2024; its rope
     # scaling, which torchtitan's Llama 3 configs use too): shapes from the papers and model cards
     "llama-7b": TransformerConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008,
                                   max_seq_len=2048, norm_eps=1e-6),
+    "llama2-7b": TransformerConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden=11008,
+                                   max_seq_len=4096),
+    "llama2-13b": TransformerConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_hidden=13824,
+                                    max_seq_len=4096),
     "llama2-70b": TransformerConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                                     ffn_hidden=28672, max_seq_len=4096),
     "llama3-8b": _llama3(4096, 32, 32, 14336),

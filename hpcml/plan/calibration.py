@@ -1,0 +1,39 @@
+"""The time model's constants per device family, fitted on published measured runs.
+
+``data/calibration.json`` holds the fitted constants with the tables they were fitted on;
+``data/published/*.json`` holds those tables as published, each with its source. The fit
+(:mod:`hpcml.plan.fit`) is a small grid search that minimises the mean squared log error of
+predicted against published throughput; tests hold the predictions to the published figures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+from functools import lru_cache
+from importlib import resources
+
+from hpcml.errors import ConfigError
+from hpcml.plan.devices import Device
+from hpcml.plan.timing import Constants
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict:
+    return json.loads(resources.files("hpcml.plan").joinpath("data/calibration.json").read_text())
+
+
+def constants(dev: Device) -> Constants:
+    """The fitted constants of ``dev``'s family (the defaults where none were fitted)."""
+    fam = _table().get("families", {}).get(dev.family, {})
+    known = {f.name for f in fields(Constants)}
+    bad = sorted(set(fam.get("constants", {})) - known)
+    if bad:
+        raise ConfigError(f"calibration.json: family {dev.family}: unknown constants {bad}")
+    return replace(Constants(), **fam.get("constants", {}))
+
+
+def published(name: str) -> dict:
+    """A published table (``data/published/<name>.json``): its source, columns and rows."""
+    return json.loads(resources.files("hpcml.plan").joinpath(f"data/published/{name}.json").read_text())
+

@@ -1,0 +1,146 @@
+"""``hpcml plan``: one layout, a file of layouts, or a search, as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+
+from hpcml.errors import ConfigError
+from hpcml.plan.devices import DEVICES
+from hpcml.plan.predict import predict, predict_lines
+from hpcml.plan.spec import ATTENTION, FRAMEWORKS, PRECISIONS, RECOMPUTE, PlanLayout
+
+MAX_LAYOUT_FILE = 64 << 20
+_LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "schedule")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict memory and step time of a layout before the allocation, or search "
+                                    "for the best (docs/plan.md)")
+    p.add_argument("--model", help="preset name, or a Hugging Face config.json (or its directory), or hpcml's")
+    p.add_argument("--gpus", type=int, help="devices (training ranks)")
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument("--gpu", choices=sorted(DEVICES), help="device kind")
+    dev.add_argument("--site", help="a site of site_configs (its device and node facts)")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch", type=int, help="sequences per step")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--cp", type=int)
+    p.add_argument("--ep", type=int)
+    z = p.add_mutually_exclusive_group()
+    z.add_argument("--fsdp", action="store_true", help="ZeRO-3 (FSDP2)")
+    z.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--sequence-parallel", action="store_true", default=None)
+    p.add_argument("--attention", choices=ATTENTION, default=None)
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--precision", choices=PRECISIONS, default=None)
+    p.add_argument("--framework", choices=FRAMEWORKS, default=None,
+                   help="whose implementation (hpcml; megatron or torchtitan to compare)")
+    p.add_argument("--layouts", metavar="FILE", help="JSON lines, one layout each ('-': standard input); the "
+                   "options above fill keys a line lacks")
+    p.add_argument("--top", type=int, default=5, help="search: how many layouts to print")
+    p.add_argument("--emit", choices=("args", "job"), help="print the chosen layout as llm_pretrain.py arguments, "
+                   "or as the 'hpcml job' command that submits it (needs --site)")
+    p.add_argument("--walltime", default="01:00:00", help="with --emit job")
+    p.add_argument("--json", action="store_true")
+
+
+def _given(args: argparse.Namespace) -> dict:
+    d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "seq_len", "global_batch", "tp", "pp", "cp",
+                                       "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
+                                       "schedule", "precision", "framework")}
+    if args.fsdp:
+        d["zero"] = 3
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    given = _given(args)
+    if args.layouts:
+        return _run_file(args, given)
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "seq_len", "global_batch") if k not in given]
+    missing += [] if "gpu" in given or "site" in given else ["--gpu or --site"]
+    if missing:
+        raise ConfigError(f"hpcml plan needs {', '.join(missing)}")
+    searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
+    if searching:
+        return _run_search(args, PlanLayout(**given))
+    lay = PlanLayout(**given)
+    p = predict(lay)
+    if args.emit:
+        return _emit(args, lay)
+    if args.json:
+        print(json.dumps(p.to_dict()))
+    else:
+        print(_line(p))
+    return 0 if p.fits else 1
+
+
+def _run_file(args: argparse.Namespace, given: dict) -> int:
+    if args.layouts == "-":
+        text = sys.stdin.read(MAX_LAYOUT_FILE + 1)
+    else:
+        try:
+            with open(args.layouts, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise ConfigError(f"--layouts {args.layouts}: not a regular file")
+                text = f.read(MAX_LAYOUT_FILE + 1).decode("utf-8", errors="replace")
+        except OSError as e:
+            raise ConfigError(f"--layouts {args.layouts}: {e.strerror}") from None
+    if len(text) > MAX_LAYOUT_FILE:
+        raise ConfigError(f"--layouts {args.layouts}: more than {MAX_LAYOUT_FILE} bytes")
+    results = predict_lines(text.splitlines(), given)
+    for r in results:
+        if args.json:
+            print(json.dumps(r))
+        elif "error" in r:
+            print(f"line {r['line']}: {r['error']}")
+        else:
+            print(f"{r['fits']!s:5} {r['tokens_per_s']:>12.5g} tok/s mfu {r['mfu']:.3f} "
+                  f"{r['memory_gib'].get('total', 0):7.1f} GiB {r['why']}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _run_search(args: argparse.Namespace, base: PlanLayout) -> int:
+    from hpcml.plan.search import search
+
+    r = search(base, top=args.top)
+    if not r.best:
+        raise ConfigError(f"no layout of {r.candidates} fits: {r.refused} refused by the model's plan, the rest out of "
+                          f"memory on {base.gpus} x {base.gpu or base.site}")
+    if args.emit:
+        return _emit(args, r.best[0].layout)
+    if args.json:
+        print(json.dumps({"candidates": r.candidates, "fitting": r.fitting, "refused": r.refused,
+                          "best": [p.to_dict() for p in r.best]}))
+    else:
+        print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit; the best:")
+        for p in r.best:
+            print(_line(p))
+    return 0
+
+
+def _emit(args: argparse.Namespace, lay: PlanLayout) -> int:
+    import shlex
+
+    from hpcml.plan.search import emit, emit_job
+
+    print(emit_job(lay, args.walltime) if args.emit == "job" else shlex.join(emit(lay)))
+    return 0
+
+
+def _line(p) -> str:
+    lay = p.layout
+    shape = (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}" + (f" ep {lay.ep}" if lay.ep > 1 else "")
+             + f" zero {lay.zero} mb {lay.micro_batch} recompute {lay.recompute}"
+             + (" sp" if lay.sequence_parallel else "") + (f" {lay.schedule}" if lay.pp > 1 else ""))
+    if not p.memory_gib:
+        return f"{shape}: {p.why}"
+    return (f"{shape}: {'fits' if p.fits else 'OOM '} {p.memory_gib['total']:.1f} GiB, step {p.step_s:.3g} s, "
+            f"{p.tokens_per_s:.4g} tok/s, MFU {p.mfu:.1%} -- {p.why}")

@@ -1,0 +1,90 @@
+"""This machine's CPU as a planner device, measured: the matmul rate of one core against the
+GEMM's row count (the efficiency curve the time model uses), memory bandwidth, and what ranks
+sharing the cores get of them. Used to check the planner against real CPU runs
+(``benchmarks/plan_validate.py``); GPUs take their figures from published runs instead."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from hpcml.plan.devices import Device
+from hpcml.plan.timing import Constants
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    cores: int
+    flops_core: float
+    """Matmul FLOP/s of one thread on one core at large row counts."""
+    flops_all: float
+    """Matmul FLOP/s of one process using every core (torch's default threads)."""
+    m_half: float
+    """Rows at which one core's matmul reaches half of ``flops_core``."""
+    copy_gbps: float
+    """Bytes/s read plus written by a large copy, one thread."""
+    memory_gib: float
+
+
+def _gemm_rate(m: int, k: int, n: int, seconds: float = 0.3) -> float:
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2.0 * m * k * n * reps / (time.perf_counter() - t0)
+
+
+def measure(dim: int = 256) -> CpuFacts:
+    """Measure this machine (a few seconds): GEMMs of width ``dim`` at several row counts."""
+    import torch
+
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        flops_all = _gemm_rate(2048, dim, dim)
+        torch.set_num_threads(1)
+        big = _gemm_rate(4096, dim, dim)
+        small = _gemm_rate(64, dim, dim)
+        src = torch.empty(32 << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:
+            dst.copy_(src)
+            reps += 1
+        copy = 2 * src.numel() * reps / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    # small / big = 64 / (64 + m_half)
+    m_half = max(0.0, 64 * (big / small - 1)) if small > 0 else 0.0
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return CpuFacts(cores=cores, flops_core=big, flops_all=flops_all, m_half=m_half, copy_gbps=copy / 1e9,
+                    memory_gib=mem)
+
+
+def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Constants]:
+    """The device one of ``ranks`` training ranks is on this machine, with the constants to
+    price it: one rank alone uses every core; ranks beyond the cores share them evenly (hpcml
+    pins them round-robin); the links are gloo over loopback, and the fixed costs per block of
+    each parallelism come from ``probe`` (measured with the ranks in place on a model too small
+    to compute: ``benchmarks/plan_validate.py --probe``)."""
+    share = min(1.0, facts.cores / ranks)
+    flops = facts.flops_all if ranks == 1 else facts.flops_core * share
+    bw = probe.get("busbw_gbps", 1.0)
+    dev = Device(name=f"cpu-x{ranks}", memory_gib=facts.memory_gib / ranks, peak_tflops=flops / 1e12,
+                 hbm_gbps=facts.copy_gbps * share, gpus_per_node=ranks, intra_gbps=bw, inter_gbps=bw,
+                 source="measured on this machine (hpcml.plan.cpu.measure)", family="cpu")
+    base = probe["dp"]["block_s"]
+
+    def extra(name: str) -> float:
+        return max(0.0, probe[name]["block_s"] - base) if name in probe else 0.0
+    c = Constants(gemm_eff=1.0, m_half=facts.m_half, n_half=0.0, comm_eff=1.0, latency_s=probe.get("latency_s", 0.0),
+                  dp_overlap=0.0, reserved_gib=0.0, block_s=base, tp_block_s=extra("tp"), sp_block_s=extra("sp"),
+                  cp_block_s=extra("cp"), fsdp_unit_s=extra("fsdp"),
+                  step_overhead_s=max(0.0, probe["dp"]["step_1block_s"] - base))
+    return dev, c

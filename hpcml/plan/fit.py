@@ -1,0 +1,90 @@
+"""Fitting the time model's constants on published runs: ``python -m hpcml.plan.fit`` writes
+``data/calibration.json``; ``--check`` fits and fails if the stored constants differ."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from importlib import resources
+
+from hpcml.plan.timing import Constants
+
+
+#: The values each constant may take in the fit (coordinate descent over these grids).
+GRID: dict[str, list[float]] = {
+    "gemm_eff": [x / 100 for x in range(40, 96, 2)],
+    "elementwise_passes": [float(x) for x in range(0, 161, 8)],
+    "softmax_passes": [float(x) for x in range(0, 25, 2)],
+    "comm_eff": [x / 100 for x in range(30, 96, 5)],
+    "dp_overlap": [x / 10 for x in range(0, 11)],
+    "tp_overlap": [x / 10 for x in range(0, 11)],
+    "m_half": [0.0, 64.0, 128.0, 256.0, 512.0, 1024.0],
+}
+
+
+def score(cases, c: Constants) -> float:
+    """Mean squared log error of predicted against published tokens/s per GPU."""
+    from hpcml.plan.predict import predict
+
+    errs = []
+    for case in cases:
+        if case.tokens_per_gpu is None:
+            continue
+        p = predict(case.layout, c)
+        got = p.tokens_per_s / case.layout.gpus
+        errs.append(math.log(got / case.tokens_per_gpu) ** 2 if got > 0 else 100.0)
+    return sum(errs) / max(1, len(errs))
+
+
+def fit(cases, start: Constants | None = None, rounds: int = 4) -> tuple[Constants, float]:
+    """Constants minimising :func:`score` on ``cases``, by coordinate descent over ``GRID``
+    (deterministic: the same cases give the same constants)."""
+    c = start or Constants()
+    best = score(cases, c)
+    for _ in range(rounds):
+        moved = False
+        for name, values in GRID.items():
+            for v in values:
+                trial = replace(c, **{name: v})
+                s = score(cases, trial)
+                if s < best - 1e-12:
+                    c, best, moved = trial, s, True
+        if not moved:
+            break
+    return c, best
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcml.plan.fit``: fit every family on its calibration tables and
+    write ``data/calibration.json`` (with ``--check``: fit and compare, write nothing)."""
+    import argparse
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from hpcml.plan.published import CALIBRATION, TABLES
+
+    ap = argparse.ArgumentParser(prog="python -m hpcml.plan.fit")
+    ap.add_argument("--check", action="store_true", help="fit, and fail if the stored constants differ")
+    args = ap.parse_args(argv)
+    out = {"about": "Time-model constants per device family, fitted by `python -m hpcml.plan.fit` on the "
+                    "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file); "
+                    "every other table is held out.", "families": {}}
+    for family, tables in CALIBRATION.items():
+        cases = [c for t in tables for c in TABLES[t]()]
+        c, s = fit(cases)
+        out["families"][family] = {"fitted_on": tables, "rms_log_error": round(math.sqrt(s), 4),
+                                   "constants": {k: v for k, v in asdict(c).items() if k in GRID}}
+    path = Path(str(resources.files("hpcml.plan").joinpath("data/calibration.json")))
+    text = json.dumps(out, indent=1) + "\n"
+    if args.check:
+        same = path.read_text() == text
+        print("calibration.json is what the fit gives" if same else "calibration.json differs from the fit")
+        return 0 if same else 1
+    path.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""Memory of the fullest rank of a layout: parameters, gradients and optimizer state counted
+from the model's real parameter shapes as the plan shards them (tp, ep, pp stages, FSDP's
+dim-0 chunks), activations per layer and recompute mode for the micro-batches a pipeline
+schedule keeps in flight, and the transient buffers of the step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hpcml.models.transformer import footprint as fp
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.parallel.config import split_layers
+from hpcml.plan.spec import PlanLayout
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Elements one rank holds (its worst case over the data-parallel shards: the first)."""
+
+    params: int
+    """Parameter elements at rest (after tp, ep, pp and FSDP's sharding at ZeRO-2 and -3)."""
+    compute_params: int
+    """Parameter elements as compute sees them (tp, ep, pp only: gathered by FSDP)."""
+    grads: int
+    optimizer: int
+    """Elements of each optimizer moment (Adam keeps two)."""
+    tensors: int
+    """Trainable parameter tensors (torch's Adam keeps a ``step`` scalar for each)."""
+    largest_unit: int
+    """Compute elements of the largest FSDP unit (a block) on this rank."""
+    root: int
+    """Compute elements outside the blocks (embedding, final norm, output) on this rank."""
+
+
+def _grad_elements(name: str, n: int, tp: int) -> int:
+    """Elements of a parameter's gradient outside FSDP: its own, but the vocabulary-parallel
+    embedding's gradient comes back from torch's ``RowwiseParallel`` backward as a Replicate
+    DTensor of the whole table (measured with torch 2.13; FSDP reduce-scatters it to the shard)."""
+    return n * tp if name == "tok_embeddings.weight" else n
+
+
+def _chunk(n: int, ws: int, index: int = 0) -> int:
+    """Rows shard ``index`` of ``ws`` holds of ``n`` split as ``torch.chunk`` does (FSDP2's dim-0
+    shard): ceil(n / ws) each, the last ones fewer or none; the first holds the most."""
+    c = -(-n // ws)
+    return max(0, min(c, n - index * c))
+
+
+@lru_cache(maxsize=4096)
+def _parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) -> dict[str, tuple[int, ...]]:
+    """Per holder -- ``"L<i>"`` for block i, else the parameter's name (embedding, norm, output) --
+    the element counts (compute, at-rest shard, trainable compute, trainable shard, trainable
+    tensors, unsharded gradient) after tp and ep, a shard being FSDP's dim-0 chunk over ``ws``
+    (``ews`` for experts)."""
+    out: dict[str, list[int]] = {}
+    for name, shape in fp.param_shapes(cfg).items():
+        tdim, edim = fp.shard_dims(name)
+        s = list(shape)
+        if tdim is not None:
+            s[tdim] //= tp
+        if edim is not None:
+            s[edim] //= ep
+        n = math.prod(s)
+        chunked = _chunk(s[0], ews if edim is not None else ws) * (n // s[0]) if s[0] else 0
+        key = f"L{name.split('.', 2)[1]}" if name.startswith("layers.") else name
+        acc = out.setdefault(key, [0, 0, 0, 0, 0, 0])
+        t = fp.trainable(name)
+        for j, v in enumerate((n, chunked, n * t, chunked * t, int(t), _grad_elements(name, n, tp) * t)):
+            acc[j] += v
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@lru_cache(maxsize=4096)
+def stage_layer_lists(n_layers: int, n_stages: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks of every pipeline stage, stage 0 first (the plan's split)."""
+    counts, out, start = split_layers(n_layers, n_stages), [], 0
+    for c in counts:
+        out.append(tuple(range(start, start + c)))
+        start += c
+    return tuple(out)
+
+
+def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: int, expert_shard: int = 0
+                  ) -> dict[str, int]:
+    """Elements one rank holds, exactly: pipeline rank ``pp_rank``, index ``shard`` in the flat
+    dp x cp group FSDP shards dense weights over (``expert_shard`` in the expert-data group).
+    What :func:`rank_state` gives for shard 0, for any rank: tests compare it with the tensors
+    of a parallelized model."""
+    n_stages = lay.pp * lay.v
+    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    mine = set(range(pp_rank, n_stages, lay.pp))
+    ws = lay.dp * lay.cp
+    out = {"params": 0, "grads": 0, "optimizer": 0, "tensors": 0}
+    for name, shape in fp.param_shapes(cfg).items():
+        if not mine.intersection(fp.stage_of(name, stages)):
+            continue
+        tdim, edim = fp.shard_dims(name)
+        s = list(shape)
+        if tdim is not None:
+            s[tdim] //= lay.tp
+        if edim is not None:
+            s[edim] //= lay.ep
+        n = math.prod(s)
+        group, index = (ws // lay.ep, expert_shard) if edim is not None else (ws, shard)
+        chunked = _chunk(s[0], group, index) * (n // s[0]) if s[0] else 0
+        out["params"] += chunked if lay.zero >= 2 else n
+        if fp.trainable(name):
+            out["grads"] += chunked if lay.zero >= 2 else _grad_elements(name, n, lay.tp)
+            out["optimizer"] += chunked if lay.zero >= 1 else n
+            out["tensors"] += 1
+    return out
+
+
+@lru_cache(maxsize=4096)
+def rank_classes(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
+    """Pipeline ranks that stand for all: the first of each group holding stages of the same
+    sizes and the same ends (embedding, output). Within a group states and step times are
+    equal and the schedules keep the most micro-batches in flight on the lowest rank."""
+    n_stages = pp * v
+    stages = stage_layer_lists(n_layers, n_stages)
+    seen: dict[tuple, int] = {}
+    for r in range(pp):
+        key = (tuple(len(stages[s]) for s in range(r, n_stages, pp)), r == 0, (n_stages - 1) % pp == r)
+        seen.setdefault(key, r)
+    return tuple(sorted(seen.values()))
+
+
+def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
+    """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
+    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp, lay.pp, lay.v, lay.zero, pp_rank)
+
+
+@lru_cache(maxsize=65536)
+def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: int, zero: int,
+                pp_rank: int) -> RankState:
+    parts = _parts(cfg, tp, ep, ws, ws // ep)
+    n_stages = pp * v
+    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]
+    units = [parts[h][0] for h in holders]
+    if pp_rank == 0:
+        holders.append("tok_embeddings.weight")
+    if (n_stages - 1) % pp == pp_rank:
+        holders += [h for h in ("norm.weight", "output.weight") if h in parts]
+    tot = [sum(parts[h][j] for h in holders) for j in range(6)]
+    n, chunked, tn, tchunked, tensors, gn = tot
+    return RankState(params=chunked if zero >= 2 else n, compute_params=n, grads=tchunked if zero >= 2 else gn,
+                     optimizer=tchunked if zero >= 1 else tn, tensors=tensors, largest_unit=max(units, default=0),
+                     root=n - sum(units))
+
+
+def in_flight(lay: PlanLayout, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of its whole
+    share of layers (torch.distributed.pipelining's schedules: 1F1B warms up ``pp - rank``
+    forwards; interleaved 1F1B ``(v - 1) * mb_per_round + 2 * (pp - 1 - rank)`` stage forwards)."""
+    m = lay.microbatches
+    if lay.pp == 1:
+        return 1.0
+    if lay.schedule == "gpipe":
+        return float(m)
+    if lay.schedule == "1f1b":
+        return float(min(m, lay.pp - pp_rank))
+    rounds = max(1, m // lay.pp)
+    warmup = min((lay.v - 1) * (m // rounds) + 2 * (lay.pp - 1 - pp_rank), m * lay.v)
+    return min(warmup + 1, m * lay.v) / lay.v
+
+
+def saved_how(lay: PlanLayout) -> fp.Saved:
+    act = 4 if lay.precision == "fp32" else 2
+    stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # hpcml: fp32 weights, fp32 residual
+    return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
+                    attention=lay.attention, act_bytes=act, stream_bytes=stream,
+                    sp_saves_gathered=lay.framework != "megatron")
+
+
+def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
+    """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``."""
+    n_stages = lay.pp * lay.v
+    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    how = saved_how(lay)
+    tokens = lay.micro_batch * lay.seq_len
+    per_mb = 0.0
+    mine = list(range(pp_rank, n_stages, lay.pp))
+    for s in mine:
+        per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
+        per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
+    per_mb *= tokens
+    if lay.framework == "hpcml" and lay.precision == "bf16":  # autocast's bf16 weight copies, saved by the matmuls
+        per_mb += 2 * state.compute_params
+    saved = per_mb * in_flight(lay, pp_rank)
+    # transients: the logits' gradient on the last stage, one block recomputed in backward
+    buffers = 0.0
+    if n_stages - 1 in mine:
+        buffers += 2 * 4 * cfg.padded_vocab / lay.tp * tokens / lay.cp
+    if lay.recompute != "none":
+        full = fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, attention=lay.attention,
+                        act_bytes=how.act_bytes, stream_bytes=how.stream_bytes)
+        buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for s in mine
+                                 for i in fp.layer_kinds(cfg, stages[s])), default=0.0)
+    return saved, buffers
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the fullest rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserved: float
+    pp_rank: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserved
+
+    def gib(self) -> dict[str, float]:
+        g = 1 << 30
+        return {"params": self.params / g, "grads": self.grads / g, "optimizer": self.optimizer / g,
+                "activations": self.activations / g, "buffers": (self.buffers + self.reserved) / g,
+                "total": self.total / g}
+
+
+def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes: torch's fp32 Adam (two moments and a ``step``
+    per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, fp32 main
+    gradients and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1."""
+    if lay.framework == "megatron" and lay.precision == "bf16" and lay.zero < 2:
+        return 2.0 * st.params, 4.0 * st.grads, 12.0 * st.optimizer
+    return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
+
+
+def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0) -> Memory:
+    """The memory of the fullest pipeline rank of ``lay``."""
+    worst: Memory | None = None
+    for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
+        st = rank_state(cfg, lay, r)
+        p, g, o = state_bytes(lay, st)
+        act, buf = activation_bytes(cfg, lay, r, st)
+        compute_bytes = 2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4
+        if lay.zero == 3:  # FSDP: a gathered block and the one prefetched, the root kept gathered, a block's grads
+            buf += compute_bytes * (2 * st.largest_unit + st.root) + 4 * st.largest_unit
+        elif lay.zero == 2:  # FSDP without resharding after forward: every block stays gathered until backward
+            buf += compute_bytes * st.compute_params + 4 * st.largest_unit
+        if lay.zero >= 2 and lay.framework == "hpcml" and lay.microbatches > 1:
+            buf += 4 * st.compute_params  # unsharded gradients accumulate until the last micro-batch syncs
+        elif lay.zero == 0 and lay.framework == "hpcml" and lay.dp * lay.cp > 1:
+            buf += 4 * st.grads  # hpcml's DDP all-reduces one flat copy of every gradient
+        m = Memory(p, g, o, act, buf, reserved_bytes, r)
+        if worst is None or m.total > worst.total:
+            worst = m
+    assert worst is not None
+    return worst

@@ -1,0 +1,162 @@
+"""One layout in, one prediction out: does it fit, how long a step takes, tokens/s and MFU,
+and in words why (what fills the memory, or where the step's time goes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from hpcml.errors import ConfigError, GridError
+from hpcml.grid.layout import Layout
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.models.transformer.rules import check_plan
+from hpcml.parallel.config import ParallelConfig
+from hpcml.plan import calibration
+from hpcml.plan.devices import Device, device, site_device
+from hpcml.plan.memory import memory
+from hpcml.plan.spec import PlanLayout
+from hpcml.plan.timing import Constants, step_time
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_LINE = 4096
+
+
+@lru_cache(maxsize=64)
+def load_model(spec: str | TransformerConfig) -> TransformerConfig:
+    """A preset by name, or a model config file: Hugging Face's ``config.json`` (or its
+    directory) or hpcml's (the ``TransformerConfig`` fields, as a checkpoint stores them)."""
+    from hpcml.models.transformer.presets import PRESETS
+
+    if isinstance(spec, TransformerConfig):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config path")
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file() or file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"model config {file}: expected a regular JSON file of at most {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model config {file}: not JSON ({e})") from None
+    if isinstance(data, dict) and "model_type" in data:
+        from hpcml.interop.hf import config_from_hf
+
+        if file.name != "config.json":
+            raise ConfigError(f"model config {file}: a Hugging Face config must be named config.json")
+        return config_from_hf(file.parent)
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):  # a run directory's config.json
+        data = data["model"].get("config", data["model"])
+    return TransformerConfig.from_dict(data)
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+    return cfg.flops_per_token(seq_len)
+
+
+def resolve_device(lay: PlanLayout) -> Device:
+    return site_device(lay.site) if lay.site else device(lay.gpu)
+
+
+def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
+    """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
+    return _rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, lay.sequence_parallel, lay.schedule,
+                  lay.stages_per_rank)
+
+
+@lru_cache(maxsize=65536)
+def _rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep: int, fsdp: bool, sp: bool, schedule: str,
+           stages_per_rank: int | None) -> str | None:
+    try:
+        grid = Layout(world_size=gpus, tp=tp, cp=cp, pp=pp, ep=ep)
+        check_plan(cfg, grid, ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
+                                             stages_per_rank=stages_per_rank))
+    except (ConfigError, GridError) as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: PlanLayout
+    fits: bool
+    memory_gib: dict[str, float]
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    why: str
+    parts_s: dict[str, float]
+
+    def to_dict(self) -> dict:
+        r = {"layout": self.layout.to_dict(), "fits": self.fits,
+             "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
+             "step_s": _sig(self.step_s), "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),
+             "hfu": round(self.hfu, 4), "why": self.why, "time_s": {k: _sig(v) for k, v in self.parts_s.items()}}
+        return r
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.5g}")
+
+
+def predict(lay: PlanLayout, constants: Constants | None = None) -> Prediction:
+    """The prediction for ``lay`` (model rules broken: ``fits`` False and the rule in ``why``)."""
+    dev = resolve_device(lay)
+    return evaluate(load_model(lay.model), dev, constants or calibration.constants(dev), lay)
+
+
+def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True
+             ) -> Prediction:
+    """:func:`predict` with the model, device and constants resolved (the search's inner loop).
+    A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
+    tables are the only thing it sizes)."""
+    refused = model_rules(cfg, lay)
+    if refused:
+        return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
+    mem = memory(cfg, lay, c.reserved_gib * (1 << 30))
+    gib = mem.gib()
+    cap = dev.memory_gib
+    fits = gib["total"] <= cap
+    if not fits and not time_if_oom:
+        return Prediction(lay, False, gib, float("nan"), 0.0, 0.0, 0.0, "out of memory", {})
+    t = step_time(cfg, lay, dev, c)
+    tokens = lay.global_batch * lay.seq_len / t.step_s
+    peak = lay.gpus * dev.peak_tflops * 1e12
+    mfu = _flops_per_token(cfg, lay.seq_len) * tokens / peak
+    hfu = t.flops_per_rank / t.step_s / (dev.peak_tflops * 1e12)
+    parts = {"compute": t.compute_s, "tp": t.tp_s, "cp": t.cp_s, "pp_p2p": t.pp_s, "bubble": t.bubble_s,
+             "dp": t.dp_s, "optimizer": t.optimizer_s}
+    if not fits:
+        big = max(("params", "grads", "optimizer", "activations", "buffers"), key=lambda k: gib[k])
+        why = (f"needs {gib['total']:.1f} GiB on pipeline rank {mem.pp_rank}, the device has {cap:.1f}: "
+               f"{big} {gib[big]:.1f} GiB is the largest part")
+    else:
+        top = sorted(((v, k) for k, v in parts.items() if v > 0), reverse=True)[:3]
+        why = (f"{gib['total']:.1f} of {cap:.1f} GiB; step " + ", ".join(f"{k} {v / t.step_s:.0%}" for v, k in top))
+    return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts)
+
+
+def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
+    """One prediction per JSON line, in order; a line that is not a valid layout gets
+    ``{"error": "..."}`` in its place (the rest still run)."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if len(line) > MAX_LINE:
+            out.append({"line": n, "error": f"line of {len(line)} characters: expected at most {MAX_LINE}"})
+            continue
+        try:
+            lay = PlanLayout.from_dict(json.loads(line), **(defaults or {}))
+            out.append(predict(lay).to_dict())
+        except (ConfigError, ValueError, RecursionError) as e:
+            out.append({"line": n, "error": str(e).splitlines()[0]})
+    return out
+

@@ -1,0 +1,148 @@
+"""Published measured runs as planner cases: each row of a table in ``data/published/`` becomes
+a :class:`PlanLayout` with what was measured (throughput, step time, memory, or an OOM).
+
+Throughput is compared per GPU in tokens/s: a published TFLOP/s or MFU figure is turned into
+tokens/s with the publisher's own FLOP count (stated per table), so the comparison does not
+depend on whose FLOP convention is used; an MFU error of x% is a tokens/s error of x%.
+Assumptions a table does not state (sequence length, micro-batch, precision) are written next
+to its rows here and in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.plan.calibration import published
+from hpcml.plan.spec import PlanLayout
+
+
+@dataclass(frozen=True)
+class Case:
+    table: str
+    label: str
+    layout: PlanLayout
+    fits: bool = True
+    """The run went (False: the publisher reports an out-of-memory error)."""
+    tokens_per_gpu: float | None = None
+    step_s: float | None = None
+    memory_gib: float | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def gpt(h: int, heads: int, layers: int, vocab: int, seq: int) -> TransformerConfig:
+    """A GPT-style shape as a SwiGLU transformer of the same parameter and FLOP count (8h/3
+    rounded to 128 for the 4h GeLU MLP's 8h^2)."""
+    return TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq,
+                             ffn_hidden=-(-8 * h // 3 // 128) * 128, vocab_multiple=128)
+
+
+def megatron_flops(h: int, layers: int, seq: int, vocab: int, recompute: bool) -> float:
+    """FLOPs per token by Narayanan et al. 2021, eq. 3 (96 with recompute, 72 without;
+    Megatron-core's ``num_floating_point_operations`` for an MHA GPT gives the 72 form)."""
+    k, v = (96, 16) if recompute else (72, 12)
+    return k * layers * h * h * (1 + seq / (6 * h) + vocab / (v * layers * h))
+
+
+def sc21_table1() -> list[Case]:
+    """Narayanan et al. SC'21 Table 1 (A100 80GB, fp16, full recompute, seq 2048, vocab 51,200)
+    with the layouts of Megatron-LM's ``examples/sc21/run_table_1.sh``."""
+    img, lay = published("megatron_sc21_table1_readme_image"), published("megatron_sc21_table1_layouts")
+    out = []
+    for row, l in zip(img["rows"], lay["rows"], strict=True):
+        size, h, layers, tflops = row[0], row[1], row[2], row[7]
+        tp, pp, mbs, gbs, heads, nodes, extra = l[1], l[2], l[3], l[4], l[7], l[9], l[10]
+        v = 1
+        if "virtual-pipeline-stage" in extra:
+            v = layers // (pp * int(extra.rsplit(" ", 1)[1]))
+        cfg = gpt(h, heads, layers, 51200, 2048)
+        layout = PlanLayout(model=cfg, gpus=nodes * 8, gpu="a100-80gb", seq_len=2048, global_batch=gbs, tp=tp, pp=pp,
+                            micro_batch=mbs, recompute="full", attention="eager", framework="megatron",
+                            schedule="interleaved1f1b" if v > 1 else "1f1b", stages_per_rank=v if v > 1 else None)
+        out.append(Case("sc21-table1", size, layout,
+                        tokens_per_gpu=tflops * 1e12 / megatron_flops(h, layers, 2048, 51200, True)))
+    return out
+
+
+def korthikanti_table5() -> list[Case]:
+    """Korthikanti et al. 2022 Table 5 iteration times (A100 80GB, data-parallel size 1), full
+    recompute and sequence parallel + selective recompute, layouts as calculon transcribes them."""
+    out = []
+    for row in published("korthikanti2022_table5_calculon")["rows"]:
+        name, h, _ffn, heads, layers, seq, gpus, tp, pp, _dp, gbs, mbs, v, full_s, sel_s = row
+        cfg = gpt(h, heads, layers, 51200, seq)
+        for mode, t in (("full", full_s), ("selective", sel_s)):
+            layout = PlanLayout(model=cfg, gpus=gpus, gpu="a100-80gb", seq_len=seq, global_batch=gbs, tp=tp, pp=pp,
+                                micro_batch=mbs, recompute=mode, sequence_parallel=mode == "selective",
+                                attention="eager", framework="megatron",
+                                schedule="interleaved1f1b" if v > 1 else "1f1b",
+                                stages_per_rank=v if v > 1 else None)
+            out.append(Case("korthikanti-table5", f"{name} {mode}", layout, step_s=t,
+                            tokens_per_gpu=gbs * seq / t / gpus))
+    return out
+
+
+_AC = {"no": "none", "selective layer": "selective-layer", "selective op": "selective-op", "full": "full"}
+_TITAN = {"13B": ("llama2-13b", 4096), "70B": ("llama2-70b", 4096)}
+
+
+def torchtitan_a100() -> list[Case]:
+    """torchtitan's FSDP2 runs on 64 A100 80GB (Llama 2 13B/70B at seq 4096, Llama 3 8B/70B
+    at 8192, the configs' defaults), OOM rows included."""
+    out = []
+    for table, models in (("torchtitan_a100_fsdp2_2024-04", _TITAN),
+                          ("torchtitan_a100_llama3_fsdp2_2024", {"8B": ("llama3-8b", 8192),
+                                                                  "70B": ("llama3-70b", 8192)})):
+        for size, local, ac, wps, _mfu in published(table)["rows"]:
+            preset, seq = models[size]
+            local = int(str(local).split("[")[0])
+            layout = PlanLayout(model=preset, gpus=64, gpu="a100-80gb", seq_len=seq, global_batch=64 * local,
+                                micro_batch=local, zero=3, recompute=_AC[ac], framework="torchtitan")
+            oom = wps == "OOM"
+            out.append(Case(table, f"{preset} local {local} AC {ac}", layout, fits=not oom,
+                            tokens_per_gpu=None if oom else float(wps)))
+    return out
+
+
+def megatron_core_h100() -> list[Case]:
+    """Megatron-core's H100 weak-scaling table (seq 4096, vocab 131,072, its communication
+    overlaps as the README lists them; micro-batch 1, bf16, no recompute, sequence parallelism
+    and the distributed optimizer assumed: the README does not state them)."""
+    out = []
+    for row in published("megatron_core_h100_weak_scaling_2024")["rows"]:
+        size, heads, h, layers, tp, pp, dp, gpus, batch, tflops, _mfu, _agg = row
+        cfg = gpt(h, heads, layers, 131072, 4096)
+        layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=4096, global_batch=batch, tp=tp, pp=pp,
+                            zero=1, framework="megatron", sequence_parallel=tp > 1, overlap=True)
+        out.append(Case("megatron-core-h100", size, layout,
+                        tokens_per_gpu=tflops * 1e12 / megatron_flops(h, layers, 4096, 131072, False)))
+    return out
+
+
+def torchtitan_h100() -> list[Case]:
+    """torchtitan's bf16 runs without torch.compile on 96 GB, 500 W H100s (Dec 2024 Tables 1 and
+    3: Llama 3.1 8B, FSDP, selective recompute, seq 8192), with their memory."""
+    out = []
+    for row in published("torchtitan_h100_llama31_2024-12")["rows"]:
+        table, _model, gpus, _par, local, gbs, _seq, ac, prec, compiled, _label, tps, mem = row
+        if prec != "bf16" or compiled != "no":
+            continue
+        layout = PlanLayout(model="llama3-8b", gpus=gpus, gpu="h100-96gb-500w", seq_len=8192, global_batch=gbs,
+                            micro_batch=local, zero=3, recompute=_AC["selective op"] if ac == "selective" else ac,
+                            framework="torchtitan")
+        out.append(Case("torchtitan-h100-2024-12", f"{table} 8B FSDP {gpus}", layout, tokens_per_gpu=float(tps),
+                        memory_gib=float(mem)))
+    return out
+
+
+TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
+          "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100}
+"""Every table the planner is checked against, by name."""
+
+CALIBRATION = {"nvidia-a100": ["sc21-table1"], "nvidia-h100": ["megatron-core-h100"]}
+"""The tables each device family's constants are fitted on; the others are held out."""
+
+
+def relative_error(predicted: float, published_value: float) -> float:
+    return predicted / published_value - 1 if published_value else math.inf

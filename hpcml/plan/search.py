@@ -1,0 +1,161 @@
+"""Every valid layout of a model on N devices, scored: the grid's degree rules and the model's
+plan rules prune, memory filters, the time model ranks.
+
+The candidates are what the framework can run: for hpcml, ZeRO 0 (DDP), 2 and 3 (FSDP2 with
+and without resharding after forward), recompute none or full, flash attention; for Megatron
+and torchtitan their own options (ZeRO-1, selective recompute) as well.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hpcml.errors import ConfigError
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.plan import calibration
+from hpcml.plan.devices import Device
+from hpcml.plan.predict import Prediction, evaluate, load_model, model_rules, resolve_device
+from hpcml.plan.spec import PlanLayout
+
+ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
+RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"),
+             "torchtitan": ("none", "selective-op", "selective-layer", "full")}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64
+               ) -> Iterator[PlanLayout]:
+    """Every layout of ``base``'s model, devices, sequence and batch that the grid and the
+    model's plan accept: tp within a node, cp, pp, ep for MoE models, micro-batch, ZeRO stage,
+    recompute, sequence parallelism, and the pipeline schedule."""
+    fw, gpus = base.framework, base.gpus
+    for tp in _divisors(min(gpus, dev.gpus_per_node)):
+        if gpus % tp:
+            continue
+        for cp in _divisors(gpus // tp):
+            if base.seq_len % cp:
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > cfg.n_layers:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if base.global_batch % dp:
+                    continue
+                eps = [e for e in _divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
+                schedules = [("1f1b", None)] if pp == 1 else [("1f1b", None), ("interleaved1f1b", 2)]
+                for ep in eps:
+                    for sp in ((False, True) if tp > 1 and cp == 1 and not cfg.n_experts else (False,)):
+                        for schedule, v in schedules:
+                            for mb in _divisors(base.global_batch // dp):
+                                if mb > max_micro_batch:
+                                    break
+                                if schedule == "interleaved1f1b" and (base.global_batch // (dp * mb)) % pp:
+                                    continue
+                                if pp * (v or 1) > cfg.n_layers:
+                                    continue
+                                for zero in ZERO[fw]:
+                                    for rc in RECOMPUTE[fw]:
+                                        yield replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
+                                                      schedule=schedule, stages_per_rank=v, micro_batch=mb,
+                                                      zero=zero, recompute=rc)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: list[Prediction]
+    candidates: int
+    fitting: int
+    refused: int
+
+
+def search(base: PlanLayout, *, top: int = 5) -> SearchResult:
+    """The ``top`` fitting layouts by predicted tokens/s (ties: less memory first)."""
+    cfg, dev = load_model(base.model), resolve_device(base)
+    c = calibration.constants(dev)
+    n = fitting = refused = 0
+    scored: list[Prediction] = []
+    for lay in candidates(base, cfg, dev):
+        n += 1
+        if model_rules(cfg, lay):
+            refused += 1
+            continue
+        p = evaluate(cfg, dev, c, lay, time_if_oom=False)
+        if p.fits:
+            fitting += 1
+            scored.append(p)
+    scored.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib["total"]))
+    return SearchResult(scored[:top], n, fitting, refused)
+
+
+def emit(lay: PlanLayout) -> list[str]:
+    """``workflows/llm_pretrain.py`` arguments running ``lay``; a one-line error names what
+    hpcml's trainer cannot run."""
+    bad = []
+    if lay.framework != "hpcml":
+        bad.append(f"framework {lay.framework}")
+    if lay.zero == 1:
+        bad.append("zero 1 (hpcml has DDP, or FSDP2: zero 2 and 3)")
+    if lay.recompute not in ("none", "full"):
+        bad.append(f"recompute {lay.recompute} (hpcml: none or full)")
+    if lay.attention != "flash":
+        bad.append("eager attention (hpcml uses SDPA)")
+    if lay.overlap:
+        bad.append("overlap")
+    if lay.schedule == "interleaved1f1b" and lay.v != 2:
+        bad.append(f"{lay.v} stages per rank (llm_pretrain.py runs 2 with interleaved1f1b)")
+    model = _model_args(lay.model)
+    if model is None:
+        bad.append("a model that is neither a preset nor a Hugging Face directory (llm_pretrain.py takes those)")
+    if bad:
+        raise ConfigError(f"cannot emit this layout for llm_pretrain.py: {'; '.join(bad)}")
+    args = [*model, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp)]
+    if lay.ep > 1:
+        args += ["--ep", str(lay.ep)]
+    if lay.zero >= 2:
+        args += ["--fsdp"] + (["--zero2"] if lay.zero == 2 else [])
+    if lay.sequence_parallel:
+        args.append("--sequence-parallel")
+    if lay.pp > 1:
+        args += ["--schedule", lay.schedule]
+    if lay.recompute == "full":
+        args.append("--activation-checkpointing")
+    if lay.precision == "bf16":
+        args.append("--bf16")
+    args += ["--micro-batch", str(lay.micro_batch), "--global-batch", str(lay.global_batch),
+             "--seq-len", str(lay.seq_len)]
+    return args
+
+
+def _model_args(model) -> list[str] | None:
+    """``--model PRESET`` or ``--init-from HF_DIR``; None for anything else."""
+    from hpcml.models.transformer.presets import PRESETS
+
+    if isinstance(model, str) and model in PRESETS:
+        return ["--model", model]
+    if isinstance(model, str):
+        path = Path(model)
+        folder = path if path.is_dir() else path.parent
+        if (folder / "config.json").is_file() and (path.is_dir() or path.name == "config.json"):
+            try:
+                if "model_type" in json.loads((folder / "config.json").read_text()):
+                    return ["--init-from", str(folder)]
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def emit_job(lay: PlanLayout, walltime: str) -> str:
+    """The ``hpcml job`` command line that submits ``lay`` on its site."""
+    if not lay.site:
+        raise ConfigError("--emit job needs --site (the job is written for a site)")
+    dev = resolve_device(lay)
+    nodes = -(-lay.gpus // dev.gpus_per_node)
+    return shlex.join(["hpcml", "job", "--site", lay.site, "--nodes", str(nodes), "--walltime", walltime,
+                       "--ranks", str(lay.gpus), "--", "python", "workflows/llm_pretrain.py", *emit(lay)])

@@ -1,0 +1,156 @@
+"""One candidate layout of a training run: the model, the devices, the batch, and every choice
+per axis. Validated in ``__post_init__`` with the numbers in the message, so a bad line of a
+``--layouts`` file is refused alone, naming its value."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from hpcml.errors import ConfigError
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.parallel.config import PP_SCHEDULES
+
+RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
+ATTENTION = ("flash", "eager")
+PRECISIONS = ("bf16", "fp32")
+FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
+"""Whose implementation runs the layout: the same layout keeps different bytes in each.
+hpcml: fp32 weights and Adam, bf16 by autocast (``--bf16``), torch's sequence parallelism
+(keeps gathered inputs), one flat gradient all-reduce under DDP; megatron: bf16 weights, fp32
+main gradients, fp32 master weights and moments (the distributed optimizer shards them at ZeRO-1),
+sequence parallelism keeping shards; torchtitan: FSDP2 with bf16 compute over fp32 shards."""
+
+
+def _int(name: str, value, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name}={value!r}: expected an integer >= {least}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanLayout:
+    """A layout to predict: ``gpus`` devices of kind ``gpu`` (or a ``site``'s), ``global_batch``
+    sequences of ``seq_len`` tokens per step, degrees tp x cp x pp x dp = gpus (dp inferred),
+    ep folded over cp x dp, ZeRO stage ``zero`` over the data-parallel ranks."""
+
+    model: str | TransformerConfig
+    """A preset name, a path to a Hugging Face ``config.json`` (or its directory) or to hpcml's
+    model config, or the config itself (in JSON: an object of its fields)."""
+    gpus: int
+    seq_len: int
+    global_batch: int
+    gpu: str | None = None
+    site: str | None = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    """0: replicated (DDP); 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)."""
+    micro_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    attention: str = "flash"
+    schedule: str = "1f1b"
+    stages_per_rank: int | None = None
+    precision: str = "bf16"
+    framework: str = "hpcml"
+    overlap: bool = False
+    """Communication overlapped by the framework beyond what its schedule does anyway: tensor-
+    parallel traffic with the matmuls (async TP, userbuffers) and data-parallel gradients and
+    parameters with the compute of every micro-batch (Megatron-core's ``--overlap-grad-reduce
+    --overlap-param-gather --tp-comm-overlap``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", TransformerConfig.from_dict(self.model))
+        if not (isinstance(self.model, TransformerConfig) or isinstance(self.model, str) and self.model):
+            raise ConfigError(f"model={str(self.model)[:80]!r}: expected a preset name, a config path or a "
+                              f"TransformerConfig")
+        for name in ("gpus", "seq_len", "global_batch", "tp", "pp", "cp", "ep", "micro_batch"):
+            _int(name, getattr(self, name))
+        _int("zero", self.zero, least=0)
+        if self.zero > 3:
+            raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
+        for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
+                              ("framework", FRAMEWORKS),
+                              ("schedule", PP_SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        for name in ("sequence_parallel", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
+        if (self.gpu is None) == (self.site is None):
+            raise ConfigError(f"gpu={self.gpu!r}, site={self.site!r}: give exactly one of them")
+        model_ranks = self.tp * self.cp * self.pp
+        if self.gpus % model_ranks:
+            raise ConfigError(f"gpus {self.gpus} is not divisible by tp {self.tp} x cp {self.cp} x pp {self.pp} = "
+                              f"{model_ranks}")
+        if (self.cp * self.dp) % self.ep:
+            raise ConfigError(f"ep {self.ep} does not divide cp {self.cp} x dp {self.dp} = {self.cp * self.dp} "
+                              f"(experts fold over the data ranks)")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ConfigError(f"global_batch {self.global_batch} is not divisible by dp {self.dp} x micro_batch "
+                              f"{self.micro_batch} = {self.dp * self.micro_batch}")
+        if self.seq_len % self.cp or (self.sequence_parallel and self.seq_len % (self.cp * self.tp)):
+            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}"
+                              + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
+        if self.sequence_parallel and self.cp > 1:
+            raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported: use cp alone")
+        if self.schedule == "interleaved1f1b":
+            if self.stages_per_rank is not None and self.stages_per_rank < 2:
+                raise ConfigError(f"interleaved1f1b needs stages_per_rank >= 2, got {self.stages_per_rank}")
+            if self.microbatches % self.pp:
+                raise ConfigError(f"interleaved1f1b needs micro-batches ({self.microbatches}) divisible by pp "
+                                  f"{self.pp}")
+        elif self.stages_per_rank not in (None, 1):
+            raise ConfigError(f"{self.schedule} runs one stage per rank, got stages_per_rank {self.stages_per_rank}")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step on each pipeline (gradient accumulation without pp)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def v(self) -> int:
+        """Pipeline stages per rank."""
+        return self.stages_per_rank or (2 if self.schedule == "interleaved1f1b" else 1)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if isinstance(self.model, TransformerConfig):
+            d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, **defaults) -> PlanLayout:
+        """A layout from a JSON object (the option names with underscores; ``fsdp: true`` is
+        ``zero: 3``); ``defaults`` fill keys the object lacks. Unknown keys are refused."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a layout must be a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        if "fsdp" in d:
+            fsdp = d.pop("fsdp")
+            if not isinstance(fsdp, bool):
+                raise ConfigError(f"fsdp={fsdp!r}: expected true or false")
+            if fsdp:
+                if d.get("zero", 3) != 3:
+                    raise ConfigError(f"fsdp with zero={d['zero']!r}: fsdp is zero 3")
+                d["zero"] = 3
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"layout keys {unknown} unknown: expected some of {sorted(known | {'fsdp'})}")
+        merged = {**{k: v for k, v in defaults.items() if v is not None}, **d}
+        if merged.get("gpu") is not None and "site" in d and d["site"] is not None:
+            merged.pop("gpu")
+        if merged.get("site") is not None and "gpu" in d and d["gpu"] is not None:
+            merged.pop("site")
+        missing = sorted({"model", "gpus", "seq_len", "global_batch"} - set(merged))
+        if missing:
+            raise ConfigError(f"layout lacks {missing}")
+        return cls(**merged)

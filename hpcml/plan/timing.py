@@ -1,0 +1,202 @@
+"""Step time of a layout, analytically: matmul time at a calibrated, shape-dependent share of
+the device's peak; tensor-, context- and pipeline-parallel traffic on the links it crosses,
+exposed; data-parallel traffic overlapped with what it can hide behind; the pipeline bubble of
+the schedule; the optimizer step at memory bandwidth. The constants per device family come from
+published measured runs (:mod:`hpcml.plan.calibration`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcml.models.transformer.config import TransformerConfig
+from hpcml.models.transformer.footprint import layer_kinds
+from hpcml.plan.devices import Device
+from hpcml.plan.memory import RankState, rank_classes, rank_state, stage_layer_lists, state_bytes
+from hpcml.plan.spec import PlanLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constants:
+    """Fitted per device family (``calibration.json``)."""
+
+    gemm_eff: float = 0.75
+    """Share of peak the largest matmuls reach."""
+    m_half: float = 256.0
+    """Rows (tokens of a micro-batch on one rank) at which a matmul reaches half of ``gemm_eff``."""
+    n_half: float = 64.0
+    """Local width (hidden / tp) at which a matmul reaches half of ``gemm_eff``."""
+    elementwise_passes: float = 40.0
+    """Hidden-state-sized reads and writes per token of a block's forward outside the matmuls
+    (norms, activation, rotary, residuals, casts): memory-bound, at the device's bandwidth."""
+    softmax_passes: float = 6.0
+    """Reads and writes of each attention score per forward with eager (unfused) attention."""
+    comm_eff: float = 0.75
+    """Share of a link's bandwidth a ring collective moves (NCCL's bus bandwidth / link)."""
+    latency_s: float = 20e-6
+    """Per collective call."""
+    dp_overlap: float = 0.5
+    """Share of the compute that data-parallel traffic can hide behind (the last micro-batch's
+    backward for DDP buckets, each micro-batch for FSDP's prefetch, all of them with ``overlap``)."""
+    tp_overlap: float = 0.6
+    """Share of tensor-parallel traffic hidden behind the matmuls when the layout has ``overlap``."""
+    step_overhead_s: float = 0.0
+    """Per step, whatever the layout (launch, Python)."""
+    block_s: float = 0.0
+    """Fixed cost of one block's forward and backward per micro-batch beyond its arithmetic:
+    eager dispatch of its ops (measured on CPU; on GPUs hidden behind the kernels, 0)."""
+    tp_block_s: float = 0.0
+    """Fixed cost a tensor-parallel block adds per micro-batch (DTensor dispatch, collective calls)."""
+    sp_block_s: float = 0.0
+    """The same with sequence parallelism (more redistributions)."""
+    cp_block_s: float = 0.0
+    """Fixed cost Ulysses adds to a block per micro-batch."""
+    fsdp_unit_s: float = 0.0
+    """Fixed cost of one FSDP unit per micro-batch (gathers, copies in and out)."""
+    reserved_gib: float = 2.0
+    """Memory the framework and the runtime keep (context, communicator buffers, fragmentation)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    compute_s: float
+    tp_s: float
+    cp_s: float
+    pp_s: float
+    bubble_s: float
+    dp_s: float
+    optimizer_s: float
+    flops_per_rank: float
+    """Hardware FLOPs of one rank per step, recomputation included."""
+
+
+def _link(dev: Device, group: int, stride: int) -> float:
+    """Bytes/s a ring collective moves per rank for a group of ``group`` ranks ``stride`` apart.
+    Inside a node: the device's link. Across nodes the ring crosses each node boundary once per
+    channel, and NCCL spreads channels over the node's NICs: the group's members on one node
+    share the node's injection bandwidth with the other groups there, so the rate is the
+    per-device share times the members per node (Megatron's tp 8, one member a node, gets one
+    NIC's worth; a 64-way FSDP group of whole nodes gets all of them)."""
+    if group * stride <= dev.gpus_per_node:
+        return 1e9 * dev.intra_gbps
+    per_node = max(1, min(group, dev.gpus_per_node // max(1, stride)))
+    return 1e9 * min(dev.intra_gbps, dev.inter_gbps * per_node)
+
+
+def _ring(nbytes: float, n: int, bw: float, c: Constants, factor: float = 2.0) -> float:
+    """A ring all-reduce (factor 2) or all-gather / reduce-scatter (factor 1) of ``nbytes``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return factor * (n - 1) / n * nbytes / (bw * c.comm_eff) + c.latency_s * (n - 1)
+
+
+def layer_flops(cfg: TransformerConfig, layer: int, seq_len: int, tp: int) -> float:
+    """Forward FLOPs per token of block ``layer`` on one tp rank: matmuls of the active
+    parameters and the causal attention scores and values."""
+    hd, kv = cfg.head_dim, cfg.kv_heads
+    attn = cfg.dim * hd * (2 * cfg.n_heads + 2 * kv)
+    if cfg.is_moe(layer):
+        ffn = 3 * cfg.dim * (cfg.moe_top_k * cfg.expert_hidden + cfg.moe_shared_hidden) + cfg.dim * cfg.n_experts
+    else:
+        ffn = 3 * cfg.dim * cfg.hidden
+    return (2 * (attn + ffn) + 2 * seq_len * cfg.n_heads * hd) / tp
+
+
+def _recompute_flops(cfg: TransformerConfig, lay: PlanLayout, kinds: dict[int, int], tokens: float) -> float:
+    """Matmul FLOPs backward spends recomputing the forward, per micro-batch."""
+    out = 0.0
+    for i, count in kinds.items():
+        full = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp)
+        core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp
+        mode = lay.recompute if lay.recompute != "selective-layer" else ("full" if i % 2 == 0 else "none")
+        out += count * {"none": 0.0, "full": full, "selective": core, "selective-op": (full - core) / 2 + core}[mode]
+    return out
+
+
+def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:
+    """The step time of the slowest pipeline rank."""
+    worst = None
+    for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
+        t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r))
+        if worst is None or t.step_s > worst.step_s:
+            worst = t
+    assert worst is not None
+    return worst
+
+
+def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, pp_rank: int,
+               st: RankState) -> StepTime:
+    n_stages = lay.pp * lay.v
+    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    mine = list(range(pp_rank, n_stages, lay.pp))
+    layers = tuple(i for s in mine for i in stages[s])
+    tokens = lay.micro_batch * lay.seq_len / lay.cp  # tokens of a micro-batch on this rank
+    m = lay.microbatches
+    act = 4 if lay.precision == "fp32" else 2
+    fwd, refwd = 0.0, 0.0  # seconds of one forward of this rank's blocks, and of what backward recomputes
+    peak, hbm = dev.peak_tflops * 1e12, dev.hbm_gbps * 1e9
+    rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
+    eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
+    kinds = layer_kinds(cfg, layers)
+    for i, count in kinds.items():
+        mm = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) / (peak * eff)
+        ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
+        sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if lay.attention == "eager" \
+            else 0.0
+        core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp / (peak * eff) + sm  # attention scores and values
+        fwd += count * (mm + ew + sm)
+        mode = lay.recompute if lay.recompute != "selective-layer" else ("full" if i % 2 == 0 else "none")
+        refwd += count * {"none": 0.0, "full": mm + ew + sm, "selective": core,
+                          "selective-op": (mm - core) / 2 + ew + core}[mode]
+    head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff) if n_stages - 1 in mine else 0.0
+    full_layers = len(layers) if lay.recompute == "full" else \
+        sum(n for i, n in kinds.items() if i % 2 == 0) if lay.recompute == "selective-layer" else 0
+    compute_mb = 3 * (fwd + head) + refwd + c.block_s * (len(layers) + full_layers / 3)
+    head_flops = 2 * cfg.dim * cfg.padded_vocab / lay.tp if n_stages - 1 in mine else 0.0
+    flops_mb = 3 * tokens * (sum(n * layer_flops(cfg, i, lay.seq_len, lay.tp) for i, n in kinds.items()) + head_flops) \
+        + _recompute_flops(cfg, lay, kinds, tokens)  # hardware FLOPs, recomputation included
+    # tensor parallel: two all-reduces (or reduce-scatter + all-gather) per block in forward, two in
+    # backward, two more when the forward is recomputed
+    tp_bw = _link(dev, lay.tp, 1)
+    per = _ring(tokens * cfg.dim * act, lay.tp, tp_bw, c)
+    tp_mb = per * (4 * len(layers) + 2 * full_layers) * ((1 - c.tp_overlap) if lay.overlap else 1.0)
+    if lay.tp > 1:  # the embedding and the vocabulary-parallel loss count as one block more
+        ends = (0 in mine) + (n_stages - 1 in mine)
+        tp_mb += (len(layers) + ends / 2) * (c.sp_block_s if lay.sequence_parallel else c.tp_block_s)
+    # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways
+    cp_bw = _link(dev, lay.cp, lay.tp)
+    a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
+    cp_mb = 0.0 if lay.cp == 1 else len(layers) * (2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff)
+                                                        + 4 * c.latency_s) + c.cp_block_s)
+    # pipeline: activations forward and gradients back at each stage boundary
+    pp_bw = _link(dev, lay.pp, lay.tp * lay.cp * lay.dp)
+    pp_mb = 0.0 if lay.pp == 1 else len(mine) * 2 * (tokens * cfg.dim * act / (lay.tp if lay.sequence_parallel else 1)
+                                                     / (pp_bw * c.comm_eff) + c.latency_s)
+    t_mb = compute_mb + tp_mb + cp_mb + pp_mb
+    bubble = (lay.pp - 1) / lay.v * t_mb if lay.pp > 1 else 0.0
+    pipe = m * t_mb + bubble
+    # data parallel over dp x cp ranks (experts over dp x cp / ep)
+    ws = lay.dp * lay.cp
+    dp_bw = _link(dev, ws, lay.tp)
+    p_bytes, g_bytes, _ = state_bytes(lay, st)
+    grad_full = 4.0 * st.compute_params
+    backward_mb = compute_mb * 2 / 3
+    if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
+        gathered = (2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4) * st.compute_params
+        ag = _ring(gathered, ws, dp_bw, c, 1.0) * (2 if lay.zero == 3 else 1)
+        rs = _ring(grad_full, ws, dp_bw, c, 1.0)
+        # hpcml syncs gradients after the last micro-batch only; torch's default after each
+        comm = m * ag + rs if lay.framework == "hpcml" else m * (ag + rs)
+        dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + _ring(gathered, ws, dp_bw, c, 1.0) / max(1, len(layers)) \
+            + m * (len(layers) + 1) * c.fsdp_unit_s
+    else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients
+        comm = _ring(grad_full, ws, dp_bw, c, 1.0) + _ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 \
+            else _ring(grad_full, ws, dp_bw, c)
+        hide = m * compute_mb if lay.overlap else 0.0 if lay.framework == "hpcml" else backward_mb
+        dp = max(0.0, comm - c.dp_overlap * hide)
+    # the optimizer reads and writes parameters, master weights and moments, reads gradients
+    opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
+    opt = opt_bytes / (dev.hbm_gbps * 1e9)
+    step = pipe + dp + opt + c.step_overhead_s
+    return StepTime(step_s=step, compute_s=m * compute_mb, tp_s=m * tp_mb, cp_s=m * cp_mb, pp_s=m * pp_mb,
+                    bubble_s=bubble, dp_s=dp, optimizer_s=opt, flops_per_rank=m * flops_mb)

@@ -1,0 +1,248 @@
+"""``hpcml.plan``: the model's footprint against the real module, the layout rules, the
+predictions against published measured runs, the search, ``--emit`` and the command line.
+(The per-rank exactness under real parallelism is tests/mpi/test_plan_exact.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcml.cli import main as cli
+from hpcml.errors import ConfigError
+from hpcml.models.transformer import footprint as fp
+from hpcml.models.transformer.model import Transformer, TransformerConfig, cross_entropy
+from hpcml.models.transformer.presets import PRESETS
+from hpcml.plan import PlanLayout, load_model, predict
+from hpcml.plan.memory import rank_elements, rank_state
+from hpcml.plan.published import CALIBRATION, TABLES
+from hpcml.plan.search import candidates, emit, search
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = PRESETS["tiny"]
+
+
+def _variants() -> dict[str, TransformerConfig]:
+    out = {n: dataclasses.replace(c, n_layers=min(c.n_layers, 2)) if c.num_params() > 2e10 else c
+           for n, c in PRESETS.items()}
+    out["fused+bias"] = dataclasses.replace(TINY, fused_qkv=True, fused_mlp=True, qkv_bias=True)
+    out["tied"] = dataclasses.replace(TINY, tie_embeddings=True)
+    out["moe-bias-shared"] = dataclasses.replace(PRESETS["tiny-moe"], moe_balance="bias", moe_shared_hidden=32,
+                                                 moe_every=2, fused_mlp=True)
+    return out
+
+
+@pytest.mark.parametrize("name,cfg", list(_variants().items()), ids=list(_variants()))
+def test_param_shapes_are_the_modules(name, cfg):
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert list(fp.param_shapes(cfg).items()) == real  # names, shapes and order
+    assert sum(math.prod(s) for _, s in real) == cfg.num_params()
+    for n, _ in real:
+        fp.shard_dims(n)  # every parameter has a rule
+
+
+def _saved_bytes(cfg: TransformerConfig, b: int, s: int, checkpointing: bool) -> int:
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for block in model.layers.values():
+        block.activation_checkpointing = checkpointing
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    x = torch.randint(0, cfg.vocab_size, (b, s + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy(model(x[:, :-1]), x[:, 1:])
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("shape", [(64, 4, 4, 128, 2, 256), (96, 6, 2, 200, 3, 1000)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["none", "full"])
+def test_layer_saved_is_what_autograd_keeps(shape, checkpointing):
+    dim, heads, kv, hidden, layers, vocab = shape
+    cfg = TransformerConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                            ffn_hidden=hidden, max_seq_len=64)
+    b, s = 3, 32
+    how = fp.Saved(recompute="full" if checkpointing else "none")
+    want = b * s * (sum(fp.layer_saved(cfg, i, s, how) for i in range(layers))
+                    + fp.head_saved(cfg, how, first=True, last=True))
+    assert _saved_bytes(cfg, b, s, checkpointing) == pytest.approx(want, rel=0.01)
+
+
+def test_rank_state_is_the_first_shard_of_rank_elements():
+    cfg = dataclasses.replace(TINY, vocab_size=250, ffn_hidden=96, n_layers=5)
+    for kw in ({"zero": 3}, {"zero": 2, "tp": 2}, {"pp": 2, "zero": 0}, {"pp": 2, "schedule": "interleaved1f1b"},
+               {"cp": 2, "zero": 3}):
+        lay = PlanLayout(model=cfg, gpus=8, gpu="a100-80gb", seq_len=32, global_batch=16, **kw)
+        for r in range(lay.pp):
+            st, ex = rank_state(cfg, lay, r), rank_elements(cfg, lay, r, 0)
+            assert (st.params, st.grads, st.optimizer, st.tensors) == tuple(ex.values()), kw
+        # the shards of one group add up to the whole (FSDP's dim-0 chunks, uneven ones included)
+        ws = lay.dp * lay.cp
+        if lay.zero == 3:
+            total = sum(rank_elements(cfg, lay, 0, i)["params"] for i in range(ws))
+            assert total == rank_state(cfg, lay, 0).compute_params
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"tp": 3}, "gpus 8 is not divisible by tp 3 x cp 1 x pp 1 = 3"),
+    ({"global_batch": 12}, "global_batch 12 is not divisible by dp 8 x micro_batch 1 = 8"),
+    ({"zero": 4}, "zero=4: expected 0, 1, 2 or 3"),
+    ({"recompute": "some"}, "recompute='some': expected one of"),
+    ({"gpu": None}, "give exactly one of them"),
+    ({"micro_batch": 0}, "micro_batch=0: expected an integer >= 1"),
+    ({"cp": 2, "sequence_parallel": True}, "sequence_parallel with cp 2 > 1 is not supported"),
+    ({"pp": 2, "schedule": "interleaved1f1b", "global_batch": 12, "micro_batch": 3}, "needs micro-batches (1)"),
+])
+def test_layout_refused_in_one_line(kw, message):
+    base = {"model": "llama3-8b", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 16}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        PlanLayout(**{**base, **kw})
+    assert "\n" not in str(e.value)
+
+
+def test_from_dict_keys_and_fsdp_alias():
+    lay = PlanLayout.from_dict({"fsdp": True, "tp": 2}, model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=4096,
+                               global_batch=16)
+    assert (lay.zero, lay.tp, lay.dp) == (3, 2, 4)
+    with pytest.raises(ConfigError, match=r"layout keys \['tensor_parallel'\] unknown"):
+        PlanLayout.from_dict({"tensor_parallel": 2}, model="tiny", gpus=1, gpu="h100-80gb", seq_len=8, global_batch=1)
+    inline = PlanLayout.from_dict({"model": TINY.to_dict(), "gpus": 1, "gpu": "h100-80gb", "seq_len": 8,
+                                   "global_batch": 1})
+    assert inline.model == TINY
+
+
+def test_prediction_parts_add_up_and_oom_says_why():
+    p = predict(PlanLayout(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch=16, zero=3,
+                           micro_batch=2, recompute="full"))
+    m = p.memory_gib
+    assert m["total"] == pytest.approx(sum(m[k] for k in ("params", "grads", "optimizer", "activations",
+                                                          "buffers")), rel=1e-9)
+    assert p.fits and 0 < p.mfu < 1 and p.step_s == pytest.approx(16 * 8192 / p.tokens_per_s)
+    assert p.step_s >= sum(p.parts_s.values()) - 1e-9  # the parts are what the step is made of
+    # 8B on one device, no sharding: Adam alone needs 8 bytes x 8B parameters
+    one = predict(PlanLayout(model="llama3-8b", gpus=1, gpu="h100-80gb", seq_len=8192, global_batch=1))
+    assert not one.fits and one.memory_gib["optimizer"] == pytest.approx(8 * 8.03e9 / 2**30, rel=0.01)
+    assert one.why.startswith("needs") and "the device has 79.1" in one.why
+    # FSDP over 8 divides parameters, gradients and moments by 8 (to the row)
+    z3 = predict(PlanLayout(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch=8, zero=3))
+    assert z3.memory_gib["optimizer"] == pytest.approx(one.memory_gib["optimizer"] / 8, rel=1e-3)
+    refused = predict(PlanLayout(model="llama3-8b", gpus=16, gpu="h100-80gb", seq_len=8192, global_batch=16, tp=16))
+    assert not refused.fits and "n_kv_heads 8 is not divisible by tp 16" in refused.why
+
+
+def _errors(table: str) -> tuple[float, float, list[str]]:
+    """(share of rows whose fit/OOM outcome agrees, share within 15% in tokens/s, misses)."""
+    agree = close = n_tput = 0
+    misses = []
+    cases = TABLES[table]()
+    for case in cases:
+        p = predict(case.layout)
+        agree += p.fits == case.fits
+        if case.tokens_per_gpu and case.fits:
+            n_tput += 1
+            err = p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1
+            close += abs(err) <= 0.15
+            if abs(err) > 0.15:
+                misses.append(f"{case.label}: {err:+.0%}")
+    return agree / len(cases), close / max(1, n_tput), misses
+
+
+@pytest.mark.parametrize("table", ["sc21-table1", "korthikanti-table5", "torchtitan-a100", "megatron-core-h100"])
+def test_published_tables_are_predicted(table):
+    """The issue's bar on each table: fit/OOM agrees on >= 90% of the rows, throughput (and so
+    MFU under the publisher's FLOP count) within 15% on >= 80%. sc21-table1 and
+    megatron-core-h100 are fitted on; korthikanti-table5 and torchtitan-a100 are held out."""
+    agree, close, misses = _errors(table)
+    assert agree >= 0.9 and close >= 0.8, misses
+
+
+def test_held_out_tables_are_not_fitted_on():
+    fitted = {t for ts in CALIBRATION.values() for t in ts}
+    assert {"korthikanti-table5", "torchtitan-a100"}.isdisjoint(fitted)
+    # the OOM rows of torchtitan's table are predicted as OOM, the others as fitting
+    outcomes = [(c.fits, predict(c.layout).fits) for c in TABLES["torchtitan-a100"]()]
+    assert outcomes.count((False, False)) == 2 and all(a == b for a, b in outcomes)
+
+
+def test_calibration_file_is_what_the_fit_gives():
+    out = subprocess.run([sys.executable, "-m", "hpcml.plan.fit", "--check"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_search_ranks_valid_fitting_layouts_and_emits_them():
+    base = PlanLayout(model="llama3-70b", gpus=1024, site="frontier", seq_len=8192, global_batch=1024)
+    r = search(base, top=3)
+    assert r.candidates >= 10_000 and r.fitting > 0 and len(r.best) == 3
+    assert [p.tokens_per_s for p in r.best] == sorted((p.tokens_per_s for p in r.best), reverse=True)
+    assert all(p.fits and p.memory_gib["total"] <= 64.0 for p in r.best)
+    # no candidate breaks the model's rules: kv heads 8 bound tp
+    assert all(c.tp <= 8 for c in candidates(base, load_model("llama3-70b"), __import__(
+        "hpcml.plan.devices", fromlist=["x"]).site_device("frontier")))
+    sys.path.insert(0, str(ROOT / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    best = r.best[0].layout
+    args = llm_pretrain.parse_args(emit(best))
+    assert (args.model, args.tp, args.pp, args.cp, args.micro_batch, args.global_batch, args.seq_len) == \
+        (best.model, best.tp, best.pp, best.cp, best.micro_batch, best.global_batch, best.seq_len)
+    assert args.fsdp == (best.zero >= 2) and args.zero2 == (best.zero == 2)
+    assert args.activation_checkpointing == (best.recompute == "full") and args.bf16
+    with pytest.raises(ConfigError, match="cannot emit this layout for llm_pretrain.py: zero 1"):
+        emit(dataclasses.replace(best, zero=1))
+
+
+def test_model_from_config_files(tmp_path):
+    hf = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+          "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_model(str(tmp_path / "config.json"))
+    assert (cfg.dim, cfg.n_layers, cfg.hidden, cfg.vocab_size) == (4096, 32, 11008, 32000)
+    assert load_model(str(tmp_path)) == cfg
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps(TINY.to_dict()))
+    assert load_model(str(own)) == TINY
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_model(str(tmp_path / "missing.json"))
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * ((1 << 20) + 1))
+    with pytest.raises(ConfigError, match="at most 1048576 bytes"):
+        load_model(str(big))
+
+
+def test_cli_one_layout_a_file_and_bad_input(tmp_path, capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "8192",
+            "--global-batch", "16"]
+    assert cli(base + ["--fsdp", "--micro-batch", "2", "--recompute", "full", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and set(out["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers",
+                                                      "total"}
+    assert out["layout"]["zero"] == 3 and out["step_s"] > 0 and 0 < out["mfu"] < 1
+    lines = tmp_path / "layouts.jsonl"
+    lines.write_text('{"tp": 2}\n{"tp": 3}\n\n{"zero": 3, "micro_batch": 2}\nnot json\n')
+    assert cli(base + ["--layouts", str(lines), "--json"]) == 1  # some lines were refused
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [("error" in r) for r in rows] == [False, True, False, True]
+    assert rows[1] == {"line": 2, "error": "gpus 8 is not divisible by tp 3 x cp 1 x pp 1 = 3"}
+    assert rows[0]["layout"]["tp"] == 2 and rows[2]["layout"]["micro_batch"] == 2
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seq-len, --global-batch, --gpu or --site" in err
+    assert cli(base + ["--layouts", str(tmp_path)]) == 2  # a directory
