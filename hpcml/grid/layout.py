@@ -53,7 +53,8 @@ MAX_FIT_OPTIONS = 4096
 MAX_FIT_WORLD = 1 << 40
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (in O(sqrt n))."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -69,10 +70,10 @@ def fitting_degrees(world_size: int, wanted: dict[str, int]) -> list[dict[str, i
         return []
     options: list[dict[str, int]] = [{}]
     for a in axes:
-        divisors, grown = _divisors(math.gcd(wanted[a], world_size)), []
+        ds, grown = divisors(math.gcd(wanted[a], world_size)), []
         for o in options:
             known = math.prod(o.values(), start=1)
-            grown += [{**o, a: d} for d in divisors if world_size % (known * d) == 0]
+            grown += [{**o, a: d} for d in ds if world_size % (known * d) == 0]
             if len(grown) > MAX_FIT_OPTIONS:
                 return []
         options = grown

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                    help="whose implementation (hpcml; megatron or torchtitan to compare)")
     p.add_argument("--layouts", metavar="FILE", help="JSON lines, one layout each ('-': standard input); the "
                    "options above fill keys a line lacks")
-    p.add_argument("--top", type=int, default=5, help="search: how many layouts to print")
+    p.add_argument("--top", type=int, default=None, help="search: how many layouts to print (default 5)")
     p.add_argument("--emit", choices=("args", "job"), help="print the chosen layout as llm_pretrain.py arguments, "
                    "or as the 'hpcml job' command that submits it (needs --site)")
     p.add_argument("--walltime", default="01:00:00", help="with --emit job")
@@ -62,7 +62,11 @@ def _given(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     given = _given(args)
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top {args.top}: expected at least 1")
     if args.layouts:
+        if args.emit or args.top is not None:
+            raise ConfigError("--layouts predicts every line: --emit and --top apply to one layout or a search")
         return _run_file(args, given)
     missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "seq_len", "global_batch") if k not in given]
     missing += [] if "gpu" in given or "site" in given else ["--gpu or --site"]
@@ -70,10 +74,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"hpcml plan needs {', '.join(missing)}")
     searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
     if searching:
-        return _run_search(args, PlanLayout(**given))
+        return _run_search(args, PlanLayout(**given, degrees_checked=False))
     lay = PlanLayout(**given)
     p = predict(lay)
     if args.emit:
+        if not p.fits:
+            raise ConfigError(f"not emitting a layout that does not run: {p.why}")
         return _emit(args, lay)
     if args.json:
         print(json.dumps(p.to_dict()))
@@ -110,7 +116,7 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
 def _run_search(args: argparse.Namespace, base: PlanLayout) -> int:
     from hpcml.plan.search import search
 
-    r = search(base, top=args.top)
+    r = search(base, top=args.top or 5)
     if not r.best:
         raise ConfigError(f"no layout of {r.candidates} fits: {r.refused} refused by the model's plan, the rest out of "
                           f"memory on {base.gpus} x {base.gpu or base.site}")

@@ -25,6 +25,9 @@ class CpuFacts:
     copy_gbps: float
     """Bytes/s read plus written by a large copy, one thread."""
     memory_gib: float
+    elementwise_passes: float = 40.0
+    """What a block's forward and backward cost beyond its matmuls and its fixed dispatch, in
+    hidden-state passes at ``copy_gbps`` (one thread, a block of width ``dim``, 512 tokens)."""
 
 
 def _gemm_rate(m: int, k: int, n: int, seconds: float = 0.3) -> float:
@@ -58,13 +61,45 @@ def measure(dim: int = 256) -> CpuFacts:
             dst.copy_(src)
             reps += 1
         copy = 2 * src.numel() * reps / (time.perf_counter() - t0)
+        # a block of width dim on 512 tokens against one of width 32 on 8 (its dispatch alone)
+        block = _block_s(dim, 4, 128)
+        tiny = _block_s(32, 1, 8)
     finally:
         torch.set_num_threads(threads)
     # small / big = 64 / (64 + m_half)
     m_half = max(0.0, 64 * (big / small - 1)) if small > 0 else 0.0
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    tokens, hidden = 512, _HIDDEN * dim // 256
+    gemm = 3 * tokens * 2 * (dim * dim * 2 + dim * dim // 2 * 2 + 3 * dim * hidden) / big \
+        + 3 * tokens * 2 * 128 * dim / big  # projections (q, o; k, v half), MLP; attention scores and values
+    rest = max(0.0, block - tiny - gemm)
+    passes = rest / (3 * tokens * dim * 4 / copy)
     return CpuFacts(cores=cores, flops_core=big, flops_all=flops_all, m_half=m_half, copy_gbps=copy / 1e9,
-                    memory_gib=mem)
+                    memory_gib=mem, elementwise_passes=passes)
+
+
+_HIDDEN = 704
+
+
+def _block_s(dim: int, batch: int, seq: int, seconds: float = 0.5) -> float:
+    """Forward and backward of one transformer block of width ``dim`` (8 heads, 4 kv heads)."""
+    import torch
+
+    from hpcml.models.transformer.model import TransformerBlock, TransformerConfig
+    from hpcml.models.transformer.rope import rope_tables
+
+    heads = 8 if dim >= 64 else 4
+    cfg = TransformerConfig(dim=dim, n_heads=heads, n_kv_heads=heads // 2, n_layers=1, max_seq_len=seq,
+                            ffn_hidden=_HIDDEN * dim // 256)
+    block = TransformerBlock(cfg)
+    cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta, None)
+    x = torch.randn(batch, seq, dim, requires_grad=True)
+    block(x, cos, sin).sum().backward()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        block(x, cos, sin).sum().backward()
+        reps += 1
+    return (time.perf_counter() - t0) / reps
 
 
 def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Constants]:
@@ -78,12 +113,14 @@ def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Consta
     bw = probe.get("busbw_gbps", 1.0)
     dev = Device(name=f"cpu-x{ranks}", memory_gib=facts.memory_gib / ranks, peak_tflops=flops / 1e12,
                  hbm_gbps=facts.copy_gbps * share, gpus_per_node=ranks, intra_gbps=bw, inter_gbps=bw,
-                 source="measured on this machine (hpcml.plan.cpu.measure)", family="cpu")
+                 source="measured on this machine (hpcml.plan.cpu.measure)", family="cpu",
+                 shared_cores=facts.cores if ranks > facts.cores else 0)
     base = probe["dp"]["block_s"]
 
     def extra(name: str) -> float:
         return max(0.0, probe[name]["block_s"] - base) if name in probe else 0.0
     c = Constants(gemm_eff=1.0, m_half=facts.m_half, n_half=0.0, comm_eff=1.0, latency_s=probe.get("latency_s", 0.0),
+                  elementwise_passes=facts.elementwise_passes,
                   dp_overlap=0.0, reserved_gib=0.0, block_s=base, tp_block_s=extra("tp"), sp_block_s=extra("sp"),
                   cp_block_s=extra("cp"), fsdp_unit_s=extra("fsdp"),
                   step_overhead_s=max(0.0, probe["dp"]["step_1block_s"] - base))

@@ -34,6 +34,9 @@ class Device:
     """Where the figures come from (URL, read on the date given)."""
     family: str = ""
     """Calibration group (``nvidia-a100``, ...): devices of a family share fitted constants."""
+    shared_cores: int = 0
+    """CPU cores the ranks of a node share (0: one device each, a GPU); with more ranks than
+    cores the time model lets a waiting rank's core work for the others."""
 
     def __post_init__(self) -> None:
         for f in ("memory_gib", "peak_tflops", "hbm_gbps", "intra_gbps", "inter_gbps"):

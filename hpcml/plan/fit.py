@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 from importlib import resources
 
@@ -55,6 +56,17 @@ def fit(cases, start: Constants | None = None, rounds: int = 4) -> tuple[Constan
     return c, best
 
 
+def fit_reserved(cases) -> float:
+    """The memory no count covers (runtime context, communicator buffers, allocator slack): the
+    median of published minus counted over the rows that publish their memory, to 0.5 GiB."""
+    from hpcml.plan.memory import memory
+    from hpcml.plan.predict import load_model
+
+    gaps = [c.memory_gib - memory(load_model(c.layout.model), c.layout).gib()["total"]
+            for c in cases if c.memory_gib is not None]
+    return round(2 * statistics.median(gaps)) / 2 if gaps else Constants().reserved_gib
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpcml.plan.fit``: fit every family on its calibration tables and
     write ``data/calibration.json`` (with ``--check``: fit and compare, write nothing)."""
@@ -62,19 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from hpcml.plan.published import CALIBRATION, TABLES
+    from hpcml.plan.published import CALIBRATION, MEMORY_CALIBRATION, TABLES
 
     ap = argparse.ArgumentParser(prog="python -m hpcml.plan.fit")
     ap.add_argument("--check", action="store_true", help="fit, and fail if the stored constants differ")
     args = ap.parse_args(argv)
     out = {"about": "Time-model constants per device family, fitted by `python -m hpcml.plan.fit` on the "
                     "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file); "
-                    "every other table is held out.", "families": {}}
+                    "every other table is held out. reserved_gib (memory outside every count) is fitted on the "
+                    "rows of reserved_fitted_on that publish their memory; a family without such a table keeps "
+                    "the default.", "families": {}}
     for family, tables in CALIBRATION.items():
         cases = [c for t in tables for c in TABLES[t]()]
         c, s = fit(cases)
-        out["families"][family] = {"fitted_on": tables, "rms_log_error": round(math.sqrt(s), 4),
-                                   "constants": {k: v for k, v in asdict(c).items() if k in GRID}}
+        consts = {k: v for k, v in asdict(c).items() if k in GRID}
+        entry = {"fitted_on": tables, "rms_log_error": round(math.sqrt(s), 4)}
+        if family in MEMORY_CALIBRATION:
+            entry["reserved_fitted_on"] = MEMORY_CALIBRATION[family]
+            consts["reserved_gib"] = fit_reserved([x for t in MEMORY_CALIBRATION[family] for x in TABLES[t]()])
+        out["families"][family] = {**entry, "constants": consts}
     path = Path(str(resources.files("hpcml.plan").joinpath("data/calibration.json")))
     text = json.dumps(out, indent=1) + "\n"
     if args.check:

@@ -6,7 +6,7 @@ schedule keeps in flight, and the transient buffers of the step."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hpcml.models.transformer import footprint as fp
@@ -34,6 +34,17 @@ class RankState:
     """Compute elements outside the blocks (embedding, final norm, output) on this rank."""
 
 
+def _local_shape(name: str, shape: tuple[int, ...], tp: int, ep: int) -> tuple[list[int], bool]:
+    """The shape of one rank's piece of parameter ``name`` after tp and ep, and whether it is an expert's."""
+    tdim, edim = fp.shard_dims(name)
+    s = list(shape)
+    if tdim is not None:
+        s[tdim] //= tp
+    if edim is not None:
+        s[edim] //= ep
+    return s, edim is not None
+
+
 def _grad_elements(name: str, n: int, tp: int) -> int:
     """Elements of a parameter's gradient outside FSDP: its own, but the vocabulary-parallel
     embedding's gradient comes back from torch's ``RowwiseParallel`` backward as a Replicate
@@ -56,14 +67,9 @@ def _parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) -> dict[
     (``ews`` for experts)."""
     out: dict[str, list[int]] = {}
     for name, shape in fp.param_shapes(cfg).items():
-        tdim, edim = fp.shard_dims(name)
-        s = list(shape)
-        if tdim is not None:
-            s[tdim] //= tp
-        if edim is not None:
-            s[edim] //= ep
+        s, expert = _local_shape(name, shape, tp, ep)
         n = math.prod(s)
-        chunked = _chunk(s[0], ews if edim is not None else ws) * (n // s[0]) if s[0] else 0
+        chunked = _chunk(s[0], ews if expert else ws) * (n // s[0]) if s[0] else 0
         key = f"L{name.split('.', 2)[1]}" if name.startswith("layers.") else name
         acc = out.setdefault(key, [0, 0, 0, 0, 0, 0])
         t = fp.trainable(name)
@@ -96,14 +102,9 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
     for name, shape in fp.param_shapes(cfg).items():
         if not mine.intersection(fp.stage_of(name, stages)):
             continue
-        tdim, edim = fp.shard_dims(name)
-        s = list(shape)
-        if tdim is not None:
-            s[tdim] //= lay.tp
-        if edim is not None:
-            s[edim] //= lay.ep
+        s, expert = _local_shape(name, shape, lay.tp, lay.ep)
         n = math.prod(s)
-        group, index = (ws // lay.ep, expert_shard) if edim is not None else (ws, shard)
+        group, index = (ws // lay.ep, expert_shard) if expert else (ws, shard)
         chunked = _chunk(s[0], group, index) * (n // s[0]) if s[0] else 0
         out["params"] += chunked if lay.zero >= 2 else n
         if fp.trainable(name):
@@ -187,16 +188,20 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
     per_mb *= tokens
-    if lay.framework == "hpcml" and lay.precision == "bf16":  # autocast's bf16 weight copies, saved by the matmuls
-        per_mb += 2 * state.compute_params
     saved = per_mb * in_flight(lay, pp_rank)
+    if lay.framework == "hpcml" and lay.precision == "bf16":
+        # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
+        # schedule runs inside one autocast region), whatever the micro-batches in flight
+        saved += 2 * state.compute_params
     # transients: the logits' gradient on the last stage, one block recomputed in backward
     buffers = 0.0
     if n_stages - 1 in mine:
         buffers += 2 * 4 * cfg.padded_vocab / lay.tp * tokens / lay.cp
+    moe = [i for s in mine for i in fp.layer_kinds(cfg, stages[s]) if cfg.is_moe(i)]
+    if moe and lay.ep > 1:  # all-to-all send and receive buffers of one MoE block
+        buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes
     if lay.recompute != "none":
-        full = fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, attention=lay.attention,
-                        act_bytes=how.act_bytes, stream_bytes=how.stream_bytes)
+        full = replace(how, recompute="none")
         buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for s in mine
                                  for i in fp.layer_kinds(cfg, stages[s])), default=0.0)
     return saved, buffers

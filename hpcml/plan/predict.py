@@ -4,11 +4,12 @@ and in words why (what fills the memory, or where the step's time goes)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from hpcml.errors import ConfigError, GridError
+from hpcml.errors import ConfigError, GridError, HpcmlError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rules import check_plan
@@ -16,7 +17,7 @@ from hpcml.parallel.config import ParallelConfig
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.spec import MAX_LAYERS, PlanLayout
 from hpcml.plan.timing import Constants, step_time
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -33,16 +34,17 @@ def load_model(spec: str | TransformerConfig) -> TransformerConfig:
         return spec
     if spec in PRESETS:
         return PRESETS[spec]
+    from hpcml.interop.hf_files import read_json
+
     path = Path(spec)
     if not path.exists():
-        raise ConfigError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config path")
+        raise ConfigError(f"model {spec[:200]!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                          f"config path")
     file = path / "config.json" if path.is_dir() else path
-    if not file.is_file() or file.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"model config {file}: expected a regular JSON file of at most {MAX_CONFIG_BYTES} bytes")
-    try:
-        data = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model config {file}: not JSON ({e})") from None
+    try:  # a regular file, opened without blocking, at most MAX_CONFIG_BYTES read
+        data = read_json(file.parent, file.name, MAX_CONFIG_BYTES)
+    except RecursionError:
+        raise ConfigError(f"model config {file}: JSON nested too deeply") from None
     if isinstance(data, dict) and "model_type" in data:
         from hpcml.interop.hf import config_from_hf
 
@@ -52,6 +54,21 @@ def load_model(spec: str | TransformerConfig) -> TransformerConfig:
     if isinstance(data, dict) and isinstance(data.get("model"), dict):  # a run directory's config.json
         data = data["model"].get("config", data["model"])
     return TransformerConfig.from_dict(data)
+
+
+def hf_path(spec) -> bool:
+    """Whether ``spec`` names a Hugging Face config (``llm_pretrain.py --init-from`` takes its directory)."""
+    if not isinstance(spec, str):
+        return False
+    path = Path(spec)
+    file = path / "config.json" if path.is_dir() else path
+    return file.name == "config.json" and file.is_file() and not _is_preset(spec)
+
+
+def _is_preset(spec: str) -> bool:
+    from hpcml.models.transformer.presets import PRESETS
+
+    return spec in PRESETS
 
 
 @lru_cache(maxsize=1024)
@@ -96,7 +113,8 @@ class Prediction:
     def to_dict(self) -> dict:
         r = {"layout": self.layout.to_dict(), "fits": self.fits,
              "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
-             "step_s": _sig(self.step_s), "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),
+             "step_s": _sig(self.step_s) if math.isfinite(self.step_s) else None,
+             "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),
              "hfu": round(self.hfu, 4), "why": self.why, "time_s": {k: _sig(v) for k, v in self.parts_s.items()}}
         return r
 
@@ -116,6 +134,10 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     """:func:`predict` with the model, device and constants resolved (the search's inner loop).
     A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
     tables are the only thing it sizes)."""
+    if cfg.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
+    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_path(lay.model):
+        cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
     refused = model_rules(cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
@@ -130,7 +152,7 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     peak = lay.gpus * dev.peak_tflops * 1e12
     mfu = _flops_per_token(cfg, lay.seq_len) * tokens / peak
     hfu = t.flops_per_rank / t.step_s / (dev.peak_tflops * 1e12)
-    parts = {"compute": t.compute_s, "tp": t.tp_s, "cp": t.cp_s, "pp_p2p": t.pp_s, "bubble": t.bubble_s,
+    parts = {"compute": t.compute_s, "tp": t.tp_s, "cp": t.cp_s, "ep": t.ep_s, "pp_p2p": t.pp_s, "bubble": t.bubble_s,
              "dp": t.dp_s, "optimizer": t.optimizer_s}
     if not fits:
         big = max(("params", "grads", "optimizer", "activations", "buffers"), key=lambda k: gib[k])
@@ -156,7 +178,7 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
         try:
             lay = PlanLayout.from_dict(json.loads(line), **(defaults or {}))
             out.append(predict(lay).to_dict())
-        except (ConfigError, ValueError, RecursionError) as e:
+        except (HpcmlError, ValueError, TypeError, RecursionError, OverflowError) as e:
             out.append({"line": n, "error": str(e).splitlines()[0]})
     return out
 

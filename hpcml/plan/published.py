@@ -143,6 +143,10 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
 CALIBRATION = {"nvidia-a100": ["sc21-table1"], "nvidia-h100": ["megatron-core-h100"]}
 """The tables each device family's constants are fitted on; the others are held out."""
 
+MEMORY_CALIBRATION = {"nvidia-h100": ["torchtitan-h100"]}
+"""The tables whose published memory fits a family's ``reserved_gib`` (torchtitan's H100 runs
+are the only ones found that publish a peak per GPU; other families keep the default)."""
+
 
 def relative_error(predicted: float, published_value: float) -> float:
     return predicted / published_value - 1 if published_value else math.inf

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpcml.errors import ConfigError
+from hpcml.grid.layout import divisors
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
@@ -26,45 +27,44 @@ RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"
              "torchtitan": ("none", "selective-op", "selective-layer", "full")}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64
                ) -> Iterator[PlanLayout]:
     """Every layout of ``base``'s model, devices, sequence and batch that the grid and the
     model's plan accept: tp within a node, cp, pp, ep for MoE models, micro-batch, ZeRO stage,
     recompute, sequence parallelism, and the pipeline schedule."""
     fw, gpus = base.framework, base.gpus
-    for tp in _divisors(min(gpus, dev.gpus_per_node)):
+    for tp in divisors(min(gpus, dev.gpus_per_node)):
         if gpus % tp:
             continue
-        for cp in _divisors(gpus // tp):
+        for cp in divisors(gpus // tp):
             if base.seq_len % cp:
                 continue
-            for pp in _divisors(gpus // (tp * cp)):
+            for pp in divisors(gpus // (tp * cp)):
                 if pp > cfg.n_layers:
                     continue
                 dp = gpus // (tp * cp * pp)
                 if base.global_batch % dp:
                     continue
-                eps = [e for e in _divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
+                eps = [e for e in divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
                 schedules = [("1f1b", None)] if pp == 1 else [("1f1b", None), ("interleaved1f1b", 2)]
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and cp == 1 and not cfg.n_experts else (False,)):
                         for schedule, v in schedules:
-                            for mb in _divisors(base.global_batch // dp):
+                            for mb in divisors(base.global_batch // dp):
                                 if mb > max_micro_batch:
                                     break
                                 if schedule == "interleaved1f1b" and (base.global_batch // (dp * mb)) % pp:
                                     continue
                                 if pp * (v or 1) > cfg.n_layers:
                                     continue
+                                try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
+                                    lay = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
+                                                  schedule=schedule, stages_per_rank=v, micro_batch=mb)
+                                except ConfigError:
+                                    continue
                                 for zero in ZERO[fw]:
                                     for rc in RECOMPUTE[fw]:
-                                        yield replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
-                                                      schedule=schedule, stages_per_rank=v, micro_batch=mb,
-                                                      zero=zero, recompute=rc)
+                                        yield replace(lay, zero=zero, recompute=rc)
 
 
 @dataclass(frozen=True)

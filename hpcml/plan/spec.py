@@ -4,7 +4,7 @@ per axis. Validated in ``__post_init__`` with the numbers in the message, so a b
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import InitVar, asdict, dataclass, fields
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
@@ -21,9 +21,15 @@ main gradients, fp32 master weights and moments (the distributed optimizer shard
 sequence parallelism keeping shards; torchtitan: FSDP2 with bf16 compute over fp32 shards."""
 
 
+MAX = 1 << 40
+"""Largest device count, batch, sequence or degree a layout may name (beyond it the arithmetic
+is no plan of anything that runs)."""
+MAX_LAYERS = 100_000
+
+
 def _int(name: str, value, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name}={value!r}: expected an integer >= {least}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX:
+        raise ConfigError(f"{name}={repr(value)[:40]}: expected an integer in [{least}, 2^40]")
     return value
 
 
@@ -46,7 +52,9 @@ class PlanLayout:
     cp: int = 1
     ep: int = 1
     zero: int = 0
-    """0: replicated (DDP); 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)."""
+    """0: replicated (DDP); 1: optimizer state sharded (Megatron's distributed optimizer); 2: FSDP
+    without resharding after forward (hpcml's ``--fsdp --zero2``: everything sharded at rest,
+    every block gathered from forward to backward); 3: FSDP (``--fsdp``)."""
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
@@ -60,15 +68,26 @@ class PlanLayout:
     parallel traffic with the matmuls (async TP, userbuffers) and data-parallel gradients and
     parameters with the compute of every micro-batch (Megatron-core's ``--overlap-grad-reduce
     --overlap-param-gather --tp-comm-overlap``)."""
+    degrees_checked: InitVar[bool] = True
+    """False: only the fields are checked, not how the degrees split the devices and the batch
+    (the search's starting point, whose degrees it replaces)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, degrees_checked: bool = True) -> None:
         if isinstance(self.model, dict):
             object.__setattr__(self, "model", TransformerConfig.from_dict(self.model))
         if not (isinstance(self.model, TransformerConfig) or isinstance(self.model, str) and self.model):
             raise ConfigError(f"model={str(self.model)[:80]!r}: expected a preset name, a config path or a "
                               f"TransformerConfig")
+        if isinstance(self.model, TransformerConfig) and self.model.n_layers > MAX_LAYERS:
+            raise ConfigError(f"model n_layers {self.model.n_layers}: expected at most {MAX_LAYERS}")
         for name in ("gpus", "seq_len", "global_batch", "tp", "pp", "cp", "ep", "micro_batch"):
             _int(name, getattr(self, name))
+        if self.stages_per_rank is not None:
+            _int("stages_per_rank", self.stages_per_rank)
+        for name in ("gpu", "site"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 64):
+                raise ConfigError(f"{name}={repr(value)[:40]}: expected a name")
         _int("zero", self.zero, least=0)
         if self.zero > 3:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
@@ -82,6 +101,10 @@ class PlanLayout:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
         if (self.gpu is None) == (self.site is None):
             raise ConfigError(f"gpu={self.gpu!r}, site={self.site!r}: give exactly one of them")
+        if degrees_checked:
+            self._check_degrees()
+
+    def _check_degrees(self) -> None:
         model_ranks = self.tp * self.cp * self.pp
         if self.gpus % model_ranks:
             raise ConfigError(f"gpus {self.gpus} is not divisible by tp {self.tp} x cp {self.cp} x pp {self.pp} = "
@@ -97,12 +120,16 @@ class PlanLayout:
                               + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
         if self.sequence_parallel and self.cp > 1:
             raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported: use cp alone")
+        if self.pp > 1 and self.framework == "hpcml" and self.microbatches < self.pp:
+            raise ConfigError(f"{self.microbatches} micro-batches per step < pp {self.pp}: hpcml's pipeline would "
+                              f"idle (raise global_batch or lower micro_batch)")
         if self.schedule == "interleaved1f1b":
             if self.stages_per_rank is not None and self.stages_per_rank < 2:
                 raise ConfigError(f"interleaved1f1b needs stages_per_rank >= 2, got {self.stages_per_rank}")
-            if self.microbatches % self.pp:
-                raise ConfigError(f"interleaved1f1b needs micro-batches ({self.microbatches}) divisible by pp "
-                                  f"{self.pp}")
+            rounds = max(1, self.microbatches // self.pp)
+            if self.microbatches % rounds:
+                raise ConfigError(f"interleaved1f1b needs micro-batches ({self.microbatches}) divisible by its rounds "
+                                  f"({rounds} = micro-batches // pp {self.pp}, torch's rule)")
         elif self.stages_per_rank not in (None, 1):
             raise ConfigError(f"{self.schedule} runs one stage per rank, got stages_per_rank {self.stages_per_rank}")
 
@@ -137,10 +164,9 @@ class PlanLayout:
             fsdp = d.pop("fsdp")
             if not isinstance(fsdp, bool):
                 raise ConfigError(f"fsdp={fsdp!r}: expected true or false")
-            if fsdp:
-                if d.get("zero", 3) != 3:
-                    raise ConfigError(f"fsdp with zero={d['zero']!r}: fsdp is zero 3")
-                d["zero"] = 3
+            if "zero" in d and (d["zero"] == 3) != fsdp:
+                raise ConfigError(f"fsdp={str(fsdp).lower()} with zero={d['zero']!r}: fsdp is zero 3")
+            d.setdefault("zero", 3 if fsdp else 0)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

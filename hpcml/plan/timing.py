@@ -6,10 +6,10 @@ published measured runs (:mod:`hpcml.plan.calibration`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.models.transformer.footprint import layer_kinds
+from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan.devices import Device
 from hpcml.plan.memory import RankState, rank_classes, rank_state, stage_layer_lists, state_bytes
 from hpcml.plan.spec import PlanLayout
@@ -62,6 +62,7 @@ class StepTime:
     compute_s: float
     tp_s: float
     cp_s: float
+    ep_s: float
     pp_s: float
     bubble_s: float
     dp_s: float
@@ -108,13 +109,23 @@ def _recompute_flops(cfg: TransformerConfig, lay: PlanLayout, kinds: dict[int, i
     for i, count in kinds.items():
         full = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp)
         core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp
-        mode = lay.recompute if lay.recompute != "selective-layer" else ("full" if i % 2 == 0 else "none")
+        mode = block_recompute(lay.recompute, i)
         out += count * {"none": 0.0, "full": full, "selective": core, "selective-op": (full - core) / 2 + core}[mode]
     return out
 
 
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:
-    """The step time of the slowest pipeline rank."""
+    """The step time of the slowest pipeline rank. Ranks sharing fewer cores (``dev.shared_cores``,
+    a CPU) give their core away while they wait, so the step is the longer of the critical path
+    at a whole core per rank and the ranks' busy time spread over the cores."""
+    if dev.shared_cores and lay.gpus > dev.shared_cores:
+        share = dev.shared_cores / lay.gpus  # the measured figures are each rank's share of the cores
+        whole = replace(dev, peak_tflops=dev.peak_tflops / share, hbm_gbps=dev.hbm_gbps / share, shared_cores=0)
+        fixed = {k: getattr(c, k) * share for k in ("block_s", "tp_block_s", "sp_block_s", "cp_block_s",
+                                                      "fsdp_unit_s", "step_overhead_s")}
+        crit = step_time(cfg, lay, whole, replace(c, **fixed))
+        busy = crit.step_s - crit.bubble_s
+        return replace(crit, step_s=max(crit.step_s, busy / share))
     worst = None
     for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
         t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r))
@@ -145,12 +156,11 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
             else 0.0
         core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp / (peak * eff) + sm  # attention scores and values
         fwd += count * (mm + ew + sm)
-        mode = lay.recompute if lay.recompute != "selective-layer" else ("full" if i % 2 == 0 else "none")
+        mode = block_recompute(lay.recompute, i)
         refwd += count * {"none": 0.0, "full": mm + ew + sm, "selective": core,
                           "selective-op": (mm - core) / 2 + ew + core}[mode]
     head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff) if n_stages - 1 in mine else 0.0
-    full_layers = len(layers) if lay.recompute == "full" else \
-        sum(n for i, n in kinds.items() if i % 2 == 0) if lay.recompute == "selective-layer" else 0
+    full_layers = sum(n for i, n in kinds.items() if block_recompute(lay.recompute, i) == "full")
     compute_mb = 3 * (fwd + head) + refwd + c.block_s * (len(layers) + full_layers / 3)
     head_flops = 2 * cfg.dim * cfg.padded_vocab / lay.tp if n_stages - 1 in mine else 0.0
     flops_mb = 3 * tokens * (sum(n * layer_flops(cfg, i, lay.seq_len, lay.tp) for i, n in kinds.items()) + head_flops) \
@@ -166,13 +176,24 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways
     cp_bw = _link(dev, lay.cp, lay.tp)
     a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
-    cp_mb = 0.0 if lay.cp == 1 else len(layers) * (2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff)
-                                                        + 4 * c.latency_s) + c.cp_block_s)
+    # (a recomputed forward repeats its forward all-to-alls, as it repeats tp's all-reduces)
+    cp_mb = 0.0 if lay.cp == 1 else (len(layers) + full_layers / 2) * (
+        2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff) + 4 * c.latency_s) + c.cp_block_s)
+    # experts: the dispatch and the combine all-to-all of every MoE block, both ways
+    moe_layers = sum(n for i, n in kinds.items() if cfg.is_moe(i))
+    ep_mb = 0.0
+    if lay.ep > 1 and moe_layers:
+        ep_bw = _link(dev, lay.ep, lay.tp)
+        routed = tokens * cfg.moe_top_k * cfg.dim * act
+        recomputed = sum(n for i, n in kinds.items() if cfg.is_moe(i) and block_recompute(lay.recompute, i) == "full")
+        ep_mb = (4 * moe_layers + 2 * recomputed) * ((lay.ep - 1) / lay.ep * routed / (ep_bw * c.comm_eff)
+                                                     + c.latency_s)
     # pipeline: activations forward and gradients back at each stage boundary
     pp_bw = _link(dev, lay.pp, lay.tp * lay.cp * lay.dp)
-    pp_mb = 0.0 if lay.pp == 1 else len(mine) * 2 * (tokens * cfg.dim * act / (lay.tp if lay.sequence_parallel else 1)
-                                                     / (pp_bw * c.comm_eff) + c.latency_s)
-    t_mb = compute_mb + tp_mb + cp_mb + pp_mb
+    stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # the residual stream's bytes
+    sent = tokens * cfg.dim * stream / (lay.tp if lay.sequence_parallel else 1)
+    pp_mb = 0.0 if lay.pp == 1 else len(mine) * 2 * (sent / (pp_bw * c.comm_eff) + c.latency_s)
+    t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (lay.pp - 1) / lay.v * t_mb if lay.pp > 1 else 0.0
     pipe = m * t_mb + bubble
     # data parallel over dp x cp ranks (experts over dp x cp / ep)
@@ -198,5 +219,6 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
     opt = opt_bytes / (dev.hbm_gbps * 1e9)
     step = pipe + dp + opt + c.step_overhead_s
-    return StepTime(step_s=step, compute_s=m * compute_mb, tp_s=m * tp_mb, cp_s=m * cp_mb, pp_s=m * pp_mb,
+    return StepTime(step_s=step, compute_s=m * compute_mb, tp_s=m * tp_mb, cp_s=m * cp_mb, ep_s=m * ep_mb,
+                    pp_s=m * pp_mb,
                     bubble_s=bubble, dp_s=dp, optimizer_s=opt, flops_per_rank=m * flops_mb)

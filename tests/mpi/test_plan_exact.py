@@ -23,6 +23,8 @@ from hpcml.train.recipe import build_llm_trainer
 WORLD = MPI.COMM_WORLD.Get_size()
 # vocab 250 pads to 256 and ffn 96 is not a multiple of 4 x 4: FSDP's chunks are uneven somewhere
 MODEL = TransformerConfig(vocab_size=250, dim=64, n_layers=5, n_heads=8, n_kv_heads=4, ffn_hidden=96, max_seq_len=64)
+MOE = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=96, max_seq_len=64,
+                        n_experts=4, moe_top_k=2, moe_hidden=48, moe_every=2)
 TRAIN = TrainConfig(steps=1, global_batch=8, micro_batch=1, seq_len=32, progress=False)
 
 LAYOUTS = {
@@ -30,17 +32,21 @@ LAYOUTS = {
         {"fsdp": True, "reshard_after_forward": False}), ("tp2xfsdp2", {"tp": 2}, {"fsdp": True}),
         ("pp2xdp2", {"pp": 2}, {}), ("pp2xfsdp2", {"pp": 2}, {"fsdp": True}), ("cp2xfsdp2", {"cp": 2}, {"fsdp": True}),
         ("tp2xpp2", {"tp": 2, "pp": 2}, {}), ("tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}),
-        ("pp2-interleaved", {"pp": 2}, {"pp_schedule": "interleaved1f1b"})],
+        ("pp2-interleaved", {"pp": 2}, {"pp_schedule": "interleaved1f1b"}), ("tp4", {"tp": 4}, {}),
+        ("pp4", {"pp": 4}, {}), ("cp2xtp2", {"cp": 2, "tp": 2}, {"fsdp": True}),
+        ("moe-ep2xdp2", {"ep": 2}, {}), ("moe-ep2-fsdp", {"ep": 2}, {"fsdp": True}),
+        ("moe-ep4-fsdp", {"ep": 4}, {"fsdp": True}), ("moe-tp2xep2", {"tp": 2, "ep": 2}, {})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
-        ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {})],
+        ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("zero2-2", {"dp": 2}, {"fsdp": True,
+        "reshard_after_forward": False}), ("moe-ep2", {"ep": 2}, {"fsdp": True})],
 }
 
 
-def _plan_layout(degrees: dict, pcfg: ParallelConfig, **kw) -> PlanLayout:
+def _plan_layout(degrees: dict, pcfg: ParallelConfig, model: TransformerConfig = MODEL, **kw) -> PlanLayout:
     zero = (2 if not pcfg.reshard_after_forward else 3) if pcfg.fsdp else 0
-    return PlanLayout(model=MODEL, gpus=WORLD, gpu="a100-80gb", seq_len=TRAIN.seq_len, global_batch=TRAIN.global_batch,
-                      micro_batch=TRAIN.micro_batch, tp=degrees.get("tp", 1), pp=degrees.get("pp", 1),
-                      cp=degrees.get("cp", 1), zero=zero, sequence_parallel=pcfg.sequence_parallel,
+    return PlanLayout(model=model, gpus=WORLD, ep=degrees.get("ep", 1), gpu="a100-80gb", seq_len=TRAIN.seq_len,
+                      global_batch=TRAIN.global_batch, micro_batch=TRAIN.micro_batch, tp=degrees.get("tp", 1),
+                      pp=degrees.get("pp", 1), cp=degrees.get("cp", 1), zero=zero, sequence_parallel=pcfg.sequence_parallel,
                       schedule=pcfg.pp_schedule, precision="fp32", **kw)
 
 
@@ -59,7 +65,8 @@ def _quiet_dtensor():
 @pytest.mark.parametrize("name,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])
 def test_states_equal_the_plan_exactly(comm, name, degrees, pkw):
     pcfg = ParallelConfig(**pkw)
-    trainer = build_llm_trainer(MODEL, TRAIN, pcfg, **degrees)
+    model = MOE if name.startswith("moe") else MODEL
+    trainer = build_llm_trainer(model, TRAIN, pcfg, **degrees)
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep this step's gradients to count them
     trainer.fit()
     params = list(trainer.model.parameters())
@@ -68,12 +75,12 @@ def test_states_equal_the_plan_exactly(comm, name, degrees, pkw):
            "optimizer": sum(_local(trainer.optimizer.state[p]["exp_avg"]).numel() for p in params
                             if p in trainer.optimizer.state),
            "tensors": sum("step" in trainer.optimizer.state.get(p, {}) for p in params)}
-    lay = _plan_layout(degrees, pcfg)
+    lay = _plan_layout(degrees, pcfg, model)
     c = trainer.grid.coords
-    want = rank_elements(MODEL, lay, c["pp"], c["dp"] * lay.cp + c["cp"])
+    want = rank_elements(model, lay, c["pp"], c["dp"] * lay.cp + c["cp"], c.get("edp", 0))
     assert got == want, f"rank {comm.rank} {c}"
     if c["dp"] == 0 and c["cp"] == 0:  # the first shard: what the planner prices
-        st = rank_state(MODEL, lay, c["pp"])
+        st = rank_state(model, lay, c["pp"])
         assert (st.params, st.grads, st.optimizer, st.tensors) == tuple(want.values())
     trainer.close()
 

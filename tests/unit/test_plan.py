@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,26 @@ def test_layer_saved_is_what_autograd_keeps(shape, checkpointing):
     assert _saved_bytes(cfg, b, s, checkpointing) == pytest.approx(want, rel=0.01)
 
 
+@pytest.mark.parametrize("cfg", [TINY, PRESETS["tiny-moe"], dataclasses.replace(TINY, tie_embeddings=True),
+                                 dataclasses.replace(PRESETS["tiny-moe"], moe_balance="bias", fused_qkv=True)],
+                         ids=["tiny", "moe", "tied", "moe-bias-fused"])
+def test_one_rank_states_equal_the_plan(cfg):
+    """One process, one AdamW step: parameter, gradient and moment elements as planned (the
+    aux-loss-free bias is a parameter without a gradient or optimizer state)."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    x = torch.randint(0, cfg.vocab_size, (2, 17))
+    cross_entropy(model(x[:, :-1]), x[:, 1:]).backward()
+    opt.step()
+    params = list(model.parameters())
+    got = {"params": sum(p.numel() for p in params), "grads": sum(p.grad.numel() for p in params if p.grad is not None),
+           "optimizer": sum(opt.state[p]["exp_avg"].numel() for p in params if p in opt.state),
+           "tensors": sum("step" in opt.state.get(p, {}) for p in params)}
+    lay = PlanLayout(model=cfg, gpus=1, gpu="a100-80gb", seq_len=16, global_batch=2, precision="fp32")
+    assert got == rank_elements(cfg, lay, 0, 0)
+
+
 def test_rank_state_is_the_first_shard_of_rank_elements():
     cfg = dataclasses.replace(TINY, vocab_size=250, ffn_hidden=96, n_layers=5)
     for kw in ({"zero": 3}, {"zero": 2, "tp": 2}, {"pp": 2, "zero": 0}, {"pp": 2, "schedule": "interleaved1f1b"},
@@ -103,13 +124,18 @@ def test_rank_state_is_the_first_shard_of_rank_elements():
     ({"zero": 4}, "zero=4: expected 0, 1, 2 or 3"),
     ({"recompute": "some"}, "recompute='some': expected one of"),
     ({"gpu": None}, "give exactly one of them"),
-    ({"micro_batch": 0}, "micro_batch=0: expected an integer >= 1"),
+    ({"micro_batch": 0}, "micro_batch=0: expected an integer in [1, 2^40]"),
+    ({"seq_len": 10 ** 400}, "seq_len=1000000000000000000000000000000000000000: expected an integer in [1, 2^40]"),
+    ({"stages_per_rank": "2"}, "stages_per_rank='2': expected an integer"),
+    ({"site": ["frontier"], "gpu": None}, "site=['frontier']: expected a name"),
+    ({"pp": 2, "global_batch": 4, "micro_batch": 1, "gpus": 8}, "1 micro-batches per step < pp 2"),
     ({"cp": 2, "sequence_parallel": True}, "sequence_parallel with cp 2 > 1 is not supported"),
-    ({"pp": 2, "schedule": "interleaved1f1b", "global_batch": 12, "micro_batch": 3}, "needs micro-batches (1)"),
+    ({"pp": 2, "schedule": "interleaved1f1b", "global_batch": 20, "framework": "megatron"},
+     "needs micro-batches (5) divisible by its rounds (2 = micro-batches // pp 2, torch's rule)"),
 ])
 def test_layout_refused_in_one_line(kw, message):
     base = {"model": "llama3-8b", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 16}
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
         PlanLayout(**{**base, **kw})
     assert "\n" not in str(e.value)
 
@@ -126,12 +152,12 @@ def test_from_dict_keys_and_fsdp_alias():
 
 
 def test_prediction_parts_add_up_and_oom_says_why():
-    p = predict(PlanLayout(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch=16, zero=3,
-                           micro_batch=2, recompute="full"))
+    p = predict(PlanLayout(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch=8, zero=3,
+                           recompute="full"))
     m = p.memory_gib
     assert m["total"] == pytest.approx(sum(m[k] for k in ("params", "grads", "optimizer", "activations",
                                                           "buffers")), rel=1e-9)
-    assert p.fits and 0 < p.mfu < 1 and p.step_s == pytest.approx(16 * 8192 / p.tokens_per_s)
+    assert p.fits and 0 < p.mfu < 1 and p.step_s == pytest.approx(8 * 8192 / p.tokens_per_s)
     assert p.step_s >= sum(p.parts_s.values()) - 1e-9  # the parts are what the step is made of
     # 8B on one device, no sharding: Adam alone needs 8 bytes x 8B parameters
     one = predict(PlanLayout(model="llama3-8b", gpus=1, gpu="h100-80gb", seq_len=8192, global_batch=1))
@@ -176,6 +202,18 @@ def test_held_out_tables_are_not_fitted_on():
     # the OOM rows of torchtitan's table are predicted as OOM, the others as fitting
     outcomes = [(c.fits, predict(c.layout).fits) for c in TABLES["torchtitan-a100"]()]
     assert outcomes.count((False, False)) == 2 and all(a == b for a, b in outcomes)
+
+
+def test_torchtitan_h100_fits_and_memory():
+    """The 500 W H100 table: every row fits as published and the peak memory, whose rows fit
+    nvidia-h100's reserved constant, is within 5%; its throughput (20-24% fast: the power cap)
+    is reported in benchmarks.md, not held to 15%."""
+    for case in TABLES["torchtitan-h100"]():
+        p = predict(case.layout)
+        assert p.fits and p.memory_gib["total"] == pytest.approx(case.memory_gib, rel=0.05), case.label
+    from hpcml.plan.published import MEMORY_CALIBRATION
+
+    assert "torchtitan-h100" in MEMORY_CALIBRATION["nvidia-h100"]
 
 
 def test_calibration_file_is_what_the_fit_gives():
@@ -223,14 +261,14 @@ def test_model_from_config_files(tmp_path):
         load_model(str(tmp_path / "missing.json"))
     big = tmp_path / "big.json"
     big.write_bytes(b" " * ((1 << 20) + 1))
-    with pytest.raises(ConfigError, match="at most 1048576 bytes"):
+    with pytest.raises(ConfigError, match="more than the 1048576"):
         load_model(str(big))
 
 
 def test_cli_one_layout_a_file_and_bad_input(tmp_path, capsys):
     base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "8192",
             "--global-batch", "16"]
-    assert cli(base + ["--fsdp", "--micro-batch", "2", "--recompute", "full", "--json"]) == 0
+    assert cli(base + ["--global-batch", "8", "--fsdp", "--recompute", "full", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and set(out["memory_gib"]) == {"params", "grads", "optimizer", "activations", "buffers",
                                                       "total"}

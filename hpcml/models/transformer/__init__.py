@@ -2,7 +2,7 @@
 how tp, cp, pp, activation checkpointing and FSDP apply to it, kept next to the model as
 torchtitan keeps ``models/<name>/infra/parallelize.py``.
 
-Its shape (``config``, ``presets``, ``shapes``) imports no torch, so the planner and the
+Its shape (``config``, ``presets``, ``footprint``, ``rules``) imports no torch, so the planner and the
 command line read it without paying for torch; the modules load on first use."""
 
 from __future__ import annotations

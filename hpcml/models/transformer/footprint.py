@@ -135,9 +135,7 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     """
     tp, cp, a, r = how.tp, how.cp, how.act_bytes, how.stream_bytes
     sp = tp if how.sequence_parallel else 1
-    mode = how.recompute
-    if mode == "selective-layer":
-        mode = "full" if layer % 2 == 0 else "none"
+    mode = block_recompute(how.recompute, layer)
     if mode == "full":
         return r * cfg.dim / (sp * cp)  # the block's input only
     hd, kvd = cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -159,7 +157,17 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     if mode == "selective":
         attn, lse = (kvd + kvd + 2 * cfg.n_heads * hd) / tp, 0.0  # q, k, v and output kept; the core recomputed
     ffn = 4 * _ffn_width(cfg, layer) / tp
+    if cfg.is_moe(layer):  # the router's fp32 scores, each assignment's permuted input and expert output
+        ffn += 4 * cfg.n_experts / a + 2 * cfg.moe_top_k * cfg.dim
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
+
+
+def block_recompute(recompute: str, layer: int) -> str:
+    """What block ``layer`` does under ``recompute``: selective-layer recomputes the even
+    blocks whole (torchtitan's ``ac_freq`` 2) and keeps the odd ones; other modes are per block."""
+    if recompute == "selective-layer":
+        return "full" if layer % 2 == 0 else "none"
+    return recompute
 
 
 @lru_cache(maxsize=4096)
