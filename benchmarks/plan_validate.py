@@ -58,8 +58,8 @@ PROBE = {"dp": ({}, {}), "tp": ({"tp": 2}, {}), "sp": ({"tp": 2}, {"sequence_par
 def probe() -> None:
     """Under mpiexec (or alone): the fixed costs of this machine's software per block, from the
     same trainer on a model too small to compute anything (dim 32, 16 tokens): a step's time
-    with 3 blocks minus with 1, halved, for DDP, tp, tp with sequence parallelism, Ulysses and
-    FSDP; and gloo's all-reduce of 4 MiB (bandwidth) and 4 bytes (latency)."""
+    with 5 blocks minus with 1, over 4 (medians of 12 steps), for DDP, tp, tp with sequence
+    parallelism, Ulysses and FSDP; and gloo's all-reduce of 4 MiB (bandwidth) and 4 bytes (latency)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -76,16 +76,16 @@ def probe() -> None:
     out: dict = {"ranks": n}
     for name, (degrees, pkw) in PROBE.items() if n > 1 else [("dp", ({}, {}))]:
         times = {}
-        for layers in (1, 3):
+        for layers in (1, 5):
             cfg = TransformerConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                                     max_seq_len=16)
             dp = n // math.prod(degrees.values()) if degrees else n
-            tr = build_llm_trainer(cfg, TrainConfig(steps=12, global_batch=dp, micro_batch=1, seq_len=16,
+            tr = build_llm_trainer(cfg, TrainConfig(steps=16, global_batch=dp, micro_batch=1, seq_len=16,
                                                     progress=False), ParallelConfig(**pkw), grid=None, **degrees)
             hist = tr.fit()
             times[layers] = statistics.median(h["step_s"] for h in hist[4:])
             tr.close()
-        out[name] = {"block_s": max(0.0, (times[3] - times[1]) / 2), "step_1block_s": times[1]}
+        out[name] = {"block_s": max(0.0, (times[5] - times[1]) / 4), "step_1block_s": times[1]}
     if n > 1:
         big, small = torch.ones(1 << 20), torch.ones(1)
         for t in (big, small):
