@@ -81,7 +81,7 @@ def probe() -> None:
                                     max_seq_len=16)
             dp = n // math.prod(degrees.values()) if degrees else n
             tr = build_llm_trainer(cfg, TrainConfig(steps=16, global_batch=dp, micro_batch=1, seq_len=16,
-                                                    progress=False), ParallelConfig(**pkw), grid=None, **degrees)
+                                                    progress=False), ParallelConfig(**pkw), **degrees)
             hist = tr.fit()
             times[layers] = statistics.median(h["step_s"] for h in hist[4:])
             tr.close()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import stat
 import sys
+from pathlib import Path
 
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import DEVICES
@@ -91,16 +90,15 @@ def run(args: argparse.Namespace) -> int:
 def _run_file(args: argparse.Namespace, given: dict) -> int:
     if args.layouts == "-":
         text = sys.stdin.read(MAX_LAYOUT_FILE + 1)
+        if len(text) > MAX_LAYOUT_FILE:
+            raise ConfigError(f"--layouts -: more than {MAX_LAYOUT_FILE} bytes")
     else:
+        from hpcml.ckpt.shard import read_bounded
+
         try:
-            with open(args.layouts, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise ConfigError(f"--layouts {args.layouts}: not a regular file")
-                text = f.read(MAX_LAYOUT_FILE + 1).decode("utf-8", errors="replace")
+            text = read_bounded(Path(args.layouts), MAX_LAYOUT_FILE, "--layouts takes").decode("utf-8", "replace")
         except OSError as e:
             raise ConfigError(f"--layouts {args.layouts}: {e.strerror}") from None
-    if len(text) > MAX_LAYOUT_FILE:
-        raise ConfigError(f"--layouts {args.layouts}: more than {MAX_LAYOUT_FILE} bytes")
     results = predict_lines(text.splitlines(), given)
     for r in results:
         if args.json:

@@ -168,7 +168,14 @@ def in_flight(lay: PlanLayout, pp_rank: int) -> float:
     return min(warmup + 1, m * lay.v) / lay.v
 
 
+def weight_bytes(lay: PlanLayout) -> int:
+    """Bytes of a weight as compute sees it (what FSDP gathers): bf16 where the framework casts
+    its weights (Megatron, torchtitan), fp32 in hpcml (autocast casts after the gather)."""
+    return 2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4
+
+
 def saved_how(lay: PlanLayout) -> fp.Saved:
+    """Tensor widths and placements of ``lay`` as the activation count takes them."""
     act = 4 if lay.precision == "fp32" else 2
     stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # hpcml: fp32 weights, fp32 residual
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
@@ -246,7 +253,7 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0)
         st = rank_state(cfg, lay, r)
         p, g, o = state_bytes(lay, st)
         act, buf = activation_bytes(cfg, lay, r, st)
-        compute_bytes = 2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4
+        compute_bytes = weight_bytes(lay)
         if lay.zero == 3:  # FSDP: a gathered block and the one prefetched, the root kept gathered, a block's grads
             buf += compute_bytes * (2 * st.largest_unit + st.root) + 4 * st.largest_unit
         elif lay.zero == 2:  # FSDP without resharding after forward: every block stays gathered until backward

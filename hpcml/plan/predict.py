@@ -24,16 +24,27 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_LINE = 4096
 
 
-@lru_cache(maxsize=64)
 def load_model(spec: str | TransformerConfig) -> TransformerConfig:
     """A preset by name, or a model config file: Hugging Face's ``config.json`` (or its
     directory) or hpcml's (the ``TransformerConfig`` fields, as a checkpoint stores them)."""
+    return _source(spec)[0]
+
+
+def hf_dir(spec: str | TransformerConfig) -> Path | None:
+    """The directory of the Hugging Face config ``spec`` names (``llm_pretrain.py --init-from``
+    takes it), or None for a preset, hpcml's config or a config object."""
+    return _source(spec)[1]
+
+
+@lru_cache(maxsize=64)
+def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | None]:
+    """:func:`load_model` and :func:`hf_dir` at once: each file is read once."""
     from hpcml.models.transformer.presets import PRESETS
 
     if isinstance(spec, TransformerConfig):
-        return spec
+        return spec, None
     if spec in PRESETS:
-        return PRESETS[spec]
+        return PRESETS[spec], None
     from hpcml.interop.hf_files import read_json
 
     path = Path(spec)
@@ -50,25 +61,10 @@ def load_model(spec: str | TransformerConfig) -> TransformerConfig:
 
         if file.name != "config.json":
             raise ConfigError(f"model config {file}: a Hugging Face config must be named config.json")
-        return config_from_hf(file.parent)
+        return config_from_hf(file.parent), file.parent
     if isinstance(data, dict) and isinstance(data.get("model"), dict):  # a run directory's config.json
         data = data["model"].get("config", data["model"])
-    return TransformerConfig.from_dict(data)
-
-
-def hf_path(spec) -> bool:
-    """Whether ``spec`` names a Hugging Face config (``llm_pretrain.py --init-from`` takes its directory)."""
-    if not isinstance(spec, str):
-        return False
-    path = Path(spec)
-    file = path / "config.json" if path.is_dir() else path
-    return file.name == "config.json" and file.is_file() and not _is_preset(spec)
-
-
-def _is_preset(spec: str) -> bool:
-    from hpcml.models.transformer.presets import PRESETS
-
-    return spec in PRESETS
+    return TransformerConfig.from_dict(data), None
 
 
 @lru_cache(maxsize=1024)
@@ -136,7 +132,7 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     tables are the only thing it sizes)."""
     if cfg.n_layers > MAX_LAYERS:
         raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
-    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_path(lay.model):
+    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_dir(lay.model) is not None:
         cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
     refused = model_rules(cfg, lay)
     if refused:

@@ -8,18 +8,16 @@ and torchtitan their own options (ZeRO-1, selective recompute) as well.
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import divisors
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import Prediction, evaluate, load_model, model_rules, resolve_device
+from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, model_rules, resolve_device
 from hpcml.plan.spec import PlanLayout
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
@@ -139,16 +137,8 @@ def _model_args(model) -> list[str] | None:
 
     if isinstance(model, str) and model in PRESETS:
         return ["--model", model]
-    if isinstance(model, str):
-        path = Path(model)
-        folder = path if path.is_dir() else path.parent
-        if (folder / "config.json").is_file() and (path.is_dir() or path.name == "config.json"):
-            try:
-                if "model_type" in json.loads((folder / "config.json").read_text()):
-                    return ["--init-from", str(folder)]
-            except (OSError, ValueError):
-                return None
-    return None
+    folder = hf_dir(model)
+    return None if folder is None else ["--init-from", str(folder)]
 
 
 def emit_job(lay: PlanLayout, walltime: str) -> str:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan.devices import Device
-from hpcml.plan.memory import RankState, rank_classes, rank_state, stage_layer_lists, state_bytes
+from hpcml.plan.memory import (RankState, rank_classes, rank_state, saved_how, stage_layer_lists, state_bytes,
+                               weight_bytes)
 from hpcml.plan.spec import PlanLayout
 
 
@@ -143,7 +144,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     layers = tuple(i for s in mine for i in stages[s])
     tokens = lay.micro_batch * lay.seq_len / lay.cp  # tokens of a micro-batch on this rank
     m = lay.microbatches
-    act = 4 if lay.precision == "fp32" else 2
+    how = saved_how(lay)
+    act = how.act_bytes
     fwd, refwd = 0.0, 0.0  # seconds of one forward of this rank's blocks, and of what backward recomputes
     peak, hbm = dev.peak_tflops * 1e12, dev.hbm_gbps * 1e9
     rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
@@ -190,8 +192,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
                                                      + c.latency_s)
     # pipeline: activations forward and gradients back at each stage boundary
     pp_bw = _link(dev, lay.pp, lay.tp * lay.cp * lay.dp)
-    stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # the residual stream's bytes
-    sent = tokens * cfg.dim * stream / (lay.tp if lay.sequence_parallel else 1)
+    sent = tokens * cfg.dim * how.stream_bytes / (lay.tp if lay.sequence_parallel else 1)
     pp_mb = 0.0 if lay.pp == 1 else len(mine) * 2 * (sent / (pp_bw * c.comm_eff) + c.latency_s)
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (lay.pp - 1) / lay.v * t_mb if lay.pp > 1 else 0.0
@@ -203,7 +204,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     grad_full = 4.0 * st.compute_params
     backward_mb = compute_mb * 2 / 3
     if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
-        gathered = (2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4) * st.compute_params
+        gathered = weight_bytes(lay) * st.compute_params
         ag = _ring(gathered, ws, dp_bw, c, 1.0) * (2 if lay.zero == 3 else 1)
         rs = _ring(grad_full, ws, dp_bw, c, 1.0)
         # hpcml syncs gradients after the last micro-batch only; torch's default after each
