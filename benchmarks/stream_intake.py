@@ -3,13 +3,15 @@
     python benchmarks/stream_intake.py --json                  # 1 MiB messages, then both workflows
     python benchmarks/stream_intake.py --json --nx 1024 --no-workflow
 
-Intake: one producer process (a simulation rank: hpcml.stream.Producer, GMAC, zero-copy as the kernels send) sends
+Intake: one producer process (a simulation rank: hpcml.stream.Producer, GMAC, one copy per message) sends
 ``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
 thread (GMAC check, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
 trainer would. Limit: raw ZeroMQ PUSH -> PULL of the same message size and count between
 the same two processes, nothing else. File path: the same samples written to one HDF5
 file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
-offline pipeline pays per byte. Workflow: ``workflows/heat_surrogate.py`` online and
+offline pipeline pays per byte. Both wires run: the default framed one (every byte a
+connection makes the server hold bounded) and the opt-in ``transport="zmtp"`` (ZeroMQ's own
+messages, for trusted simulations). Workflow: ``workflows/heat_surrogate.py`` online and
 offline at equal gradient steps: held-out error and the trainer's idle fraction.
 """
 
@@ -110,7 +112,8 @@ def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dic
 
     buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
     srv = StreamServer(campaign="bench", secret=read_secret(key_file), rank=0, n_trainers=1, buffer=buf,
-                       config=ServerConfig(param_names=("a",), field_names=("T",))).start()
+                       config=ServerConfig(param_names=("a",), field_names=("T",),
+                                           transport="zmtp" if kind == "hpcml-zmtp" else "framed")).start()
     got = []
 
     def consume():  # as a trainer: batches of 8
@@ -196,26 +199,32 @@ def main() -> None:
         tmp = Path(d)
         key = str(tmp / "k")
         new_secret(key)
-        raws, runs, nomac = [], [], []
+        raws, runs, nomac, zmtp = [], [], [], []
         for _ in range(args.repeat):  # in turns: each sees the same load on the 2 cores
             raws.append(raw_zmq(args, key))
             runs.append(hpcml_stream(args, key))
             nomac.append(hpcml_stream(args, key, "hpcml-nomac"))
+            zmtp.append(hpcml_stream(args, key, "hpcml-zmtp"))
         raw = max(r[0] for r in raws)
         mb, sps, stats, _ = max(runs, key=lambda r: r[0])
         paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
         cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in ("sender_ms", "receiver_ms")}
-               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_no_mac", nomac))}
+               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_no_mac", nomac),
+                                ("stream_zmtp", zmtp))}
         fmb, fw, fr = file_path(args, tmp)
         out = {"benchmark": "stream_intake", "msg_bytes": args.nx * args.ny * 4, "messages": args.messages,
                "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "file_path_mb_s": fmb,
                "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
                "stream_mb_s_runs": [r[0] for r in runs], "zmq_raw_mb_s_runs": [r[0] for r in raws],
-               "stream_no_mac_mb_s_runs": [r[0] for r in nomac], "cpu_per_message_ms": cpu,
+               "stream_no_mac_mb_s_runs": [r[0] for r in nomac], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
+               "cpu_per_message_ms": cpu,
                "cpu_bound_ratio": sum(cpu["raw_zmq"].values()) / sum(cpu["stream"].values()),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
                           "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
-                          "no_mac_vs_raw_zmq": max(r[0] for r in nomac) / raw}}
+                          "no_mac_vs_raw_zmq": max(r[0] for r in nomac) / raw,
+                          "zmtp_vs_raw_zmq": max(r[0] for r in zmtp) / raw,
+                          "zmtp_vs_raw_zmq_paired_median": sorted(z[0] / w[0] for z, w in zip(zmtp, raws))[
+                              len(raws) // 2]}}
         if not args.no_workflow:
             on, off = workflow(args, "online", tmp), workflow(args, "offline", tmp)
             out.update({"trainer_idle_fraction": on["trainer_idle_fraction"], "online_val_rel_l2": on["val_rel_l2"],

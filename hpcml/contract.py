@@ -304,11 +304,12 @@ def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract:
         raise ConfigError(f"stream endpoints file {path} lists no endpoints")
     bad = [e for e in endpoints if not _ENDPOINT.fullmatch(e)]
     if bad:
-        raise ConfigError(f"stream endpoints file {path} lists {bad[0][:80]!r}: expected tcp://HOST:PORT addresses")
+        raise ConfigError(f"stream endpoints file {path} lists {bad[0][:80]!r}: expected tcp://HOST:PORT (or "
+                          f"zmtp+tcp://HOST:PORT) addresses")
     return campaign, endpoints
 
 
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
+_ENDPOINT = re.compile(r"(?:zmtp\+)?tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,27 +1,24 @@
 """What one producer connection may make a stream server hold before its data is in the buffer.
 
-Two places hold a connection's bytes on their way to the training buffer:
+Three places hold a connection's bytes on their way to the training buffer:
 
-1. **ZeroMQ's receive queue.** While the buffer is full the server stops reading (that is the
-   backpressure that keeps ingestion exactly-once: a producer waits, nothing is dropped), and
-   every connection keeps at most ``depth`` (``ZMQ_RCVHWM``) whole messages: ``depth - 1`` in
-   its pipe, whose last slot libzmq's credential message takes for good, and at most one
-   decoded in its engine. libzmq counts messages, not bytes, so the server sizes the depth
-   from the budget and the largest valid message of this trainer (its fields as one block of
-   the whole grid in float64, a header, the magic and the tag):
-   ``depth x message_bytes <= peer_bytes``, ``depth >= 2``; ``ZMQ_MAXMSGSIZE`` refuses a
-   larger frame than a valid message carries (one field of the whole grid, or a header).
-2. **Incomplete samples** (:mod:`hpcml.stream.assembly`), charged to the connection whose block
+1. **ZeroMQ's receive queue**: raw TCP chunks of at most 8 KiB (``ZMQ_STREAM``,
+   :mod:`hpcml.stream.transport`), at most ``depth`` (``ZMQ_RCVHWM``) of them per connection.
+   While the training buffer is full the server stops reading (the backpressure that keeps
+   ingestion exactly-once: a producer waits, nothing is dropped), the queue fills, libzmq
+   stops reading the socket and TCP stops the producer.
+2. **One incomplete message** per connection, allocated once its lengths have been checked:
+   at most the largest valid message of this trainer (its fields as one block of the whole
+   grid in float64, a header, the magic and the tag, 64-byte aligned), a larger one refused
+   before anything is allocated. No frame count or frame size a peer announces changes it.
+3. **Incomplete samples** (:mod:`hpcml.stream.assembly`), charged to the connection whose block
    opened them (the whole sample is allocated then); past ``peer_bytes`` a block that would
    open another is dropped and counted (``peer_budget``).
 
-What the budget cannot cover: libzmq holds every frame of a message before the server can
-read any, and has no limit on frames per message, so a peer holding the secret that sends
-messages of more frames than a valid one (refused once read: ``malformed``,
-``too_many_frames``) makes ZeroMQ hold up to ``depth x frames x frame_bytes`` -- any amount.
-Nor can libzmq cap authenticated connections (its monitor does not say which connection a
-handshake was): the open-file limit (:func:`fd_limit`) caps connections, so all of them hold
-at most ``fd_limit x peer_bytes`` in ZeroMQ, and ``max_partial_bytes`` of incomplete samples.
+So one connection holds at most ``queued_bytes`` (1 and 2) plus ``peer_bytes`` (3), whatever
+it sends, secret or not. libzmq cannot cap connections: the open-file limit
+(:func:`fd_limit`) does, so all of them hold at most ``fd_limit x queued_bytes`` in 1 and 2,
+and ``max_partial_bytes`` of incomplete samples.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpcml.errors import ConfigError
-from hpcml.stream import message
+from hpcml.stream import message, transport
 
 
 @dataclass(frozen=True)
@@ -40,18 +37,28 @@ class PeerLimits:
     """The per-connection limits a server applies (see the module docstring)."""
 
     frame_bytes: int
-    """``ZMQ_MAXMSGSIZE``: the largest frame read; a peer announcing more is disconnected."""
+    """The largest frame a message may announce; a larger one is refused, its connection closed."""
     message_bytes: int
     """The largest valid message: its fields as one block of the whole grid, a header, magic, tag."""
     depth: int
-    """``ZMQ_RCVHWM``: whole messages ZeroMQ holds per connection (at least 2, see above)."""
+    """``ZMQ_RCVHWM``: raw chunks (of at most ``CHUNK`` bytes) ZeroMQ holds per connection."""
     peer_bytes: int
-    """The budget: at most this much queued in ZeroMQ, and this much of incomplete samples."""
+    """The budget: at most this much of incomplete samples (and it sizes ``depth``)."""
 
     @property
     def queued_bytes(self) -> int:
-        """Worst case queued in ZeroMQ for one connection: ``depth x message_bytes``."""
-        return self.depth * self.message_bytes
+        """Worst case held for one connection before its messages are decoded: ZeroMQ's chunks,
+        the one in libzmq's engine, and one incomplete message (aligned frames)."""
+        return ((self.depth + 1) * CHUNK + self.message_bytes + transport.ALIGN * message.MAX_FRAMES
+                + transport.head_bytes(transport.SKIP_FRAMES))
+
+
+#: The most libzmq's raw engine hands over at once (its ``in_batch_size``).
+CHUNK = 8192
+#: The deepest receive queue, in chunks: 256 KiB of read-ahead per connection. It bounds what
+#: any connection -- a stranger's too -- waits in while the server does not read, and more
+#: read-ahead bought no intake here (libzmq resumes a paused connection every depth/2 chunks).
+MAX_DEPTH = 32
 
 
 def fd_limit() -> int:
@@ -68,6 +75,7 @@ def field_limit(*, max_frame_bytes: int, max_sample_bytes: int, n_fields: int, s
 def peer_limits(*, hwm: int, max_frame_bytes: int, max_sample_bytes: int, n_fields: int,
                 shape: Sequence[int] | None, max_peer_bytes: int | None) -> PeerLimits:
     """The limits of a server configured so; ``max_peer_bytes=None``: room for ``hwm`` messages.
+    The queue depth is what the budget leaves beside one message, 2 to ``MAX_DEPTH`` chunks.
     A budget that holds fewer than two messages is a ConfigError stating the numbers."""
     field = field_limit(max_frame_bytes=max_frame_bytes, max_sample_bytes=max_sample_bytes, n_fields=n_fields,
                         shape=shape)
@@ -78,4 +86,4 @@ def peer_limits(*, hwm: int, max_frame_bytes: int, max_sample_bytes: int, n_fiel
                           f"largest valid one: {n_fields} field(s) of {field} bytes and a header of up to "
                           f"{message.MAX_HEADER_BYTES}): expected at least {2 * msg}")
     return PeerLimits(frame_bytes=min(max_frame_bytes, max(field, message.MAX_HEADER_BYTES)), message_bytes=msg,
-                      depth=min(hwm, budget // msg), peer_bytes=budget)
+                      depth=max(2, min(MAX_DEPTH, (budget - msg) // CHUNK)), peer_bytes=budget)

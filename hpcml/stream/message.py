@@ -113,12 +113,17 @@ def nonce() -> str:
 def seal(secret: bytes, text: bytes, payloads=()) -> list:
     """Frames of one message whose header is already JSON text (with its nonce): the
     Producer serialises the parts of its header that never change once."""
-    if len(text) > MAX_HEADER_BYTES:
-        raise ConfigError(f"message header of {len(text)} bytes, expected at most {MAX_HEADER_BYTES} (fewer or "
-                          f"shorter params, field names or simulation ids)")
+    check_header(text)
     frames = [MAGIC, text] + [memoryview(np.ascontiguousarray(p)).cast("B") for p in payloads]
     frames.append(mac(secret, frames))
     return frames
+
+
+def check_header(text: bytes) -> None:
+    """A header the receiver would refuse for its size is a ConfigError at the sender."""
+    if len(text) > MAX_HEADER_BYTES:
+        raise ConfigError(f"message header of {len(text)} bytes, expected at most {MAX_HEADER_BYTES} (fewer or "
+                          f"shorter params, field names or simulation ids)")
 
 
 @dataclass

@@ -1,11 +1,14 @@
 """The simulation side: each rank of a simulation sends its subdomain of every output step.
 
 All ranks of simulation ``s`` send to the one trainer rank ``route(s, n)`` over a ZeroMQ
-PUSH socket. Backpressure is ZeroMQ's high-water mark: when the trainer's buffer is full
-it stops reading, both queues fill to ``hwm`` messages and ``send`` blocks, so a fast
-simulation slows down instead of growing memory. The PUSH socket reconnects by itself, so
-a trainer restarted on the same address picks the stream up again; messages still queued
-here are delivered then. Imports no torch: a simulation starts in a fraction of a second.
+STREAM socket with the stream's own framing (:mod:`hpcml.stream.transport`). Backpressure
+is ZeroMQ's high-water mark and TCP's window: when the trainer's buffer is full it stops
+reading, the queues fill, and ``send`` blocks once ``hwm`` messages wait here, so a fast
+simulation slows down instead of growing memory. The socket reconnects by itself, so a
+trainer restarted on the same address picks the stream up again; messages still queued
+here are delivered then (one partly sent when the connection broke is lost, as it would
+be with any socket; the end-of-stream accounting counts it). Imports no torch: a simulation
+starts in a fraction of a second.
 
 Fields have 1 to 3 dimensions. Whatever the trainer would drop (a shape it cannot
 assemble, ids out of range, a dtype it cannot carry...) is a ConfigError here, at
@@ -29,7 +32,7 @@ import zmq
 from hpcml import log
 from hpcml.contract import ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints, write_stream_record
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import message, routing, transport
+from hpcml.stream import message, routing, transport, zmtp
 
 logger = log.get_logger(__name__)
 
@@ -68,13 +71,14 @@ class Producer:
     fields: Sequence[str] | None = None
     """The field names every ``send`` carries (None: not checked beyond being names)."""
     hwm: int = 4
-    """Messages queued on each side before ``send`` blocks (memory bound: ~2 x hwm x message size)."""
+    """Messages queued here before ``send`` blocks (memory bound: ~hwm x message size, plus the
+    kernel's socket buffers)."""
     send_timeout_s: float = 600.0
     """A trainer unreachable this long is an error (the campaign then retries the simulation)."""
     copy: bool = True
-    """Copy each array before sending (ZeroMQ sends from it after ``send`` returns). False: the
-    caller hands over arrays it never modifies again -- the kernels pass fresh copies -- and
-    saves a copy per message."""
+    """Kept for the former API; no longer matters: every message is copied once into the buffer
+    ZeroMQ sends (one message, one buffer: :mod:`hpcml.stream.transport`), so the caller may
+    always overwrite its arrays as soon as ``send`` returns."""
     run: str = ""
     """The campaign's run (``from_campaign`` sets it): every message carries it, and a server
     of another run drops it -- a message replayed from an earlier run is never this run's data."""
@@ -93,8 +97,14 @@ class Producer:
         # its own context, terminated in close(): that waits until ZeroMQ has sent every
         # zero-copy frame, so no array is freed while the I/O thread still reads it
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = transport.push_socket(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
-        self._sock.connect(self.endpoint)
+        self._zmtp = self.endpoint.startswith(zmtp.SCHEME)  # a server of the opt-in ZeroMQ-message wire
+        self._token = transport.token(self.secret)
+        if self._zmtp:
+            self._sock = zmtp.push_socket(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
+            self._sock.connect(self.endpoint[len(zmtp.SCHEME):])
+        else:
+            self._sock = transport.Sender(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
+            self._sock.connect(self.endpoint)
         self.n_sent = 0
         self.bytes_sent = 0
         self.blocked_s = 0.0
@@ -175,11 +185,17 @@ class Producer:
     from_env = from_campaign
     """The former name of :meth:`from_campaign`."""
 
-    def _send(self, frames: list) -> None:
+    def _send(self, buf, views) -> None:
+        """One message: its wire buffer (framed), or its frames, views into it (zmtp): sent without a copy."""
         t0 = time.perf_counter()
+        sock = self._sock if self._zmtp else self._sock.sock
         try:
-            self._sock.send_multipart(frames, copy=False)
+            if self._zmtp:
+                self._sock.send_multipart(views, copy=False)
+            else:
+                self._sock.send_buffer(buf)
         except zmq.Again:
+            sock.setsockopt(zmq.LINGER, 0)  # a trainer that took nothing this long: no wait at exit
             raise LaunchError(f"simulation {self.sim_id} rank {self.rank}: trainer at {self.endpoint} took no data for "
                               f"{self.send_timeout_s:.0f} s") from None
         self.blocked_s += time.perf_counter() - t0
@@ -220,20 +236,29 @@ class Producer:
             if tuple(a.shape) != self.local_shape:
                 raise self._error(f"field {name!r} has shape {tuple(a.shape)}, expected the subdomain "
                                   f"{self.local_shape}")
-            a = np.array(a, dtype=np.float32 if a.dtype != np.float64 else np.float64, order="C",
-                         copy=True if self.copy else None)
-            if a.nbytes > message.MAX_FRAME_BYTES:
-                raise self._error(f"field {name!r} of this rank is {a.nbytes} bytes, more than the "
+            dtype = np.dtype(np.float64 if a.dtype == np.float64 else np.float32)
+            if a.size * dtype.itemsize > message.MAX_FRAME_BYTES:
+                raise self._error(f"field {name!r} of this rank is {a.size * dtype.itemsize} bytes, more than the "
                                   f"{message.MAX_FRAME_BYTES} a stream server reads in one frame: use more ranks")
-            arrays.append(a)
-            names.append([name, str(a.dtype)])
+            arrays.append((a, dtype))
+            names.append([name, dtype.name])
         names_json = self._names_json.get(key := tuple(map(tuple, names)))
         if names_json is None:
             names_json = self._names_json[key] = json.dumps(names, separators=(",", ":"))
         text = f'{self._header_json},"step":{step_i},"t":{t!r},"fields":{names_json},"nonce":"{message.nonce()}"}}'
-        self._send(message.seal(self.secret, text.encode(), arrays))
+        text = text.encode()
+        message.check_header(text)
+        # one buffer per message (the wire's unit, :mod:`hpcml.stream.transport`): each field is
+        # copied (and converted) once, straight into it, so the caller may overwrite its arrays
+        nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
+        buf, views = transport.frame_buffer(self._token, [len(message.MAGIC), len(text), *nbytes, message.MAC_BYTES])
+        views[0][:], views[1][:] = message.MAGIC, text
+        for (a, dtype), view in zip(arrays, views[2:]):
+            np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
+        views[-1][:] = message.mac(self.secret, views[:-1])
+        self._send(buf, views)
         self.n_sent += 1
-        self.bytes_sent += sum(a.nbytes for a in arrays)
+        self.bytes_sent += sum(nbytes)
 
     def close(self) -> None:
         """Send the end marker and wait (up to the send timeout) until everything queued has left."""
@@ -242,7 +267,8 @@ class Producer:
         header = {"kind": "end", "campaign": self.campaign, **({"run": self.run} if self.run else {}),
                   "sim": self.sim_id, "attempt": self.attempt, "rank": self.rank, "nranks": self.nranks,
                   "n_sent": self.n_sent}
-        self._send(message.encode(self.secret, header))
+        frames = message.encode(self.secret, header)
+        self._send(None if self._zmtp else transport.pack(self._token, frames), frames)
         self._sock.close()  # lingers until queued messages are sent (at most send_timeout_s)
         self._ctx.term()
         self._closed = True

@@ -1,8 +1,9 @@
 """The training side: one server per data-parallel trainer rank, in a background thread.
 
-It only moves bytes. It receives over ZeroMQ (PULL, bound to loopback unless told
-otherwise; peers without the campaign secret are refused at the handshake, frames and
-frame counts are bounded before parsing: :mod:`hpcml.stream.transport`), authenticates
+It only moves bytes. It receives over ZeroMQ (a STREAM socket bound to loopback unless told
+otherwise, with framing of our own: peers without the campaign secret are refused before
+anything is allocated, frame counts and lengths are bounded before a byte of a message is
+held: :mod:`hpcml.stream.transport`), authenticates
 and validates every message (:mod:`hpcml.stream.message`), and hands it to the
 exactly-once rules (:mod:`hpcml.stream.ingest`: assembly, deduplication, the schema, the
 end of the stream); a whole sample goes into the :class:`~hpcml.stream.buffer.Buffer`.
@@ -34,7 +35,7 @@ import zmq
 from hpcml import log
 from hpcml.contract import Contract, DoneRecord, read_done, read_endpoints
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import message, routing, transport
+from hpcml.stream import message, routing, transport, zmtp
 from hpcml.stream.budget import PeerLimits, fd_limit, peer_limits
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.ingest import Ingest
@@ -63,12 +64,12 @@ class ServerConfig:
     shape: tuple[int, ...] | None = None
     """The grid of every sample (None: the first sample's fixes it)."""
     hwm: int = 8
-    """Messages ZeroMQ holds per producer connection on the receiving side before the producer
-    blocks (``ZMQ_RCVHWM``; fewer if ``max_peer_bytes`` holds fewer: :attr:`limits`). At least
-    2: libzmq keeps one slot of each authenticated connection's queue for good."""
+    """The default budget of a producer connection, in its largest valid messages (at least 2;
+    ``max_peer_bytes`` sets it in bytes instead: :attr:`limits`)."""
     max_frame_bytes: int = message.MAX_FRAME_BYTES
-    """Largest frame (one field of one rank's block) read; libzmq drops a peer announcing more.
-    The server reads at most the largest frame its schema allows, if smaller (:attr:`limits`)."""
+    """Largest frame (one field of one rank's block) a message may announce; a larger one is
+    refused and its connection closed. The server takes at most the largest frame its schema
+    allows, if smaller (:attr:`limits`)."""
     max_sample_bytes: int = 1 << 30
     """Largest assembled sample (fields x global shape x 4 bytes); a larger one is dropped
     (``too_large``) before anything is allocated."""
@@ -77,10 +78,16 @@ class ServerConfig:
     oldest of the connection holding the most is evicted (``partial_evicted``), so senders that
     never finish cannot grow memory."""
     max_peer_bytes: int | None = None
-    """Budget of one producer connection, in bytes: at most this much of its messages queued in
-    ZeroMQ while the server does not read (``hwm`` is cut to fit the largest valid message),
-    and at most this much of incomplete samples its blocks opened (past it such a block is
-    dropped: ``peer_budget``). None: ``hwm`` largest valid messages (:mod:`hpcml.stream.budget`)."""
+    """Budget of one producer connection, in bytes: at most this much of incomplete samples its
+    blocks opened (past it such a block is dropped: ``peer_budget``); what it leaves beside one
+    message sizes ZeroMQ's read-ahead. None: ``hwm`` largest valid messages. Whatever a
+    connection sends, it holds at most ``limits.queued_bytes`` before decoding
+    (:mod:`hpcml.stream.budget`)."""
+    transport: str = "framed"
+    """The wire: ``"framed"`` (hpcml's framing over ZeroMQ STREAM sockets: every byte a
+    connection makes the server hold is bounded, whatever it sends) or ``"zmtp"`` (ZeroMQ's own
+    messages, PUSH -> PULL: about twice the intake, but a peer holding the campaign secret can
+    make the server hold any amount: for trusted simulations only, :mod:`hpcml.stream.zmtp`)."""
     partial_timeout_s: float = 600.0
     """An incomplete sample no block has reached for this long is evicted (``partial_evicted``)."""
     end_grace_s: float = 30.0
@@ -101,6 +108,8 @@ class ServerConfig:
         if self.max_sample_bytes > self.max_partial_bytes:
             raise ConfigError(f"ServerConfig.max_sample_bytes={self.max_sample_bytes} exceeds max_partial_bytes="
                               f"{self.max_partial_bytes}: one incomplete sample must fit the bound")
+        if self.transport not in ("framed", "zmtp"):
+            raise ConfigError(f"ServerConfig.transport={self.transport!r}: expected 'framed' or 'zmtp'")
         if not self.partial_timeout_s > 0:
             raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
         v = self.max_peer_bytes
@@ -131,8 +140,12 @@ class StreamServer:
                              max_sample_bytes=config.max_sample_bytes, max_partial_bytes=config.max_partial_bytes,
                              partial_timeout_s=config.partial_timeout_s, end_grace_s=config.end_grace_s,
                              max_peer_bytes=lim.peer_bytes)
-        self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=lim.depth,
-                                      max_frame_bytes=lim.frame_bytes)
+        if config.transport == "zmtp":  # whole messages queued per connection, as the budget holds them
+            self._rx = zmtp.Receiver(secret, host=config.host, port=config.port, max_frame_bytes=lim.frame_bytes,
+                                     hwm=max(2, min(config.hwm, lim.peer_bytes // lim.message_bytes)))
+        else:
+            self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=lim.depth,
+                                          max_frame_bytes=lim.frame_bytes, max_message_bytes=lim.message_bytes)
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (when last logged, drops then)
         self.endpoint = self._rx.endpoint
         self._lock = threading.Lock()  # the ingest state and the pending sample, against a checkpoint
@@ -199,8 +212,9 @@ class StreamServer:
         if self.config.shape is None:
             lim = self.config.limits
             logger.warning("no sample shape configured (ServerConfig.shape / train_surrogate(shape=)): a producer "
-                           "connection may make this trainer hold up to %.1f GiB (%d messages of %.1f GiB)",
-                           lim.peer_bytes / 2**30, lim.depth, lim.message_bytes / 2**30)
+                           "connection may make this trainer hold up to %.1f GiB of incomplete samples and %.1f GiB "
+                           "of a message (the largest the sample limit lets in)", lim.peer_bytes / 2**30,
+                           lim.queued_bytes / 2**30)
         return self
 
     def stop(self) -> None:
@@ -232,7 +246,7 @@ class StreamServer:
             while got < 64 and self._pending is None:  # a pending sample: the buffer is full (backpressure)
                 try:
                     got += 1  # refused messages count too: a flood of them must not keep the loop from the rest
-                    frames = self._rx.recv()
+                    peer, frames = self._rx.recv()
                 except zmq.Again:
                     got -= 1
                     break
@@ -240,10 +254,11 @@ class StreamServer:
                     with self._lock:
                         self._rejected(e)
                     continue
-                self._handle(frames)
+                self._handle(peer, frames)
             if got:
                 self._last_recv = time.monotonic()
             elif self._pending is None:
+                self._rx.sweep()  # nothing queued: a connection with an unfinished token is late
                 poller.poll(50)
             with self._lock:
                 self.ingest.assembly.sweep()
@@ -258,7 +273,7 @@ class StreamServer:
         self.buffer.wait_for_room(0.05)  # without the server lock: a checkpoint may want it
         return False
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, peer: int, frames: list) -> None:
         """Decode, check and place one message (into the buffer if it completes a sample, the
         same lock hold); anything wrong with it is a counted drop."""
         try:
@@ -268,7 +283,7 @@ class StreamServer:
                 return self._rejected(e)
         with self._lock:
             try:
-                sample = self.ingest.message(msg, self._rx.peer(frames[0]))
+                sample = self.ingest.message(msg, peer)
             except Exception as e:  # MessageError, or input the checks missed: dropped, the thread lives on
                 return self._rejected(e)
             if sample is not None and not self.buffer.put(sample, timeout=0, force=self._overflow.is_set()):
@@ -346,7 +361,7 @@ class StreamServer:
         return {**counters, "dropped": dropped, "error": self.error, "intake_s": dt,
                 "intake_mb_s": counters["bytes"] / 1e6 / dt if dt else 0.0, "buffer": self.buffer.stats.as_dict(),
                 "buffer_len": len(self.buffer),
-                "peers": {"admitted": self._rx.gate.admitted, "refused": self._rx.gate.refused,
+                "peers": {"admitted": self._rx.admitted, "refused": self._rx.refused,
                           "peer_bytes": lim.peer_bytes, "queue_depth": lim.depth, "frame_bytes": lim.frame_bytes,
                           "queued_bytes_max": lim.queued_bytes, "partial_bytes_max": max(held.values(), default=0),
                           "fd_limit": fd_limit()}}

@@ -110,7 +110,7 @@ def test_backpressure_blocks_producers_and_memory_stays_bounded():
         field = np.zeros((512, 512), np.float32)  # 1 MiB messages
         p = _producers(srv, 0, 0, field, nranks=1)[0][0]
         p.send_timeout_s = 0.5
-        p._sock.setsockopt(zmq.SNDTIMEO, 500)
+        p._sock.sock.setsockopt(zmq.SNDTIMEO, 500)
         sent = 0
         with pytest.raises(LaunchError, match="took no data"):
             for step in range(200):
@@ -432,3 +432,68 @@ def test_a_message_of_an_earlier_run_is_dropped_not_taken_as_this_runs(tmp_path)
         assert sorted(srv.seen) == [(1, 1), (2, 1)]
     finally:
         srv.stop()
+
+
+def test_a_trainer_restarted_on_the_same_port_gets_whole_messages_from_the_producer_it_had():
+    """A server stopped while a producer's 1 MiB messages are in flight (some partly sent), a new
+    one bound to the same port: the producer's socket reconnects by itself, the new stream starts
+    at a message boundary (a partly sent message is lost whole: no framing is lost, nothing is
+    dropped), and every message sent after the restart arrives, bit for bit."""
+    field = np.random.default_rng(3).random((512, 512)).astype(np.float32)
+    first = _server(policy="fifo", capacity=1, watermark=1)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    p = _producers(first, 0, 0, field, nranks=1)[0][0]
+    for step in range(4):  # the buffer takes one, the server holds one, the rest is queued or in flight
+        p.send(step, 0.0, {"T": field + step})
+    _wait(lambda: len(first.buffer) == 1)
+    first.stop()
+    buf = Buffer(BufferConfig(policy="fifo", capacity=64, watermark=1))
+    second = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1, buffer=buf,
+                          config=ServerConfig(param_names=("alpha",), field_names=("T",), port=port)).start()
+    try:
+        for step in range(4, 8):
+            p.send(step, 0.0, {"T": field + step})
+        _wait(lambda: {4, 5, 6, 7} <= {s for _, s in second.seen})
+        assert second.dropped == {} and second._rx.admitted == 1
+        for s in second.buffer.get(len(second.buffer)):
+            np.testing.assert_array_equal(s.fields[0], field + s.step)
+        p.close()
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("wire", ["framed", "zmtp"])
+def test_both_wires_carry_samples_bit_for_bit_and_refuse_a_stranger(wire):
+    """The default framed wire and the opt-in zmtp one (ZeroMQ's own messages, for trusted
+    simulations): the same samples from a two-rank simulation, float32 and float64, the end
+    marker, a stranger refused; the address says which wire a producer speaks."""
+    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
+    srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1, buffer=buf,
+                       config=ServerConfig(param_names=("alpha",), field_names=("T", "U"), transport=wire)).start()
+    try:
+        assert srv.endpoint.startswith("zmtp+tcp://" if wire == "zmtp" else "tcp://")
+        stranger = Producer(endpoint=srv.endpoint, secret=b"x" * 32, campaign=CAMPAIGN, sim_id=9, attempt=0, rank=0,
+                            nranks=1, params={"alpha": 0.5}, global_shape=(4,), offset=(0,), local_shape=(4,),
+                            send_timeout_s=1.0)
+        stranger.send(0, 0.0, {"T": np.ones(4), "U": np.ones(4)})
+        field = np.random.default_rng(5).random((6, 5))
+        prods = _producers(srv, 1, 0, field, nranks=2)
+        for step in range(3):
+            for p, sl in prods:
+                p.send(step, step / 10, {"T": field[sl] + step, "U": (field[sl] * step).astype(np.float32)})
+        for p, _ in prods:
+            p.close()
+        _wait(lambda: srv.counters["samples"] == 3 and srv.ingest.ends.ends.get(1, {}).keys() == {0, 1})
+        assert srv.dropped == {} and srv._rx.admitted == 2 and sorted(srv.seen) == [(1, 0), (1, 1), (1, 2)]
+        for s in srv.buffer.get(3):
+            np.testing.assert_array_equal(s.fields[0], (field + s.step).astype(np.float32))
+            np.testing.assert_array_equal(s.fields[1], (field * s.step).astype(np.float32))
+        _wait(lambda: srv._rx.refused >= 1)
+        stranger._sock.close(0)
+    finally:
+        srv.stop()
+
+
+def test_an_unknown_wire_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^ServerConfig.transport='push': expected 'framed' or 'zmtp'$"):
+        ServerConfig(field_names=("T",), transport="push")

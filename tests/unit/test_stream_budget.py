@@ -1,8 +1,10 @@
 """Issue 24: what one producer connection -- a peer holding the campaign secret -- can make a
 stream server hold outside the training buffer, in bytes (:mod:`hpcml.stream.budget`).
 
-Real ZeroMQ over loopback, no fakes: messages queued while the buffer is full are capped per
-connection (measured as the server process's resident memory, in a fresh interpreter each),
+Real ZeroMQ over loopback, no fakes: what a connection makes the server hold while the buffer is
+full is capped per connection, whatever it sends -- valid messages, or messages announcing more
+and larger frames than a valid one (measured as the server process's resident memory, in a
+fresh interpreter, the attacker in another process) --
 incomplete samples are charged to the connection that opened them and dropped past its
 budget, and an honest simulation still delivers every sample exactly once beside an abuser.
 """
@@ -21,7 +23,7 @@ import pytest
 import zmq
 
 from hpcml.errors import ConfigError
-from hpcml.stream import Buffer, BufferConfig, Producer, message, transport
+from hpcml.stream import Buffer, BufferConfig, Producer, budget, message, transport
 from hpcml.stream.assembly import Assembler, sample_bytes
 from hpcml.stream.server import ServerConfig, StreamServer
 
@@ -47,15 +49,22 @@ def _header(**kw) -> dict:
 
 # -- the limits, from the config alone ------------------------------------------------------------
 def test_limits_are_sized_from_the_schema_and_the_budget():
+    def queued(lim) -> int:  # ZeroMQ's chunks and the one in its engine, one message, the longest skipped table
+        return ((lim.depth + 1) * budget.CHUNK + lim.message_bytes + 64 * message.MAX_FRAMES
+                + transport.head_bytes(transport.SKIP_FRAMES))
+
     two = ServerConfig(field_names=("T", "U"), shape=(64, 64))  # a field of the grid in float64: 32 KiB
     lim = two.limits
     assert (lim.frame_bytes, lim.message_bytes) == (65536, 2 * 32768 + HEADER)  # a header frame is larger
-    assert (lim.depth, lim.peer_bytes, lim.queued_bytes) == (8, 8 * lim.message_bytes, 8 * lim.message_bytes)
-    three = ServerConfig(field_names=("T", "U"), shape=(64, 64), max_peer_bytes=3 * lim.message_bytes + 5)
-    assert (three.limits.depth, three.limits.peer_bytes) == (3, 3 * lim.message_bytes + 5)
+    assert (lim.depth, lim.peer_bytes) == (budget.MAX_DEPTH, 8 * lim.message_bytes) and budget.MAX_DEPTH == 32
+    assert lim.queued_bytes == queued(lim) < 2 * 1024 * 1024
+    two_msgs = 2 * (2 * 2048 + HEADER) + 5  # 16 x 16 x 2 fields in float64: 4 KiB a message besides its header
+    least = ServerConfig(field_names=("T", "U"), shape=(16, 16), max_peer_bytes=two_msgs)
+    assert (least.limits.depth, least.limits.peer_bytes) == ((2 * 2048 + HEADER + 5) // 8192, two_msgs)
     # no shape: the largest sample max_sample_bytes lets in, as one float64 block; max_frame_bytes caps it
     free = ServerConfig(field_names=("T",), max_sample_bytes=1 << 20, max_partial_bytes=1 << 20).limits
-    assert (free.frame_bytes, free.message_bytes, free.depth) == (2 << 20, (2 << 20) + HEADER, 8)
+    assert (free.frame_bytes, free.message_bytes, free.depth) == (2 << 20, (2 << 20) + HEADER, budget.MAX_DEPTH)
+    assert free.queued_bytes == queued(free)
     capped = ServerConfig(field_names=("T",), max_frame_bytes=1 << 19, max_sample_bytes=1 << 20).limits
     assert (capped.frame_bytes, capped.message_bytes) == (1 << 19, (1 << 19) + HEADER)
 
@@ -74,8 +83,7 @@ def test_a_budget_that_cannot_hold_two_messages_is_refused_with_its_numbers(kw, 
 
 
 def test_hwm_2_delivers_every_message():
-    """libzmq's credential message takes one receive slot of an authenticated connection for good:
-    RCVHWM 1 delivered nothing at all, so the least hwm is 2 (and it delivers)."""
+    """The least budget, two messages (a read-ahead of a few chunks), delivers every message."""
     srv = _server(hwm=2)
     ctx = zmq.Context()
     try:
@@ -155,79 +163,118 @@ def test_an_abusive_peer_is_capped_and_an_honest_simulation_delivers_every_sampl
         srv.stop()
 
 
-# -- messages queued inside ZeroMQ while the buffer is full --------------------------------------
-def _queue_scenario(conns: int, frame: int, peer_bytes: int | None) -> dict:
-    """In a fresh interpreter (clean resident memory): a server whose buffer is full, ``conns``
-    connections of one peer queueing ``frame``-byte messages until ZeroMQ blocks them all; then
-    the buffer frees and every queued message must be read once and dropped."""
+# -- what a connection holds while the buffer is full, whatever it sends --------------------------
+ATTACK = """
+import sys, time, zmq, numpy as np
+from hpcml.stream import message, transport
+from tests.unit.test_stream_budget import SECRET, _header
+endpoint, conns, frame, attack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+n = frame // 4
+if attack in ("valid", "stranger"):  # the largest valid message, on another grid than the first sample's
+    frames = message.encode(SECRET, _header(sim=1, global_shape=[n], shape=[n]), [np.ones(n, np.float32)])
+else:  # MAX_FRAMES frames of the largest frame each: MAX_FRAMES - 2 times a valid message
+    frames = [message.MAGIC, b"{}"] + [np.ones(n, np.float32)] * (message.MAX_FRAMES - 3) + [bytes(16)]
+ctx = zmq.Context()
+socks = [transport.push_socket(ctx, SECRET if attack != "stranger" else b"s" * 32, hwm=1) for _ in range(conns)]
+for s in socks:
+    s.connect(endpoint)
+sent, last = 0, [time.monotonic()] * conns
+while min(time.monotonic() - t for t in last) < 2.0:  # until every connection is blocked for 2 s
+    for i, s in enumerate(socks):
+        try:
+            s.send_multipart(frames, zmq.NOBLOCK)
+            sent, last[i] = sent + 1, time.monotonic()
+        except zmq.Again:
+            time.sleep(0.005)
+print(sent, flush=True)
+sys.stdin.read()  # stay connected until the server has read everything
+ctx.destroy(linger=0)
+"""
+
+
+def _queue_scenario(conns: int, frame: int, attack: str) -> dict:
+    """In a fresh interpreter (clean resident memory): a server whose buffer is full, and another
+    process with ``conns`` connections queueing ``attack`` messages until all of them are
+    blocked; then the buffer frees and every queued message must be read once and dropped."""
     def rss() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    srv = _server(max_frame_bytes=frame, max_sample_bytes=frame, max_partial_bytes=frame, max_peer_bytes=peer_bytes,
-                  capacity=1)
+    srv = _server(max_frame_bytes=frame, max_sample_bytes=frame, max_partial_bytes=frame, capacity=1)
     ctx = zmq.Context()
+    child = None
     try:
         plug = transport.push_socket(ctx, SECRET)  # one sample to fill the buffer, one the server then holds
         plug.connect(srv.endpoint)
         for step in range(2):
             plug.send_multipart(message.encode(SECRET, _header(step=step), [np.ones(1, np.float32)]))
         _wait(lambda: srv.counters["samples"] == 2)
-        rss0, peak, sent = rss(), 0, 0
-        payload = np.ones(frame // 4, np.float32)  # sent without a copy: the senders add nothing here
-        socks = [transport.push_socket(ctx, SECRET, hwm=1) for _ in range(conns)]
-        for s in socks:
-            s.connect(srv.endpoint)
-        last = [time.monotonic()] * conns
-        while min(time.monotonic() - t for t in last) < 2.0:  # until every connection is blocked for 2 s
-            for i, s in enumerate(socks):
-                frames = message.encode(SECRET, _header(sim=1, step=sent, global_shape=[frame // 4],
-                                                        shape=[frame // 4]), [payload])
-                try:
-                    s.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                    sent, last[i] = sent + 1, time.monotonic()
-                except zmq.Again:
-                    time.sleep(0.005)
+        rss0, peak = rss(), 0
+        child = subprocess.Popen([sys.executable, "-c", ATTACK, srv.endpoint, str(conns), str(frame), attack],
+                                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        os.set_blocking(child.stdout.fileno(), False)
+        out, t0 = b"", time.monotonic()
+        while not out.endswith(b"\n"):
+            assert child.poll() is None and time.monotonic() - t0 < 60, child.returncode
+            try:
+                out += os.read(child.stdout.fileno(), 100)
+            except BlockingIOError:
+                pass
             peak = max(peak, rss() - rss0)
+            time.sleep(0.01)
         time.sleep(0.3)
         peak = max(peak, rss() - rss0)
+        held = srv._rx.held_bytes()
+        sent = int(out)
         srv.buffer.get(1)  # room: the held sample goes in, the queued messages are read
-        _wait(lambda: srv.dropped.get("wrong_shape", 0) == sent)  # another grid than the first sample's
+        reason = {"valid": "wrong_shape", "many_frames": "oversized"}.get(attack)
+        _wait(lambda: srv.dropped.get(reason, 0) == sent if reason else srv._rx.refused >= conns, timeout=30)
         time.sleep(0.2)
         lim = srv.limits
         return {"growth": peak, "sent": sent, "dropped": srv.dropped, "messages": srv.counters["messages"],
-                "depth": lim.depth, "peer_bytes": lim.peer_bytes, "message_bytes": lim.message_bytes}
+                "held_while_full": held, "depth": lim.depth, "queued_bytes": lim.queued_bytes,
+                "refused": srv._rx.refused,
+                "message_bytes": lim.message_bytes}
     finally:
+        if child is not None:
+            child.kill()
+            child.wait()
         ctx.destroy(linger=0)
         srv.stop()
 
 
-def _run_scenario(conns: int, frame: int, peer_bytes: int | None) -> dict:
+def _run_scenario(conns: int, frame: int, attack: str) -> dict:
     code = (f"import json; from tests.unit.test_stream_budget import _queue_scenario; "
-            f"print(json.dumps(_queue_scenario({conns}, {frame}, {peer_bytes})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+            f"print(json.dumps(_queue_scenario({conns}, {frame}, {attack!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_queued_bytes_per_connection_are_capped_while_the_buffer_is_full():
-    """The issue's attack, scaled down: 6 connections of 1 MiB messages while the buffer is full.
-    With hwm 8 and no budget each connection queues 7 messages (~44 MiB); with the least
-    budget (two messages, 2.1 MiB) one each (~7.6 MiB), never more than connections x budget. Every queued message is read once the buffer frees and dropped, none twice."""
+@pytest.mark.parametrize("attack", ["valid", "many_frames", "stranger"])
+def test_what_a_connection_holds_while_the_buffer_is_full_is_capped_whatever_it_sends(attack):
+    """The issue's attack, scaled down: 6 connections of 1 MiB messages while the buffer is full,
+    valid ones or ones of 19 frames of 1 MiB (which libzmq's own multipart messages would have
+    held whole: +576 MiB at 4 MiB frames before), or valid ones without the token. The server's
+    memory grows by at most connections x ``queued_bytes`` (a stranger's by ZeroMQ's chunks
+    alone); every queued message is read once the buffer frees and dropped, none twice, and
+    every stranger refused."""
     conns, frame = 6, 1 << 20
-    before = _run_scenario(conns, frame, None)
-    least = 2 * (frame + HEADER)
-    after = _run_scenario(conns, frame, least)
-    assert (before["depth"], after["depth"], after["peer_bytes"]) == (8, 2, least)
-    for run in (before, after):  # each queued message read exactly once, after the plug's two samples
-        assert run["dropped"] == {"wrong_shape": run["sent"]} and run["messages"] == run["sent"] + 2
-    assert after["growth"] <= conns * after["peer_bytes"], after
-    assert before["growth"] >= conns * 5 * frame, before  # what the budget takes away: ~7 messages each
-    assert after["growth"] <= before["growth"] / 3, (before, after)
-    print(f"\nqueued while full, {conns} connections of {frame >> 20} MiB messages: hwm 8 "
-          f"{before['growth'] / 2**20:.1f} MiB, budget {least / 2**20:.2f} MiB/connection "
-          f"{after['growth'] / 2**20:.1f} MiB (bound {conns * least / 2**20:.1f} MiB)")
+    run = _run_scenario(conns, frame, attack)
+    if attack == "stranger":
+        assert run["dropped"] == {} and run["refused"] >= conns and run["messages"] == 2, run
+        assert run["growth"] <= conns * (run["depth"] + 1) * budget.CHUNK + (8 << 20), run
+        return
+    reason = "wrong_shape" if attack == "valid" else "oversized"
+    assert run["dropped"] == {reason: run["sent"]} and run["sent"] >= conns, run
+    # decoded messages: the plug's two samples and, when valid, every queued one (refused ones never are)
+    assert run["messages"] == 2 + (run["sent"] if attack == "valid" else 0), run
+    assert run["growth"] <= conns * run["queued_bytes"] + (8 << 20), run
+    assert run["held_while_full"] <= conns * run["message_bytes"] * (attack == "valid"), run
+    print(f"\nheld while full, {conns} connections of {frame >> 20} MiB {attack} messages: "
+          f"{run['growth'] / 2**20:.1f} MiB (bound {conns * run['queued_bytes'] / 2**20:.1f} MiB)")
 
 
 def _server(*, capacity: int = 64, **kw) -> StreamServer:

@@ -124,14 +124,11 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
     rng = np.random.default_rng(12)
     push = transport.push_socket(ctx, SECRET, hwm=0)  # hwm 0: never blocks, the order on one pipe is kept
     push.connect(srv.endpoint)
-    strangers = []
-    for token in (None, b"wrong", transport.token(b"y" * 32)):  # no secret: refused at the handshake
-        s = ctx.socket(zmq.PUSH)
-        s.linger = 0
-        if token is not None:
-            s.plain_username, s.plain_password = transport.USER, token
-        s.connect(srv.endpoint)
-        strangers.append(s)
+    strangers = [ctx.socket(zmq.PUSH), transport.push_socket(ctx, b"y" * 32), transport.push_socket(ctx, SECRET)]
+    strangers[2].token = b"wrong".ljust(transport.TOKEN_BYTES)  # no secret: refused at the first message
+    for s in strangers:
+        s.connect(srv.endpoint) if isinstance(s, transport.Sender) else (s.setsockopt(zmq.LINGER, 0),
+                                                                          s.connect(srv.endpoint))
     try:
         sent = {"valid": 0, "hostile": 0, "replays": 0, "partial": 0, "stranger": 0, "oversized": 0}
         valid, replays, n = {}, [], 0
@@ -156,7 +153,7 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
                                                         global_shape=[256, 256], shape=[128, 256], offset=[0, 0]),
                                                 [np.zeros((128, 256), np.float32)]))
                     sent["partial"] += 1
-                try:  # valid messages, but no handshake: never delivered
+                try:  # valid messages, but no token: never delivered
                     strangers[n % 3].send_multipart(_signed(_header(sim=sim, step=100 + step)), zmq.NOBLOCK)
                     sent["stranger"] += 1
                 except zmq.Again:
@@ -172,8 +169,7 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
                 except OSError:  # the server hung up on it: what should happen
                     pass
             sent["stranger"] += 1
-        big = ctx.socket(zmq.PUSH)  # past max_frame_bytes: libzmq drops the peer before reading the frame
-        big.plain_username, big.plain_password, big.linger = transport.USER, transport.token(SECRET), 0
+        big = transport.push_socket(ctx, SECRET)  # past max_frame_bytes: refused before a byte of it is kept
         big.connect(srv.endpoint)
         for k in range(5):
             big.send_multipart(_signed(_header(sim=7000 + k, global_shape=[1 << 17], offset=[0], shape=[1 << 17]),
@@ -185,19 +181,21 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
         push.send_multipart([message.MAGIC] + [b""] * 100_000)  # one message of 100,000 frames
         sent["hostile"] += 1
         t_last = time.perf_counter()
-        received = sent["valid"] + sent["hostile"] + sent["partial"] + sent["replays"]
+        received = sent["valid"] + sent["hostile"] + sent["partial"] + sent["replays"] + sent["oversized"]
         deadline = time.monotonic() + 120
         decode_drops = lambda: sum(v for k, v in srv.dropped.items() if k not in SERVER_DROPS)  # noqa: E731
         while srv.counters["messages"] + decode_drops() < received:
             assert time.monotonic() < deadline and srv._thread.is_alive(), (srv.counters, srv.dropped)
             time.sleep(0.05)
-        time.sleep(0.5)  # anything else (strangers, oversized) would have arrived by now
+        time.sleep(0.5)  # anything else (strangers) would have arrived by now
         total = sum(sent.values())
         assert total >= 10_000, sent
         # the thread lives, nothing hostile was counted as data, each bad message dropped once
         assert srv._thread.is_alive() and srv.error is None
         drops = {k: v for k, v in srv.dropped.items() if k != "partial_evicted"}
-        assert sum(drops.values()) == sent["hostile"] + sent["partial"] and "internal_error" not in drops, (drops, sent)
+        assert sum(drops.values()) == sent["hostile"] + sent["partial"] + sent["oversized"] and \
+            "internal_error" not in drops, (drops, sent)
+        assert drops["oversized"] == sent["oversized"] and srv._rx.refused >= 3 + 4, (drops, srv._rx.refused)
         late = sum(v for k, v in drops.items() if k in SERVER_DROPS)
         assert srv.counters["messages"] - late == sent["valid"] + sent["replays"]
         assert srv.counters["samples"] == len(valid) and srv.counters["duplicates"] == len(replays)
@@ -310,26 +308,37 @@ def test_server_limits_are_validated(kw, error):
     assert str(e.value) == error
 
 
-def test_a_stranger_costs_no_message_and_the_token_is_not_the_secret():
+def test_a_stranger_costs_no_message_and_the_token_is_not_the_secret(monkeypatch):
+    monkeypatch.setattr(transport, "HELLO_S", 0.5)
     srv = _server()
     ctx = zmq.Context()
     try:
         assert SECRET.hex().encode() not in transport.token(SECRET) and transport.token(SECRET) != \
             transport.token(b"t" * 32)
-        s = ctx.socket(zmq.PUSH)
-        s.linger = 0
-        s.connect(srv.endpoint)
-        for step in range(50):  # valid messages, signed with the secret, but no handshake
-            try:  # once the handshake has failed the socket has no peer: a blocking send would wait for ever
-                s.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
+        zmtp = ctx.socket(zmq.PUSH)  # ZeroMQ's own protocol: its greeting is not the token
+        zmtp.linger = 0
+        zmtp.connect(srv.endpoint)
+        other = transport.push_socket(ctx, b"t" * 32)  # another campaign's token
+        other.connect(srv.endpoint)
+        for step in range(50):  # valid messages, signed with the secret, but no token
+            try:
+                zmtp.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
+                other.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
             except zmq.Again:
                 pass
+        host, port = srv.endpoint[len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as slow:  # 10 bytes, then nothing: closed after HELLO_S
+            slow.sendall(transport.token(SECRET)[:10])
+            slow.settimeout(5)
+            t0 = time.monotonic()
+            assert slow.recv(1) == b"" and 0.4 < time.monotonic() - t0 < 4
         ok = transport.push_socket(ctx, SECRET)
         ok.connect(srv.endpoint)
         ok.send_multipart(_signed(_header(sim=2)))
         _wait(lambda: srv.counters["samples"] == 1)
         time.sleep(0.3)
         assert srv.counters["messages"] == 1 and srv.dropped == {} and sorted(srv.seen) == [(2, 0)]
+        assert srv._rx.refused >= 3 and srv._rx.admitted == 1 and srv._rx.held_bytes() == 0
     finally:
         ctx.destroy(linger=0)
         srv.stop()
@@ -393,3 +402,43 @@ def test_a_garbage_simulation_file_fails_the_loader_in_one_line_not_a_hang(tmp_p
         assert time.perf_counter() - t0 < 5 and src.stats()["error"].startswith(f"simulation file {bad}")
     finally:
         src.stop()
+
+
+def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_its_message():
+    """The framing alone (no server thread): strangers are closed and forgotten; a key holder's
+    message of too many or too large frames is refused before anything is kept, its bytes passed
+    over, and the next message on the same connection arrives whole."""
+    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, hwm=8, max_frame_bytes=1 << 16,
+                            max_message_bytes=1 << 17)
+    ctx = zmq.Context()
+    try:
+        host, port = rx.endpoint[len("tcp://"):].rsplit(":", 1)
+        strangers = [socket.create_connection((host, int(port))) for _ in range(5)]
+        for s in strangers:
+            s.sendall(os.urandom(100))
+        tx = transport.push_socket(ctx, SECRET)
+        tx.connect(rx.endpoint)
+        big = np.ones(1 << 15, np.float32)  # 128 KiB: past the frame limit
+        tx.send_multipart([message.MAGIC, b"{}", big, bytes(16)])
+        tx.send_multipart([message.MAGIC, b"{}"] + [b"x"] * 40 + [bytes(16)])  # 43 frames
+        tx.send_multipart([message.MAGIC, b"{}"])  # 2 frames
+        tx.send_multipart([message.MAGIC, b'{"ok":1}', np.arange(5, dtype=np.float32), bytes(16)])
+        got, t0 = [], time.monotonic()
+        while len(got) < 4 and time.monotonic() - t0 < 10:
+            try:
+                got.append(rx.recv())
+            except zmq.Again:
+                time.sleep(0.01)
+            except message.MessageError as e:
+                got.append(e.reason)
+        assert got[:3] == ["oversized", "too_many_frames", "malformed"], got
+        peer, frames = got[3]
+        assert bytes(frames[1]) == b'{"ok":1}' and np.frombuffer(frames[2], np.float32).tolist() == [0, 1, 2, 3, 4]
+        assert all(f.obj is frames[0].obj for f in frames)  # one buffer per message
+        assert np.frombuffer(frames[2], np.float32).ctypes.data % 64 == 0  # aligned views
+        assert (rx.refused, rx.admitted, rx.connections, rx.held_bytes()) == (5, 1, 1, 0)
+        for s in strangers:
+            s.close()
+    finally:
+        ctx.destroy(linger=0)
+        rx.close()

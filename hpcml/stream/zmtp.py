@@ -1,0 +1,126 @@
+"""The opt-in fast wire for trusted simulations: ZeroMQ's own messages (PUSH -> PULL).
+
+``ServerConfig(transport="zmtp")``. A server publishes its address as ``zmtp+tcp://HOST:PORT``
+and a :class:`~hpcml.stream.Producer` given such an address speaks this wire. It receives
+about twice as fast as the default framed wire (:mod:`hpcml.stream.transport`): libzmq reads
+large frames straight into their messages instead of handing over 8 KiB chunks.
+
+What it keeps: peers are authenticated at ZeroMQ's PLAIN handshake by a ZAP handler
+(:class:`_Gate`, a thread; the password is the campaign's token, never the secret), so a peer
+without the secret gets nothing queued or parsed; every message is MAC'd; ``ZMQ_MAXMSGSIZE``
+bounds a frame and ``RCVHWM`` the whole messages queued per connection.
+
+What it gives up: libzmq holds every frame of a multipart message before the server can
+read any and bounds frames per message nowhere, so **a peer holding the campaign secret**
+(a buggy or hostile simulation of the campaign) can make the trainer hold any amount of
+memory. Use it where every simulation is trusted code; the default wire bounds it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+
+import zmq
+
+from hpcml.errors import ConfigError
+from hpcml.stream import message
+from hpcml.stream.transport import bind, token
+
+SCHEME = "zmtp+"
+"""Prefix of the address a zmtp server publishes: a producer connects to the rest with PUSH."""
+USER = b"hpcml"
+DOMAIN = b"hpcml-stream"
+
+
+def push_socket(ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
+                ) -> zmq.Socket:
+    """A PUSH socket that passes a zmtp server's handshake (connect it to the address without ``zmtp+``)."""
+    s = ctx.socket(zmq.PUSH)
+    s.plain_username, s.plain_password = USER, token(secret)
+    if hwm is not None:
+        s.setsockopt(zmq.SNDHWM, hwm)
+    if timeout_s is not None:
+        s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        s.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+    return s
+
+
+class Receiver:
+    """The server's PULL socket on a context of its own, with its own ZAP handler; the same
+    interface as :class:`hpcml.stream.transport.Receiver`."""
+
+    def __init__(self, secret: bytes, *, host: str, port: int, hwm: int, max_frame_bytes: int) -> None:
+        # libzmq writes a credential message into each authenticated pipe and never counts it as
+        # read: it takes one slot for good, and RCVHWM 1 would let no message through
+        if hwm < 2:
+            raise ConfigError(f"RCVHWM {hwm} lets no message of an authenticated peer through: expected >= 2")
+        self.ctx = zmq.Context()
+        self.gate = _Gate(self.ctx, token(secret))
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.plain_server = True
+        self.sock.zap_domain = DOMAIN
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = SCHEME + bind(self, host, port)
+
+    @property
+    def admitted(self) -> int:
+        return self.gate.admitted
+
+    @property
+    def refused(self) -> int:
+        return self.gate.refused
+
+    def held_bytes(self) -> int:
+        return 0  # what libzmq holds is not visible from here
+
+    def sweep(self) -> None:
+        pass  # the handshake happens inside libzmq
+
+    def recv(self) -> tuple[int, list]:
+        """(the connection's number, one message's frames); ``zmq.Again`` when none is queued. A
+        message of more than ``message.MAX_FRAMES`` frames is drained and refused (``too_many_frames``)."""
+        frames = [self.sock.recv(zmq.NOBLOCK, copy=False)]
+        while frames[-1].more:
+            if len(frames) >= message.MAX_FRAMES:
+                n = len(frames) + len(self.sock.recv_multipart(copy=True))  # the rest is already here
+                raise message.MessageError("too_many_frames", f"{n} frames, expected at most {message.MAX_FRAMES}")
+            frames.append(self.sock.recv(copy=False))
+        return int(frames[0].get("User-Id")), frames
+
+    def close(self) -> None:
+        self.gate.stop()
+        self.ctx.destroy(linger=0)
+
+
+class _Gate:
+    """The ZAP handler (RFC 27), a thread: lets in a peer presenting the campaign's token and
+    numbers every connection it lets in (the ``User-Id`` libzmq then attaches to each frame)."""
+
+    def __init__(self, ctx: zmq.Context, password: bytes) -> None:
+        self._password = password
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.linger = 0
+        self._zap.bind("inproc://zeromq.zap.01")
+        self.admitted = 0
+        self.refused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpcml-stream-zap", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._zap.poll(100):
+                continue
+            request = self._zap.recv_multipart()  # version, id, domain, address, identity, mechanism, user, password
+            ok = len(request) == 8 and request[6] == USER and hmac.compare_digest(request[7], self._password)
+            self.admitted += ok
+            self.refused += not ok
+            self._zap.send_multipart([b"1.0", request[1] if len(request) > 1 else b"", b"200" if ok else b"400",
+                                      b"OK" if ok else b"wrong token", str(self.admitted).encode() if ok else b"", b""])
