@@ -10,21 +10,24 @@ every length before it allocates:
     token (64 B) | n: u32 | len_0 .. len_{n-1}: u64 | pad to 64 B | frame_0 | pad | ... | frame_{n-1} | pad
 
 1. **The token** opens every message: ``HMAC-SHA256(secret, "hpcml-stream/transport")``
-   in hex, so the secret never goes on the wire. A connection whose first 64 bytes are not
-   the token is closed after them (one that stops short is closed after :data:`HELLO_S`):
-   a peer without the secret gets nothing allocated, parsed or decoded. What it sent waits
-   in ZeroMQ's queue like anyone's while the server does not read (its buffer full), so it
-   is bounded like anyone's: ``RCVHWM`` chunks per connection. The token is a gate, not a
-   signature (it travels in clear): every message is still MAC'd with the secret
-   (:mod:`hpcml.stream.message`).
+   in hex, so the secret never goes on the wire. A connection whose first message does
+   not start with it is closed after its first 68 bytes (one that begins a token and
+   stops short, after :data:`HELLO_S`): a peer without the token gets nothing allocated,
+   parsed or decoded. While the server does not read (its buffer full), what it sent
+   waits in ZeroMQ's queue like anyone's: ``RCVHWM`` chunks per connection. The token is
+   a gate, not a signature (it travels in clear): every message is still MAC'd with the
+   secret (:mod:`hpcml.stream.message`).
 2. **The lengths** are checked before anything is allocated: 3 to ``message.MAX_FRAMES``
-   frames, each at most ``frame_bytes``, all at most ``message_bytes``. A message that breaks
-   them is a :class:`~hpcml.stream.message.MessageError` (counted, dropped) and its bytes are
-   read and passed over, never kept; a table of more than :data:`SKIP_FRAMES` lengths, or a
+   frames, each at most ``frame_bytes``, all at most ``message_bytes`` (plus the frames'
+   64-byte alignment). A message that breaks them is a
+   :class:`~hpcml.stream.message.MessageError` (counted, dropped) and its bytes are read
+   and passed over, never kept; a table of more than :data:`SKIP_FRAMES` lengths, or a
    message that does not start with the token, closes its connection.
 3. **One buffer per message**, frames 64-byte aligned views into it: a connection holds at
    most one incomplete message (``<= message_bytes``) plus libzmq's ``RCVHWM`` chunks
-   (:mod:`hpcml.stream.budget`).
+   (:mod:`hpcml.stream.budget`); one silent for :data:`STALL_S` with an unfinished message
+   is closed and the message dropped (libzmq loses the close notice of a connection whose
+   queue was full).
 4. **Names.** Every connection gets a number of its own, so the server can charge what it
    holds to the connection that sent it.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import resource
 import struct
 import time
 from collections import deque
@@ -65,6 +69,13 @@ SKIP_FRAMES = 4096
 #: closed. One that has sent nothing is left open: a producer connects long before its first
 #: output, and closing it as that output goes out would lose the message.
 HELLO_S = 10.0
+#: Seconds a connection may hold an unfinished message without a byte more, while the server
+#: reads and nothing is queued, before it is closed and the message dropped (``stalled``):
+#: libzmq drops the notice of a connection that closed while its queue was full, so a
+#: vanished sender is found by its silence.
+STALL_S = 30.0
+#: Chunks one :meth:`Receiver.recv` reads at most before it gives the caller its turn.
+MAX_CHUNKS = 2048
 
 
 def token(secret: bytes) -> bytes:
@@ -165,10 +176,12 @@ def bind(rx, host: str, port: int) -> str:
 
 
 class _Conn:
-    __slots__ = ("peer", "head", "need", "lengths", "body", "view", "fill", "skip", "admitted", "opened", "dead")
+    __slots__ = ("peer", "head", "need", "lengths", "body", "view", "fill", "skip", "admitted", "opened", "seen",
+                 "dead")
 
     def __init__(self, peer: int) -> None:
         self.peer, self.admitted, self.dead, self.opened = peer, False, False, 0.0  # opened: its first byte
+        self.seen = time.monotonic()  # its last chunk
         self.skip = 0
         """Bytes still to pass over: the body of a refused message, read and not kept."""
         self.reset()
@@ -215,10 +228,15 @@ class Receiver:
 
     def recv(self) -> tuple[int, list[memoryview]]:
         """The next whole message: (the connection's number, its frames); ``zmq.Again`` when no
-        message is complete and nothing more is queued. A message refused for its lengths is a
-        :class:`~hpcml.stream.message.MessageError`, its connection closed."""
-        while not self._ready:
+        message is complete and nothing more is queued (or after :data:`MAX_CHUNKS` chunks). A
+        refused message is a :class:`~hpcml.stream.message.MessageError` (counted by the caller)."""
+        for _ in range(MAX_CHUNKS):
+            if self._ready:
+                break
             self._chunk()
+        else:
+            if not self._ready:
+                raise zmq.Again()
         got = self._ready.popleft()
         if isinstance(got, message.MessageError):
             raise got
@@ -227,6 +245,8 @@ class Receiver:
     def _chunk(self) -> None:
         rid = self.sock.recv(zmq.NOBLOCK)
         c = self._conns.get(rid)
+        if c is not None:
+            c.seen = time.monotonic()
         if c is not None and c.body is not None and c.body.nbytes - c.fill > SCRATCH:
             n = self.sock.recv_into(c.view[c.fill:c.fill + SCRATCH])
             if 0 < n <= SCRATCH:
@@ -257,8 +277,10 @@ class Receiver:
 
     def sweep(self) -> None:
         """Close connections that began their first token more than HELLO_S ago and have not
-        finished it. Call it only when nothing is queued (``recv`` raised ``zmq.Again``): a
-        connection whose bytes wait unread is not late."""
+        finished it, and those holding an unfinished message silent for STALL_S (dropped:
+        ``stalled``); past the open-file limit, forget the longest silent (their close notices
+        were lost: there cannot be more live ones). Call it only when nothing is queued
+        (``recv`` raised ``zmq.Again``): a connection whose bytes wait unread is not late."""
         now = time.monotonic()
         if now - self._swept < 1.0:
             return
@@ -267,6 +289,13 @@ class Receiver:
             if not c.admitted and c.opened and now - c.opened > HELLO_S:
                 self.refused += 1
                 self._close(rid, c)
+            elif c.admitted and (c.head or c.body is not None or c.skip) and now - c.seen > STALL_S:
+                self._ready.append(message.MessageError("stalled", f"connection {c.peer} sent no byte of its "
+                                                        f"message for {now - c.seen:.0f} s (its sender gone?)"))
+                self._close(rid, c)
+        excess = len(self._conns) - resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        for rid in sorted(self._conns, key=lambda r: self._conns[r].seen)[:max(0, excess)]:
+            self._close(rid, self._conns[rid])
 
     def _close(self, rid: bytes, c: _Conn) -> None:
         c.dead, c.head, c.body, c.view = True, bytearray(), None, None

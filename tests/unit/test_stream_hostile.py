@@ -442,3 +442,35 @@ def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_it
     finally:
         ctx.destroy(linger=0)
         rx.close()
+
+
+def test_a_message_whose_sender_falls_silent_is_dropped_and_its_buffer_freed(monkeypatch):
+    """libzmq drops the close notice of a connection whose queue was full, so a sender that
+    vanished mid-message is found by its silence: after STALL_S with nothing queued, its
+    message is dropped (``stalled``, counted), its buffer freed and the connection closed."""
+    monkeypatch.setattr(transport, "STALL_S", 0.3)
+    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, hwm=8, max_frame_bytes=1 << 20,
+                            max_message_bytes=1 << 21)
+    try:
+        host, port = rx.endpoint[len("tcp://"):].rsplit(":", 1)
+        wire = transport.pack(transport.token(SECRET), [message.MAGIC, b"{}", np.ones(1 << 18, np.float32), bytes(16)])
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(wire[: len(wire) // 2])  # half a message, then silence
+            s.settimeout(5)
+            errors, t0 = [], time.monotonic()
+            while not errors and time.monotonic() - t0 < 5:
+                try:
+                    rx.recv()
+                except zmq.Again:
+                    assert rx.held_bytes() in (0, len(wire) - transport.head_bytes(4))
+                    rx.sweep()
+                    time.sleep(0.05)
+                except message.MessageError as e:
+                    errors.append(e.reason)
+            assert errors == ["stalled"] and rx.held_bytes() == 0 and rx.connections == 0
+            for _ in range(3):  # the socket in use again (as the server's loop uses it): the close goes out
+                with pytest.raises(zmq.Again):
+                    rx.recv()
+            assert s.recv(1) == b""  # closed by the server
+    finally:
+        rx.close()
