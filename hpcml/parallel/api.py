@@ -24,7 +24,7 @@ from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.mpi import ProcessGrid
 from hpcml.parallel import clip, dp, pp
 from hpcml.parallel.config import ParallelConfig
-from hpcml.parallel.plan import DataParallelPlan, ParallelPlan, plan_of
+from hpcml.parallel.plan import DataParallelPlan, ParallelPlan, checked_plan, plan_of
 
 logger = log.get_logger(__name__)
 
@@ -85,8 +85,7 @@ class ParallelModel:
         autocast = autocast or contextlib.nullcontext()
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if self.schedule is not None:
-            reset = getattr(self.plan, "reset_stats", None)
-            if reset is not None and not self._pipeline_warm:
+            if self.plan.stat_names and not self._pipeline_warm:
                 # torch's pipeline infers stage shapes by running the first micro-batches once
                 # more: run a throw-away step, so statistics the model keeps (MoE loads) stay exact
                 with self.loss_context(), autocast:
@@ -94,7 +93,7 @@ class ParallelModel:
                                        losses=[] if self.has_last else None)
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
-                    reset(part)
+                    self.plan.reset_stats(part)
             self._pipeline_warm = True
             losses: list[torch.Tensor] = []
             args = inputs if self.has_first else ()
@@ -103,9 +102,7 @@ class ParallelModel:
                                    losses=losses if self.has_last else None)
             return float(torch.stack([loss.detach().float() for loss in losses]).mean()) if self.has_last else None
         model = self.parts[0]
-        scale = getattr(self.plan, "set_grad_scale", None)
-        if scale is not None:
-            scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
+        self.plan.set_grad_scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
         chunks = zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro))
@@ -124,13 +121,12 @@ class ParallelModel:
 
     def after_step(self) -> None:
         """After the optimizer step: the plan's per-step updates (MoE balancing biases)."""
-        hook = getattr(self.plan, "after_step", None)
-        for part in self.parts if hook is not None else ():
-            hook(part)
+        for part in self.parts:
+            self.plan.after_step(part)
 
     @property
     def stat_names(self) -> tuple[str, ...]:
-        return tuple(getattr(self.plan, "stat_names", ()))
+        return tuple(self.plan.stat_names)
 
     def step_stats(self) -> list[float]:
         """This rank's shares of the plan's statistics of the last step (:attr:`stat_names`, e.g.
@@ -156,7 +152,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     before any collective. ``n_microbatches`` is the pipeline schedule's micro-batch count per step.
     """
     config = config or ParallelConfig()
-    plan = plan or plan_of(model)
+    plan = checked_plan(plan) if plan is not None else plan_of(model)
     lay = grid.layout
     plan.check(lay, config)
     loss_fn = loss_fn or plan.loss_fn
@@ -183,18 +179,13 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     for part in parts:
         if lay.tp > 1:
             plan.apply_tp(part, mesh["tp"], config)
-        if hasattr(plan, "apply_moe"):
-            expert_params += plan.apply_moe(part, grid, data_mesh)
+        expert_params += plan.apply_moe(part, grid, data_mesh)
         if lay.cp > 1:
             plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         if config.activation_checkpointing:
             plan.apply_activation_checkpointing(part)
-        if config.fsdp and data_mesh is not None and lay.moe:
-            edp = grid.torch.expert_mesh["edp"] if lay.edp > 1 else None
-            dp.apply_fsdp_moe(part, plan.fsdp_units(part), plan.expert_modules(part), data_mesh, edp,
-                              config.reshard_after_forward)
-        elif config.fsdp and data_mesh is not None:
-            dp.apply_fsdp(part, plan.fsdp_units(part), data_mesh, config.reshard_after_forward)
+        if config.fsdp and data_mesh is not None:
+            plan.apply_fsdp(part, grid, data_mesh, config)
 
     params = [p for part in parts for p in part.parameters()]  # after FSDP: its sharded parameters
     result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
@@ -202,9 +193,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if not config.fsdp:
         result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)
-    elif lay.moe:  # experts: FSDP's mean over edp (or nothing, edp 1) -> the sum over edp / (dp x cp)
-        sharded = [p for part in parts for ex in plan.expert_modules(part) for p in ex.parameters()]
-        result.grad_syncs = [dp.GradAllReduce(sharded, None, 1, divide_by=lay.dp * lay.cp // lay.edp)]
+    else:
+        result.grad_syncs = plan.fsdp_grad_syncs(parts, lay)
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
                                             config.pp_schedule, n_microbatches, loss_fn)

@@ -34,6 +34,7 @@ from hpcml.models.transformer.moe import MoE, moe_layers
 from hpcml.models.transformer.moe_plan import apply_moe
 from hpcml.models.transformer.rules import check_moe_plan, check_plan, stage_layers  # noqa: F401 (the plan's API)
 from hpcml.parallel.config import ParallelConfig
+from hpcml.parallel.plan import ParallelPlan
 from hpcml.parallel.tp import FusedColwiseParallel
 from hpcml.parallel.ulysses import UlyssesAttention
 
@@ -79,7 +80,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
     model.sp_size = mesh.size() if sp else 1  # hidden states hold S / tp positions between regions
 
 
-class TransformerPlan:
+class TransformerPlan(ParallelPlan):
     """The :class:`~hpcml.parallel.plan.ParallelPlan` of :class:`Transformer`."""
 
     loss_fn = staticmethod(cross_entropy)
