@@ -102,7 +102,12 @@ def box_problem(global_shape, offset, shape, shape_name: str = "shape") -> str |
 def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = ()) -> list:
     """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied.
     A header the receiver would refuse for its size is a ConfigError here, at the sender."""
-    return seal(secret, json.dumps({**header, "nonce": nonce()}, separators=(",", ":")).encode(), payloads)
+    return seal(secret, header_text(header), payloads)
+
+
+def header_text(header: dict) -> bytes:
+    """A header as a message carries it: compact JSON with a fresh nonce."""
+    return json.dumps({**header, "nonce": nonce()}, separators=(",", ":")).encode()
 
 
 def nonce() -> str:

@@ -97,14 +97,9 @@ class Producer:
         # its own context, terminated in close(): that waits until ZeroMQ has sent every
         # zero-copy frame, so no array is freed while the I/O thread still reads it
         self._ctx = zmq.Context(io_threads=1)
-        self._zmtp = self.endpoint.startswith(zmtp.SCHEME)  # a server of the opt-in ZeroMQ-message wire
-        self._token = transport.token(self.secret)
-        if self._zmtp:
-            self._sock = zmtp.push_socket(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
-            self._sock.connect(self.endpoint[len(zmtp.SCHEME):])
-        else:
-            self._sock = transport.Sender(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
-            self._sock.connect(self.endpoint)
+        wire = zmtp if self.endpoint.startswith(zmtp.SCHEME) else transport  # the address says which wire
+        self._sock = wire.Sender(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
+        self._sock.connect(self.endpoint)
         self.n_sent = 0
         self.bytes_sent = 0
         self.blocked_s = 0.0
@@ -185,17 +180,23 @@ class Producer:
     from_env = from_campaign
     """The former name of :meth:`from_campaign`."""
 
-    def _send(self, buf, views) -> None:
-        """One message: its wire buffer (framed), or its frames, views into it (zmtp): sent without a copy."""
+    def _send(self, text: bytes, arrays=()) -> None:
+        """One message of header ``text`` and ``arrays`` ((array, dtype) pairs): each array copied
+        (and converted) once, straight into the message's one buffer (the wire's unit,
+        :mod:`hpcml.stream.transport`), so the caller may overwrite it as soon as this returns."""
+        message.check_header(text)
+        nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
+        buf, views = transport.frame_buffer(self._sock.token, [len(message.MAGIC), len(text), *nbytes,
+                                                               message.MAC_BYTES])
+        views[0][:], views[1][:] = message.MAGIC, text
+        for (a, dtype), view in zip(arrays, views[2:]):
+            np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
+        views[-1][:] = message.mac(self.secret, views[:-1])
         t0 = time.perf_counter()
-        sock = self._sock if self._zmtp else self._sock.sock
         try:
-            if self._zmtp:
-                self._sock.send_multipart(views, copy=False)
-            else:
-                self._sock.send_buffer(buf)
+            self._sock.send_message(buf, views)
         except zmq.Again:
-            sock.setsockopt(zmq.LINGER, 0)  # a trainer that took nothing this long: no wait at exit
+            self._sock.sock.setsockopt(zmq.LINGER, 0)  # a trainer that took nothing this long: no wait at exit
             raise LaunchError(f"simulation {self.sim_id} rank {self.rank}: trainer at {self.endpoint} took no data for "
                               f"{self.send_timeout_s:.0f} s") from None
         self.blocked_s += time.perf_counter() - t0
@@ -246,19 +247,9 @@ class Producer:
         if names_json is None:
             names_json = self._names_json[key] = json.dumps(names, separators=(",", ":"))
         text = f'{self._header_json},"step":{step_i},"t":{t!r},"fields":{names_json},"nonce":"{message.nonce()}"}}'
-        text = text.encode()
-        message.check_header(text)
-        # one buffer per message (the wire's unit, :mod:`hpcml.stream.transport`): each field is
-        # copied (and converted) once, straight into it, so the caller may overwrite its arrays
-        nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
-        buf, views = transport.frame_buffer(self._token, [len(message.MAGIC), len(text), *nbytes, message.MAC_BYTES])
-        views[0][:], views[1][:] = message.MAGIC, text
-        for (a, dtype), view in zip(arrays, views[2:]):
-            np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
-        views[-1][:] = message.mac(self.secret, views[:-1])
-        self._send(buf, views)
+        self._send(text.encode(), arrays)
         self.n_sent += 1
-        self.bytes_sent += sum(nbytes)
+        self.bytes_sent += sum(a.size * dtype.itemsize for a, dtype in arrays)
 
     def close(self) -> None:
         """Send the end marker and wait (up to the send timeout) until everything queued has left."""
@@ -267,8 +258,7 @@ class Producer:
         header = {"kind": "end", "campaign": self.campaign, **({"run": self.run} if self.run else {}),
                   "sim": self.sim_id, "attempt": self.attempt, "rank": self.rank, "nranks": self.nranks,
                   "n_sent": self.n_sent}
-        frames = message.encode(self.secret, header)
-        self._send(None if self._zmtp else transport.pack(self._token, frames), frames)
+        self._send(message.header_text(header))
         self._sock.close()  # lingers until queued messages are sent (at most send_timeout_s)
         self._ctx.term()
         self._closed = True

@@ -136,6 +136,11 @@ class Sender:
         self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, ROUTE)
         self.sock.connect(endpoint)
 
+    def send_message(self, buf, views, flags: int = 0) -> None:
+        """One message built by :func:`frame_buffer`: its whole buffer goes out (``views`` are
+        for :class:`hpcml.stream.zmtp.Sender`, which sends the frames)."""
+        self.send_buffer(buf, flags)
+
     def send_buffer(self, buf, flags: int = 0) -> None:
         """Queue one message's wire bytes (not copied: ``buf`` must not change afterwards)."""
         while True:  # drop the connect/disconnect notices, so they never fill the inbound queue
@@ -234,9 +239,8 @@ class Receiver:
             if self._ready:
                 break
             self._chunk()
-        else:
-            if not self._ready:
-                raise zmq.Again()
+        if not self._ready:
+            raise zmq.Again()
         got = self._ready.popleft()
         if isinstance(got, message.MessageError):
             raise got

@@ -33,17 +33,31 @@ USER = b"hpcml"
 DOMAIN = b"hpcml-stream"
 
 
-def push_socket(ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
-                ) -> zmq.Socket:
-    """A PUSH socket that passes a zmtp server's handshake (connect it to the address without ``zmtp+``)."""
-    s = ctx.socket(zmq.PUSH)
-    s.plain_username, s.plain_password = USER, token(secret)
-    if hwm is not None:
-        s.setsockopt(zmq.SNDHWM, hwm)
-    if timeout_s is not None:
-        s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        s.setsockopt(zmq.LINGER, int(timeout_s * 1000))
-    return s
+class Sender:
+    """A PUSH socket that passes a zmtp server's handshake; the interface of
+    :class:`hpcml.stream.transport.Sender`, so a producer speaks either wire the same way."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
+                 ) -> None:
+        self.token = token(secret)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.plain_username, self.sock.plain_password = USER, self.token
+        if hwm is not None:
+            self.sock.setsockopt(zmq.SNDHWM, hwm)
+        if timeout_s is not None:
+            self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+            self.sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+
+    def connect(self, endpoint: str) -> None:
+        self.sock.connect(endpoint.removeprefix(SCHEME))
+
+    def send_message(self, buf, views, flags: int = 0) -> None:
+        """One message built by :func:`~hpcml.stream.transport.frame_buffer`: its frames, views
+        into ``buf``, as one ZeroMQ multipart message, without a copy."""
+        self.sock.send_multipart(views, flags, copy=False)
+
+    def close(self, linger: int | None = None) -> None:
+        self.sock.close(linger)
 
 
 class Receiver:
