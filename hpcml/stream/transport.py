@@ -117,6 +117,15 @@ def pack(tok: bytes, frames: Sequence) -> np.ndarray:
     return buf
 
 
+def send_limits(sock: zmq.Socket, hwm: int | None, timeout_s: float | None) -> None:
+    """A sending socket's queue (``SNDHWM`` messages) and how long a send and its close wait."""
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+    if timeout_s is not None:
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+
+
 class Sender:
     """A producer's connection to one stream server: a ZeroMQ STREAM socket that sends whole
     messages (:meth:`send_buffer`) and reconnects by itself, keeping what it has queued."""
@@ -126,11 +135,7 @@ class Sender:
         self.token = token(secret)
         self.sock = ctx.socket(zmq.STREAM)
         self.sock.setsockopt(zmq.RCVHWM, 4)  # connect/disconnect notices only; a server sends nothing else
-        if hwm is not None:
-            self.sock.setsockopt(zmq.SNDHWM, hwm)
-        if timeout_s is not None:
-            self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-            self.sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+        send_limits(self.sock, hwm, timeout_s)
 
     def connect(self, endpoint: str) -> None:
         self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, ROUTE)

@@ -25,7 +25,7 @@ import zmq
 
 from hpcml.errors import ConfigError
 from hpcml.stream import message
-from hpcml.stream.transport import bind, token
+from hpcml.stream.transport import bind, send_limits, token
 
 SCHEME = "zmtp+"
 """Prefix of the address a zmtp server publishes: a producer connects to the rest with PUSH."""
@@ -42,11 +42,7 @@ class Sender:
         self.token = token(secret)
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.plain_username, self.sock.plain_password = USER, self.token
-        if hwm is not None:
-            self.sock.setsockopt(zmq.SNDHWM, hwm)
-        if timeout_s is not None:
-            self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-            self.sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+        send_limits(self.sock, hwm, timeout_s)
 
     def connect(self, endpoint: str) -> None:
         self.sock.connect(endpoint.removeprefix(SCHEME))
