@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one weight for the embedding and the output (Llama 3.2 1B/3B); needs --tp 1 and --pp 1")
     p.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--fpdt-chunk", type=int, default=0, metavar="N",
+                   help="FPDT on cp: strided chunks of N positions per rank, attention/MLP/loss chunk by chunk "
+                        "(docs/parallel.md; 0: plain Ulysses)")
+    p.add_argument("--memory-account", action="store_true",
+                   help="bytes saved for backward per layer in each step's metrics (saved_mib, saved_mib_per_layer)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
@@ -131,11 +136,11 @@ def main(argv=None) -> int:
             model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
-                                  activation_checkpointing=args.activation_checkpointing)
+                                  activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk)
         train = TrainConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                             seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                             bf16=args.bf16, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-                            run_dir=args.run_dir, progress=not args.no_progress)
+                            run_dir=args.run_dir, progress=not args.no_progress, memory_account=args.memory_account)
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
         if args.dp is not None:
             degrees["dp"] = args.dp

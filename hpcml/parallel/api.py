@@ -59,6 +59,8 @@ class ParallelModel:
     has_last: bool = True
     grad_syncs: list[dp.GradAllReduce] = field(default_factory=list)
     tp_enabled: bool = False
+    computes_loss: bool = False
+    """The model's forward takes ``targets=`` and returns the loss (its plan's :meth:`computes_loss`)."""
     _params: list[nn.Parameter] = field(default_factory=list)
     _pipeline_warm: bool = False
 
@@ -110,7 +112,7 @@ class ParallelModel:
             if fsdp:
                 model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last
             with self.loss_context(), autocast:
-                loss = self.loss_fn(model(*x), y)
+                loss = model(*x, targets=y) if self.computes_loss else self.loss_fn(model(*x), y)
                 (loss / n_micro).backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total / n_micro
@@ -155,6 +157,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     plan = checked_plan(plan) if plan is not None else plan_of(model)
     lay = grid.layout
     plan.check(lay, config)
+    computes_loss = loss_fn is None and lay.pp == 1 and plan.computes_loss(config)
     loss_fn = loss_fn or plan.loss_fn
     if loss_fn is None:
         raise ConfigError(f"parallelize({type(model).__name__}): its plan has no loss; pass loss_fn=")
@@ -180,8 +183,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         if lay.tp > 1:
             plan.apply_tp(part, mesh["tp"], config)
         expert_params += plan.apply_moe(part, grid, data_mesh)
-        if lay.cp > 1:
-            plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
+        if lay.cp > 1 or config.fpdt_chunk:
+            plan.apply_cp(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp, config)
         if config.activation_checkpointing:
             plan.apply_activation_checkpointing(part)
         if config.fsdp and data_mesh is not None:
@@ -189,7 +192,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
 
     params = [p for part in parts for p in part.parameters()]  # after FSDP: its sharded parameters
     result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
-                           tp_enabled=lay.tp > 1, _params=params,
+                           tp_enabled=lay.tp > 1, _params=params, computes_loss=computes_loss,
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if not config.fsdp:
         result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)

@@ -27,8 +27,17 @@ class ParallelConfig:
     """Explicit split of the layers over all stages; None: the balanced rule of :func:`split_layers`."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
+    fpdt_chunk: int = 0
+    """cp: FPDT (docs/parallel.md): each rank's sequence in strided chunks of this many positions,
+    attention, MLP and logits + loss chunk by chunk, so activation memory follows the chunk, not
+    the sequence; 0: plain Ulysses. Works on cp 1 too (chunking alone)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.fpdt_chunk, bool) or not isinstance(self.fpdt_chunk, int) or self.fpdt_chunk < 0:
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk!r}: expected a whole number of positions >= 0 (0: off)")
+        if self.fpdt_chunk and self.sequence_parallel:
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with sequence_parallel: FPDT chunks the sequence "
+                              f"itself; use one of them")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"pp_schedule {self.pp_schedule!r} unknown: expected one of {', '.join(PP_SCHEDULES)}")
         if self.stages_per_rank is not None and self.stages_per_rank < 1:

@@ -51,6 +51,8 @@ class ParallelPlan:
             raise ConfigError(f"{name} does not implement apply_activation_checkpointing")
         if config.sequence_parallel and not self.supports("apply_tp"):
             raise ConfigError(f"{name} does not implement apply_tp: sequence_parallel is part of it")
+        if config.fpdt_chunk and not self.supports("apply_cp"):
+            raise ConfigError(f"{name} does not implement apply_cp: fpdt_chunk {config.fpdt_chunk} is part of it")
 
     def supports(self, member: str) -> bool:
         """Whether this plan overrides ``member`` of :class:`ParallelPlan`."""
@@ -64,8 +66,15 @@ class ParallelPlan:
     def apply_tp(self, part: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> None:
         raise ConfigError(f"{type(self).__name__} has no tensor-parallel plan")
 
-    def apply_cp(self, part: nn.Module, group, index: int, count: int) -> None:
+    def apply_cp(self, part: nn.Module, group, index: int, count: int, config: ParallelConfig) -> None:
+        """Rank ``index`` of ``count`` on the cp ``group`` (None: cp 1, called for ``config.fpdt_chunk``
+        alone). Its sequence positions are :func:`hpcml.parallel.fpdt.local_positions`."""
         raise ConfigError(f"{type(self).__name__} has no context-parallel plan")
+
+    def computes_loss(self, config: ParallelConfig) -> bool:
+        """Whether the model's forward takes ``targets=`` and returns the mean loss itself (FPDT's
+        chunked logits + loss: the vocabulary-sized logits are never whole). Not under pp."""
+        return False
 
     def apply_activation_checkpointing(self, part: nn.Module) -> None:
         raise ConfigError(f"{type(self).__name__} has no activation checkpointing plan")

@@ -14,6 +14,7 @@ Stateful): tensors (parameters, optimizer moments, per-rank RNG) plus a JSON ``e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -32,6 +33,7 @@ from hpcml import ckpt, log
 from hpcml import stop as stop_flag
 from hpcml.errors import ConfigError
 from hpcml.parallel.api import ParallelModel
+from hpcml.train import memory
 from hpcml.train.resume_schema import check_loop_extra
 from hpcml.train.schedule import WarmupCosine
 
@@ -61,6 +63,9 @@ class LoopConfig:
     run_dir: str | None = None
     """Where ``metrics.jsonl`` and ``config.json`` go (rank 0)."""
     progress: bool = True
+    memory_account: bool = False
+    """Count the bytes saved for backward per layer (:mod:`hpcml.train.memory`) into each step's
+    metrics: ``saved_mib``, ``saved_mib_per_layer`` (rank 0's; costs a hook per saved tensor)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "log_every"):
@@ -136,6 +141,7 @@ class TrainLoop:
             (Path(config.run_dir) / "config.json").write_text(json.dumps(
                 {"train": asdict(config), "layout": self.grid.layout.degrees,
                  "parallel": asdict(model.config)}, indent=1, default=str))
+        self.account = memory.account_of(model) if config.memory_account else None
         # dp ranks draw different randomness (e.g. dropout); tp / cp / pp ranks of one replica agree
         torch.manual_seed(config.seed + 1 + self.grid.coords["dp"])
 
@@ -166,7 +172,8 @@ class TrainLoop:
         self.model.train()
         x, y = self.inputs(batch)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 else None
-        loss = self.model.forward_backward(x, y, self.n_micro(), autocast)
+        with self.account or contextlib.nullcontext():
+            loss = self.model.forward_backward(x, y, self.n_micro(), autocast)
         self.model.sync_grads()
         names = self.model.stat_names
         share = torch.zeros(3 + len(names), dtype=torch.float64)
@@ -195,6 +202,8 @@ class TrainLoop:
         m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
                              **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
                              "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)), **(extra or {})}
+        if self.account is not None:
+            m.update(memory.summary(self.account.take()))
         self.history.append(m)
         self._report(m, max(cfg.steps, self.step))
         return m

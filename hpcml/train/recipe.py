@@ -27,11 +27,11 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
         comm = comm or MPI.COMM_WORLD
         layout = Layout.from_degrees(comm.Get_size(), degrees)
         check_plan(model_cfg, layout, parallel_cfg)
-        train_cfg.check_layout(layout, model_cfg.max_seq_len)
+        train_cfg.check_layout(layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk)
         grid = ProcessGrid(layout, comm=comm)
     else:
         check_plan(model_cfg, grid.layout, parallel_cfg)
-        train_cfg.check_layout(grid.layout, model_cfg.max_seq_len)
+        train_cfg.check_layout(grid.layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk)
     grid.init_torch()
     torch.manual_seed(train_cfg.seed)  # the same initial weights on every rank, as on one process
     model = Transformer(model_cfg)

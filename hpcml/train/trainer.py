@@ -14,6 +14,7 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
 from hpcml.parallel.api import ParallelModel
+from hpcml.parallel.fpdt import local_positions
 from hpcml.train.loop import LoopConfig, TrainLoop, make_optimizer
 
 logger = log.get_logger(__name__)
@@ -41,14 +42,18 @@ class TrainConfig(LoopConfig):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def check_layout(self, layout: Layout, max_seq_len: int) -> None:
-        """Raise unless the batch and sequence split evenly over ``layout`` (no collective)."""
+    def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0) -> None:
+        """Raise unless the batch and sequence split evenly over ``layout`` (and FPDT's chunks of
+        ``fpdt_chunk`` positions per rank), with no collective."""
         per = layout.dp * self.micro_batch
         if self.global_batch % per:
             raise ConfigError(f"global batch {self.global_batch} is not divisible by dp {layout.dp} x micro-batch "
                               f"{self.micro_batch} = {per}")
         if self.seq_len % layout.cp:
             raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp}")
+        if fpdt_chunk and self.seq_len % (layout.cp * fpdt_chunk):
+            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x fpdt_chunk {fpdt_chunk} = "
+                              f"{layout.cp * fpdt_chunk} (each rank holds whole chunks)")
         if self.seq_len > max_seq_len:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {max_seq_len}")
         n_micro = self.global_batch // per
@@ -66,20 +71,20 @@ class Trainer(TrainLoop):
 
     def __init__(self, *, model: ParallelModel, config: TrainConfig, data: TokenSource,
                  flops_per_token: float | None = None, hooks: list[Callable] | None = None) -> None:
-        config.check_layout(model.grid.layout, model.parts[0].config.max_seq_len)
+        config.check_layout(model.grid.layout, model.parts[0].config.max_seq_len, model.config.fpdt_chunk)
         super().__init__(model, config, hooks)
         self.data, self.flops_per_token = data, flops_per_token
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets): its dp slice of the global batch, its cp slice of the sequence."""
+        """This rank's (inputs, targets): its dp slice of the global batch, its cp positions of the
+        sequence (a contiguous slice, or FPDT's strided chunks: :func:`local_positions`)."""
         lay, c = self.grid.layout, self.grid.coords
         tokens = self.data.global_batch(step, self.config.global_batch)
         per_dp = self.config.global_batch // lay.dp
         tokens = tokens[c["dp"] * per_dp:(c["dp"] + 1) * per_dp]
         x, y = tokens[:, :-1], tokens[:, 1:]
-        chunk = self.config.seq_len // lay.cp
-        sl = slice(c["cp"] * chunk, (c["cp"] + 1) * chunk)
-        return x[:, sl].contiguous().to(self.device), y[:, sl].contiguous().to(self.device)
+        pos = local_positions(self.config.seq_len, c["cp"], lay.cp, self.model.config.fpdt_chunk)
+        return x[:, pos].contiguous().to(self.device), y[:, pos].contiguous().to(self.device)
 
     def inputs(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch

@@ -35,6 +35,7 @@ A wrong layout moves them by O(1)."""
 LAYOUTS = [("ep4", {"ep": 4}, {}, MODEL), ("ep2", {"ep": 2}, {}, MODEL),
            ("ep2xtp2", {"ep": 2, "tp": 2}, {}, MODEL), ("ep2xpp2", {"ep": 2, "pp": 2}, {}, MODEL),
            ("ep4xcp2", {"ep": 4, "cp": 2}, {}, MODEL),
+           ("ep4xcp2-fpdt", {"ep": 4, "cp": 2}, {"fpdt_chunk": 4}, MODEL),
            ("ep2-bias-sigmoid", {"ep": 2}, {}, replace(MODEL, moe_balance="bias", moe_score="sigmoid")),
            ("tp2xdp2-ep1", {"tp": 2}, {}, MODEL), ("ep2-fsdp", {"ep": 2}, {"fsdp": True}, MODEL),
            ("ep4-fsdp", {"ep": 4}, {"fsdp": True}, MODEL),

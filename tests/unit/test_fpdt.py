@@ -1,17 +1,24 @@
-"""Issue 27, part 1's core: FPDT's chunked causal attention on one rank (hpcml.parallel.fpdt)
-equals the plain one-process attention -- forward and every gradient, with GQA, 1 to 8 chunks
-(an uneven last one included) -- to 1e-10 relative in float64 and 1e-5 in float32, and saves
-only q, k, v, the output and the log-sum-exp: bytes linear in the sequence, where the plain
-computation keeps the S x S probabilities."""
+"""Issue 27 on one rank: FPDT's chunked causal attention (hpcml.parallel.fpdt) equals the plain
+one-process attention -- forward and every gradient, with GQA, 1 to 8 chunks (an uneven last
+one included), through torch's fused CPU kernels and through PyTorch ops -- to 1e-10 relative
+in float64 and 1e-5 in float32, and saves only q, k, v, the output and the log-sum-exp; the
+whole transformer with FPDT (chunked attention, MLP and loss) equals it without; the strided
+positions and the bad settings. Across ranks: tests/mpi/test_fpdt.py."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+
 from hpcml.errors import ConfigError
-from hpcml.parallel.fpdt import chunked_attention
+from hpcml.models.transformer import Transformer, TransformerConfig
+from hpcml.models.transformer.model import cross_entropy
+from hpcml.parallel import ParallelConfig, fpdt
+from hpcml.parallel.fpdt import FPDTAttention, chunked_attention, local_positions
 
 
 def plain(q, k, v):
@@ -33,10 +40,14 @@ def _rel(a, b) -> float:
     return float((a - b).detach().norm() / b.detach().norm())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernels", "torch-ops"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("chunk", [24, 12, 8, 5, 3])  # 1, 2, 3, 5 (uneven), 8 chunks
-def test_forward_and_every_gradient_equal_the_plain_attention(dtype, tol, kv_heads, chunk):
+def test_forward_and_every_gradient_equal_the_plain_attention(dtype, tol, kv_heads, chunk, fused, monkeypatch):
+    """Both ways a chunk pair is computed: torch's fused CPU kernels, and the PyTorch-ops path
+    other devices run."""
+    monkeypatch.setattr(fpdt, "FUSED_CPU", fused)
     q, k, v, dout = _inputs(dtype, kv_heads=kv_heads)
     out = chunked_attention(q, k, v, chunk)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -84,4 +95,55 @@ def test_saved_bytes_are_the_inputs_output_and_lse_linear_in_the_sequence():
 def test_bad_shapes_and_chunks_are_refused_in_one_line(args, error):
     with pytest.raises(ConfigError) as e:
         chunked_attention(*args)
+    assert str(e.value) == error
+
+
+# -- the model on one rank (cp 1): FPDT is the chunking alone ------------------------------------
+
+def test_local_positions_are_strided_chunks_that_cover_the_sequence_once():
+    assert local_positions(16, 1, 2).tolist() == list(range(8, 16))  # plain Ulysses: a contiguous slice
+    assert local_positions(16, 1, 2, chunk=2).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]  # global chunks 1, 3, 5, 7
+    every = torch.cat([local_positions(48, r, 4, chunk=3) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(48))
+    with pytest.raises(ConfigError, match=r"^fpdt_chunk 5: the local sequence of 8 positions \(seq_len 16 / cp 2\) "
+                                          r"is not a multiple of it$"):
+        local_positions(16, 0, 2, chunk=5)
+
+
+@pytest.mark.parametrize("chunk", [32, 16, 8, 4])  # 1, 2, 4, 8 chunks
+def test_the_transformer_with_fpdt_equals_it_without(chunk):
+    """Logits and every parameter's gradient to 1e-10 (float64); the chunked loss to 1e-6 (the
+    loss is computed in float32, as the plain one)."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig.preset("tiny")  # GQA: 8 heads over 4 kv heads
+    plain_model = Transformer(cfg).double()
+    fpdt = copy.deepcopy(plain_model)
+    plan = fpdt.parallel_plan()
+    plan.apply_cp(fpdt, None, 0, 1, ParallelConfig(fpdt_chunk=chunk))
+    assert plan.computes_loss(ParallelConfig(fpdt_chunk=chunk)) and isinstance(fpdt.layers["0"].attention.core,
+                                                                               FPDTAttention)
+    x, y = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
+    dlogits = torch.randn(2, 32, cfg.padded_vocab, dtype=torch.float64)
+    plain_model(x).backward(dlogits)
+    fpdt(x).backward(dlogits)
+    for (name, p), q in zip(plain_model.named_parameters(), fpdt.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-10, name
+    plain_model.zero_grad(), fpdt.zero_grad()
+    ref = cross_entropy(plain_model(x), y)
+    loss = fpdt(x, targets=y)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    ref.backward(), loss.backward()
+    for (name, p), q in zip(plain_model.named_parameters(), fpdt.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-6, name
+
+
+@pytest.mark.parametrize("kw, error", [
+    ({"fpdt_chunk": -1}, "fpdt_chunk -1: expected a whole number of positions >= 0 (0: off)"),
+    ({"fpdt_chunk": True}, "fpdt_chunk True: expected a whole number of positions >= 0 (0: off)"),
+    ({"fpdt_chunk": 8, "sequence_parallel": True},
+     "fpdt_chunk 8 with sequence_parallel: FPDT chunks the sequence itself; use one of them"),
+])
+def test_bad_fpdt_settings_are_refused_in_one_line(kw, error):
+    with pytest.raises(ConfigError) as e:
+        ParallelConfig(**kw)
     assert str(e.value) == error

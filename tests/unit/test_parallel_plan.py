@@ -52,6 +52,8 @@ class Piped(SurrogatePlan):
      "SurrogatePlan does not implement apply_moe: it cannot run {'ep': 2} (override them)"),
     (Layout(world_size=2, dp=2), ParallelConfig(sequence_parallel=True),
      "SurrogatePlan does not implement apply_tp: sequence_parallel is part of it"),
+    (Layout(world_size=2, dp=2), ParallelConfig(fpdt_chunk=64),
+     "SurrogatePlan does not implement apply_cp: fpdt_chunk 64 is part of it"),
 ])
 def test_the_default_check_refuses_every_axis_the_plan_does_not_implement(layout, config, error):
     with pytest.raises(ConfigError) as e:
@@ -68,6 +70,7 @@ def test_a_plan_runs_what_it_overrides_and_the_rest_defaults_to_nothing():
     assert (plan.apply_moe(model, None, None), plan.expert_modules(model), plan.step_stats(model, None)) == ([], [], {})
     assert plan.fsdp_grad_syncs([model], Layout(world_size=4, dp=4)) == [] and plan.tensor_attrs() == {}
     assert plan.set_grad_scale(model, 0.5) is None and plan.after_step(model) is None
+    assert plan.computes_loss(ParallelConfig(fpdt_chunk=8)) is False
     with pytest.raises(ConfigError, match=r"^Piped has no loss_fn: a pipeline computes the loss on its last stage$"):
         Piped().check(Layout(world_size=4, dp=2, pp=2), ParallelConfig())
     with pytest.raises(ConfigError, match=r"^ParallelPlan does not implement apply_activation_checkpointing$"):

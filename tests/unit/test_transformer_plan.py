@@ -128,6 +128,10 @@ def test_train_config_layout_checks():
         cfg.check_layout(Layout(world_size=1), 16)
     with pytest.raises(ConfigError, match="2 micro-batches per step < pp 4"):
         TrainConfig(global_batch=8, micro_batch=4).check_layout(Layout(world_size=4, pp=4), 64)
+    cfg.check_layout(Layout(world_size=4, dp=2, cp=2), 64, fpdt_chunk=8)
+    with pytest.raises(ConfigError, match=r"^seq_len 32 is not divisible by cp 2 x fpdt_chunk 6 = 12 \(each rank holds "
+                                          r"whole chunks\)$"):
+        cfg.check_layout(Layout(world_size=4, dp=2, cp=2), 64, fpdt_chunk=6)
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -8,8 +8,10 @@ Every stage-specific part (embedding, final norm, output) may be ``None``.
 
 The model knows nothing of ranks. Its plan (:mod:`hpcml.models.transformer.parallelize`,
 found through :meth:`Transformer.parallel_plan`) swaps ``Attention.core`` for Ulysses'
-all-to-all wrapper and sets ``Transformer.seq_shard`` (which contiguous slice of the
-sequence this module sees, for rotary positions).
+all-to-all wrapper (or FPDT's) and sets ``Transformer.seq_shard`` and ``fpdt_chunk`` (which
+positions of the sequence this module sees, for rotary positions: a contiguous slice, or
+FPDT's strided chunks). Under FPDT each block's MLP, and the logits + loss when the forward
+is given ``targets``, run chunk by chunk, recomputed in backward.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rope import apply_rope, rope_tables
+from hpcml.parallel.fpdt import chunked, chunked_loss, local_positions
 
 
 class RMSNorm(nn.Module):
@@ -108,10 +111,15 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg)
         self.activation_checkpointing = False
         """Recompute this block's activations in backward (set by its plan); keeps parameter names."""
+        self.mlp_chunk = 0
+        """FPDT: run the norm and MLP this many positions at a time, saving only their input (0: whole)."""
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(h))
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (chunked(self._mlp, h, self.mlp_chunk) if self.mlp_chunk else self._mlp(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
@@ -135,8 +143,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.seq_shard = (0, 1)
-        """(index, count): this module sees slice ``index`` of ``count`` equal slices of the
-        sequence (Ulysses); set by its context-parallel plan."""
+        """(index, count): this module is rank ``index`` of ``count`` on cp; set by its context-parallel plan."""
+        self.fpdt_chunk = 0
+        """FPDT: positions per local chunk (its strided placement, :func:`local_positions`; 0: a contiguous slice)."""
         self.sp_size = 1
         """Tensor-parallel ranks the hidden states are sequence-sharded over between regions (Megatron-SP)."""
         self.init_weights()
@@ -161,18 +170,35 @@ class Transformer(nn.Module):
 
         return TransformerPlan(self.config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or hidden states off the last pipeline stage); with ``targets`` [B, S] on the
+        last stage, the mean next-token loss, computed chunk by chunk under FPDT."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         s = h.shape[1] * self.sp_size  # positions of this rank's (cp) slice; sequence-parallel holds 1/sp of them
         index, count = self.seq_shard
-        start = index * s  # Ulysses: this rank holds positions [start, start + s)
-        if start + s > self.rope_cos.shape[0]:
+        if s * count > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        if self.fpdt_chunk or count > 1:
+            pos = local_positions(s * count, index, count, self.fpdt_chunk).to(self.rope_cos.device)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        else:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if targets is not None:
+            if self.output is None:
+                raise ConfigError("forward(targets=...) needs the output layer: only the last pipeline stage has it")
+            return self._loss(h, targets)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def _chunk_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(self.output(self.norm(h)), targets)
+
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean of the equal chunks' mean losses, their gradients taken in forward: the logits are never whole."""
+        params = [p for p in (*self.norm.parameters(), *self.output.parameters()) if p.requires_grad]
+        return chunked_loss(self._chunk_loss, h, targets, self.fpdt_chunk or h.shape[1], params)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from hpcml.models.transformer.moe import MoE, moe_layers
 from hpcml.models.transformer.moe_plan import apply_moe
 from hpcml.models.transformer.rules import check_moe_plan, check_plan, stage_layers  # noqa: F401 (the plan's API)
 from hpcml.parallel.config import ParallelConfig
+from hpcml.parallel.fpdt import FPDTAttention
 from hpcml.parallel.plan import ParallelPlan
 from hpcml.parallel.tp import FusedColwiseParallel
 from hpcml.parallel.ulysses import UlyssesAttention
@@ -108,10 +109,20 @@ class TransformerPlan(ParallelPlan):
     def apply_tp(self, part: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> None:
         apply_tp(part, mesh, config.sequence_parallel)
 
-    def apply_cp(self, part: Transformer, group, index: int, count: int) -> None:
-        part.seq_shard = (index, count)
+    def apply_cp(self, part: Transformer, group, index: int, count: int, config: ParallelConfig) -> None:
+        """Ulysses around each block's attention; with ``config.fpdt_chunk``, FPDT: strided chunks,
+        chunked attention through per-chunk all-to-alls, chunked MLP (a MoE block's router keeps
+        the whole sequence: its balancing statistics are per sequence) and chunked logits + loss."""
+        part.seq_shard, part.fpdt_chunk = (index, count), config.fpdt_chunk
         for block in part.layers.values():
-            block.attention.core = UlyssesAttention(block.attention.core, group)
+            if config.fpdt_chunk:
+                block.attention.core = FPDTAttention(group, config.fpdt_chunk)
+                block.mlp_chunk = 0 if isinstance(block.feed_forward, MoE) else config.fpdt_chunk
+            else:
+                block.attention.core = UlyssesAttention(block.attention.core, group)
+
+    def computes_loss(self, config: ParallelConfig) -> bool:
+        return bool(config.fpdt_chunk)
 
     def apply_moe(self, part: Transformer, grid, data_mesh: DeviceMesh | None) -> list:
         """Shard each MoE layer's experts over ep (and tp), give it its dispatch and groups;

@@ -1,0 +1,116 @@
+"""What a forward keeps for backward, counted (issue 27's memory account).
+
+Activation memory is the bytes autograd saves between a micro-batch's forward and its
+backward. :class:`SavedBytes` counts them with ``torch.autograd.graph.saved_tensors_hooks``
+while the model runs: each saved tensor's storage once (views of one tensor, and a tensor
+several ops save, count once), parameters and their views not at all (they are model state,
+counted by the planner's parameter bytes), a tensor-parallel DTensor by its local shard. A
+storage is charged to the layer whose forward first saved it, the rest (embedding, loss) to
+``outside``. A non-reentrant activation checkpoint saves its inputs through the same hooks,
+so what checkpointing and FPDT's chunking keep is what is counted.
+
+It measures what the graph holds, on any device, where peak RSS (CPU) also counts the
+allocator's slack and everything else in the process; both go to ``metrics.jsonl`` when
+``LoopConfig.memory_account`` is set.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+OUTSIDE = "outside"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class SavedBytes:
+    """Counts the bytes saved for backward per layer while active (``with account:``). ``layers``
+    maps a name to a module; each forward of a module of ``roots`` (a micro-batch) starts a new
+    count, and :meth:`take` returns the counts since the last call."""
+
+    def __init__(self, layers: dict[str, nn.Module], roots: list[nn.Module]) -> None:
+        self.layers, self.roots = layers, roots
+        self.current = OUTSIDE
+        self.by_layer: dict[str, int] = {}
+        self.done: list[dict[str, int]] = []
+        self._seen: set[int] = set()
+        self._params: set[int] = set()
+        self._stack: ExitStack | None = None
+
+    def _enter_layer(self, name: str, module: nn.Module):
+        def hook(*_):
+            self.current = name
+            # parameters as this forward sees them (FSDP registers the gathered ones before this hook)
+            self._params.update(_local(p).untyped_storage().data_ptr() for p in module.parameters())
+        return hook
+
+    def _leave_layer(self, *_) -> None:
+        self.current = OUTSIDE
+
+    def _new_forward(self, *_) -> None:
+        """A micro-batch's forward: its own count (a freed storage's address may come again)."""
+        if self.by_layer:
+            self.done.append(self.by_layer)
+        self.by_layer, self._seen, self.current = {}, set(), OUTSIDE
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = _local(t)
+        if isinstance(t, nn.Parameter) or isinstance(local._base, nn.Parameter) or local.device.type == "meta":
+            return t
+        storage = local.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self._seen and ptr not in self._params:
+            self._seen.add(ptr)
+            self.by_layer[self.current] = self.by_layer.get(self.current, 0) + storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        stack = ExitStack()
+        for root in self.roots:
+            stack.callback(root.register_forward_pre_hook(self._new_forward).remove)
+        for name, module in self.layers.items():
+            stack.callback(module.register_forward_pre_hook(self._enter_layer(name, module)).remove)
+            stack.callback(module.register_forward_hook(self._leave_layer).remove)
+        self._params = {_local(p).untyped_storage().data_ptr() for m in self.layers.values() for p in m.parameters()}
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+
+    def take(self) -> list[dict[str, int]]:
+        """Bytes saved per layer (and ``outside``) by each forward since the last call; forgets them."""
+        self._new_forward()
+        out, self.done = self.done, []
+        return out
+
+
+def account_of(model) -> SavedBytes:
+    """The account of a :class:`~hpcml.parallel.ParallelModel`: its plan's FSDP units as the
+    layers (a transformer's blocks), each local part's forward a micro-batch."""
+    layers = {}
+    for i, part in enumerate(model.parts):
+        units = {id(u) for u in model.plan.fsdp_units(part)}
+        prefix = f"{i}." if len(model.parts) > 1 else ""
+        layers.update({prefix + name: m for name, m in part.named_modules() if id(m) in units})
+    return SavedBytes(layers, list(model.parts))
+
+
+def summary(counts: list[dict[str, int]]) -> dict[str, float]:
+    """Per-step metrics from each micro-batch's counts: the largest micro-batch's total, and the
+    largest single layer's, in MiB."""
+    totals = [sum(c.values()) for c in counts] or [0]
+    layers = [v for c in counts for k, v in c.items() if k != OUTSIDE] or [0]
+    return {"saved_mib": max(totals) / 2**20, "saved_mib_per_layer": max(layers) / 2**20}
+
+
+__all__ = ["OUTSIDE", "SavedBytes", "account_of", "summary"]
