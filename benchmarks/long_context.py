@@ -7,15 +7,16 @@ Per sequence length and mode, one training micro-batch (forward + backward) of a
 vocabulary 32x its width (Llama 3's ratio is 31): the bytes saved for backward per layer and
 in all (:mod:`hpcml.train.memory`), and the peak RSS the step added (VmHWM after it against
 VmRSS before it, rank 0): each point a fresh ``mpiexec`` of its own, so no allocator cache
-of another point hides its peak. Then, at one length: tokens/s of both (their steps
-alternating in one process, the median of the paired ratios), and the all-to-all bytes of
+of another point hides its peak. Then, at one length: tokens/s of Ulysses and of FPDT at the
+chunk and at twice it (their steps alternating in one process, the median of the paired
+ratios; the headline is the chunk's), and the all-to-all bytes of
 a forward + backward from torch's profiler against theory (:func:`hpcml.parallel.ulysses.bytes_per_layer`, twice for
 the backward, times the layers). The last JSON line carries ``saved_bytes_growth_16x``
 (FPDT's saved bytes per layer at the longest length over the shortest, 16x apart, at a fixed
 chunk), ``max_seq_ratio`` (the longest sequence whose saved bytes fit a budget, FPDT over
-Ulysses, from a line through each mode's points; the budget: Ulysses' saved bytes at the
-second length), the same from peak RSS (``max_seq_ratio_rss``), ``tokens_per_s_ratio`` and
-``a2a_bytes_over_theory``.
+Ulysses, linear between the measured points around the budget, past the last two where all
+are under it; the budget: Ulysses' saved bytes at the second length), the same from peak
+RSS (``max_seq_ratio_rss``), ``tokens_per_s_ratio`` and ``a2a_bytes_over_theory``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,21 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line y = a + b x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+def _longest(points: list[tuple[int, float]], budget: float) -> tuple[float | None, str]:
+    """The sequence length at which the measured bytes reach ``budget``: linear between the two
+    points around it, or past the last two when every point is under it ("extrapolated");
+    None where the bytes do not grow there."""
+    points = sorted(points)
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if v1 >= budget or (s1, v1) == points[-1]:
+            if v1 <= v0:
+                return None, "not growing"
+            return s0 + (budget - v0) * (s1 - s0) / (v1 - v0), "interpolated" if v1 >= budget else "extrapolated"
+    return None, "one point"
 
 
-def _longest(points: list[tuple[int, float]], budget: float) -> float:
-    a, b = _fit([s for s, _ in points], [v for _, v in points])
-    return (budget - a) / b
+def _ratio(fpdt: tuple[float | None, str], ulysses: tuple[float | None, str]) -> float | None:
+    return fpdt[0] / ulysses[0] if fpdt[0] and ulysses[0] else None
 
 
 def _build(mode: str, seq: int, chunk: int, model_kw: dict):
@@ -76,22 +82,31 @@ def _step(trainer, x, y) -> float:
 
 
 def run_timing(seq: int, chunk: int, model_kw: dict, rounds: int) -> dict:
-    """Both modes in one process, steps alternating (which goes first alternating too), so the
-    VM's drift hits both alike: tokens/s of each (medians) and the median of the paired ratios."""
-    trainers = {m: _build(m, seq, chunk, model_kw)[0] for m in ("ulysses", "fpdt")}
+    """Ulysses and FPDT at ``chunk`` and at twice it, in one process, their steps alternating
+    (the order rotating each round), so the VM's drift hits all alike: tokens/s of each (medians)
+    and the median of each FPDT's paired ratios to the Ulysses step of its round."""
+    from mpi4py import MPI
+
+    local = seq // MPI.COMM_WORLD.Get_size()
+    modes = {"ulysses": 0, "fpdt": chunk, f"fpdt{2 * chunk}": 2 * chunk}
+    modes = {m: c for m, c in modes.items() if not c or local % c == 0}
+    trainers = {m: _build("fpdt" if c else "ulysses", seq, c, model_kw)[0] for m, c in modes.items()}
     batches = {m: t.local_batch(0) for m, t in trainers.items()}
     times: dict[str, list[float]] = {m: [] for m in trainers}
+    order = list(trainers)
     for r in range(rounds + 1):
-        for m in (("ulysses", "fpdt") if r % 2 else ("fpdt", "ulysses")):
+        for m in order[r % len(order):] + order[:r % len(order)]:
             dt = _step(trainers[m], *batches[m])
             if r:  # the first round warms up
                 times[m].append(dt)
-    ratios = [u / f for u, f in zip(times["ulysses"], times["fpdt"])]
+    ratios = {m: [u / f for u, f in zip(times["ulysses"], times[m])] for m in times if m != "ulysses"}
     for t in trainers.values():
         t.close()
-    return {"seq": seq, "rounds": rounds, "tokens_per_s": {m: seq / statistics.median(ts) for m, ts in times.items()},
-            "tokens_per_s_ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "step_s": {m: ts for m, ts in times.items()}}
+    return {"seq": seq, "rounds": rounds, "chunks": modes,
+            "tokens_per_s": {m: seq / statistics.median(ts) for m, ts in times.items()},
+            "tokens_per_s_ratio": {m: statistics.median(r) for m, r in ratios.items()},
+            "ratio_range": {m: [min(r), max(r)] for m, r in ratios.items()},
+            "step_s": times}
 
 
 def run_point(mode: str, seq: int, chunk: int, model_kw: dict, a2a: bool = False) -> dict:
@@ -105,6 +120,11 @@ def run_point(mode: str, seq: int, chunk: int, model_kw: dict, a2a: bool = False
     model = trainer.model
     x, y = trainer.local_batch(0)
     account = memory.account_of(model)
+    try:  # VmHWM := VmRSS now: the peak read after the step is the step's, not the build's
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     rss0 = _status_kib("VmRSS")
     with account:
         model.forward_backward(x, y, 1)
@@ -171,7 +191,9 @@ def main() -> None:
     by = {m: [r for r in rows if r["mode"] == m] for m in ("ulysses", "fpdt")}
     budget = by["ulysses"][1]["saved_bytes"]
     rss_budget = by["ulysses"][1]["peak_rss_added_bytes"]
-    t = {m: next(r for r in by[m] if "a2a_bytes" in r) for m in by}
+    t = {m: next((r for r in by[m] if "a2a_bytes" in r), {}) for m in by}  # (none on cp 1)
+    longest = {m: _longest([(r["seq"], r["saved_bytes"]) for r in by[m]], budget) for m in by}
+    longest_rss = {m: _longest([(r["seq"], r["peak_rss_added_bytes"]) for r in by[m]], rss_budget) for m in by}
     sixteen = seqs[-1] == 16 * seqs[0]
     summary = {
         "benchmark": "long_context", "cp": args.cp, "chunk": args.chunk, "model": MODEL, "seqs": seqs,
@@ -183,14 +205,15 @@ def main() -> None:
                                         for r, u in zip(by["fpdt"], by["ulysses"])},
         "saved_bytes_ratio": {r["seq"]: r["saved_bytes"] / u["saved_bytes"] for r, u in zip(by["fpdt"], by["ulysses"])},
         "budget_bytes": budget,
-        "max_seq_ratio": (_longest([(r["seq"], r["saved_bytes"]) for r in by["fpdt"]], budget)
-                          / _longest([(r["seq"], r["saved_bytes"]) for r in by["ulysses"]], budget)),
-        "max_seq_ratio_rss": (_longest([(r["seq"], r["peak_rss_added_bytes"]) for r in by["fpdt"]], rss_budget)
-                              / _longest([(r["seq"], r["peak_rss_added_bytes"]) for r in by["ulysses"]], rss_budget)),
+        "max_seq_ratio": _ratio(longest["fpdt"], longest["ulysses"]),
+        "max_seq": {m: {"seq": v[0], "how": v[1]} for m, v in longest.items()},
+        "max_seq_ratio_rss": _ratio(longest_rss["fpdt"], longest_rss["ulysses"]),
+        "max_seq_rss": {m: {"seq": v[0], "how": v[1]} for m, v in longest_rss.items()},
         "tokens_per_s_seq": timing["seq"],
         "tokens_per_s": timing["tokens_per_s"],
-        "tokens_per_s_ratio": timing["tokens_per_s_ratio"],
-        "tokens_per_s_ratio_range": timing["ratio_range"],
+        "tokens_per_s_ratio": timing["tokens_per_s_ratio"]["fpdt"],
+        "tokens_per_s_ratio_range": timing["ratio_range"]["fpdt"],
+        "tokens_per_s_ratio_by_chunk": {timing["chunks"][m]: r for m, r in timing["tokens_per_s_ratio"].items()},
         "a2a_bytes_over_theory": t["fpdt"].get("a2a_bytes_over_theory"),
         "a2a_bytes_over_theory_ulysses": t["ulysses"].get("a2a_bytes_over_theory"),
         "a2a_calls": {m: t[m].get("a2a_calls") for m in t},

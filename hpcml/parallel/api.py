@@ -183,8 +183,11 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         if lay.tp > 1:
             plan.apply_tp(part, mesh["tp"], config)
         expert_params += plan.apply_moe(part, grid, data_mesh)
-        if lay.cp > 1 or config.fpdt_chunk:
-            plan.apply_cp(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp, config)
+        if config.fpdt_chunk:
+            plan.apply_fpdt(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp,
+                            config.fpdt_chunk)
+        elif lay.cp > 1:
+            plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         if config.activation_checkpointing:
             plan.apply_activation_checkpointing(part)
         if config.fsdp and data_mesh is not None:

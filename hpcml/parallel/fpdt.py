@@ -39,6 +39,9 @@ from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
 def local_positions(seq_len: int, index: int, count: int, chunk: int = 0) -> torch.Tensor:
     """The global positions rank ``index`` of ``count`` holds, in its local order: a contiguous
     slice (``chunk`` 0, plain Ulysses) or FPDT's strided chunks of ``chunk`` positions."""
+    if count < 1 or not 0 <= index < count or seq_len % count:
+        raise ConfigError(f"local_positions: rank {index} of {count} over {seq_len} positions: expected 0 <= rank < "
+                          f"count and count dividing the sequence")
     local = seq_len // count
     if not chunk:
         return torch.arange(index * local, (index + 1) * local)
@@ -179,7 +182,7 @@ class FPDTAttention(torch.nn.Module):
         self.group, self.chunk = group, chunk
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        c, n = self.chunk, q.shape[1] // self.chunk
+        c, n = self.chunk, _chunks(q, self.chunk, "FPDTAttention")
         if self.group is None:
             return chunked_attention(q, k, v, c)
         p = torch.distributed.get_world_size(self.group)
@@ -192,39 +195,47 @@ class FPDTAttention(torch.nn.Module):
         return torch.cat([heads_to_seq(out[:, j * p * c:(j + 1) * p * c], self.group) for j in range(n)], dim=1)
 
 
+def _chunks(x: torch.Tensor, chunk: int, what: str) -> int:
+    """Whole chunks of ``chunk`` positions in ``x`` [B, S, ...], or a one-line error."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or x.shape[1] % chunk:
+        raise ConfigError(f"{what}: chunk {chunk!r} does not divide the sequence of {x.shape[1]} positions "
+                          f"(expected a positive divisor)")
+    return x.shape[1] // chunk
+
+
 def chunked(fn, x: torch.Tensor, chunk: int, *args) -> torch.Tensor:
     """``fn`` applied to ``x`` [B, S, ...] ``chunk`` positions at a time, each chunk recomputed in
     backward (non-reentrant checkpoint): what is saved is ``x``, not ``fn``'s intermediates
-    (FPDT's chunked MLP). ``fn`` must act on each position alone."""
-    n = x.shape[1] // chunk
-    if n <= 1 or not torch.is_grad_enabled():
-        return fn(x, *args)
-    return torch.cat([checkpoint(fn, x[:, j * chunk:(j + 1) * chunk], *args, use_reentrant=False)
-                      for j in range(n)], dim=1)
+    (FPDT's chunked MLP). Without grad the chunks run plainly, one at a time: the intermediates
+    of one chunk live at once either way. ``fn`` must act on each position alone."""
+    n = _chunks(x, chunk, "chunked")
+    parts = (x[:, j * chunk:(j + 1) * chunk] for j in range(n))
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(p, *args) for p in parts], dim=1)
+    return torch.cat([checkpoint(fn, p, *args, use_reentrant=False) for p in parts], dim=1)
 
 
 class _GradsInForward(torch.autograd.Function):
-    """The mean of ``fn`` over chunks, its gradients taken chunk by chunk while forward runs."""
+    """``fn``'s summed loss over chunks over its count, the gradients taken chunk by chunk in forward."""
 
     @staticmethod
     def forward(ctx, fn, chunk, x, targets, *params):
-        n = x.shape[1] // chunk
         dx = torch.empty_like(x)
         dparams = [torch.zeros_like(p) for p in params]
-        total = None
-        for j in range(n):
+        total, count = None, 0
+        for j in range(x.shape[1] // chunk):
             sl = slice(j * chunk, (j + 1) * chunk)
             xj = x[:, sl].detach().requires_grad_()
             # a graph gone before this returns: no saved-tensor hook of the caller's (an offload, an account) sees it
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                loss = fn(xj, targets[:, sl])
+                loss, n = fn(xj, targets[:, sl])
                 grads = torch.autograd.grad(loss, (xj, *params))
             dx[:, sl] = grads[0]
             for acc, g in zip(dparams, grads[1:]):
                 acc += g
-            total = loss.detach() if total is None else total + loss.detach()
-        ctx.save_for_backward(dx / n, *(g / n for g in dparams))
-        return total / n
+            total, count = (loss.detach() if total is None else total + loss.detach()), count + int(n)
+        ctx.save_for_backward(dx / count, *(g / count for g in dparams))
+        return total / count
 
     @staticmethod
     def backward(ctx, grad):
@@ -235,16 +246,21 @@ class _GradsInForward(torch.autograd.Function):
 
 
 def chunked_loss(fn, x: torch.Tensor, targets: torch.Tensor, chunk: int, params: list[torch.Tensor]) -> torch.Tensor:
-    """The mean over chunks of ``chunk`` positions of ``fn(x_chunk, targets_chunk)`` (a mean loss
-    over the chunk), with its gradients to ``x`` and ``params`` (every parameter ``fn`` uses)
-    taken chunk by chunk in forward, as a fused linear cross-entropy does: each chunk's
-    vocabulary-sized logits live only while that chunk is computed, nothing is recomputed in
-    backward, and what waits for backward is ``d loss / d x`` (x's size) and the parameters'
-    gradients. Without grad, or in one chunk, the plain mean."""
-    n = x.shape[1] // chunk
-    if n <= 1 or not torch.is_grad_enabled():
-        return fn(x, targets)
-    return _GradsInForward.apply(fn, chunk, x, targets, *params)
+    """The mean loss over ``x`` [B, S, ...], ``chunk`` positions at a time: ``fn(x_chunk,
+    targets_chunk)`` gives a chunk's summed loss and the number of targets it counts (ignored
+    ones not), so the result is the plain mean whatever each chunk holds. With grad, the
+    gradients to ``x`` and ``params`` (every parameter ``fn`` uses) are taken chunk by chunk in
+    forward, as a fused linear cross-entropy does: each chunk's vocabulary-sized logits live
+    only while that chunk is computed, nothing is recomputed in backward, and what waits for
+    backward is ``d loss / d x`` (x's size) and the parameters' gradients."""
+    n = _chunks(x, chunk, "chunked_loss")
+    if n > 1 and torch.is_grad_enabled():
+        return _GradsInForward.apply(fn, chunk, x, targets, *params)
+    total, count = None, 0
+    for j in range(n):
+        loss, c = fn(x[:, j * chunk:(j + 1) * chunk], targets[:, j * chunk:(j + 1) * chunk])
+        total, count = (loss if total is None else total + loss), count + int(c)
+    return total / count
 
 
 __all__ = ["FPDTAttention", "chunked", "chunked_attention", "chunked_loss", "local_positions"]

@@ -51,8 +51,8 @@ class ParallelPlan:
             raise ConfigError(f"{name} does not implement apply_activation_checkpointing")
         if config.sequence_parallel and not self.supports("apply_tp"):
             raise ConfigError(f"{name} does not implement apply_tp: sequence_parallel is part of it")
-        if config.fpdt_chunk and not self.supports("apply_cp"):
-            raise ConfigError(f"{name} does not implement apply_cp: fpdt_chunk {config.fpdt_chunk} is part of it")
+        if config.fpdt_chunk and not self.supports("apply_fpdt"):
+            raise ConfigError(f"{name} does not implement apply_fpdt: it cannot run fpdt_chunk {config.fpdt_chunk}")
 
     def supports(self, member: str) -> bool:
         """Whether this plan overrides ``member`` of :class:`ParallelPlan`."""
@@ -66,14 +66,20 @@ class ParallelPlan:
     def apply_tp(self, part: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> None:
         raise ConfigError(f"{type(self).__name__} has no tensor-parallel plan")
 
-    def apply_cp(self, part: nn.Module, group, index: int, count: int, config: ParallelConfig) -> None:
-        """Rank ``index`` of ``count`` on the cp ``group`` (None: cp 1, called for ``config.fpdt_chunk``
-        alone). Its sequence positions are :func:`hpcml.parallel.fpdt.local_positions`."""
+    def apply_cp(self, part: nn.Module, group, index: int, count: int) -> None:
+        """Rank ``index`` of ``count`` on the cp ``group``, holding a contiguous slice of the sequence."""
         raise ConfigError(f"{type(self).__name__} has no context-parallel plan")
+
+    def apply_fpdt(self, part: nn.Module, group, index: int, count: int, chunk: int) -> None:
+        """FPDT instead of :meth:`apply_cp` (``ParallelConfig.fpdt_chunk``): rank ``index`` of
+        ``count`` holds strided chunks of ``chunk`` positions (:func:`hpcml.parallel.fpdt.local_positions`,
+        the trainer slices tokens and labels by it); ``group`` is None on cp 1 (chunking alone)."""
+        raise ConfigError(f"{type(self).__name__} has no FPDT plan")
 
     def computes_loss(self, config: ParallelConfig) -> bool:
         """Whether the model's forward takes ``targets=`` and returns the mean loss itself (FPDT's
-        chunked logits + loss: the vocabulary-sized logits are never whole). Not under pp."""
+        chunked logits + loss: the vocabulary-sized logits are never whole). Not under pp, and
+        not when ``parallelize`` is given a ``loss_fn`` of the caller's."""
         return False
 
     def apply_activation_checkpointing(self, part: nn.Module) -> None:

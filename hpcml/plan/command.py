@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--attention", choices=ATTENTION, default=None)
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--fpdt-chunk", type=int, default=None, metavar="N",
+                   help="FPDT on cp: chunks of N positions per rank (kept by a search, which then tries only the "
+                        "cp degrees N divides)")
     p.add_argument("--precision", choices=PRECISIONS, default=None)
     p.add_argument("--framework", choices=FRAMEWORKS, default=None,
                    help="whose implementation (hpcml; megatron or torchtitan to compare)")
@@ -53,7 +56,7 @@ def add_parser(sub) -> None:
 def _given(args: argparse.Namespace) -> dict:
     d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "seq_len", "global_batch", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
-                                       "schedule", "precision", "framework")}
+                                       "schedule", "precision", "framework", "fpdt_chunk")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}
@@ -143,7 +146,8 @@ def _line(p) -> str:
     lay = p.layout
     shape = (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}" + (f" ep {lay.ep}" if lay.ep > 1 else "")
              + f" zero {lay.zero} mb {lay.micro_batch} recompute {lay.recompute}"
-             + (" sp" if lay.sequence_parallel else "") + (f" {lay.schedule}" if lay.pp > 1 else ""))
+             + (" sp" if lay.sequence_parallel else "") + (f" {lay.schedule}" if lay.pp > 1 else "")
+             + (f" fpdt {lay.fpdt_chunk}" if lay.fpdt_chunk else ""))
     if not p.memory_gib:
         return f"{shape}: {p.why}"
     return (f"{shape}: {'fits' if p.fits else 'OOM '} {p.memory_gib['total']:.1f} GiB, step {p.step_s:.3g} s, "

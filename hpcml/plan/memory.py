@@ -180,7 +180,8 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # hpcml: fp32 weights, fp32 residual
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
-                    sp_saves_gathered=lay.framework != "megatron")
+                    sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
+                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1)
 
 
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
@@ -195,15 +196,16 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
     per_mb *= tokens
-    saved = per_mb * in_flight(lay, pp_rank)
+    saved = per_mb * in_flight(lay, pp_rank) + fp.head_constant(cfg, how, last=n_stages - 1 in mine)
     if lay.framework == "hpcml" and lay.precision == "bf16":
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
         saved += 2 * state.compute_params
     # transients: the logits' gradient on the last stage, one block recomputed in backward
     buffers = 0.0
-    if n_stages - 1 in mine:
-        buffers += 2 * 4 * cfg.padded_vocab / lay.tp * tokens / lay.cp
+    if n_stages - 1 in mine:  # (FPDT's chunked loss: one chunk's logits at a time)
+        logit_rows = min(tokens / lay.cp, lay.micro_batch * lay.fpdt_chunk) if how.chunked_loss else tokens / lay.cp
+        buffers += 2 * 4 * cfg.padded_vocab / lay.tp * logit_rows
     moe = [i for s in mine for i in fp.layer_kinds(cfg, stages[s]) if cfg.is_moe(i)]
     if moe and lay.ep > 1:  # all-to-all send and receive buffers of one MoE block
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes

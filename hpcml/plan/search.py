@@ -124,6 +124,8 @@ def emit(lay: PlanLayout) -> list[str]:
         args += ["--schedule", lay.schedule]
     if lay.recompute == "full":
         args.append("--activation-checkpointing")
+    if lay.fpdt_chunk:
+        args += ["--fpdt-chunk", str(lay.fpdt_chunk)]
     if lay.precision == "bf16":
         args.append("--bf16")
     args += ["--micro-batch", str(lay.micro_batch), "--global-batch", str(lay.global_batch),

@@ -63,6 +63,9 @@ class PlanLayout:
     stages_per_rank: int | None = None
     precision: str = "bf16"
     framework: str = "hpcml"
+    fpdt_chunk: int = 0
+    """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
+    loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
     overlap: bool = False
     """Communication overlapped by the framework beyond what its schedule does anyway: tensor-
     parallel traffic with the matmuls (async TP, userbuffers) and data-parallel gradients and
@@ -89,6 +92,10 @@ class PlanLayout:
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 64):
                 raise ConfigError(f"{name}={repr(value)[:40]}: expected a name")
         _int("zero", self.zero, least=0)
+        _int("fpdt_chunk", self.fpdt_chunk, least=0)
+        if self.fpdt_chunk and self.framework != "hpcml":
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with framework {self.framework}: FPDT is planned for "
+                              f"hpcml")
         if self.zero > 3:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
@@ -120,6 +127,9 @@ class PlanLayout:
                               + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
         if self.sequence_parallel and self.cp > 1:
             raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported: use cp alone")
+        if self.fpdt_chunk and (self.sequence_parallel or self.seq_len % (self.cp * self.fpdt_chunk)):
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk}: seq_len {self.seq_len} must be a multiple of cp "
+                              f"{self.cp} x fpdt_chunk, without sequence_parallel")
         if self.pp > 1 and self.framework == "hpcml" and self.microbatches < self.pp:
             raise ConfigError(f"{self.microbatches} micro-batches per step < pp {self.pp}: hpcml's pipeline would "
                               f"idle (raise global_batch or lower micro_batch)")

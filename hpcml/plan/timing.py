@@ -111,8 +111,14 @@ def _recompute_flops(cfg: TransformerConfig, lay: PlanLayout, kinds: dict[int, i
         full = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp)
         core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp
         mode = block_recompute(lay.recompute, i)
-        out += count * {"none": 0.0, "full": full, "selective": core, "selective-op": (full - core) / 2 + core}[mode]
+        out += count * {"none": tokens * _fpdt_mlp(cfg, lay, i), "full": full, "selective": core,
+                        "selective-op": (full - core) / 2 + core}[mode]
     return out
+
+
+def _fpdt_mlp(cfg: TransformerConfig, lay: PlanLayout, layer: int) -> float:
+    """Forward FLOPs per token FPDT recomputes in a block: a dense block's MLP (chunked, checkpointed)."""
+    return 0.0 if not lay.fpdt_chunk or cfg.is_moe(layer) else 2 * 3 * cfg.dim * cfg.hidden / lay.tp
 
 
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:
@@ -159,8 +165,9 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp / (peak * eff) + sm  # attention scores and values
         fwd += count * (mm + ew + sm)
         mode = block_recompute(lay.recompute, i)
-        refwd += count * {"none": 0.0, "full": mm + ew + sm, "selective": core,
-                          "selective-op": (mm - core) / 2 + ew + core}[mode]
+        mlp = _fpdt_mlp(cfg, lay, i)  # FPDT recomputes a dense block's MLP: its matmuls and half the elementwise
+        refwd += count * {"none": mlp * tokens / (peak * eff) + ew / 2 if mlp else 0.0,
+                          "full": mm + ew + sm, "selective": core, "selective-op": (mm - core) / 2 + ew + core}[mode]
     head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff) if n_stages - 1 in mine else 0.0
     full_layers = sum(n for i, n in kinds.items() if block_recompute(lay.recompute, i) == "full")
     compute_mb = 3 * (fwd + head) + refwd + c.block_s * (len(layers) + full_layers / 3)
@@ -175,12 +182,14 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     if lay.tp > 1:  # the embedding and the vocabulary-parallel loss count as one block more
         ends = (0 in mine) + (n_stages - 1 in mine)
         tp_mb += (len(layers) + ends / 2) * (c.sp_block_s if lay.sequence_parallel else c.tp_block_s)
-    # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways
+    # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways (FPDT:
+    # the same bytes in two calls a chunk: q, k, v together, then the output)
     cp_bw = _link(dev, lay.cp, lay.tp)
     a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
+    calls = 2 * lay.seq_len // (lay.cp * lay.fpdt_chunk) if lay.fpdt_chunk else 4
     # (a recomputed forward repeats its forward all-to-alls, as it repeats tp's all-reduces)
     cp_mb = 0.0 if lay.cp == 1 else (len(layers) + full_layers / 2) * (
-        2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff) + 4 * c.latency_s) + c.cp_block_s)
+        2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff) + calls * c.latency_s) + c.cp_block_s)
     # experts: the dispatch and the combine all-to-all of every MoE block, both ways
     moe_layers = sum(n for i, n in kinds.items() if cfg.is_moe(i))
     ep_mb = 0.0

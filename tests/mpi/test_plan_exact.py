@@ -18,6 +18,7 @@ from hpcml.parallel import ParallelConfig
 from hpcml.plan.memory import activation_bytes, rank_elements, rank_state
 from hpcml.plan.spec import PlanLayout
 from hpcml.train import TrainConfig
+from hpcml.train.memory import SavedBytes
 from hpcml.train.recipe import build_llm_trainer
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -87,38 +88,31 @@ def test_states_equal_the_plan_exactly(comm, name, degrees, pkw):
 
 SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2xdp2", {"cp": 2}, {}),
              ("tp2xdp2", {"tp": 2}, {}), ("tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}),
-             ("full-ac", {"dp": 4}, {"activation_checkpointing": True})],
-         2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True})]}
+             ("full-ac", {"dp": 4}, {"activation_checkpointing": True}),
+             ("cp2xtp2-fpdt", {"cp": 2, "tp": 2}, {"fpdt_chunk": 4}), ("cp4-fpdt", {"cp": 4}, {"fpdt_chunk": 2})],
+         2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
+             ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", SAVED.get(WORLD, []), ids=[x[0] for x in SAVED.get(WORLD, [])])
 def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
-    """One micro-batch's forward and loss under ``saved_tensors_hooks``: the distinct storages
-    autograd keeps that are not parameters (FSDP's gathered weights and DTensor's included as
-    parameters), summed, against :func:`activation_bytes` for one micro-batch in flight."""
+    """One micro-batch's forward and loss under the memory account (``hpcml.train.memory``: the
+    distinct storages autograd keeps that are not parameters or buffers, FSDP's gathered weights
+    and DTensor's included as parameters), summed, against :func:`activation_bytes` for one
+    micro-batch in flight."""
     pcfg = ParallelConfig(**pkw)
     trainer = build_llm_trainer(MODEL, TRAIN, pcfg, **degrees)
     model = trainer.model.parts[0]
-    weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    weights |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
-            return t  # a weight (FSDP's gathered ones and DTensor's are Parameters too)
-        st = _local(t).untyped_storage()
-        if st.data_ptr() not in weights:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
+    account = SavedBytes({}, [model])  # the training loop's memory account
     x, y = trainer.local_batch(0)
     x, y = x[:TRAIN.micro_batch], y[:TRAIN.micro_batch]  # one micro-batch
     with trainer.model.loss_context():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = trainer.model.loss_fn(model(x), y)
+        with account:
+            loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
         loss.backward()
-    lay = _plan_layout(degrees, pcfg, recompute="full" if pcfg.activation_checkpointing else "none")
+    lay = _plan_layout(degrees, pcfg, recompute="full" if pcfg.activation_checkpointing else "none",
+                       fpdt_chunk=pcfg.fpdt_chunk)
     want, _ = activation_bytes(MODEL, lay, 0, rank_state(MODEL, lay, 0))
-    got = sum(seen.values())
+    got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"
     trainer.close()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer import Transformer, TransformerConfig
-from hpcml.models.transformer.model import cross_entropy
+from hpcml.models.transformer.model import IGNORE, cross_entropy
 from hpcml.parallel import ParallelConfig, fpdt
 from hpcml.parallel.fpdt import FPDTAttention, chunked_attention, local_positions
 
@@ -119,7 +119,7 @@ def test_the_transformer_with_fpdt_equals_it_without(chunk):
     plain_model = Transformer(cfg).double()
     fpdt = copy.deepcopy(plain_model)
     plan = fpdt.parallel_plan()
-    plan.apply_cp(fpdt, None, 0, 1, ParallelConfig(fpdt_chunk=chunk))
+    plan.apply_fpdt(fpdt, None, 0, 1, chunk)
     assert plan.computes_loss(ParallelConfig(fpdt_chunk=chunk)) and isinstance(fpdt.layers["0"].attention.core,
                                                                                FPDTAttention)
     x, y = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
@@ -147,3 +147,58 @@ def test_bad_fpdt_settings_are_refused_in_one_line(kw, error):
     with pytest.raises(ConfigError) as e:
         ParallelConfig(**kw)
     assert str(e.value) == error
+
+
+def _pair(chunk: int, **cfg_kw):
+    torch.manual_seed(0)
+    cfg = TransformerConfig.preset("tiny", **cfg_kw)
+    plain_model = Transformer(cfg).double()
+    fpdt = copy.deepcopy(plain_model)
+    fpdt.parallel_plan().apply_fpdt(fpdt, None, 0, 1, chunk)
+    return cfg, plain_model, fpdt
+
+
+def test_ignored_targets_give_the_plain_mean_even_a_chunk_with_none_counted():
+    """The loss is the mean over the targets that count, not a mean of chunk means: a chunk of
+    padding alone (every target ignored) changes nothing (it would be NaN chunk by chunk)."""
+    cfg, plain_model, fpdt = _pair(8)
+    x, y = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
+    y[:, :8] = IGNORE  # the first chunk: all padding
+    y[0, 20:23] = IGNORE
+    ref = cross_entropy(plain_model(x), y)
+    loss = fpdt(x, targets=y)
+    ref.backward(), loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
+    for (name, p), q in zip(plain_model.named_parameters(), fpdt.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-6, name
+    with torch.no_grad():  # evaluation: chunk by chunk too, the same mean
+        assert float(fpdt(x, targets=y)) == pytest.approx(float(ref.detach()), rel=1e-6)
+        assert _rel(fpdt(x), plain_model(x)) < 1e-10
+
+
+def test_fpdt_with_activation_checkpointing_and_under_bf16_autocast():
+    cfg, plain_model, fpdt = _pair(8)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    dlogits = torch.randn(2, 32, cfg.padded_vocab, dtype=torch.float64)
+    for block in fpdt.layers.values():
+        block.activation_checkpointing = True
+    plain_model(x).backward(dlogits)
+    fpdt(x).backward(dlogits)
+    for (name, p), q in zip(plain_model.named_parameters(), fpdt.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-10, name
+    plain_model.float(), fpdt.float()
+    y = torch.randint(0, cfg.vocab_size, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, loss = cross_entropy(plain_model(x), y), fpdt(x, targets=y)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=2e-2)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: fpdt.chunked(lambda t: t, x, 4),
+    lambda x: fpdt.chunked_loss(lambda t, y: (t.sum(), 1), x, x, 4, []),
+    lambda x: fpdt.FPDTAttention(None, 4)(x, x, x),
+], ids=["chunked", "chunked_loss", "attention"])
+def test_a_sequence_the_chunk_does_not_divide_is_refused(call):
+    with pytest.raises(ConfigError, match=r"chunk 4 does not divide the sequence of 10 positions \(expected a "
+                                          r"positive divisor\)$"):
+        call(torch.zeros(1, 10, 2, 4))

@@ -12,7 +12,6 @@ from torch import nn
 
 from hpcml.models.transformer import Transformer, TransformerConfig
 from hpcml.models.transformer.model import cross_entropy
-from hpcml.parallel import ParallelConfig
 from hpcml.train.memory import OUTSIDE, SavedBytes, summary
 
 
@@ -42,7 +41,7 @@ def test_fpdt_saves_less_per_layer_and_no_logits():
     cfg = TransformerConfig.preset("tiny", max_seq_len=512, vocab_size=4096)
     plain = Transformer(cfg)
     fpdt = copy.deepcopy(plain)
-    fpdt.parallel_plan().apply_cp(fpdt, None, 0, 1, ParallelConfig(fpdt_chunk=64))
+    fpdt.parallel_plan().apply_fpdt(fpdt, None, 0, 1, 64)
     x, y = torch.randint(0, cfg.vocab_size, (1, 512)), torch.randint(0, cfg.vocab_size, (1, 512))
     counts = {}
     for name, model in (("plain", plain), ("fpdt", fpdt)):

@@ -53,7 +53,7 @@ class Piped(SurrogatePlan):
     (Layout(world_size=2, dp=2), ParallelConfig(sequence_parallel=True),
      "SurrogatePlan does not implement apply_tp: sequence_parallel is part of it"),
     (Layout(world_size=2, dp=2), ParallelConfig(fpdt_chunk=64),
-     "SurrogatePlan does not implement apply_cp: fpdt_chunk 64 is part of it"),
+     "SurrogatePlan does not implement apply_fpdt: it cannot run fpdt_chunk 64"),
 ])
 def test_the_default_check_refuses_every_axis_the_plan_does_not_implement(layout, config, error):
     with pytest.raises(ConfigError) as e:
@@ -79,7 +79,8 @@ def test_a_plan_runs_what_it_overrides_and_the_rest_defaults_to_nothing():
 
 def test_the_models_own_plans_are_parallel_plans_and_a_duck_typed_one_is_refused():
     transformer = TransformerPlan(TransformerConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64))
-    assert all(transformer.supports(m) for m in (*AXIS_MEMBERS.values(), "apply_activation_checkpointing"))
+    assert all(transformer.supports(m) for m in (*AXIS_MEMBERS.values(), "apply_activation_checkpointing",
+                                                 "apply_fpdt", "computes_loss"))
     assert isinstance(plan_of(nn.Linear(2, 2)), DataParallelPlan)
     with pytest.raises(ConfigError, match=r"^Linear has no parallel plan for \{'tp': 2\}"):
         plan_of(nn.Linear(2, 2)).check(Layout(world_size=2, dp=1, tp=2), ParallelConfig())
@@ -92,3 +93,16 @@ def test_the_models_own_plans_are_parallel_plans_and_a_duck_typed_one_is_refused
 
     with pytest.raises(ConfigError, match=r"^parallel plan Duck: expected a subclass of hpcml.parallel.ParallelPlan"):
         checked_plan(Duck())
+
+
+def test_a_plan_with_ulysses_but_no_fpdt_is_refused_fpdt():
+    """An older plan that implements apply_cp only: FPDT's strided tokens would reach its
+    contiguous Ulysses (silently wrong attention), so fpdt_chunk is refused before anything runs."""
+
+    class UlyssesOnly(SurrogatePlan):
+        def apply_cp(self, part, group, index, count):
+            pass
+
+    UlyssesOnly().check(Layout(world_size=2, cp=2), ParallelConfig())
+    with pytest.raises(ConfigError, match=r"^UlyssesOnly does not implement apply_fpdt: it cannot run fpdt_chunk 8$"):
+        UlyssesOnly().check(Layout(world_size=2, cp=2), ParallelConfig(fpdt_chunk=8))

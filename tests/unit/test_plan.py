@@ -24,6 +24,7 @@ from hpcml.plan import PlanLayout, load_model, predict
 from hpcml.plan.memory import rank_elements, rank_state
 from hpcml.plan.published import CALIBRATION, TABLES
 from hpcml.plan.search import candidates, emit, search
+from hpcml.train.memory import SavedBytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = PRESETS["tiny"]
@@ -50,37 +51,35 @@ def test_param_shapes_are_the_modules(name, cfg):
         fp.shard_dims(n)  # every parameter has a rule
 
 
-def _saved_bytes(cfg: TransformerConfig, b: int, s: int, checkpointing: bool) -> int:
+def _saved_bytes(cfg: TransformerConfig, b: int, s: int, checkpointing: bool, fpdt: int = 0) -> int:
     torch.manual_seed(0)
     model = Transformer(cfg)
     for block in model.layers.values():
         block.activation_checkpointing = checkpointing
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in own:
-            seen.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
+    if fpdt:
+        model.parallel_plan().apply_fpdt(model, None, 0, 1, fpdt)
+    account = SavedBytes({}, [model])
     x = torch.randint(0, cfg.vocab_size, (b, s + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cross_entropy(model(x[:, :-1]), x[:, 1:])
-    return sum(seen.values())
+    with account:
+        if fpdt:
+            model(x[:, :-1], targets=x[:, 1:])
+        else:
+            cross_entropy(model(x[:, :-1]), x[:, 1:])
+    return sum(account.take()[0].values())
 
 
 @pytest.mark.parametrize("shape", [(64, 4, 4, 128, 2, 256), (96, 6, 2, 200, 3, 1000)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["none", "full"])
-def test_layer_saved_is_what_autograd_keeps(shape, checkpointing):
+@pytest.mark.parametrize("mode", ["none", "full", "fpdt"])
+def test_layer_saved_is_what_autograd_keeps(shape, mode):
     dim, heads, kv, hidden, layers, vocab = shape
     cfg = TransformerConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
                             ffn_hidden=hidden, max_seq_len=64)
     b, s = 3, 32
-    how = fp.Saved(recompute="full" if checkpointing else "none")
+    fpdt = mode == "fpdt"
+    how = fp.Saved(recompute="full" if mode == "full" else "none", fpdt=fpdt, chunked_loss=fpdt)
     want = b * s * (sum(fp.layer_saved(cfg, i, s, how) for i in range(layers))
-                    + fp.head_saved(cfg, how, first=True, last=True))
-    assert _saved_bytes(cfg, b, s, checkpointing) == pytest.approx(want, rel=0.01)
+                    + fp.head_saved(cfg, how, first=True, last=True)) + fp.head_constant(cfg, how, last=True)
+    assert _saved_bytes(cfg, b, s, mode == "full", fpdt=8 if fpdt else 0) == pytest.approx(want, rel=0.01)
 
 
 @pytest.mark.parametrize("cfg", [TINY, PRESETS["tiny-moe"], dataclasses.replace(TINY, tie_embeddings=True),
@@ -130,6 +129,10 @@ def test_rank_state_is_the_first_shard_of_rank_elements():
     ({"site": ["frontier"], "gpu": None}, "site=['frontier']: expected a name"),
     ({"pp": 2, "global_batch": 4, "micro_batch": 1, "gpus": 8}, "1 micro-batches per step < pp 2"),
     ({"cp": 2, "sequence_parallel": True}, "sequence_parallel with cp 2 > 1 is not supported"),
+    ({"cp": 2, "fpdt_chunk": 3}, "fpdt_chunk 3: seq_len 4096 must be a multiple of cp 2 x fpdt_chunk, without "
+                                 "sequence_parallel"),
+    ({"fpdt_chunk": 64, "framework": "megatron"}, "fpdt_chunk 64 with framework megatron: FPDT is planned for hpcml"),
+    ({"fpdt_chunk": -1}, "fpdt_chunk=-1: expected an integer in [0, 2^40]"),
     ({"pp": 2, "schedule": "interleaved1f1b", "global_batch": 20, "framework": "megatron"},
      "needs micro-batches (5) divisible by its rounds (2 = micro-batches // pp 2, torch's rule)"),
 ])
@@ -220,6 +223,18 @@ def test_calibration_file_is_what_the_fit_gives():
     out = subprocess.run([sys.executable, "-m", "hpcml.plan.fit", "--check"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_fpdt_plans_less_activation_memory_and_emits_its_flag():
+    """128k positions of Llama 3 8B on 8 H100s, cp 8: FPDT keeps well under half the activations
+    (no logits, a dense block's MLP its input alone), recomputes the MLP (more FLOPs), and its
+    layout runs as llm_pretrain.py --fpdt-chunk."""
+    base = dict(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=131072, global_batch=8, cp=8, zero=3)
+    plain, fpdt = predict(PlanLayout(**base)), predict(PlanLayout(**base, fpdt_chunk=2048))
+    assert fpdt.memory_gib["activations"] < 0.5 * plain.memory_gib["activations"]
+    assert fpdt.memory_gib["total"] < plain.memory_gib["total"] and fpdt.step_s > plain.step_s
+    assert emit(fpdt.layout)[-2:] == ["--seq-len", "131072"] and "--fpdt-chunk" in emit(fpdt.layout)
+    assert emit(fpdt.layout)[emit(fpdt.layout).index("--fpdt-chunk") + 1] == "2048"
 
 
 def test_search_ranks_valid_fitting_layouts_and_emits_them():

@@ -116,6 +116,11 @@ class Saved:
     """flash (SDPA's fused kernels: the output and a log-sum-exp per row); eager (the scores too)."""
     act_bytes: int = 4
     """Bytes of a saved matmul input or output: 4 in fp32 training, 2 under bf16 autocast."""
+    fpdt: bool = False
+    """FPDT (``ParallelConfig.fpdt_chunk``): the MLP of a dense block keeps only its input, the
+    rotary angles are gathered per position; with ``chunked_loss`` (no pp) the loss keeps
+    d loss / d h and the output layer's gradient instead of the log-softmax."""
+    chunked_loss: bool = False
     stream_bytes: int = 4
     """Bytes of the residual stream and the norms' tensors: 4 while parameters are fp32 (this
     model under autocast too), 2 where the parameters themselves are bf16 (Megatron, FSDP mixed precision)."""
@@ -156,10 +161,18 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
         lse = 2 * cfg.n_heads * seq_len / tp  # scores and probabilities of every key (causal, stored whole)
     if mode == "selective":
         attn, lse = (kvd + kvd + 2 * cfg.n_heads * hd) / tp, 0.0  # q, k, v and output kept; the core recomputed
+    if how.fpdt and not cfg.is_moe(layer):  # the MLP sub-block chunked and recomputed: its input h alone
+        return (norm_side / 2 + a * (shared_in / 2 + attn + lse) + r * cfg.dim) / cp
     ffn = 4 * _ffn_width(cfg, layer) / tp
     if cfg.is_moe(layer):  # the router's fp32 scores, each assignment's permuted input and expert output
         ffn += 4 * cfg.n_experts / a + 2 * cfg.moe_top_k * cfg.dim
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
+
+
+def head_constant(cfg: TransformerConfig, how: Saved, *, last: bool) -> float:
+    """Bytes outside the blocks that do not grow with the tokens: FPDT's chunked loss keeps the
+    final norm's and the output layer's gradients (fp32) from forward to backward."""
+    return 4.0 * (cfg.padded_vocab * cfg.dim / how.tp + cfg.dim) if last and how.chunked_loss else 0.0
 
 
 def block_recompute(recompute: str, layer: int) -> str:
@@ -193,9 +206,14 @@ def _ffn_width(cfg: TransformerConfig, layer: int) -> float:
 def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -> float:
     """Bytes per token outside the blocks: the token ids on the first stage; on the last, the
     final norm (fp32), the output projection's input and the log-softmax of every logit (fp32;
-    vocabulary-sharded over tp, as ``loss_parallel`` keeps it)."""
+    vocabulary-sharded over tp, as ``loss_parallel`` keeps it), or under FPDT's chunked loss
+    d loss / d h; the rotary angles where they are gathered per position (cp, FPDT)."""
     out = 8.0 if first else 0.0
-    if last:
+    if how.cp > 1 or how.fpdt:
+        out += 2 * 4 * cfg.head_dim / 2  # cos and sin of each position (fp32), shared by the stage's blocks
+    if last and how.chunked_loss:
+        out += how.stream_bytes * cfg.dim
+    elif last:
         out += (2 * how.stream_bytes * cfg.dim + 4) / (how.tp if how.sequence_parallel else 1) \
             + how.act_bytes * cfg.dim + 4 * cfg.padded_vocab / how.tp
     return out / how.cp

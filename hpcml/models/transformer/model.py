@@ -192,8 +192,8 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
-    def _chunk_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(self.output(self.norm(h)), targets)
+    def _chunk_loss(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cross_entropy_sum(self.output(self.norm(h)), targets)
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean of the equal chunks' mean losses, their gradients taken in forward: the logits are never whole."""
@@ -201,6 +201,17 @@ class Transformer(nn.Module):
         return chunked_loss(self._chunk_loss, h, targets, self.fpdt_chunk or h.shape[1], params)
 
 
+IGNORE = -100
+"""A target that counts in no loss (``F.cross_entropy``'s ``ignore_index``: padding, prompts)."""
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; works on vocabulary-sharded DTensor logits inside ``loss_parallel()``."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean next-token loss over the targets that count; works on vocabulary-sharded DTensor
+    logits inside ``loss_parallel()``."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed next-token loss, number of targets that count): a chunk's share of the mean."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+    return loss, (targets != IGNORE).sum()

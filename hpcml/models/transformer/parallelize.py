@@ -109,17 +109,19 @@ class TransformerPlan(ParallelPlan):
     def apply_tp(self, part: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> None:
         apply_tp(part, mesh, config.sequence_parallel)
 
-    def apply_cp(self, part: Transformer, group, index: int, count: int, config: ParallelConfig) -> None:
-        """Ulysses around each block's attention; with ``config.fpdt_chunk``, FPDT: strided chunks,
-        chunked attention through per-chunk all-to-alls, chunked MLP (a MoE block's router keeps
-        the whole sequence: its balancing statistics are per sequence) and chunked logits + loss."""
-        part.seq_shard, part.fpdt_chunk = (index, count), config.fpdt_chunk
+    def apply_cp(self, part: Transformer, group, index: int, count: int) -> None:
+        part.seq_shard = (index, count)
         for block in part.layers.values():
-            if config.fpdt_chunk:
-                block.attention.core = FPDTAttention(group, config.fpdt_chunk)
-                block.mlp_chunk = 0 if isinstance(block.feed_forward, MoE) else config.fpdt_chunk
-            else:
-                block.attention.core = UlyssesAttention(block.attention.core, group)
+            block.attention.core = UlyssesAttention(block.attention.core, group)
+
+    def apply_fpdt(self, part: Transformer, group, index: int, count: int, chunk: int) -> None:
+        """Strided chunks, chunked attention through per-chunk all-to-alls, chunked MLP (a MoE
+        block's router keeps the whole sequence: its balancing statistics are per sequence) and
+        chunked logits + loss."""
+        part.seq_shard, part.fpdt_chunk = (index, count), chunk
+        for block in part.layers.values():
+            block.attention.core = FPDTAttention(group, chunk)
+            block.mlp_chunk = 0 if isinstance(block.feed_forward, MoE) else chunk
 
     def computes_loss(self, config: ParallelConfig) -> bool:
         return bool(config.fpdt_chunk)
