@@ -237,6 +237,15 @@ def test_fpdt_plans_less_activation_memory_and_emits_its_flag():
     assert emit(fpdt.layout)[emit(fpdt.layout).index("--fpdt-chunk") + 1] == "2048"
 
 
+def test_a_search_given_fpdt_keeps_it_on_the_cp_degrees_it_divides():
+    base = PlanLayout(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=12288, global_batch=8, fpdt_chunk=2048,
+                      degrees_checked=False)
+    result = search(base, top=50)
+    assert result.best and all(p.layout.fpdt_chunk == 2048 for p in result.best)
+    assert {p.layout.cp for p in result.best} <= {1, 2} and all(not p.layout.sequence_parallel
+                                                               for p in result.best)  # 12288 = 6 x 2048
+
+
 def test_search_ranks_valid_fitting_layouts_and_emits_them():
     base = PlanLayout(model="llama3-70b", gpus=1024, site="frontier", seq_len=8192, global_batch=1024)
     r = search(base, top=3)
