@@ -313,7 +313,11 @@ class Run:
             self.stop_reason = self.stop_reason or "trainer saved and stopped (exit 75)"
             return
         what = f"exited with code {rc}" if rc != 0 else "exited with code 0 before the simulations were done"
-        self.error = t.message(what)
+        # its accounting, as when it ends after the simulations: a trainer that read every end marker
+        # may exit before this driver has seen the last simulation end (a loaded machine)
+        self.samples = ledger.samples(ledger.trainer_summary(self.contract))
+        missing = (self.samples or {}).get("missing")
+        self.error = ledger.missing_line(self.samples) if missing else t.message(what)
         raise LaunchError(self.error)
 
     def _wait_trainer(self) -> None:

@@ -7,8 +7,9 @@ so no ``S x S`` score matrix is ever whole. :func:`chunked_attention` is that co
 rank, after Ulysses' all-to-all has given it whole sequences of its heads: a custom autograd
 function that saves only ``q, k, v``, the output and the log-sum-exp (``O(S)`` per head) and
 recomputes each chunk pair in backward, accumulating ``dq, dk, dv`` chunk by chunk
-(FlashAttention's backward). On CPU each pair runs torch's fused flash-attention kernels,
-elsewhere PyTorch ops. GQA: keys and values of ``n_kv_heads`` serve ``n_heads / n_kv_heads``
+(FlashAttention's backward). On CPU torch's fused flash-attention kernels run each query
+chunk against its earlier chunks as one span and its own causally; elsewhere PyTorch ops
+run each chunk pair. GQA: keys and values of ``n_kv_heads`` serve ``n_heads / n_kv_heads``
 query heads each. The scale is ``head_dim ** -0.5``, as ``F.scaled_dot_product_attention``'s,
 so it matches the model's plain attention to rounding (1e-10 relative in float64).
 :func:`chunked` (the MLP, recomputed per chunk) and :func:`chunked_loss` (the logits and
@@ -124,6 +125,16 @@ def _pair_backward(doi, qi, kj, vj, oi, lse_i, scale, diagonal, acc):
             _sum_groups(torch.matmul(p.transpose(-1, -2), doi), groups))
 
 
+def _key_spans(bounds: list[tuple[int, int]], i: int, qi: torch.Tensor) -> list[tuple[int, int]]:
+    """The key spans query chunk ``i`` attends, each one kernel call: every earlier chunk apart,
+    then its own (the diagonal, causal). The fused CPU kernels take the earlier ones as one span
+    (they tile it themselves, holding no scores beyond a tile): fewer calls, the same sums."""
+    i0, i1 = bounds[i]
+    if qi.device.type == "cpu" and FUSED_CPU:
+        return ([(0, i0)] if i0 else []) + [(i0, i1)]
+    return bounds[:i + 1]
+
+
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, chunk):
@@ -136,7 +147,7 @@ class _Chunked(torch.autograd.Function):
         for i, (i0, i1) in enumerate(bounds):  # merge the key chunks this query chunk sees by their log-sum-exp
             qi = qh[:, :, i0:i1]
             o_i, lse_i = None, None
-            for j0, j1 in bounds[:i + 1]:
+            for j0, j1 in _key_spans(bounds, i, qi):
                 o_ij, lse_ij = _pair(qi, kh[:, :, j0:j1], vh[:, :, j0:j1], scale, j0 == i0, acc)
                 if o_i is None:
                     o_i, lse_i = o_ij, lse_ij
@@ -162,7 +173,7 @@ class _Chunked(torch.autograd.Function):
         bounds = _bounds(q.shape[1], chunk)
         for i, (i0, i1) in enumerate(bounds):  # each chunk pair's share, from the saved output and log-sum-exp
             qi, doi, oi, lse_i = qh[:, :, i0:i1], do[:, :, i0:i1], out[:, :, i0:i1], lse[:, :, i0:i1]
-            for j0, j1 in bounds[:i + 1]:
+            for j0, j1 in _key_spans(bounds, i, qi):
                 g = _pair_backward(doi, qi, kh[:, :, j0:j1], vh[:, :, j0:j1], oi, lse_i, scale, j0 == i0, acc)
                 dq[:, :, i0:i1] += g[0]
                 dk[:, :, j0:j1] += g[1]
