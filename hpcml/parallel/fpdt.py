@@ -91,14 +91,18 @@ def _scores(qi, kj, scale, diagonal):
 
 
 FUSED_CPU = True
-"""On CPU, each chunk pair through torch's fused flash-attention kernels (False: the PyTorch-ops
-path every device runs, kept tested against them)."""
+"""On CPU, torch's fused flash-attention kernels, a query chunk's earlier keys as one span
+(False: each chunk pair in PyTorch ops, the path every other device runs, kept tested against them)."""
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and FUSED_CPU
 
 
 def _pair(qi, kj, vj, scale, diagonal, acc):
     """One chunk pair's attention: (output normalised within the pair, its log-sum-exp). Keys
     and values in their own (kv) heads: the kernels serve grouped queries without a copy."""
-    if qi.device.type == "cpu" and FUSED_CPU:  # torch's fused flash kernel for CPU: no S x S scores in memory
+    if _fused(qi):  # torch's fused flash kernel for CPU: no S x S scores in memory
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, kj, vj, 0.0, diagonal, scale=scale)
         return out.to(acc), lse.to(acc)
     groups = qi.shape[1] // kj.shape[1]
@@ -110,7 +114,7 @@ def _pair(qi, kj, vj, scale, diagonal, acc):
 def _pair_backward(doi, qi, kj, vj, oi, lse_i, scale, diagonal, acc):
     """dq, dk, dv of one chunk pair (dk, dv in kv heads), from the whole row's output and
     log-sum-exp: exact, as FlashAttention's backward."""
-    if qi.device.type == "cpu" and FUSED_CPU:
+    if _fused(qi):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             doi, qi, kj, vj, oi, lse_i.to(torch.float32) if qi.dtype != torch.float64 else lse_i, 0.0, diagonal,
             scale=scale)
@@ -130,7 +134,7 @@ def _key_spans(bounds: list[tuple[int, int]], i: int, qi: torch.Tensor) -> list[
     then its own (the diagonal, causal). The fused CPU kernels take the earlier ones as one span
     (they tile it themselves, holding no scores beyond a tile): fewer calls, the same sums."""
     i0, i1 = bounds[i]
-    if qi.device.type == "cpu" and FUSED_CPU:
+    if _fused(qi):
         return ([(0, i0)] if i0 else []) + [(i0, i1)]
     return bounds[:i + 1]
 

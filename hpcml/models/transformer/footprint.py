@@ -207,9 +207,9 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
     """Bytes per token outside the blocks: the token ids on the first stage; on the last, the
     final norm (fp32), the output projection's input and the log-softmax of every logit (fp32;
     vocabulary-sharded over tp, as ``loss_parallel`` keeps it), or under FPDT's chunked loss
-    d loss / d h; the rotary angles where they are gathered per position (cp, FPDT)."""
+    d loss / d h; under FPDT the rotary angles, gathered per position."""
     out = 8.0 if first else 0.0
-    if how.cp > 1 or how.fpdt:
+    if how.fpdt:
         out += 2 * 4 * cfg.head_dim / 2  # cos and sin of each position (fp32), shared by the stage's blocks
     if last and how.chunked_loss:
         out += how.stream_bytes * cfg.dim

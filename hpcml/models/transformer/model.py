@@ -178,11 +178,11 @@ class Transformer(nn.Module):
         index, count = self.seq_shard
         if s * count > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
-        if self.fpdt_chunk or count > 1:
+        if self.fpdt_chunk:  # FPDT's strided chunks: the angles gathered per position
             pos = local_positions(s * count, index, count, self.fpdt_chunk).to(self.rope_cos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        else:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        else:  # Ulysses: this rank holds positions [index * s, (index + 1) * s), a view of the tables
+            cos, sin = self.rope_cos[index * s:(index + 1) * s], self.rope_sin[index * s:(index + 1) * s]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if targets is not None:
