@@ -287,8 +287,10 @@ class Breed:
     parent); the rest come from ``base`` (a Halton sequence by default). ``R_w`` ramps
     linearly from ``r_start`` to ``r_end`` over ``ramp_waves`` waves, so the base design covers
     the space before the sampler trusts the surrogate's errors. A child outside the bounds is
-    drawn again (a truncated Gaussian: clipping would pile children on the faces). The first
-    wave, or any wave without usable feedback, is all base design."""
+    drawn again (a truncated Gaussian: clipping would pile children on the faces). Each child
+    is the farthest, from every simulation in the feedback and the wave's points before it,
+    of ``spread`` such draws (1: Melissa's single draw). The first wave, or any wave without
+    usable feedback, is all base design."""
 
     bounds: Bounds
     seed: int = 0
@@ -300,6 +302,9 @@ class Breed:
     parents: float = 0.25
     base: Sampler | None = None
     score: str = "loss"
+    spread: int = 16
+    """Candidates drawn per child, the one farthest from every simulation so far kept (1:
+    Melissa's plain draw, whose children pile up around the same few parents)."""
     wave: int = field(default=0, init=False)
     last: dict = field(default_factory=dict, init=False)
     """What the last wave did: ``{"wave", "r", "bred", "parents"}`` (for the report)."""
@@ -311,7 +316,8 @@ class Breed:
                                ("r_end", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
                                ("ramp_waves", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
                                ("sigma", lambda v: 0 < v <= 1, "a width in (0, 1] of each axis"),
-                               ("parents", lambda v: 0 < v <= 1, "a fraction in (0, 1]")):
+                               ("parents", lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+                               ("spread", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                 raise ConfigError(f"Breed.{name}={v!r}: expected {want}")
@@ -338,8 +344,7 @@ class Breed:
         self.last = {"wave": wave, "r": r, "bred": bred, "parents": 0 if parents is None else len(parents)}
         out = self.base.propose(n - bred, feedback) if n - bred else []
         if bred:
-            pick = rng.choice(len(parents), size=bred, p=weights)
-            out += self.cube.points(self._children(parents[pick], rng))
+            out += self.cube.points(self._spread(parents, weights, bred, self._design(feedback, out), rng))
         logger.info("wave %d: %d of %d bred around %d parents (R=%.2f), %d from the base design", wave, bred, n,
                     self.last["parents"], r, n - bred)
         return out
@@ -367,6 +372,35 @@ class Breed:
         loss = np.array([r[0] for r in top])
         loss = loss / loss.max()  # no overflow to inf for losses near the float limit
         return np.stack([r[2] for r in top]), loss / loss.sum()
+
+    def _design(self, feedback: Feedback, wave: list[Params]) -> np.ndarray:
+        """Every simulation known so far (the feedback's and this wave's), in the unit cube."""
+        pts = [self.cube.unit(feedback[sim].params) for sim in sorted(feedback)] + [self.cube.unit(p) for p in wave]
+        pts = [u for u in pts if np.all(np.isfinite(u))]
+        return np.stack(pts) if pts else np.empty((0, self.cube.d))
+
+    def _spread(self, parents: np.ndarray, weights: np.ndarray, n: int, design: np.ndarray,
+                rng: np.random.Generator) -> np.ndarray:
+        """``n`` children, each the farthest from ``design`` and the children before it among
+        ``spread`` candidates drawn as the plain draw draws them (around parents picked by
+        weight): they fill the neighbourhoods of the high-loss simulations instead of piling
+        on a few parents and on simulations already run."""
+        pick = rng.choice(len(parents), size=n * self.spread, p=weights)
+        cand = self._children(parents[pick], rng).reshape(n, self.spread, -1)
+        if self.spread == 1:
+            return cand[:, 0]
+        if len(design):
+            from scipy.spatial import cKDTree  # nearest-design distances in O(log m) each
+
+            gap = cKDTree(design).query(cand.reshape(n * self.spread, -1))[0].reshape(n, self.spread)
+        else:
+            gap = np.full((n, self.spread), np.inf)
+        out = np.empty((n, cand.shape[2]))
+        for i in range(n):
+            if i:
+                gap[i] = np.minimum(gap[i], np.linalg.norm(cand[i][:, None] - out[None, :i], axis=2).min(axis=1))
+            out[i] = cand[i, int(np.argmax(gap[i]))]
+        return out
 
     def _children(self, centres: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """One Gaussian child per centre, redrawn until inside the unit cube."""

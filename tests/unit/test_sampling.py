@@ -64,13 +64,17 @@ def _feedback(points, loss):
     return {f"sim_{i:04d}": SimStats(params=p, loss=loss(p), samples=10) for i, p in enumerate(points)}
 
 
-def test_breed_draws_its_share_around_the_high_loss_parents_inside_the_bounds():
+@pytest.mark.parametrize("spread, share", [(1, (0.70, 0.85)), (16, (0.35, 0.50))])
+def test_breed_draws_its_share_around_the_high_loss_parents_inside_the_bounds(spread, share):
     """One corner of the space is hard (loss 10 within 0.15 of (k=10, q=1)); once R has
-    ramped to 0.75, three quarters of a wave land there, none outside the bounds, and they
-    are not piled onto the faces (a clipped Gaussian would put half of them there)."""
+    ramped to 0.75, Melissa's plain draw puts three quarters of a wave there, none outside
+    the bounds, and none piled onto the faces (a clipped Gaussian would put half of them
+    there). With spread=16 the corner fills up to the spacing of the rest of the top 20%'s
+    neighbourhoods, and the rest of its children go there: ~40%, against the base design's 1%."""
     bounds = {"a": (0.0, 1.0), "b": (0.0, 1.0)}
     hard = lambda p: 10.0 if (1 - p["a"]) ** 2 + (1 - p["b"]) ** 2 < 0.15 ** 2 else 0.1  # noqa: E731
-    s = Breed(bounds=bounds, seed=5, r_start=0.0, r_end=0.75, ramp_waves=2, sigma=0.05, parents=0.2)
+    s = Breed(bounds=bounds, seed=5, r_start=0.0, r_end=0.75, ramp_waves=2, sigma=0.05, parents=0.2,
+              spread=spread)
     seen = Halton(bounds, seed=99).propose(200, {})
     seen += [{"a": 0.97, "b": 0.95}, {"a": 0.93, "b": 0.99}]
     fb = _feedback(seen, hard)
@@ -81,9 +85,34 @@ def test_breed_draws_its_share_around_the_high_loss_parents_inside_the_bounds():
         assert len(pts) == 400 and _inside(pts, bounds)
     assert ratios == [0.0, 0.375, 0.75]
     near = [p for p in pts if (1 - p["a"]) ** 2 + (1 - p["b"]) ** 2 < 0.25 ** 2]
-    assert 0.70 <= len(near) / 400 <= 0.85, len(near)  # 300 bred + the base design's share of the corner
+    assert share[0] <= len(near) / 400 <= share[1], len(near)  # 300 bred + the base design's share of the corner
     on_face = [p for p in pts if p["a"] == 1.0 or p["b"] == 1.0]
     assert on_face == []
+
+
+def test_breed_spreads_its_children_over_the_hard_region_instead_of_piling_them_on_its_parents():
+    """The hard region is a band (b < 0.1) that the first 40 simulations touch at 4 points.
+    Melissa's plain draw (spread=1) puts each child next to one of those 4; spread=16 keeps
+    the same parents but takes the draw farthest from every simulation so far, so the
+    children cover the band: their distance to the nearest other simulation is half as large
+    again, and they fill more of its tenths along a."""
+    bounds = {"a": (0.0, 1.0), "b": (0.0, 1.0)}
+    seen = Halton(bounds, seed=3).propose(40, {})
+    fb = _feedback(seen, lambda p: 10.0 if p["b"] < 0.1 else 0.1)
+    assert sum(p["b"] < 0.1 for p in seen) == 4
+    out = {}
+    for spread in (1, 16):
+        s = Breed(bounds=bounds, seed=2, r_end=1.0, ramp_waves=0, sigma=0.1, parents=0.1, spread=spread)
+        kids = np.array([[p["a"], p["b"]] for p in s.propose(24, fb)])
+        everything = np.concatenate([np.array([[p["a"], p["b"]] for p in seen]), kids])
+        d = np.linalg.norm(kids[:, None] - everything[None], axis=2)
+        d[np.arange(len(kids)), len(seen) + np.arange(len(kids))] = np.inf  # not itself
+        out[spread] = (float(d.min(axis=1).mean()), len({int(a * 10) for a, b in kids if b < 0.2}),
+                       float(np.mean(kids[:, 1] < 0.25)))
+    (plain_gap, plain_cells, plain_in), (gap, cells, inside) = out[1], out[16]
+    assert gap > 1.3 * plain_gap, out  # 1.5x
+    assert cells > plain_cells, out
+    assert inside >= 0.8 and plain_in >= 0.8, out  # both stay on the band
 
 
 def test_breed_without_usable_feedback_is_its_base_design():
