@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--wave", type=int, default=8)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     p.add_argument("--nx", type=int, default=32)
     p.add_argument("--gs-steps", type=int, default=3000)
     p.add_argument("--every", type=int, default=375)
@@ -207,7 +208,7 @@ def main() -> None:
     cache: dict = {}
     t0 = time.perf_counter()
     per_seed = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         runs = {kind: one_run(kind, seed, held_out, args, cache) for kind in ("halton", "breed")}
         h, b = runs["halton"]["curve"], runs["breed"]["curve"]
         reach = next((c["sims"] for c in b if c["p95"] <= h[-1]["p95"]), None)
@@ -218,7 +219,8 @@ def main() -> None:
                "cost": {k: {"sampler_cpu_s": runs[k]["sampler_cpu_s"],
                             "feedback_bytes_per_wave": runs[k]["feedback_bytes_per_wave"]} for k in runs},
                "points": {k: runs[k]["points"] for k in runs},
-               "bands": {k: bands(runs[k]["held_out_errors"], held_out, KERNELS[args.kernel]["band"]) for k in runs}}
+               "bands": {k: bands(runs[k]["held_out_errors"], held_out, KERNELS[args.kernel]["band"]) for k in runs},
+               "held_out_errors": {k: [round(e, 5) for e in runs[k]["held_out_errors"]] for k in runs}}
         per_seed.append(row)
         if not args.json:
             print(f"seed {seed}: p95 Halton {h[-1]['p95']:.4f} Breed {b[-1]['p95']:.4f} "
@@ -230,7 +232,8 @@ def main() -> None:
            "wave": args.wave, "held_out": args.held_out, "nx": args.nx, "gs_steps": args.gs_steps,
            "steps_per_wave": args.steps_per_wave, "feedback": args.feedback,
            "breed": {"r_end": args.r_end, "ramp_waves": args.ramp, "sigma": args.sigma, "parents": args.parents},
-           "seconds": time.perf_counter() - t0, "seeds": args.seeds,
+           "seconds": time.perf_counter() - t0, "seeds": args.seeds, "first_seed": args.first_seed,
+           "held_out_params": [list(h.values()) for h in held_out],
            "p95_ratio": float(np.mean([r["p95_ratio"] for r in per_seed])),
            "mean_ratio": float(np.mean([r["mean_ratio"] for r in per_seed])),
            "sims_ratio": None if None in reached else float(np.mean(reached)),

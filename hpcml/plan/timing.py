@@ -153,7 +153,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     how = saved_how(lay)
     act = how.act_bytes
     fwd, refwd = 0.0, 0.0  # seconds of one forward of this rank's blocks, and of what backward recomputes
-    peak, hbm = dev.peak_tflops * 1e12, dev.hbm_gbps * 1e9
+    peak, hbm = dev.peak_tflops * dev.sustained * 1e12, dev.hbm_gbps * 1e9
     rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
     eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
     kinds = layer_kinds(cfg, layers)

@@ -209,11 +209,15 @@ def test_held_out_tables_are_not_fitted_on():
 
 def test_torchtitan_h100_fits_and_memory():
     """The 500 W H100 table: every row fits as published and the peak memory, whose rows fit
-    nvidia-h100's reserved constant, is within 5%; its throughput (20-24% fast: the power cap)
-    is reported in benchmarks.md, not held to 15%."""
+    nvidia-h100's reserved constant, is within 5%. Its throughput is predicted 11% and 15% fast
+    with the device's matmuls at the middle of the range its source gives (18% and 22% at the
+    SXM peak): held here to that, not to the bar, so that a change moving it shows."""
+    errors = []
     for case in TABLES["torchtitan-h100"]():
         p = predict(case.layout)
         assert p.fits and p.memory_gib["total"] == pytest.approx(case.memory_gib, rel=0.05), case.label
+        errors.append(p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1)
+    assert [round(e, 2) for e in errors] == [0.11, 0.15], errors
     from hpcml.plan.published import MEMORY_CALIBRATION
 
     assert "torchtitan-h100" in MEMORY_CALIBRATION["nvidia-h100"]
