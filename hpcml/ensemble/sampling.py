@@ -338,22 +338,23 @@ class Breed:
         n = _n(n)
         wave, self.wave = self.wave, self.wave + 1
         rng = np.random.default_rng([self.seed, wave])
-        parents, weights = self._parents(feedback)
+        parents, weights, known = self._parents(feedback)
         r = self.ratio(wave) if parents is not None else 0.0
         bred = int(round(r * n))
         self.last = {"wave": wave, "r": r, "bred": bred, "parents": 0 if parents is None else len(parents)}
         out = self.base.propose(n - bred, feedback) if n - bred else []
         if bred:
-            out += self.cube.points(self._spread(parents, weights, bred, self._design(feedback, out), rng))
+            out += self.cube.points(self._spread(parents, weights, bred, known, out, rng))
         logger.info("wave %d: %d of %d bred around %d parents (R=%.2f), %d from the base design", wave, bred, n,
                     self.last["parents"], r, n - bred)
         return out
 
-    def _parents(self, feedback: Feedback) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The high-loss parents in the unit cube and their pick probabilities (None: no feedback)."""
+    def _parents(self, feedback: Feedback) -> tuple[np.ndarray | None, np.ndarray | None, list[np.ndarray]]:
+        """The high-loss parents in the unit cube and their pick probabilities (None: no feedback),
+        and every simulation the feedback places, in the unit cube (what a spread child keeps away from)."""
         if not isinstance(feedback, Mapping):
             raise ConfigError(f"feedback must map simulation ids to SimStats, got {type(feedback).__name__}")
-        rows = []
+        rows, known = [], []
         for sim in sorted(feedback):  # sorted: the same feedback gives the same wave
             st = feedback[sim]
             if not isinstance(st, SimStats):
@@ -362,37 +363,35 @@ class Breed:
             if missing:
                 raise ConfigError(f"feedback[{sim!r}] lacks the parameters {missing} of the bounds")
             unit = self.cube.unit(st.params)
+            if not np.all(np.isfinite(unit)):
+                continue
+            known.append(unit)
             score = st.loss if self.score == "loss" else st.surprise
-            if score is not None and math.isfinite(score) and score >= 0 and np.all(np.isfinite(unit)):
+            if score is not None and math.isfinite(score) and score >= 0:
                 rows.append((float(score), sim, unit))
         if not rows or max(r[0] for r in rows) <= 0:
-            return None, None
+            return None, None, known
         rows.sort(key=lambda r: (-r[0], r[1]))
         top = rows[:max(1, math.ceil(self.parents * len(rows)))]
         loss = np.array([r[0] for r in top])
         loss = loss / loss.max()  # no overflow to inf for losses near the float limit
-        return np.stack([r[2] for r in top]), loss / loss.sum()
+        return np.stack([r[2] for r in top]), loss / loss.sum(), known
 
-    def _design(self, feedback: Feedback, wave: list[Params]) -> np.ndarray:
-        """Every simulation known so far (the feedback's and this wave's), in the unit cube."""
-        pts = [self.cube.unit(feedback[sim].params) for sim in sorted(feedback)] + [self.cube.unit(p) for p in wave]
-        pts = [u for u in pts if np.all(np.isfinite(u))]
-        return np.stack(pts) if pts else np.empty((0, self.cube.d))
-
-    def _spread(self, parents: np.ndarray, weights: np.ndarray, n: int, design: np.ndarray,
-                rng: np.random.Generator) -> np.ndarray:
-        """``n`` children, each the farthest from ``design`` and the children before it among
-        ``spread`` candidates drawn as the plain draw draws them (around parents picked by
-        weight): they fill the neighbourhoods of the high-loss simulations instead of piling
-        on a few parents and on simulations already run."""
+    def _spread(self, parents: np.ndarray, weights: np.ndarray, n: int, known: list[np.ndarray],
+                wave: list[Params], rng: np.random.Generator) -> np.ndarray:
+        """``n`` children, each the farthest from the ``known`` simulations, the ``wave``'s points
+        and the children before it, among ``spread`` candidates drawn as the plain draw draws them
+        (around parents picked by weight): they fill the neighbourhoods of the high-loss
+        simulations instead of piling on a few parents and on simulations already run."""
         pick = rng.choice(len(parents), size=n * self.spread, p=weights)
         cand = self._children(parents[pick], rng).reshape(n, self.spread, -1)
         if self.spread == 1:
             return cand[:, 0]
-        if len(design):
+        design = known + [u for u in map(self.cube.unit, wave) if np.all(np.isfinite(u))]
+        if design:
             from scipy.spatial import cKDTree  # nearest-design distances in O(log m) each
 
-            gap = cKDTree(design).query(cand.reshape(n * self.spread, -1))[0].reshape(n, self.spread)
+            gap = cKDTree(np.stack(design)).query(cand.reshape(n * self.spread, -1))[0].reshape(n, self.spread)
         else:
             gap = np.full((n, self.spread), np.inf)
         out = np.empty((n, cand.shape[2]))

@@ -122,9 +122,8 @@ def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Consta
     """The device one of ``ranks`` training ranks is on this machine, with the constants to
     price it: one rank alone uses every core (its matmuls and its elementwise kernels); ranks
     beyond the cores share them evenly (hpcml pins them round-robin); the links are gloo over
-    loopback, and the fixed costs per block of
-    each parallelism come from ``probe`` (measured with the ranks in place on a model too small
-    to compute: ``benchmarks/plan_validate.py --probe``)."""
+    loopback, and the fixed costs per block of each parallelism come from ``probe`` (measured
+    with the ranks in place on a model too small to compute: ``benchmarks/plan_validate.py --probe``)."""
     share = min(1.0, facts.cores / ranks)
     flops = facts.flops_all if ranks == 1 else facts.flops_core * share
     elementwise = facts.copy_gbps * (facts.elementwise_speedup if ranks == 1 else share)
