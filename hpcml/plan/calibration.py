@@ -33,6 +33,14 @@ def constants(dev: Device) -> Constants:
     return replace(Constants(), **fam.get("constants", {}))
 
 
+def calibrated(dev: Device) -> Device:
+    """``dev`` running at the share of its peak fitted for it, where its source gives a range only."""
+    fit = _table().get("devices", {}).get(dev.name.split("@")[0])
+    if not fit or dev.sustained_range is None:
+        return dev
+    return replace(dev, sustained=float(fit["sustained"]))
+
+
 def published(name: str) -> dict:
     """A published table (``data/published/<name>.json``): its source, columns and rows."""
     return json.loads(resources.files("hpcml.plan").joinpath(f"data/published/{name}.json").read_text())

@@ -34,7 +34,11 @@ class Device:
     """Where the figures come from (URL, read on the date given)."""
     sustained: float = 1.0
     """The share of ``peak_tflops`` the part can run at (below 1 where a power limit keeps it under
-    the rating its peak is quoted for); the time model's matmuls run at it, MFU stays over the peak."""
+    the rating its peak is quoted for); the time model's matmuls run at it, MFU stays over the peak.
+    Where ``sustained_range`` is given, the value used is fitted in it (``data/calibration.json``)."""
+    sustained_range: tuple[float, float] | None = None
+    """The bracket its source puts ``sustained`` in (a power-capped part: between the ratings of the
+    parts either side of its limit); ``python -m hpcml.plan.fit`` fits it there on the device's own table."""
     family: str = ""
     """Calibration group (``nvidia-a100``, ...): devices of a family share fitted constants."""
     shared_cores: int = 0
@@ -47,6 +51,10 @@ class Device:
                 raise ConfigError(f"device {self.name}: {f}={getattr(self, f)} must be > 0")
         if not 0 < self.sustained <= 1:
             raise ConfigError(f"device {self.name}: sustained={self.sustained} must be in (0, 1]")
+        lo, hi = self.sustained_range or (self.sustained, self.sustained)
+        if not 0 < lo <= self.sustained <= hi <= 1:
+            raise ConfigError(f"device {self.name}: sustained={self.sustained} must lie in sustained_range="
+                              f"{self.sustained_range}, within (0, 1]")
         if self.gpus_per_node < 1:
             raise ConfigError(f"device {self.name}: gpus_per_node={self.gpus_per_node} must be >= 1")
 
@@ -60,8 +68,8 @@ _H100 = ("NVIDIA H100 datasheet https://resources.nvidia.com/en-us-tensor-core/n
 _TITAN_H100 = ("torchtitan benchmarks (pytorch/torchtitan docs/performance.md @d4c86e37): 'Each H100 GPU is equipped "
                "with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth', 'default 500W power limit', 400 Gb/s RDMA "
                "per GPU; 'the actual peak TFLOPs number is between SXM and NVL' (the SXM peak is the MFU "
-               "denominator, as there; the matmuls run at the middle of that range: NVL's 835 dense BF16 TFLOPS, "
-               "1,671 with sparsity, https://www.nvidia.com/en-us/data-center/h100/, over SXM's 989, gives 0.92); "
+               "denominator, as there; the matmuls run at a share of it fitted in that range: NVL's 835 dense BF16 "
+               "TFLOPS, 1,671 with sparsity, https://www.nvidia.com/en-us/data-center/h100/, over SXM's 989, to 1); "
                "read 2026-11-27")
 _H200 = ("NVIDIA H200 https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS "
          "with sparsity, NVLink 900 GB/s); read 2026-11-27")
@@ -77,7 +85,8 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device(name="h100-80gb", memory_gib=79.11, peak_tflops=989.0, hbm_gbps=3350.0, gpus_per_node=8, intra_gbps=450.0,
            inter_gbps=50.0, source=_H100, family="nvidia-h100"),
     Device(name="h100-96gb-500w", memory_gib=95.0, peak_tflops=989.0, hbm_gbps=2400.0, gpus_per_node=8,
-           intra_gbps=450.0, inter_gbps=50.0, sustained=0.92, source=_TITAN_H100, family="nvidia-h100"),
+           intra_gbps=450.0, inter_gbps=50.0, sustained_range=(835.0 / 989.0, 1.0), source=_TITAN_H100,
+           family="nvidia-h100"),
     Device(name="h200", memory_gib=139.8, peak_tflops=989.0, hbm_gbps=4800.0, gpus_per_node=8, intra_gbps=450.0,
            inter_gbps=50.0, source=_H200, family="nvidia-h100"),
     Device(name="mi250x-gcd", memory_gib=63.98, peak_tflops=191.5, hbm_gbps=1600.0, gpus_per_node=8, intra_gbps=50.0,

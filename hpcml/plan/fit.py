@@ -9,6 +9,7 @@ import statistics
 from dataclasses import replace
 from importlib import resources
 
+from hpcml.plan.devices import Device
 from hpcml.plan.timing import Constants
 
 
@@ -24,15 +25,16 @@ GRID: dict[str, list[float]] = {
 }
 
 
-def score(cases, c: Constants) -> float:
-    """Mean squared log error of predicted against published tokens/s per GPU."""
-    from hpcml.plan.predict import predict
+def score(cases, c: Constants, dev: Device | None = None) -> float:
+    """Mean squared log error of predicted against published tokens/s per GPU (on ``dev`` when
+    given, instead of each layout's own device)."""
+    from hpcml.plan.predict import evaluate, load_model, predict
 
     errs = []
     for case in cases:
         if case.tokens_per_gpu is None:
             continue
-        p = predict(case.layout, c)
+        p = predict(case.layout, c) if dev is None else evaluate(load_model(case.layout.model), dev, c, case.layout)
         got = p.tokens_per_s / case.layout.gpus
         errs.append(math.log(got / case.tokens_per_gpu) ** 2 if got > 0 else 100.0)
     return sum(errs) / max(1, len(errs))
@@ -56,6 +58,15 @@ def fit(cases, start: Constants | None = None, rounds: int = 4) -> tuple[Constan
     return c, best
 
 
+def fit_sustained(cases, dev: Device, c: Constants) -> tuple[float, float]:
+    """The share of its peak ``dev`` runs at, in its ``sustained_range`` (both ends and the
+    hundredths between), minimising :func:`score` on ``cases``; with that score."""
+    lo, hi = dev.sustained_range
+    inner = range(math.ceil(lo * 100), math.floor(hi * 100) + 1)
+    grid = sorted({round(lo, 4), round(hi, 4), *(x / 100 for x in inner)})
+    return min(((s, score(cases, c, replace(dev, sustained=s))) for s in grid), key=lambda t: (t[1], t[0]))
+
+
 def fit_reserved(cases) -> float:
     """The memory no count covers (runtime context, communicator buffers, allocator slack): the
     median of published minus counted over the rows that publish their memory, to 0.5 GiB."""
@@ -74,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from hpcml.plan.published import CALIBRATION, MEMORY_CALIBRATION, TABLES
+    from hpcml.plan.devices import device
+    from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES
 
     ap = argparse.ArgumentParser(prog="python -m hpcml.plan.fit")
     ap.add_argument("--check", action="store_true", help="fit, and fail if the stored constants differ")
@@ -83,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                     "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file); "
                     "every other table is held out. reserved_gib (memory outside every count) is fitted on the "
                     "rows of reserved_fitted_on that publish their memory; a family without such a table keeps "
-                    "the default.", "families": {}}
+                    "the default. devices: the share of its peak a power-capped part runs at, fitted on its own table "
+                    "inside the range its source gives (nothing else is fitted there).", "families": {}, "devices": {}}
+    fitted = {}
     for family, tables in CALIBRATION.items():
         cases = [c for t in tables for c in TABLES[t]()]
         c, s = fit(cases)
@@ -93,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             entry["reserved_fitted_on"] = MEMORY_CALIBRATION[family]
             consts["reserved_gib"] = fit_reserved([x for t in MEMORY_CALIBRATION[family] for x in TABLES[t]()])
         out["families"][family] = {**entry, "constants": consts}
+        fitted[family] = c
+    for name, tables in DEVICE_CALIBRATION.items():
+        dev = device(name)
+        s, err = fit_sustained([c for t in tables for c in TABLES[t]()], dev, fitted.get(dev.family, Constants()))
+        out["devices"][name] = {"fitted_on": tables, "sustained_range": [round(x, 4) for x in dev.sustained_range],
+                                "rms_log_error": round(math.sqrt(err), 4), "sustained": s}
     path = Path(str(resources.files("hpcml.plan").joinpath("data/calibration.json")))
     text = json.dumps(out, indent=1) + "\n"
     if args.check:

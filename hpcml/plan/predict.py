@@ -73,7 +73,8 @@ def _flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
 
 def resolve_device(lay: PlanLayout) -> Device:
-    return site_device(lay.site) if lay.site else device(lay.gpu)
+    """The layout's device (its site's, or ``gpu``), at the share of its peak calibrated for it."""
+    return calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
 
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:

@@ -143,6 +143,10 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
 CALIBRATION = {"nvidia-a100": ["sc21-table1"], "nvidia-h100": ["megatron-core-h100"]}
 """The tables each device family's constants are fitted on; the others are held out."""
 
+DEVICE_CALIBRATION = {"h100-96gb-500w": ["torchtitan-h100"]}
+"""The tables a device's ``sustained`` share of its peak is fitted on, inside the range its source
+gives (torchtitan's power-capped H100s: between the NVL and the SXM rating); nothing else is fitted there."""
+
 MEMORY_CALIBRATION = {"nvidia-h100": ["torchtitan-h100"]}
 """The tables whose published memory fits a family's ``reserved_gib`` (torchtitan's H100 runs
 are the only ones found that publish a peak per GPU; other families keep the default)."""

@@ -190,17 +190,22 @@ def _errors(table: str) -> tuple[float, float, list[str]]:
     return agree / len(cases), close / max(1, n_tput), misses
 
 
-@pytest.mark.parametrize("table", ["sc21-table1", "korthikanti-table5", "torchtitan-a100", "megatron-core-h100"])
+@pytest.mark.parametrize("table", ["sc21-table1", "korthikanti-table5", "torchtitan-a100", "megatron-core-h100",
+                                   "torchtitan-h100"])
 def test_published_tables_are_predicted(table):
     """The issue's bar on each table: fit/OOM agrees on >= 90% of the rows, throughput (and so
     MFU under the publisher's FLOP count) within 15% on >= 80%. sc21-table1 and
-    megatron-core-h100 are fitted on; korthikanti-table5 and torchtitan-a100 are held out."""
+    megatron-core-h100 are fitted on, torchtitan-h100 for its parts' share of their peak only;
+    korthikanti-table5 and torchtitan-a100 are held out."""
     agree, close, misses = _errors(table)
     assert agree >= 0.9 and close >= 0.8, misses
 
 
 def test_held_out_tables_are_not_fitted_on():
     fitted = {t for ts in CALIBRATION.values() for t in ts}
+    from hpcml.plan.published import DEVICE_CALIBRATION
+
+    fitted |= {t for ts in DEVICE_CALIBRATION.values() for t in ts}
     assert {"korthikanti-table5", "torchtitan-a100"}.isdisjoint(fitted)
     # the OOM rows of torchtitan's table are predicted as OOM, the others as fitting
     outcomes = [(c.fits, predict(c.layout).fits) for c in TABLES["torchtitan-a100"]()]
@@ -209,18 +214,36 @@ def test_held_out_tables_are_not_fitted_on():
 
 def test_torchtitan_h100_fits_and_memory():
     """The 500 W H100 table: every row fits as published and the peak memory, whose rows fit
-    nvidia-h100's reserved constant, is within 5%. Its throughput is predicted 11% and 15% fast
-    with the device's matmuls at the middle of the range its source gives (18% and 22% at the
-    SXM peak): held here to that, not to the bar, so that a change moving it shows."""
+    nvidia-h100's reserved constant, is within 5%. The only thing fitted on its throughput is the
+    share of the SXM peak its parts run at, inside the range its source gives (NVL's 835 to SXM's
+    989 TFLOPS); the fit lands on NVL's end, and the rows are predicted 5% and 9% fast there
+    (held to that, not to the bar, so that a change moving them shows)."""
+    from hpcml.plan import calibration
+    from hpcml.plan.devices import device
+    from hpcml.plan.published import DEVICE_CALIBRATION, MEMORY_CALIBRATION
+
     errors = []
     for case in TABLES["torchtitan-h100"]():
         p = predict(case.layout)
         assert p.fits and p.memory_gib["total"] == pytest.approx(case.memory_gib, rel=0.05), case.label
         errors.append(p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1)
-    assert [round(e, 2) for e in errors] == [0.11, 0.15], errors
-    from hpcml.plan.published import MEMORY_CALIBRATION
-
+    assert [round(e, 2) for e in errors] == [0.05, 0.09], errors
     assert "torchtitan-h100" in MEMORY_CALIBRATION["nvidia-h100"]
+    assert DEVICE_CALIBRATION == {"h100-96gb-500w": ["torchtitan-h100"]}
+    raw = device("h100-96gb-500w")
+    assert raw.sustained_range == pytest.approx((835 / 989, 1.0))
+    assert calibration.calibrated(raw).sustained == pytest.approx(835 / 989, abs=1e-4)
+    assert calibration.calibrated(device("h100-80gb")).sustained == 1.0  # a part without a range is not touched
+
+
+def test_a_sustained_share_outside_its_range_is_refused():
+    from dataclasses import replace
+
+    from hpcml.plan.devices import device
+
+    with pytest.raises(ConfigError, match=r"^device h100-96gb-500w: sustained=0\.5 must lie in sustained_range="
+                                          r"\(0\.844.*, 1\.0\), within \(0, 1\]$"):
+        replace(device("h100-96gb-500w"), sustained=0.5)
 
 
 def test_calibration_file_is_what_the_fit_gives():
