@@ -28,13 +28,13 @@ GRID: dict[str, list[float]] = {
 def score(cases, c: Constants, dev: Device | None = None) -> float:
     """Mean squared log error of predicted against published tokens/s per GPU (on ``dev`` when
     given, instead of each layout's own device)."""
-    from hpcml.plan.predict import evaluate, load_model, predict
+    from hpcml.plan.predict import evaluate, load_model, resolve_device
 
     errs = []
     for case in cases:
         if case.tokens_per_gpu is None:
             continue
-        p = predict(case.layout, c) if dev is None else evaluate(load_model(case.layout.model), dev, c, case.layout)
+        p = evaluate(load_model(case.layout.model), dev or resolve_device(case.layout), c, case.layout)
         got = p.tokens_per_s / case.layout.gpus
         errs.append(math.log(got / case.tokens_per_gpu) ** 2 if got > 0 else 100.0)
     return sum(errs) / max(1, len(errs))
