@@ -8,12 +8,12 @@ ZeroMQ's I/O thread; minus the idle polling rate) over the messages it handled i
 per message. Kinds, all ~2 MB on the wire:
 
 - ``stranger_tcp``: a raw TCP peer writing 2 MB of junk;
-- ``stranger_zmq``: a ZeroMQ peer with another campaign's token sending a 2 MB message
-  (refused at its first 64 bytes: one connection each);
-- ``wrong_mac``: a peer with the token sending 2 MB whose MAC is wrong -- the MAC pass is the cost;
+- ``stranger_key``: a Sender with another campaign's secret sending a 2 MB message (its answer
+  to the challenge refused at its first 64 bytes: one connection each);
+- ``wrong_mac``: a peer with the secret sending 2 MB whose MAC is wrong -- the MAC pass is the cost;
 - ``poison``: an authenticated header the decoder refuses (e.g. ``fields=[["u"]]``);
-- ``many_frames``: a message announcing 1,000,000 empty frames, from a peer with the token
-  (refused at its length table, the connection closed);
+- ``many_frames``: a message announcing 1,000,000 empty frames, from a peer with the secret
+  (refused at its length table, which streams by summed, never kept);
 - ``valid``: a valid 2 MB sample, accepted (MAC, checks, buffer) -- the reference.
 
 Limits: ``raw_zmq`` (a plain PULL socket receiving the 2 MB message, nothing checked) and
@@ -73,7 +73,8 @@ def _attack(kind: str, endpoint: str, n: int) -> None:
     """Child process: send ``n`` messages of ``kind``."""
     import zmq
 
-    from hpcml.stream import message, transport
+    from hpcml.stream import message
+    from hpcml.stream.sender import Sender
 
     field = np.ones(SHAPE, np.float32)
     host, port = endpoint[len("tcp://"):].rsplit(":", 1)
@@ -87,16 +88,17 @@ def _attack(kind: str, endpoint: str, n: int) -> None:
                     pass
         return
     ctx = zmq.Context()
-    if kind == "stranger_zmq":
+    if kind == "stranger_key":
         for _ in range(n):
-            s = transport.push_socket(ctx, b"guess" * 8)
+            s = Sender(b"guess" * 8)
             s.connect(endpoint)
             s.send_multipart([field])
-            time.sleep(0.02)  # one connection each (refused, the socket would reconnect)
+            while s.error is None:  # refused once: the sender gives up (a final error)
+                time.sleep(0.002)
             s.close(linger=0)
         ctx.term()
         return
-    s = ctx.socket(zmq.PUSH) if kind.startswith("raw") else transport.push_socket(ctx, SECRET)
+    s = ctx.socket(zmq.PUSH) if kind.startswith("raw") else Sender(SECRET)
     s.connect(endpoint)
     for i in range(n):
         if kind == "valid":
@@ -180,19 +182,19 @@ def _rss() -> int:
 
 
 def _flood(endpoint: str, frames: int, frame_bytes: int, first_step: int, sent, done) -> None:
-    """Child process: one connection queueing messages of ``frames`` frames until ZeroMQ blocks."""
+    """Child process: one connection queueing messages of ``frames`` frames until its sender blocks."""
     import zmq
 
-    from hpcml.stream import message, transport
+    from hpcml.stream import message
+    from hpcml.stream.sender import Sender
 
-    ctx = zmq.Context()
-    s = transport.push_socket(ctx, SECRET, hwm=1)
+    s = Sender(SECRET, hwm=1)
     s.connect(endpoint)
     n = frame_bytes // 4
     field = np.ones(n, np.float32)
     h = _header(global_shape=[n], offset=[0], shape=[n])
     idle, f = time.monotonic(), None
-    while time.monotonic() - idle < 10.0:  # blocked for 10 s: ZeroMQ holds all it will hold
+    while time.monotonic() - idle < 10.0:  # blocked for 10 s: the server holds all it will hold
         if f is None:  # encoded once, retried until it goes
             f = message.encode(SECRET, {**h, "step": first_step + sent.value}, [field])
             f = f if frames == 1 else [f[0]] + [field] * (frames - 1)
@@ -207,9 +209,8 @@ def _flood(endpoint: str, frames: int, frame_bytes: int, first_step: int, sent, 
 
 def _queue_attack(row: str, conns: int, frames: int, frame_mib: int, peer_bytes: int | None) -> dict:
     """Peak RSS growth of a server whose buffer is full while ``conns`` connections queue."""
-    import zmq
-
-    from hpcml.stream import Buffer, BufferConfig, Sample, message, transport
+    from hpcml.stream import Buffer, BufferConfig, Sample, message
+    from hpcml.stream.sender import Sender
     from hpcml.stream.server import ServerConfig, StreamServer
 
     frame = frame_mib << 20
@@ -220,8 +221,7 @@ def _queue_attack(row: str, conns: int, frames: int, frame_mib: int, peer_bytes:
     srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1, buffer=buf, config=cfg).start()
     lim, procs = srv.limits, []
     try:
-        ctx = zmq.Context()
-        plug = transport.push_socket(ctx, SECRET)  # a sample the full buffer refuses: the server stops reading
+        plug = Sender(SECRET)  # a sample the full buffer refuses: the server stops reading
         plug.connect(srv.endpoint)
         plug.send_multipart(message.encode(SECRET, _header(global_shape=[1], offset=[0], shape=[1]),
                                            [np.ones(1, np.float32)]))
@@ -243,7 +243,7 @@ def _queue_attack(row: str, conns: int, frames: int, frame_mib: int, peer_bytes:
         peak = max(peak, _rss() - rss0)
         st = srv.stats()
         return {"row": row, "conns": conns, "frames_per_msg": frames, "frame_mib": frame_mib,
-                "messages_sent": sum(v.value for v in sent), "queue_depth": lim.depth,
+                "messages_sent": sum(v.value for v in sent),
                 "peer_budget_mib": lim.peer_bytes / 2**20, "peers_admitted": st["peers"]["admitted"],
                 "rss_growth_peak_mib": peak / 2**20,
                 "queued_bytes_mib": lim.queued_bytes / 2**20, "dropped": dict(st["dropped"]),
@@ -292,7 +292,7 @@ def main(argv=None) -> dict:
     rows = [_memcpy()]
     for kind in ("raw_zmq", "raw_many_frames"):
         rows.append(_measure_raw(kind, max(2, args.n // 50) if "many" in kind else args.n, idle))
-    for kind in ("valid", "wrong_mac", "poison", "stranger_zmq", "stranger_tcp", "many_frames"):
+    for kind in ("valid", "wrong_mac", "poison", "stranger_key", "stranger_tcp", "many_frames"):
         rows.append(_measure_server(kind, max(2, args.n // 50) if "many" in kind else args.n))
     by = {r["kind"]: r["server_cpu_ms_per_msg"] for r in rows}
     out = {"idle_cpu_fraction": idle, "rows": rows,

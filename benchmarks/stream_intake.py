@@ -6,12 +6,14 @@
 Intake: one producer process (a simulation rank: hpcml.stream.Producer, GMAC, one copy per message) sends
 ``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
 thread (GMAC check, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
-trainer would. Limit: raw ZeroMQ PUSH -> PULL of the same message size and count between
-the same two processes, nothing else. File path: the same samples written to one HDF5
+trainer would. Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between
+the same two processes, nothing else. Limit: loopback TCP of the same bytes (``sendall`` of
+each message, ``recv_into`` one buffer allocated once: ``tcp_limit_mb_s``). File path: the same samples written to one HDF5
 file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
-offline pipeline pays per byte. Both wires run: the default framed one (every byte a
-connection makes the server hold bounded) and the opt-in ``transport="zmtp"`` (ZeroMQ's own
-messages, for trusted simulations). Workflow: ``workflows/heat_surrogate.py`` online and
+offline pipeline pays per byte. Both wires run: the default framed one (plain TCP, a
+challenge per connection, every byte a connection makes the server hold bounded) and the
+opt-in ``transport="zmtp"`` (ZeroMQ's own messages, for trusted simulations). CPU per MiB of
+each side, every thread of its process, is reported beside the rates. Workflow: ``workflows/heat_surrogate.py`` online and
 offline at equal gradient steps: held-out error and the trainer's idle fraction.
 """
 
@@ -38,6 +40,15 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
 
     field = np.random.default_rng(0).random((nx, ny), dtype=np.float32)
     cpu0 = time.process_time()  # the sending alone (every thread of this process), not the start-up
+    if kind == "tcp":
+        import socket
+
+        host, port = endpoint.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            for i in range(n):
+                s.sendall(field.copy())
+        print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
+        return
     if kind == "raw":
         ctx = zmq.Context()
         s = ctx.socket(zmq.PUSH)
@@ -97,6 +108,36 @@ def raw_zmq(args, key_file) -> tuple[float, dict]:
            "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
     s.close()
     return nbytes / 1e6 / dt, cpu
+
+
+def tcp_limit(args, key_file) -> tuple[float, dict]:
+    """Loopback TCP of the same bytes: one ``recv_into`` per arrival into a buffer allocated once."""
+    import socket
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    cpu0 = time.process_time()
+    proc = spawn("tcp", f"127.0.0.1:{lsock.getsockname()[1]}", args, key_file)
+    conn, _ = lsock.accept()
+    msg = args.nx * args.ny * 4
+    total, got, t0 = msg * args.messages, 0, None
+    buf = memoryview(bytearray(msg))
+    while got < total:
+        n = conn.recv_into(buf[:min(msg, total - got)])
+        if not n:
+            break
+        if t0 is None:
+            t0 = time.perf_counter()
+            total -= msg  # count from the first arrival, as for the other paths
+            got -= msg
+        got += n
+    dt = time.perf_counter() - t0
+    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
+           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
+    conn.close()
+    lsock.close()
+    return total / 1e6 / dt, cpu
 
 
 def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dict, dict]:
@@ -199,8 +240,9 @@ def main() -> None:
         tmp = Path(d)
         key = str(tmp / "k")
         new_secret(key)
-        raws, runs, nomac, zmtp = [], [], [], []
+        raws, runs, nomac, zmtp, tcps = [], [], [], [], []
         for _ in range(args.repeat):  # in turns: each sees the same load on the 2 cores
+            tcps.append(tcp_limit(args, key))
             raws.append(raw_zmq(args, key))
             runs.append(hpcml_stream(args, key))
             nomac.append(hpcml_stream(args, key, "hpcml-nomac"))
@@ -210,16 +252,23 @@ def main() -> None:
         paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
         cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in ("sender_ms", "receiver_ms")}
                for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_no_mac", nomac),
-                                ("stream_zmtp", zmtp))}
+                                ("stream_zmtp", zmtp), ("tcp_limit", tcps))}
+        mib = args.nx * args.ny * 4 / 2**20
+        cpu_mib = {name: {side.replace("_ms", "_ms_per_mib"): v / mib for side, v in c.items()}
+                   for name, c in cpu.items()}
+        tcp = max(r[0] for r in tcps)
         fmb, fw, fr = file_path(args, tmp)
         out = {"benchmark": "stream_intake", "msg_bytes": args.nx * args.ny * 4, "messages": args.messages,
-               "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "file_path_mb_s": fmb,
+               "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "tcp_limit_mb_s": tcp,
+               "file_path_mb_s": fmb, "tcp_limit_mb_s_runs": [r[0] for r in tcps],
                "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
                "stream_mb_s_runs": [r[0] for r in runs], "zmq_raw_mb_s_runs": [r[0] for r in raws],
                "stream_no_mac_mb_s_runs": [r[0] for r in nomac], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
-               "cpu_per_message_ms": cpu,
+               "cpu_per_message_ms": cpu, "cpu_per_mib_ms": cpu_mib,
+               "receiver_cpu_per_mib_vs_raw_zmq": cpu["stream"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
                "cpu_bound_ratio": sum(cpu["raw_zmq"].values()) / sum(cpu["stream"].values()),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
+                          "stream_vs_tcp_limit": mb / tcp, "zmq_raw_vs_tcp_limit": raw / tcp,
                           "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
                           "no_mac_vs_raw_zmq": max(r[0] for r in nomac) / raw,
                           "zmtp_vs_raw_zmq": max(r[0] for r in zmtp) / raw,

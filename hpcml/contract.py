@@ -267,12 +267,34 @@ def read_bytes(path: str | os.PathLike, max_bytes: int, expected: str) -> bytes 
 
 
 def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",
-                    closed: str | None = None) -> None:
+                    closed: str | None = None, max_connections: int | None = None) -> None:
     """Publish the trainer ranks' stream addresses (index = trainer rank) for ``campaign`` and
-    ``run``; or, ``closed``, why a trainer that failed before it listened never will: the
-    simulations waiting for it fail at once with that reason instead of after their wait."""
-    rec = {"campaign": campaign, "run": run, "endpoints": list(endpoints), "time": time.time()}
+    ``run``, with the producer connections each rank holds at most; or, ``closed``, why a
+    trainer that failed before it listened never will: the simulations waiting for it fail at
+    once with that reason instead of after their wait."""
+    rec = {"campaign": campaign, "run": run, "endpoints": list(endpoints), "time": time.time(),
+           **({"max_connections": int(max_connections)} if max_connections else {})}
     write_json(path, {**rec, "closed": closed} if closed else rec)
+
+
+def connections_needed(path: str | os.PathLike, max_concurrent: int, ranks: int,
+                       contract: Contract | None = None) -> None:
+    """ConfigError, naming the limit, when ``max_concurrent`` simulations of up to ``ranks``
+    ranks streaming at once would need more connections of one trainer rank than it holds
+    (``endpoints.json``'s ``max_connections``; nothing to check when it does not say)."""
+    rec = read_json(path)
+    if not rec or (contract is not None and contract.stale(rec) is not None):
+        return
+    cap, n = rec.get("max_connections"), len(rec.get("endpoints") or [])
+    if not isinstance(cap, int) or isinstance(cap, bool) or not n:
+        return
+    need = -(-max_concurrent * ranks // n)
+    if need > cap:
+        raise ConfigError(f"max_concurrent={max_concurrent} simulations of {ranks} ranks stream over {need} "
+                          f"connections per trainer rank, but each of the {n} trainer rank(s) holds at most {cap} "
+                          f"(its open-file limit less 128 kept for files and its pending connections): raise "
+                          f"'ulimit -n' in the job script, add trainer ranks, or set max_concurrent <= "
+                          f"{max(1, cap * n // ranks)}")
 
 
 def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract: Contract | None = None
@@ -383,5 +405,37 @@ def write_stream_record(n_sent: int, nbytes: int, sim: int, attempt: int,
         write_json(path, {"sim": sim, "attempt": attempt, "n_sent": n_sent, "bytes": nbytes, "time": time.time()})
 
 
+#: Beside an attempt's stream record: the deterministic error that ended it (never retried).
+FINAL_SUFFIX = ".final.json"
+
+
+def write_final_error(message: str, sim: int, attempt: int, environ: Mapping[str, str] | None = None) -> None:
+    """A simulation's deterministic error, where the attempt wrapper looks for it: the
+    campaign then retries nothing and names the cause (:func:`read_final_error`). The first
+    rank's message is kept; nothing outside a campaign."""
+    path = (os.environ if environ is None else environ).get(ENV_STREAM_RECORD)
+    if not path or not path.endswith(".stream.json"):
+        return
+    final = path[:-len(".stream.json")] + FINAL_SUFFIX
+    try:
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return  # another rank's is there, or the directory is gone
+    with os.fdopen(fd, "w") as f:
+        json.dump({"sim": sim, "attempt": attempt, "error": message[:4000], "time": time.time()}, f, default=str)
+
+
+def read_final_error(sim_dir: str | os.PathLike) -> str | None:
+    """The deterministic error an attempt of the simulation in ``sim_dir`` recorded, or None."""
+    for path in sorted(Path(sim_dir).glob(f"attempt_*{FINAL_SUFFIX}")):
+        try:
+            rec = read_json(path, max_bytes=16384)
+        except ConfigError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("error"), str):
+            return rec["error"]
+    return None
+
+
 __all__ = ["CONFIG_ERROR", "Contract", "DoneRecord", "ENV", "INCOMPLETE", "read_done", "read_endpoints", "read_json",
-           "write_done", "write_endpoints", "write_json", "write_stream_record"]
+           "write_done", "write_endpoints", "write_final_error", "write_json", "write_stream_record"]

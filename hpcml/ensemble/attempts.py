@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpcml.contract import CONFIG_ERROR, read_final_error
+
 RESULT_MARKER = "HPCML_SIM_RESULT"
 """Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""
 CANCEL_FILE = "CANCEL"
@@ -42,6 +44,8 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
     sims_dir = os.path.dirname(sim_dir)
     if os.path.exists(os.path.join(sims_dir, CANCEL_FILE)):
         return f"exit {_CANCELLED_RC}"  # a retry after cancellation: no attempt, no launch
+    if read_final_error(sim_dir) is not None:  # a deterministic error: a retry would fail the same way
+        return f"exit {CONFIG_ERROR}"
     os.makedirs(sim_dir, exist_ok=True)
     k = 0
     while True:

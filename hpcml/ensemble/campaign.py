@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,27 @@ if TYPE_CHECKING:  # parsl costs ~0.4 s to import; only run() needs it
 __all__ = ["Campaign", "CampaignResult", "SimSpec", "TrainingJob"]  # the helpers and file names are internal
 
 logger = get_logger(__name__)
+
+
+def site_mismatch(site: Site, environ: Mapping[str, str] | None = None) -> str | None:
+    """One line when the batch job this driver runs in was made for another site than the
+    campaign's (``HPCML_SITE``, written by ``hpcml job``) or is another scheduler's, else None."""
+    import os
+
+    from hpcml.env import detect
+
+    environ = os.environ if environ is None else environ
+    named, job = environ.get("HPCML_SITE"), detect(environ)
+    where = "everything runs on this node" if site.scheduler == "local" else \
+        f"its simulations go to {site.scheduler}, not to this job"
+    if named and named != site.name:
+        return (f"this driver runs in a batch job written for site {named!r} (HPCML_SITE), but the campaign's site is "
+                f"{site.name!r}: {where}; pass site={named!r} to use the job's nodes")
+    if job.scheduler not in ("none", site.scheduler):
+        return (f"this driver runs inside {job.scheduler} job {job.job_id}, but the campaign's site {site.name!r} "
+                f"schedules with {site.scheduler}: {where}; pass a {job.scheduler} site of this machine to use the "
+                f"job's nodes")
+    return None
 
 MODES = ("auto", "allocation", "pilot")
 
@@ -153,6 +174,8 @@ class Campaign:
 
     def allocation(self) -> Allocation | None:
         """The batch job this driver runs in, when it runs the campaign (``mode``)."""
+        if self.site is not None and (why := site_mismatch(self.site)):
+            logger.warning(why)
         if self.site is None or self.mode == "pilot":
             return None
         from hpcml.ensemble import allocation

@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcml import stop
-from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, write_done, write_json
+from hpcml.contract import (DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done,
+                            write_json)
 from hpcml.ensemble import attempts, ledger, rundir
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.campaign import Campaign, executor_label, streaming
@@ -203,6 +204,9 @@ class Run:
             local = self.c.site is None or self.c.site.scheduler == "local"
             timeout = self.ready_timeout_s if self.ready_timeout_s is not None else 300.0 if local else None
             self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
+            if self.streams and self.contract is not None and self.contract.endpoints_file:
+                connections_needed(self.contract.endpoints_file, self.c.max_concurrent,
+                                   max((s.spec.ranks for s in self.sims), default=1), self.contract)
 
     # -- the contract ---------------------------------------------------------------------------
     def _contract(self) -> Contract:

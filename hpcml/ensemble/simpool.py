@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcml.contract import FINAL_SUFFIX, read_final_error
 from hpcml.ensemble import attempts
+from hpcml.errors import ConfigError
 from hpcml.ensemble.spec import SimSpec
 from hpcml.log import get_logger
 
@@ -40,6 +42,8 @@ class Sim:
     outcome: str = "pending"
     skipped: bool = False
     """Completed in an earlier run of this campaign (resume): not run again."""
+    final_error: str | None = None
+    """The deterministic error that ended it (its producer's, :func:`hpcml.contract.write_final_error`)."""
 
     def running(self) -> bool:
         """An attempt of it has started and not ended."""
@@ -78,6 +82,8 @@ class SimPool:
             while queue and len(self.inflight) < self.c.max_concurrent:
                 s = queue.popleft()
                 s.submitted, s.outcome = time.monotonic(), "running"
+                for old in s.dir.glob(f"attempt_*{FINAL_SUFFIX}"):  # an earlier run's: this one may have fixed it
+                    old.unlink(missing_ok=True)
                 limit = math.ceil(self.c.sim_timeout_s) if self.c.sim_timeout_s else 0
                 fut = app(str(s.dir), s.spec.sim_id, self.c.sim_prefix(s.spec.ranks), s.spec.command(), limit,
                           math.ceil(self.c.cancel_grace_s),
@@ -123,6 +129,10 @@ class SimPool:
             s.outcome = "cancelled"
         else:
             s.outcome = "failed"
+            s.final_error = read_final_error(s.dir)
+            if s.final_error is not None:  # every other simulation would fail the same way: stop here
+                raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a "
+                                  f"retry or a resume would fail the same way): {s.final_error}")
             logger.warning("simulation %d failed after %d attempt(s): %s", s.spec.sim_id, len(s.recorded),
                            attempts.describe(exc))
 

@@ -1,14 +1,16 @@
 """The simulation side: each rank of a simulation sends its subdomain of every output step.
 
-All ranks of simulation ``s`` send to the one trainer rank ``route(s, n)`` over a ZeroMQ
-STREAM socket with the stream's own framing (:mod:`hpcml.stream.transport`). Backpressure
-is ZeroMQ's high-water mark and TCP's window: when the trainer's buffer is full it stops
-reading, the queues fill, and ``send`` blocks once ``hwm`` messages wait here, so a fast
-simulation slows down instead of growing memory. The socket reconnects by itself, so a
-trainer restarted on the same address picks the stream up again; messages still queued
-here are delivered then (one partly sent when the connection broke is lost, as it would
-be with any socket; the end-of-stream accounting counts it). Imports no torch: a simulation
-starts in a fraction of a second.
+All ranks of simulation ``s`` send to the one trainer rank ``route(s, n)`` over TCP with the
+stream's own framing (:mod:`hpcml.stream.sender`). Backpressure is the trainer's
+acknowledgements and TCP's window: when the trainer's buffer is full it stops reading, and
+``send`` blocks once ``hwm`` messages are held here unacknowledged, so a fast simulation slows
+down instead of growing memory. The sender reconnects by itself and sends again whatever the
+trainer had not acknowledged, so a trainer restarted on the same address picks the stream up
+with nothing lost; ``close()`` returns once the trainer has taken everything, and raises if it
+did not. At the first ``send`` the producer checks what the trainer said of itself at the
+handshake -- campaign, run, fields, parameters, grid -- so a simulation that sends what the
+trainer would drop fails then, naming the values (a ConfigError: final, never retried).
+Imports no torch: a simulation starts in a fraction of a second.
 
 Fields have 1 to 3 dimensions. Whatever the trainer would drop (a shape it cannot
 assemble, ids out of range, a dtype it cannot carry...) is a ConfigError here, at
@@ -30,12 +32,33 @@ import numpy as np
 import zmq
 
 from hpcml import log
-from hpcml.contract import ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints, write_stream_record
+from hpcml.contract import (ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints, write_final_error,
+                            write_stream_record)
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import message, routing, transport, zmtp
+from hpcml.stream import framing, message, routing, sender, zmtp
+from hpcml.stream.handshake import HandshakeError
 
 logger = log.get_logger(__name__)
 
+
+
+def trainer_mismatch(info: dict, *, campaign: str, run: str, fields: Sequence[str], params: Mapping,
+                     global_shape: Sequence[int]) -> str | None:
+    """What in a producer's output the trainer that sent ``info`` would drop, or None."""
+    if info.get("campaign") != campaign:
+        return f"the trainer belongs to campaign {info.get('campaign')!r}, this simulation to {campaign!r}"
+    if run and info.get("run") and info["run"] != run:
+        return f"the trainer belongs to run {info['run']!r} of the campaign, this simulation to run {run!r}"
+    want = info.get("fields") or []
+    if want and sorted(fields) != sorted(want):
+        return f"fields {sorted(fields)} sent, the trainer takes {sorted(want)}"
+    missing = [p for p in info.get("params") or [] if p not in params]
+    if missing:
+        return f"parameters {missing} missing from params {sorted(params)} (the trainer needs {info['params']})"
+    shape = info.get("shape")
+    if shape and list(global_shape) != list(shape):
+        return f"global grid {list(global_shape)} sent, the trainer's samples are {list(shape)}"
+    return None
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -76,9 +99,11 @@ class Producer:
     send_timeout_s: float = 600.0
     """A trainer unreachable this long is an error (the campaign then retries the simulation)."""
     copy: bool = True
-    """Kept for the former API; no longer matters: every message is copied once into the buffer
-    ZeroMQ sends (one message, one buffer: :mod:`hpcml.stream.transport`), so the caller may
-    always overwrite its arrays as soon as ``send`` returns."""
+    """True: every message is copied once into the buffer that is sent (one message, one
+    buffer: :mod:`hpcml.stream.framing`), so the caller may overwrite its arrays as soon as
+    ``send`` returns. False: C-contiguous float32/float64 arrays are sent as they are, without
+    a copy, so the caller hands each array over and never changes it again (a fresh array per
+    output, as a kernel that copies its state to send it)."""
     run: str = ""
     """The campaign's run (``from_campaign`` sets it): every message carries it, and a server
     of another run drops it -- a message replayed from an earlier run is never this run's data."""
@@ -94,19 +119,22 @@ class Producer:
             "offset": list(self.offset), "shape": list(self.local_shape), "params": self.params},
             separators=(",", ":"))[:-1]
         self._names_json: dict[tuple, str] = {}
-        # its own context, terminated in close(): that waits until ZeroMQ has sent every
-        # zero-copy frame, so no array is freed while the I/O thread still reads it
-        self._ctx = zmq.Context(io_threads=1)
-        wire = zmtp if self.endpoint.startswith(zmtp.SCHEME) else transport  # the address says which wire
-        self._sock = wire.Sender(self._ctx, self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
+        wire = zmtp if self.endpoint.startswith(zmtp.SCHEME) else sender  # the address says which wire
+        if wire is sender:
+            sender.parse_endpoint(self.endpoint)  # a bad address fails here, in one line
+        self._sock = wire.Sender(self.secret, hwm=self.hwm, timeout_s=self.send_timeout_s)
         self._sock.connect(self.endpoint)
+        self._trainer_checked = False
         self.n_sent = 0
         self.bytes_sent = 0
         self.blocked_s = 0.0
         self._closed = False
 
     def _error(self, what: str) -> ConfigError:
-        return ConfigError(f"simulation {self.sim_id} rank {self.rank}: {what}")
+        """A deterministic mistake: recorded for the campaign (no retry, the cause named), raised here."""
+        text = f"simulation {self.sim_id} rank {self.rank}: {what}"
+        write_final_error(text, self.sim_id, self.attempt)
+        return ConfigError(text)
 
     def _check(self) -> None:
         """Refuse now what the trainer's decoder and assembly would drop later (message.decode, server)."""
@@ -183,23 +211,58 @@ class Producer:
     def _send(self, text: bytes, arrays=()) -> None:
         """One message of header ``text`` and ``arrays`` ((array, dtype) pairs): each array copied
         (and converted) once, straight into the message's one buffer (the wire's unit,
-        :mod:`hpcml.stream.transport`), so the caller may overwrite it as soon as this returns."""
+        :mod:`hpcml.stream.framing`), so the caller may overwrite it as soon as this returns."""
         message.check_header(text)
-        nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
-        buf, views = transport.frame_buffer(self._sock.token, [len(message.MAGIC), len(text), *nbytes,
-                                                               message.MAC_BYTES])
-        views[0][:], views[1][:] = message.MAGIC, text
-        for (a, dtype), view in zip(arrays, views[2:]):
-            np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
-        views[-1][:] = message.mac(self.secret, views[:-1])
         t0 = time.perf_counter()
         try:
-            self._sock.send_message(buf, views)
+            if not self.copy and all(a.dtype == dtype and a.flags.c_contiguous for a, dtype in arrays):
+                frames = [message.MAGIC, text, *[memoryview(a).cast("B") for a, _ in arrays]]
+                frames.append(message.mac(self.secret, frames))
+                self._sock.send_frames(frames)
+            else:
+                nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
+                buf, views = framing.frame_buffer([len(message.MAGIC), len(text), *nbytes, message.MAC_BYTES])
+                views[0][:], views[1][:] = message.MAGIC, text
+                for (a, dtype), view in zip(arrays, views[2:]):
+                    np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
+                views[-1][:] = message.mac(self.secret, views[:-1])
+                self._sock.send_message(buf, views)
         except zmq.Again:
-            self._sock.sock.setsockopt(zmq.LINGER, 0)  # a trainer that took nothing this long: no wait at exit
+            self._abandon()
             raise LaunchError(f"simulation {self.sim_id} rank {self.rank}: trainer at {self.endpoint} took no data for "
                               f"{self.send_timeout_s:.0f} s") from None
+        except HandshakeError as e:
+            self._abandon()
+            raise self._error(f"trainer at {self.endpoint}: {e}") from None
         self.blocked_s += time.perf_counter() - t0
+
+    def _abandon(self) -> None:
+        """Stop at once (nothing more is waited for at exit) after an error that ends this producer."""
+        self._closed = True
+        self._sock.close(linger=0)
+
+    def _check_trainer(self, names: Sequence[str]) -> None:
+        """Before the first message leaves: what the trainer said of itself at the handshake
+        (campaign, run, fields, parameters, grid) against what this producer sends."""
+        try:
+            info = self._sock.wait_info(self.send_timeout_s)
+        except HandshakeError as e:
+            self._abandon()
+            raise self._error(f"trainer at {self.endpoint}: {e}") from None
+        if info is None:
+            if isinstance(self._sock, zmtp.Sender):
+                self._trainer_checked = True
+                return
+            self._abandon()
+            raise LaunchError(f"simulation {self.sim_id} rank {self.rank}: no trainer answered at {self.endpoint} for "
+                              f"{self.send_timeout_s:.0f} s")
+        problem = trainer_mismatch(info, campaign=self.campaign, run=self.run, fields=names, params=self.params,
+                                   global_shape=self.global_shape)
+        if problem:
+            self._abandon()
+            raise self._error(f"{problem} (trainer rank {info.get('rank')} at {self.endpoint}): it would drop every "
+                              f"sample; fix the simulation or the trainer's configuration")
+        self._trainer_checked = True
 
     def send(self, step: int, t: float, fields: dict[str, np.ndarray]) -> None:
         """Send this rank's subdomain of every field at output ``step`` (arrays are copied first,
@@ -243,6 +306,8 @@ class Producer:
                                   f"{message.MAX_FRAME_BYTES} a stream server reads in one frame: use more ranks")
             arrays.append((a, dtype))
             names.append([name, dtype.name])
+        if not self._trainer_checked:
+            self._check_trainer([n for n, _ in names])
         names_json = self._names_json.get(key := tuple(map(tuple, names)))
         if names_json is None:
             names_json = self._names_json[key] = json.dumps(names, separators=(",", ":"))
@@ -259,8 +324,10 @@ class Producer:
                   "sim": self.sim_id, "attempt": self.attempt, "rank": self.rank, "nranks": self.nranks,
                   "n_sent": self.n_sent}
         self._send(message.header_text(header))
-        self._sock.close()  # lingers until queued messages are sent (at most send_timeout_s)
-        self._ctx.term()
         self._closed = True
+        self._sock.close()  # waits until the trainer took every message (at most send_timeout_s)
+        if self._sock.undelivered:
+            raise LaunchError(f"simulation {self.sim_id} rank {self.rank}: the trainer at {self.endpoint} had not "
+                              f"taken {self._sock.undelivered} message(s) after {self.send_timeout_s:.0f} s")
         if self.rank == 0:  # what this simulation streamed, for the driver's done record
             write_stream_record(self.n_sent, self.bytes_sent, self.sim_id, self.attempt)

@@ -1,9 +1,10 @@
 """The training side: one server per data-parallel trainer rank, in a background thread.
 
-It only moves bytes. It receives over ZeroMQ (a STREAM socket bound to loopback unless told
-otherwise, with framing of our own: peers without the campaign secret are refused before
-anything is allocated, frame counts and lengths are bounded before a byte of a message is
-held: :mod:`hpcml.stream.transport`), authenticates
+It only moves bytes. It receives over plain TCP (bound to loopback unless told otherwise,
+with framing of our own: a peer must answer a fresh challenge under the campaign secret
+before a byte of it is read past the answer, frame counts and lengths are bounded before a
+byte of a message is held, and all connections together hold a bounded total:
+:mod:`hpcml.stream.transport`), authenticates
 and validates every message (:mod:`hpcml.stream.message`), and hands it to the
 exactly-once rules (:mod:`hpcml.stream.ingest`: assembly, deduplication, the schema, the
 end of the stream); a whole sample goes into the :class:`~hpcml.stream.buffer.Buffer`.
@@ -11,8 +12,8 @@ A bad message is dropped and counted by reason, never raised into training, neve
 unpickled. No input kills the thread; if a bug does, the buffer is failed and every
 trainer rank's loader raises within a poll (no hang).
 
-Backpressure: while the buffer is full the thread stops reading; ZeroMQ's queues fill and
-the producers block. What one connection can make the server hold meanwhile, queued or as
+Backpressure: while the buffer is full the thread stops reading; the sockets' buffers fill
+and the producers block. What one connection can make the server hold meanwhile, queued or as
 incomplete samples, is bounded in bytes (:mod:`hpcml.stream.budget`). End of stream: the
 driver's done record (``sims_done.json`` of this run, polled, or
 :meth:`StreamServer.campaign_done` in-process), then every completed
@@ -24,6 +25,7 @@ trainer neither re-ingests nor loses what its checkpoint holds.
 from __future__ import annotations
 
 import errno
+import json
 import time
 import threading
 from dataclasses import dataclass
@@ -66,6 +68,10 @@ class ServerConfig:
     hwm: int = 8
     """The default budget of a producer connection, in its largest valid messages (at least 2;
     ``max_peer_bytes`` sets it in bytes instead: :attr:`limits`)."""
+    max_held_bytes: int | None = None
+    """Unfinished messages of all connections together, in bytes (None: 256 MiB, or two of the
+    largest valid message if more); a message that does not fit waits, unread, until others
+    complete (:mod:`hpcml.stream.transport`)."""
     max_frame_bytes: int = message.MAX_FRAME_BYTES
     """Largest frame (one field of one rank's block) a message may announce; a larger one is
     refused and its connection closed. The server takes at most the largest frame its schema
@@ -84,10 +90,10 @@ class ServerConfig:
     connection sends, it holds at most ``limits.queued_bytes`` before decoding
     (:mod:`hpcml.stream.budget`)."""
     transport: str = "framed"
-    """The wire: ``"framed"`` (hpcml's framing over ZeroMQ STREAM sockets: every byte a
-    connection makes the server hold is bounded, whatever it sends) or ``"zmtp"`` (ZeroMQ's own
-    messages, PUSH -> PULL: about twice the intake, but a peer holding the campaign secret can
-    make the server hold any amount: for trusted simulations only, :mod:`hpcml.stream.zmtp`)."""
+    """The wire: ``"framed"`` (hpcml's framing over plain TCP: a challenge per connection, every
+    byte a connection makes the server hold bounded, whatever it sends) or ``"zmtp"`` (ZeroMQ's
+    own messages, PUSH -> PULL: a peer holding the campaign secret can make the server hold any
+    amount: for trusted simulations only, :mod:`hpcml.stream.zmtp`)."""
     partial_timeout_s: float = 600.0
     """An incomplete sample no block has reached for this long is evicted (``partial_evicted``)."""
     end_grace_s: float = 30.0
@@ -112,17 +118,19 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.transport={self.transport!r}: expected 'framed' or 'zmtp'")
         if not self.partial_timeout_s > 0:
             raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
-        v = self.max_peer_bytes
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62):
-            raise ConfigError(f"ServerConfig.max_peer_bytes={v!r}: expected None or an integer number of bytes in "
-                              f"1..2**62")
+        for name in ("max_peer_bytes", "max_held_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62):
+                raise ConfigError(f"ServerConfig.{name}={v!r}: expected None or an integer number of bytes in "
+                                  f"1..2**62")
         self.limits  # noqa: B018 -- a budget below two messages is refused here, with its numbers
 
     @property
     def limits(self) -> PeerLimits:
         """The per-connection limits this config gives: frame limit, queue depth, budget."""
         return peer_limits(hwm=self.hwm, max_frame_bytes=self.max_frame_bytes, max_sample_bytes=self.max_sample_bytes,
-                           n_fields=len(self.field_names), shape=self.shape, max_peer_bytes=self.max_peer_bytes)
+                           n_fields=len(self.field_names), shape=self.shape, max_peer_bytes=self.max_peer_bytes,
+                           max_held_bytes=self.max_held_bytes)
 
 
 class StreamServer:
@@ -142,10 +150,12 @@ class StreamServer:
                              max_peer_bytes=lim.peer_bytes)
         if config.transport == "zmtp":  # whole messages queued per connection, as the budget holds them
             self._rx = zmtp.Receiver(secret, host=config.host, port=config.port, max_frame_bytes=lim.frame_bytes,
-                                     hwm=max(2, min(config.hwm, lim.peer_bytes // lim.message_bytes)))
+                                     hwm=min(config.hwm, lim.messages))
         else:
-            self._rx = transport.Receiver(secret, host=config.host, port=config.port, hwm=lim.depth,
-                                          max_frame_bytes=lim.frame_bytes, max_message_bytes=lim.message_bytes)
+            self._rx = transport.Receiver(secret, host=config.host, port=config.port, max_frame_bytes=lim.frame_bytes,
+                                          max_message_bytes=lim.message_bytes, max_held_bytes=lim.held_bytes,
+                                          info=handshake_info(campaign, contract.run if contract else "", rank,
+                                                              config))
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (when last logged, drops then)
         self.endpoint = self._rx.endpoint
         self._lock = threading.Lock()  # the ingest state and the pending sample, against a checkpoint
@@ -184,7 +194,7 @@ class StreamServer:
             try:
                 return cls(campaign=c.campaign, secret=secret, rank=rank, n_trainers=n_trainers, buffer=buffer,
                            config=cfg, contract=c)
-            except zmq.ZMQError as e:
+            except (zmq.ZMQError, OSError) as e:
                 if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
                     raise LaunchError(f"trainer rank {rank}: cannot bind the stream to tcp://{host}:{port} "
                                       f"({e.strerror})" + (f" within {REBIND_S:g} s: a process of an earlier launch "
@@ -237,10 +247,9 @@ class StreamServer:
     def _loop(self) -> None:
         """Read while messages are queued (up to 64 in a row), poll only when none is: a poll per
         message cost as much as its validation."""
-        poller = zmq.Poller()
-        poller.register(self._rx.sock, zmq.POLLIN)
         while not self._stop.is_set():
             if self._pending is not None and not self._deliver():
+                self._rx.flush()  # what was handed over is acknowledged, even while nothing more is read
                 continue
             got = 0
             while got < 64 and self._pending is None:  # a pending sample: the buffer is full (backpressure)
@@ -259,7 +268,7 @@ class StreamServer:
                 self._last_recv = time.monotonic()
             elif self._pending is None:
                 self._rx.sweep()  # nothing queued: a connection with an unfinished token is late
-                poller.poll(50)
+                self._rx.wait(0.05)
             with self._lock:
                 self.ingest.assembly.sweep()
             self._check_end()
@@ -362,9 +371,9 @@ class StreamServer:
                 "intake_mb_s": counters["bytes"] / 1e6 / dt if dt else 0.0, "buffer": self.buffer.stats.as_dict(),
                 "buffer_len": len(self.buffer),
                 "peers": {"admitted": self._rx.admitted, "refused": self._rx.refused,
-                          "peer_bytes": lim.peer_bytes, "queue_depth": lim.depth, "frame_bytes": lim.frame_bytes,
+                          "peer_bytes": lim.peer_bytes, "frame_bytes": lim.frame_bytes,
                           "queued_bytes_max": lim.queued_bytes, "partial_bytes_max": max(held.values(), default=0),
-                          "fd_limit": fd_limit()}}
+                          "fd_limit": fd_limit(), **getattr(self._rx, "stats", dict)()}}
 
     def accounting(self) -> dict:
         with self._lock:
@@ -386,6 +395,14 @@ class StreamServer:
             for i, meta in enumerate(metas):
                 self.ingest.load_meta(meta, mine, history_of(i, self.rank, self.n_trainers))
             self.ingest.restored()
+
+
+def handshake_info(campaign: str, run: str, rank: int, config: ServerConfig) -> bytes:
+    """What a producer learns of this trainer rank at the handshake, to refuse at its first
+    ``send`` what the trainer would drop (:meth:`hpcml.stream.Producer.send`)."""
+    return json.dumps({"campaign": campaign, "run": run or "", "rank": rank, "fields": list(config.field_names),
+                       "params": list(config.param_names), "shape": list(config.shape) if config.shape else None},
+                      separators=(",", ":")).encode()
 
 
 def _published_port(c: Contract, rank: int, n_trainers: int) -> int:

@@ -1,390 +1,358 @@
-"""The stream's wire: ZeroMQ ``STREAM`` sockets carrying our own framing, every byte bounded.
+"""The stream's default wire, the server side: plain non-blocking TCP, every byte bounded.
 
-Why not ZeroMQ's own messages (PUSH/PULL): libzmq holds every frame of a multipart message
-before the application can read any, bounds frames per message nowhere, and counts its
-high-water mark in whole messages, so a peer holding the campaign secret could make a
-trainer hold any amount of memory. Here libzmq moves raw TCP bytes (``ZMQ_STREAM``: at most
-``RCVHWM`` chunks of 8 KiB queued per connection) and this module frames them, checking
-every length before it allocates:
+One listening socket and every connection on one ``selectors`` loop (epoll), in the server's
+thread. A message is read straight into the one buffer it will live in (``recv_into`` of
+whatever the kernel holds, up to :data:`ROUND_BYTES` a connection a round), so a MiB costs a
+copy out of the kernel, not a call per 8 KiB. Bounds, in the order a byte meets them:
 
-    token (64 B) | n: u32 | len_0 .. len_{n-1}: u64 | pad to 64 B | frame_0 | pad | ... | frame_{n-1} | pad
+1. **Strangers.** A new connection gets a fresh challenge and must answer it within
+   :data:`HELLO_S` (:mod:`hpcml.stream.handshake`); until then it is *pending*: at most
+   :attr:`Receiver.pending_max` at once (more wait in the kernel's accept queue, and one
+   pending past :data:`PENDING_GRACE_S` is closed to make room), its 64 answer bytes the only
+   ones read. A wrong answer is refused and closed. No number of strangers can take the file
+   descriptors that producers and checkpoints need.
+2. **Connections.** At start the open-file limit is raised to what the system allows; producers
+   hold at most ``fd_limit - RESERVE_FDS - pending_max`` connections (:attr:`max_connections`),
+   past which the longest silent one is closed (an honest producer reconnects and resends).
+3. **The length table** is checked before anything is allocated: 3 to ``message.MAX_FRAMES``
+   frames, each at most ``frame_bytes``, all at most ``message_bytes``; a message that breaks
+   them is a :class:`~hpcml.stream.message.MessageError` (counted, dropped) and its bytes are
+   read and passed over, never kept (a table of any length is summed as it streams by).
+4. **Memory.** One buffer per message in flight, at most ``message_bytes`` a connection and
+   :attr:`max_held_bytes` for all of them: a message that does not fit waits (its connection
+   unread, its bytes in the kernel) until others complete; while one waits, a holder silent
+   for :data:`IDLE_EVICT_S` is closed. One silent for :data:`STALL_S` with an unfinished
+   message is closed anyway (``stalled``).
+5. **Fairness.** Every ready connection gets up to :data:`ROUND_BYTES` per round.
 
-1. **The token** opens every message: ``HMAC-SHA256(secret, "hpcml-stream/transport")``
-   in hex, so the secret never goes on the wire. A connection whose first message does
-   not start with it is closed after its first 68 bytes (one that begins a token and
-   stops short, after :data:`HELLO_S`): a peer without the token gets nothing allocated,
-   parsed or decoded. While the server does not read (its buffer full), what it sent
-   waits in ZeroMQ's queue like anyone's: ``RCVHWM`` chunks per connection. The token is
-   a gate, not a signature (it travels in clear): every message is still MAC'd with the
-   secret (:mod:`hpcml.stream.message`).
-2. **The lengths** are checked before anything is allocated: 3 to ``message.MAX_FRAMES``
-   frames, each at most ``frame_bytes``, all at most ``message_bytes`` (plus the frames'
-   64-byte alignment). A message that breaks them is a
-   :class:`~hpcml.stream.message.MessageError` (counted, dropped) and its bytes are read
-   and passed over, never kept; a table of more than :data:`SKIP_FRAMES` lengths, or a
-   message that does not start with the token, closes its connection.
-3. **One buffer per message**, frames 64-byte aligned views into it: a connection holds at
-   most one incomplete message (``<= message_bytes``) plus libzmq's ``RCVHWM`` chunks
-   (:mod:`hpcml.stream.budget`); one silent for :data:`STALL_S` with an unfinished message
-   is closed and the message dropped (libzmq loses the close notice of a connection whose
-   queue was full).
-4. **Names.** Every connection gets a number of its own, so the server can charge what it
-   holds to the connection that sent it.
-
-A message is one ZeroMQ message on the sending side (:class:`Sender`: the producer packs
-its frames into one buffer), so when a connection drops, libzmq drops the partly sent
-message and the reconnected stream starts at a message boundary. Imports no torch:
-simulations connect through :func:`push_socket`.
+Each message is acknowledged once :meth:`Receiver.recv` has handed it to the server
+(:mod:`hpcml.stream.framing`); a connection that closes before that is counted
+(:attr:`cut`, when mid-message), and its producer sends again what was not acknowledged.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import errno
 import resource
-import struct
+import selectors
+import socket
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import numpy as np
-import zmq
+from zmq import Again
 
+from hpcml import log
 from hpcml.errors import ConfigError
-from hpcml.stream import message
+from hpcml.stream import handshake, message
+from hpcml.stream.framing import ACK, ALIGN
+from hpcml.stream.reading import _BODY, _HEAD, _WAIT, SCRATCH, MessageReader, _Conn
 
-TOKEN_BYTES = 64
-ALIGN = 64
-#: The fixed part of a message's head: the token and the frame count.
-FIXED = TOKEN_BYTES + 4
-#: The routing id a sender gives its one connection (ZMQ_CONNECT_ROUTING_ID).
-ROUTE = b"hpcml-trainer"
-#: libzmq's raw engine hands over at most ``in_batch_size`` (8 KiB) a chunk; chunks are read
-#: straight into a message when this much of it is still to come, else through a scratch buffer.
-SCRATCH = 1 << 16
-#: The longest length table read to pass over a message of too many frames (its connection
-#: is closed past it: a table of 2**32 lengths is not worth reading).
-SKIP_FRAMES = 4096
-#: Seconds a connection that has begun its first token may take to finish it before it is
-#: closed. One that has sent nothing is left open: a producer connects long before its first
-#: output, and closing it as that output goes out would lose the message.
-HELLO_S = 10.0
+logger = log.get_logger(__name__)
+
+#: Seconds a new connection has to answer the challenge.
+HELLO_S = 5.0
+#: Connections that have not answered yet, at most: an eighth of the open-file limit, within
+#: these bounds (while that many wait, new ones stay in the kernel's accept queue, unless the
+#: oldest has had :data:`PENDING_GRACE_S`: it is then closed).
+PENDING_MIN, PENDING_MAX = 128, 4096
+#: Seconds a pending connection is safe from being crowded out: a producer answers in one round
+#: trip, a loaded node's in well under this.
+PENDING_GRACE_S = 1.0
+#: File descriptors kept free of connections: checkpoints, logs, the loader's files.
+RESERVE_FDS = 128
 #: Seconds a connection may hold an unfinished message without a byte more, while the server
-#: reads and nothing is queued, before it is closed and the message dropped (``stalled``):
-#: libzmq drops the notice of a connection that closed while its queue was full, so a
-#: vanished sender is found by its silence.
+#: reads, before it is closed and the message dropped (``stalled``).
 STALL_S = 30.0
-#: Chunks one :meth:`Receiver.recv` reads at most before it gives the caller its turn.
-MAX_CHUNKS = 2048
+#: While a message waits for memory, a holder of an unfinished one silent this long is closed,
+#: and so is one whose message has taken longer than this plus its size at :data:`MIN_RATE`.
+IDLE_EVICT_S = 2.0
+#: Bytes a second below which a message holding memory others wait for is too slow.
+MIN_RATE = 1 << 20
 
 
-def token(secret: bytes) -> bytes:
-    """The token of a campaign: derived from, never equal to, its secret."""
-    return hmac.new(secret, b"hpcml-stream/transport", hashlib.sha256).hexdigest().encode()
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _pad(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def head_bytes(n_frames: int) -> int:
-    return _pad(FIXED + 8 * n_frames)
-
-
-def frame_buffer(tok: bytes, lengths: Sequence[int]) -> tuple[np.ndarray, list[memoryview]]:
-    """One message's buffer with its head written, and a writable view per frame to fill."""
-    at = head_bytes(len(lengths))
-    offsets = []
-    for n in lengths:
-        offsets.append(at)
-        at += _pad(n)
-    buf = np.empty(at, np.uint8)
-    view = memoryview(buf)
-    head = FIXED + 8 * len(lengths)
-    struct.pack_into(f"<{TOKEN_BYTES}sI{len(lengths)}Q", buf, 0, tok, len(lengths), *lengths)
-    buf[head:offsets[0] if offsets else at] = 0
-    for o, n in zip(offsets, lengths):  # no byte of this process's memory goes out unwritten
-        buf[o + n:o + _pad(n)] = 0
-    return buf, [view[o:o + n] for o, n in zip(offsets, lengths)]
-
-
-def pack(tok: bytes, frames: Sequence) -> np.ndarray:
-    """The wire bytes of a message of ``frames`` (bytes-like), copied into one buffer."""
-    views = [memoryview(f).cast("B") for f in frames]
-    buf, out = frame_buffer(tok, [v.nbytes for v in views])
-    for dst, src in zip(out, views):
-        dst[:] = src
-    return buf
-
-
-def send_limits(sock: zmq.Socket, hwm: int | None, timeout_s: float | None) -> None:
-    """A sending socket's queue (``SNDHWM`` messages) and how long a send and its close wait."""
-    if hwm is not None:
-        sock.setsockopt(zmq.SNDHWM, hwm)
-    if timeout_s is not None:
-        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
-
-
-class Sender:
-    """A producer's connection to one stream server: a ZeroMQ STREAM socket that sends whole
-    messages (:meth:`send_buffer`) and reconnects by itself, keeping what it has queued."""
-
-    def __init__(self, ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
-                 ) -> None:
-        self.token = token(secret)
-        self.sock = ctx.socket(zmq.STREAM)
-        self.sock.setsockopt(zmq.RCVHWM, 4)  # connect/disconnect notices only; a server sends nothing else
-        send_limits(self.sock, hwm, timeout_s)
-
-    def connect(self, endpoint: str) -> None:
-        self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, ROUTE)
-        self.sock.connect(endpoint)
-
-    def send_message(self, buf, views, flags: int = 0) -> None:
-        """One message built by :func:`frame_buffer`: its whole buffer goes out (``views`` are
-        for :class:`hpcml.stream.zmtp.Sender`, which sends the frames)."""
-        self.send_buffer(buf, flags)
-
-    def send_buffer(self, buf, flags: int = 0) -> None:
-        """Queue one message's wire bytes (not copied: ``buf`` must not change afterwards)."""
-        while True:  # drop the connect/disconnect notices, so they never fill the inbound queue
-            try:
-                self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        self.sock.send(ROUTE, flags | zmq.SNDMORE)
-        self.sock.send(buf, flags, copy=False)
-
-    def send_multipart(self, frames: Sequence, flags: int = 0, copy: bool = True) -> None:
-        """Send ``frames`` as one message (copied into one buffer; ``copy`` is accepted for zmq's signature)."""
-        self.send_buffer(pack(self.token, frames), flags)
-
-    def close(self, linger: int | None = None) -> None:
-        self.sock.close(linger)
-
-
-def push_socket(ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
-                ) -> Sender:
-    """A sender that passes a stream server's token check (connect it afterwards)."""
-    return Sender(ctx, secret, hwm=hwm, timeout_s=timeout_s)
-
-
-def bind(rx, host: str, port: int) -> str:
-    """Bind ``rx.sock`` to ``host:port`` (0: a free port) and give its address; on failure
-    ``rx`` is closed (no socket or thread left behind) and the ZMQError raised."""
-    addr = f"tcp://{host}"
+def listen(host: str, port: int) -> tuple[socket.socket, str]:
+    """A non-blocking listening socket on ``host:port`` (0: a free port) and its address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        if port:
-            rx.sock.bind(f"{addr}:{port}")
-        else:
-            port = rx.sock.bind_to_random_port(addr)
-    except zmq.ZMQError:
-        rx.close()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError:
+        sock.close()
         raise
-    return f"{addr}:{port}"
+    sock.setblocking(False)
+    port = sock.getsockname()[1]
+    return sock, f"tcp://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
 
 
-class _Conn:
-    __slots__ = ("peer", "head", "need", "lengths", "body", "view", "fill", "skip", "admitted", "opened", "seen",
-                 "dead")
+class Receiver(MessageReader):
+    """The server's listening socket and its connections; :meth:`recv` gives whole, checked messages."""
 
-    def __init__(self, peer: int) -> None:
-        self.peer, self.admitted, self.dead, self.opened = peer, False, False, 0.0  # opened: its first byte
-        self.seen = time.monotonic()  # its last chunk
-        self.skip = 0
-        """Bytes still to pass over: the body of a refused message, read and not kept."""
-        self.reset()
-
-    def reset(self) -> None:
-        self.head, self.need, self.lengths = bytearray(), FIXED, ()
-        self.body, self.view, self.fill = None, None, 0
-
-
-class Receiver:
-    """The server's STREAM socket on a context of its own; :meth:`recv` gives whole, checked messages."""
-
-    def __init__(self, secret: bytes, *, host: str, port: int, hwm: int, max_frame_bytes: int,
-                 max_message_bytes: int) -> None:
-        if hwm < 1:
-            raise ConfigError(f"RCVHWM {hwm} chunks: expected >= 1")
-        self._token = token(secret)
+    def __init__(self, secret: bytes, *, host: str, port: int, max_frame_bytes: int, max_message_bytes: int,
+                 max_held_bytes: int | None = None, info: bytes = b"{}") -> None:
         self.frame_bytes = max_frame_bytes
         self.body_bytes = max_message_bytes + ALIGN * message.MAX_FRAMES
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.STREAM)
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = bind(self, host, port)
-        self._conns: dict[bytes, _Conn] = {}
-        self._closed: dict[bytes, None] = {}  # the latest closed by this side: their late chunks and notices
-
-        self._ready: deque[tuple[int, list[memoryview]] | message.MessageError] = deque()  # in arrival order
+        self.max_held_bytes = max(2 * self.body_bytes, max_held_bytes or 0)
+        """All connections' unfinished messages together hold at most this much."""
+        if len(info) > handshake.MAX_INFO_BYTES:
+            raise ConfigError(f"stream handshake info of {len(info)} bytes: expected at most "
+                              f"{handshake.MAX_INFO_BYTES}")
+        self._key, self._info = handshake.key(secret), info
+        self.fd_limit = raise_fd_limit()
+        self.pending_max = min(max(PENDING_MIN, self.fd_limit // 8), PENDING_MAX)
+        """Connections that have not answered the challenge yet, at most."""
+        self.max_connections = max(1, self.fd_limit - RESERVE_FDS - self.pending_max)
+        """Producer connections this server holds at once."""
+        self.sock, self.endpoint = listen(host, port)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.sock, selectors.EVENT_READ, None)
+        self._pending: dict[int, _Conn] = {}  # fd -> connection, oldest first
+        self._conns: dict[int, _Conn] = {}
+        self._waiting: deque[_Conn] = deque()  # admitted, their next message waiting for memory
+        self._ready: deque[tuple[_Conn | None, tuple[int, list[memoryview]] | message.MessageError]] = deque()
+        self._ack_due: dict[int, _Conn] = {}
+        self._events: list | None = None
         self._scratch = memoryview(bytearray(SCRATCH))
         self._peers = 0
-        self._swept = time.monotonic()
+        self._swept = self._reading = time.monotonic()
+        self._capped_logged = 0.0
+        self._paused = False
+        self.held = 0
         self.admitted = 0
-        """Connections that presented the token."""
+        """Connections that answered the challenge."""
         self.refused = 0
-        """Connections closed before they presented it (a wrong token, or a token left unfinished)."""
+        """Connections closed before they answered it (a wrong answer, none in time, crowded out)."""
+        self.evicted = 0
+        """Admitted connections closed to make room (connections or memory) or for stalling."""
+        self.cut = 0
+        """Connections that closed in the middle of a message (its producer sends it again)."""
 
     @property
     def connections(self) -> int:
         return len(self._conns)
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     def held_bytes(self) -> int:
-        """Bytes of incomplete messages held now (at most ``max_message_bytes`` a connection)."""
-        return sum(c.body.nbytes for c in self._conns.values() if c.body is not None)
+        """Bytes of unfinished messages held now (at most :attr:`max_held_bytes`)."""
+        return self.held
+
+    # -- the server's loop ---------------------------------------------------------------------
+    def wait(self, timeout_s: float) -> None:
+        """Block until some socket is ready (or ``timeout_s``); :meth:`recv` reads them."""
+        if not self._ready and self._events is None:
+            self._resume_accepting()
+            self._events = self._sel.select(timeout_s)
 
     def recv(self) -> tuple[int, list[memoryview]]:
-        """The next whole message: (the connection's number, its frames); ``zmq.Again`` when no
-        message is complete and nothing more is queued (or after :data:`MAX_CHUNKS` chunks). A
-        refused message is a :class:`~hpcml.stream.message.MessageError` (counted by the caller)."""
-        for _ in range(MAX_CHUNKS):
-            if self._ready:
-                break
-            self._chunk()
+        """The next whole message: (the connection's number, its frames, views into one aligned
+        buffer); ``zmq.Again`` when none is complete. A refused message is a MessageError."""
         if not self._ready:
-            raise zmq.Again()
-        got = self._ready.popleft()
+            self._round()
+        if not self._ready:
+            raise Again()
+        c, got = self._ready.popleft()
+        if c is not None and c.sock.fileno() >= 0:  # acknowledged once the server has it in hand
+            c.taken += 1
+            self._ack_due[c.sock.fileno()] = c
         if isinstance(got, message.MessageError):
             raise got
         return got
 
-    def _chunk(self) -> None:
-        rid = self.sock.recv(zmq.NOBLOCK)
-        c = self._conns.get(rid)
-        if c is not None:
-            c.seen = time.monotonic()
-        if c is not None and c.body is not None and c.body.nbytes - c.fill > SCRATCH:
-            n = self.sock.recv_into(c.view[c.fill:c.fill + SCRATCH])
-            if 0 < n <= SCRATCH:
-                c.fill += n
-                return
-            data = self._scratch[:0]  # a notice (0), or a chunk too large for libzmq's raw engine
-        else:
-            n = self.sock.recv_into(self._scratch)
-            data = self._scratch[:n]
-        if n == 0:
-            self._notice(rid, c)
-        elif c is None:
-            return
-        elif n > SCRATCH:
-            self._refuse(rid, c, "malformed", f"a chunk of {n} bytes, expected at most {SCRATCH}", close=True)
-        else:
-            self._feed(rid, c, data)
+    def _pause_accepting(self) -> None:
+        """Leave new connections in the kernel's queue until a pending one answers or ages."""
+        if not self._paused:
+            self._sel.unregister(self.sock)
+            self._paused = True
 
-    def _notice(self, rid: bytes, c: _Conn | None) -> None:
-        """libzmq's empty message: a connection opened (unknown id) or closed (known)."""
-        if rid in self._closed:
-            del self._closed[rid]
-        elif c is None:
+    def _resume_accepting(self) -> None:
+        if self._paused and (len(self._pending) < self.pending_max or time.monotonic() - next(
+                iter(self._pending.values())).opened >= PENDING_GRACE_S):
+            self._sel.register(self.sock, selectors.EVENT_READ, None)
+            self._paused = False
+
+    def _round(self) -> None:
+        self._resume_accepting()
+        events = self._events if self._events is not None else self._sel.select(0)
+        self._events = None
+        self._reading = time.monotonic()
+        for k, _ in events:
+            if k.data is None:
+                self._accept()
+            elif (fd := k.data.sock.fileno()) >= 0 and (self._conns.get(fd) or self._pending.get(fd)) is k.data:
+                self._read(k.data)
+        self._place_waiting()
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the acknowledgements due (the server calls it too when it stops reading)."""
+        for fd, c in list(self._ack_due.items()):
+            try:
+                c.sock.send(ACK.pack(c.taken))
+                del self._ack_due[fd]
+            except BlockingIOError:
+                pass  # its next round; the count only grows
+            except OSError:
+                self._drop(c)
+
+    def _accept(self) -> None:
+        for _ in range(256):
+            if len(self._pending) >= self.pending_max:
+                oldest = next(iter(self._pending.values()))
+                if time.monotonic() - oldest.opened < PENDING_GRACE_S:
+                    return self._pause_accepting()
+                self._refuse(oldest)  # crowded out: a producer would have answered by now
+            try:
+                sock, _addr = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
+                    self._refuse(next(iter(self._pending.values())))  # a descriptor for the next
+                    continue
+                logger.warning("stream server: accept failed: %s", e)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            first, nonce = handshake.hello()
+            try:
+                sock.send(first)  # 48 bytes into an empty send buffer
+            except OSError:
+                sock.close()
+                continue
             self._peers += 1
-            self._conns[rid] = _Conn(self._peers)
-        else:
-            del self._conns[rid]  # an incomplete message goes with it
+            c = _Conn(sock, self._peers, nonce)
+            self._pending[sock.fileno()] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _place_waiting(self) -> None:
+        """Give memory to the messages that wait for it, in order of arrival."""
+        while self._waiting:
+            c = self._waiting[0]
+            if c.sock.fileno() < 0:
+                self._waiting.popleft()
+                continue
+            if self.held + c.total > self.max_held_bytes:
+                return
+            self._waiting.popleft()
+            raw = np.empty(c.total + ALIGN, np.uint8)
+            at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
+            c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, _BODY, time.monotonic()
+            c.view = memoryview(c.body)
+            self.held += c.total
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+            if not c.total:
+                self._complete(c)
+
+    def _admit(self, c: _Conn, nonce_p: bytes | None) -> bool:
+        fd = c.sock.fileno()
+        del self._pending[fd]
+        if nonce_p is None:
+            try:
+                c.sock.send(b"\0")
+            except OSError:
+                pass
+            self.refused += 1
+            self._close(c)
+            return False
+        try:
+            c.sock.send(handshake.reply(self._key, c.nonce, nonce_p, self._info))
+        except OSError:
+            self._close(c)
+            return False
+        if len(self._conns) >= self.max_connections:
+            self._make_room()
+        self._conns[fd] = c
+        self.admitted += 1
+        c.head, c.state = bytearray(), _HEAD
+        return True
+
+    def _make_room(self) -> None:
+        now = time.monotonic()
+        if now - self._capped_logged > 60:
+            self._capped_logged = now
+            logger.warning("stream server holds its cap of %d producer connections (open-file limit %d): the "
+                           "longest silent is closed for each new one; raise the limit (ulimit -n) or add "
+                           "trainer ranks", self.max_connections, self.fd_limit)
+        victim = min(self._conns.values(), key=lambda c: (c.busy(), c.seen))
+        self.evicted += 1
+        self._close(victim)
+
+    def _drop(self, c: _Conn) -> None:
+        """The peer closed (or broke) the connection."""
+        if c.sock.fileno() in self._conns and c.busy():
+            self.cut += 1
+            logger.info("stream connection %d closed in the middle of a message (%d of %d bytes in): its producer "
+                        "sends it again", c.peer, c.fill, c.total)
+        self._close(c)
+
+    def _refuse(self, c: _Conn) -> None:
+        self.refused += 1
+        self._close(c)
+
+    def _close(self, c: _Conn, *, evicted: bool = False) -> None:
+        fd = c.sock.fileno()
+        if fd < 0:
+            return
+        self.evicted += evicted
+        self._pending.pop(fd, None)
+        self._conns.pop(fd, None)
+        self._ack_due.pop(fd, None)
+        if c.body is not None:
+            self.held -= c.body.nbytes
+        c.body, c.view, c.head = None, None, bytearray()
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
 
     def sweep(self) -> None:
-        """Close connections that began their first token more than HELLO_S ago and have not
-        finished it, and those holding an unfinished message silent for STALL_S (dropped:
-        ``stalled``); past the open-file limit, forget the longest silent (their close notices
-        were lost: there cannot be more live ones). Call it only when nothing is queued
-        (``recv`` raised ``zmq.Again``): a connection whose bytes wait unread is not late."""
+        """Once a second: close pending connections past :data:`HELLO_S`, stalled messages'
+        connections, and -- while a message waits for memory -- holders silent for
+        :data:`IDLE_EVICT_S`. Call it when nothing is queued (``recv`` raised ``zmq.Again``)."""
         now = time.monotonic()
         if now - self._swept < 1.0:
             return
         self._swept = now
-        for rid, c in list(self._conns.items()):
-            if not c.admitted and c.opened and now - c.opened > HELLO_S:
-                self.refused += 1
-                self._close(rid, c)
-            elif c.admitted and (c.head or c.body is not None or c.skip) and now - c.seen > STALL_S:
-                self._ready.append(message.MessageError("stalled", f"connection {c.peer} sent no byte of its "
-                                                        f"message for {now - c.seen:.0f} s (its sender gone?)"))
-                self._close(rid, c)
-        excess = len(self._conns) - resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        for rid in sorted(self._conns, key=lambda r: self._conns[r].seen)[:max(0, excess)]:
-            self._close(rid, self._conns[rid])
+        for c in [c for c in self._pending.values() if now - c.opened > HELLO_S]:
+            self._refuse(c)
+        waiting = any(c.sock.fileno() >= 0 for c in self._waiting)
+        for c in list(self._conns.values()):
+            silent, slow = now - c.seen, c.body is not None and now - c.started > IDLE_EVICT_S + c.total / MIN_RATE
+            if c.busy() and c.state != _WAIT and (silent > STALL_S or (waiting and c.body is not None
+                                                                          and (silent > IDLE_EVICT_S or slow))):
+                why = (f"sent no byte of its message for {silent:.0f} s (its sender gone?)" if silent > STALL_S else
+                       f"held {c.total} bytes of memory others waited for, {c.fill} of them filled in "
+                       f"{now - c.started:.0f} s")
+                self._ready.append((None, message.MessageError("stalled", f"connection {c.peer} {why}")))
+                self._close(c, evicted=True)
+        self._place_waiting()
 
-    def _close(self, rid: bytes, c: _Conn) -> None:
-        c.dead, c.head, c.body, c.view = True, bytearray(), None, None
-        self._conns.pop(rid, None)
-        self._closed[rid] = None  # ids are never reused: a late chunk of this one is ignored
-        if len(self._closed) > 4096:
-            del self._closed[next(iter(self._closed))]
-        try:
-            self.sock.send_multipart([rid, b""], zmq.NOBLOCK)  # closes the connection
-        except zmq.ZMQError:
-            pass
-
-    def _refuse(self, rid: bytes, c: _Conn, reason: str, detail: str, *, close: bool = False, skip: int = 0) -> None:
-        """A refused message: counted in order with the others; its body passed over (``skip``),
-        or, where the framing cannot be followed, its connection closed."""
-        self._ready.append(message.MessageError(reason, detail))
-        c.reset()
-        c.skip = skip
-        if close:
-            self._close(rid, c)
-
-    def _feed(self, rid: bytes, c: _Conn, data: memoryview) -> None:
-        pos, n = 0, data.nbytes
-        while pos < n and not c.dead:
-            if c.skip:
-                take = min(c.skip, n - pos)
-                c.skip -= take
-                pos += take
-            elif c.body is None:
-                c.opened = c.opened or time.monotonic()
-                take = min(c.need - len(c.head), n - pos)
-                c.head += data[pos:pos + take]
-                pos += take
-                if len(c.head) == c.need:
-                    self._head(rid, c)
-            else:
-                take = min(c.body.nbytes - c.fill, n - pos)
-                c.view[c.fill:c.fill + take] = data[pos:pos + take]
-                c.fill += take
-                pos += take
-            if c.body is not None and c.fill == c.body.nbytes:
-                self._complete(c)
-
-    def _head(self, rid: bytes, c: _Conn) -> None:
-        if c.need == FIXED:
-            if not hmac.compare_digest(bytes(c.head[:TOKEN_BYTES]), self._token):
-                if c.admitted:  # a message of an admitted peer that does not start where one must
-                    return self._refuse(rid, c, "malformed", "no token where a message starts", close=True)
-                self.refused += 1
-                return self._close(rid, c)
-            if not c.admitted:
-                c.admitted = True
-                self.admitted += 1
-            k = struct.unpack_from("<I", c.head, TOKEN_BYTES)[0]
-            if k > SKIP_FRAMES:  # its length table is not worth reading: the connection goes
-                return self._refuse(rid, c, "too_many_frames", f"{k} frames, expected at most {message.MAX_FRAMES}",
-                                    close=True)
-            c.need = head_bytes(k)
-            return
-        k = struct.unpack_from("<I", c.head, TOKEN_BYTES)[0]
-        lengths = struct.unpack_from(f"<{k}Q", c.head, FIXED)
-        total = sum(_pad(x) for x in lengths)
-        if not 3 <= k <= message.MAX_FRAMES:
-            return self._refuse(rid, c, "malformed" if k < 3 else "too_many_frames",
-                                f"{k} frames, expected 3 to {message.MAX_FRAMES}", skip=total)
-        if max(lengths) > self.frame_bytes or total > self.body_bytes:
-            return self._refuse(rid, c, "oversized", f"frames of up to {max(lengths)} bytes (at most "
-                                f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})", skip=total)
-        raw = np.empty(total + ALIGN, np.uint8)
-        at = -raw.ctypes.data % ALIGN  # frames start on 64-byte boundaries: arrays as aligned as libzmq's
-        c.lengths, c.body, c.fill = lengths, raw[at:at + total], 0
-        c.view = memoryview(c.body)
-
-    def _complete(self, c: _Conn) -> None:
-        frames, at = [], 0
-        for n in c.lengths:
-            frames.append(c.view[at:at + n])
-            at += _pad(n)
-        self._ready.append((c.peer, frames))
-        c.reset()
+    def stats(self) -> dict:
+        return {"admitted": self.admitted, "refused": self.refused, "evicted": self.evicted, "cut": self.cut,
+                "connections": len(self._conns), "pending": len(self._pending), "held_bytes": self.held,
+                "max_held_bytes": self.max_held_bytes, "max_connections": self.max_connections,
+                "pending_max": self.pending_max,
+                "fd_limit": self.fd_limit}
 
     def close(self) -> None:
-        self.ctx.destroy(linger=0)  # every socket of this context, queued messages dropped
+        for c in [*self._pending.values(), *self._conns.values(), *self._waiting]:
+            self._close(c)
+        self._sel.close()
+        self.sock.close()

@@ -2,8 +2,8 @@
 
 ``ServerConfig(transport="zmtp")``. A server publishes its address as ``zmtp+tcp://HOST:PORT``
 and a :class:`~hpcml.stream.Producer` given such an address speaks this wire. It receives
-about twice as fast as the default framed wire (:mod:`hpcml.stream.transport`): libzmq reads
-large frames straight into their messages instead of handing over 8 KiB chunks.
+libzmq's own framing and reconnection (no acknowledgements: a message in flight when a
+connection drops is lost, and the end-of-stream accounting counts it).
 
 What it keeps: peers are authenticated at ZeroMQ's PLAIN handshake by a ZAP handler
 (:class:`_Gate`, a thread; the password is the campaign's token, never the secret), so a peer
@@ -25,7 +25,7 @@ import zmq
 
 from hpcml.errors import ConfigError
 from hpcml.stream import message
-from hpcml.stream.transport import bind, send_limits, token
+from hpcml.stream.handshake import token
 
 SCHEME = "zmtp+"
 """Prefix of the address a zmtp server publishes: a producer connects to the rest with PUSH."""
@@ -33,19 +33,54 @@ USER = b"hpcml"
 DOMAIN = b"hpcml-stream"
 
 
+def send_limits(sock: zmq.Socket, hwm: int | None, timeout_s: float | None) -> None:
+    """A sending socket's queue (``SNDHWM`` messages) and how long a send and its close wait."""
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+    if timeout_s is not None:
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+
+
+def bind(rx, host: str, port: int) -> str:
+    """Bind ``rx.sock`` to ``host:port`` (0: a free port) and give its address; on failure
+    ``rx`` is closed (no socket or thread left behind) and the ZMQError raised."""
+    addr = f"tcp://{host}"
+    try:
+        if port:
+            rx.sock.bind(f"{addr}:{port}")
+        else:
+            port = rx.sock.bind_to_random_port(addr)
+    except zmq.ZMQError:
+        rx.close()
+        raise
+    return f"{addr}:{port}"
+
+
 class Sender:
     """A PUSH socket that passes a zmtp server's handshake; the interface of
-    :class:`hpcml.stream.transport.Sender`, so a producer speaks either wire the same way."""
+    :class:`hpcml.stream.sender.Sender`, so a producer speaks either wire the same way."""
 
-    def __init__(self, ctx: zmq.Context, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None
-                 ) -> None:
+    info = None  # ZeroMQ's handshake carries no info: the producer checks nothing more
+    error = None
+    undelivered = 0
+
+    def __init__(self, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None) -> None:
         self.token = token(secret)
-        self.sock = ctx.socket(zmq.PUSH)
+        self._ctx = zmq.Context(io_threads=1)  # terminated in close(): it waits until every zero-copy frame is sent
+        self.sock = self._ctx.socket(zmq.PUSH)
         self.sock.plain_username, self.sock.plain_password = USER, self.token
         send_limits(self.sock, hwm, timeout_s)
 
     def connect(self, endpoint: str) -> None:
         self.sock.connect(endpoint.removeprefix(SCHEME))
+
+    def wait_info(self, timeout_s: float) -> None:
+        return None
+
+    def send_frames(self, frames) -> None:
+        """One message of ``frames``, none copied."""
+        self.sock.send_multipart(frames, copy=False)
 
     def send_message(self, buf, views, flags: int = 0) -> None:
         """One message built by :func:`~hpcml.stream.transport.frame_buffer`: its frames, views
@@ -54,6 +89,7 @@ class Sender:
 
     def close(self, linger: int | None = None) -> None:
         self.sock.close(linger)
+        self._ctx.term()
 
 
 class Receiver:
@@ -88,6 +124,12 @@ class Receiver:
 
     def sweep(self) -> None:
         pass  # the handshake happens inside libzmq
+
+    def flush(self) -> None:
+        pass  # no acknowledgements on this wire
+
+    def wait(self, timeout_s: float) -> None:
+        self.sock.poll(int(timeout_s * 1000), zmq.POLLIN)
 
     def recv(self) -> tuple[int, list]:
         """(the connection's number, one message's frames); ``zmq.Again`` when none is queued. A

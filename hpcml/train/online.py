@@ -242,9 +242,11 @@ class OnlineRun:
         self.source.start()
         endpoint = getattr(self.source, "endpoint", None)
         endpoints = self.comm.gather(endpoint)
+        caps = self.comm.gather(getattr(getattr(self.source, "_rx", None), "max_connections", None))
         if self.rank == 0 and self.config.endpoints_file and endpoint is not None:
             # last: the campaign starts no simulation before every server listens
-            write_endpoints(self.config.endpoints_file, self.config.campaign, endpoints, self.config.run)
+            write_endpoints(self.config.endpoints_file, self.config.campaign, endpoints, self.config.run,
+                            max_connections=min((c for c in caps if c), default=None))
 
     def _train(self) -> None:
         buffer, first = self.source.buffer, True

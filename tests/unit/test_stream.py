@@ -4,16 +4,16 @@ tested in test_stream_message.py, the buffers in test_stream_buffer.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
-import zmq
 
 from hpcml.stream import Buffer, BufferConfig, Producer, message, route, write_endpoints
 from hpcml.contract import DoneRecord
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import transport
+from hpcml.stream.sender import Sender
 from hpcml.stream.server import ServerConfig, StreamServer
 from tests.unit.test_stream_message import CAMPAIGN, SECRET, _header
 
@@ -88,7 +88,7 @@ def test_server_assembles_dedups_retries_and_ends():
 def test_server_counts_and_survives_bad_messages():
     srv = _server()
     try:
-        push = transport.push_socket(zmq.Context.instance(), SECRET)
+        push = Sender(SECRET)
         push.connect(srv.endpoint)
         good = [bytes(f) for f in message.encode(SECRET, _header(sim=0, nranks=1), [np.ones((4, 3), np.float32)])]
         push.send_multipart([b"garbage"])                                            # malformed
@@ -110,14 +110,14 @@ def test_backpressure_blocks_producers_and_memory_stays_bounded():
         field = np.zeros((512, 512), np.float32)  # 1 MiB messages
         p = _producers(srv, 0, 0, field, nranks=1)[0][0]
         p.send_timeout_s = 0.5
-        p._sock.sock.setsockopt(zmq.SNDTIMEO, 500)
+        p._sock.timeout_s = 0.5
         sent = 0
         with pytest.raises(LaunchError, match="took no data"):
             for step in range(200):
                 p.send(step, 0.0, {"T": field})
                 sent += 1
-        # blocked after: buffer (2) + the server's held sample (1) + receive and send high-water marks
-        # (8 + 4) + what the kernel's loopback socket buffers hold (a few MiB)
+        # blocked after: buffer (2) + the server's held sample (1) + the producer's hwm of unacknowledged
+        # messages (4), some of them in the kernel's loopback socket buffers
         assert len(srv.buffer) == 2 and sent < 24, sent
         assert srv.buffer.get(2) is not None  # room again: the stream resumes
         _wait(lambda: len(srv.buffer) == 2)
@@ -160,11 +160,16 @@ def test_quiesce_takes_in_what_was_sent_past_capacity_before_a_stop_save():
     try:
         field = np.zeros((64, 64), np.float32)
         p = _producers(srv, 0, 0, field, nranks=1)[0][0]
-        for step in range(6):  # 6 samples into a buffer of 2: 4 wait in ZeroMQ's queues
+        for step in range(6):  # 6 samples into a buffer of 2: 4 wait in the sockets
             p.send(step, 0.0, {"T": field + step})
-        p.close()  # the simulation finished: everything has left it
+        closing = threading.Thread(target=p.close)  # returns once the trainer took everything
+        closing.start()
         _wait(lambda: len(srv.buffer) == 2)
+        time.sleep(0.3)
+        assert closing.is_alive()  # backpressure: the trainer has not taken the last ones
         srv.quiesce(quiet_s=0.3, timeout_s=10)
+        closing.join(timeout=10)
+        assert not closing.is_alive() and p._sock.undelivered == 0
         assert len(srv.buffer) == 6 and srv.counters["samples"] == 6
         assert sorted(s.step for s in srv.buffer.get(6)) == list(range(6))
     finally:
@@ -420,25 +425,36 @@ def test_a_message_of_an_earlier_run_is_dropped_not_taken_as_this_runs(tmp_path)
                  endpoints_file=str(tmp_path / "endpoints.json"))
     srv = StreamServer.from_campaign(Buffer(BufferConfig(policy="fifo", capacity=8, watermark=1)), rank=0,
                                      n_trainers=1, param_names=("alpha",), field_names=("T",), contract=c).start()
+    replay = Sender(SECRET)
     try:
         field = np.ones((4, 3), np.float32)
         for run, sim in (("r1", 0), ("r2", 1), ("", 2)):  # an earlier run's, this run's, a producer built by hand
             p = Producer(endpoint=srv.endpoint, secret=SECRET, campaign=CAMPAIGN, run=run, sim_id=sim, attempt=0,
                          rank=0, nranks=1, params={"alpha": 1.0}, global_shape=(4, 3), offset=(0, 0),
                          local_shape=(4, 3))
+            if run == "r1":  # the trainer said which run it serves at the handshake: refused at the source
+                with pytest.raises(ConfigError, match=r"^simulation 0 rank 0: the trainer belongs to run 'r2' of the "
+                                                      r"campaign, this simulation to run 'r1' \(trainer rank 0 at "):
+                    p.send(1, 0.1, {"T": field})
+                continue
             p.send(1, 0.1, {"T": field})
             p.close()
-        _wait(lambda: srv.counters["samples"] == 2 and srv.dropped.get("wrong_campaign") == 2)  # data + end of r1
+        # a message of run r1 replayed by hand past that check: its header refuses it
+        replay.connect(srv.endpoint)
+        replay.send_multipart(message.encode(SECRET, {**_header(sim=0, step=1, nranks=1, shape=[4, 3]), "run": "r1"},
+                                             [field]))
+        _wait(lambda: srv.counters["samples"] == 2 and srv.dropped.get("wrong_campaign") == 1)
         assert sorted(srv.seen) == [(1, 1), (2, 1)]
     finally:
+        replay.close(linger=0)
         srv.stop()
 
 
 def test_a_trainer_restarted_on_the_same_port_gets_whole_messages_from_the_producer_it_had():
     """A server stopped while a producer's 1 MiB messages are in flight (some partly sent), a new
-    one bound to the same port: the producer's socket reconnects by itself, the new stream starts
-    at a message boundary (a partly sent message is lost whole: no framing is lost, nothing is
-    dropped), and every message sent after the restart arrives, bit for bit."""
+    one bound to the same port: the producer reconnects by itself and sends again every message
+    the first server had not taken (acknowledged), so the second gets those and every later one,
+    whole and bit for bit, and nothing is dropped."""
     field = np.random.default_rng(3).random((512, 512)).astype(np.float32)
     first = _server(policy="fifo", capacity=1, watermark=1)
     port = int(first.endpoint.rsplit(":", 1)[1])
@@ -455,6 +471,8 @@ def test_a_trainer_restarted_on_the_same_port_gets_whole_messages_from_the_produ
             p.send(step, 0.0, {"T": field + step})
         _wait(lambda: {4, 5, 6, 7} <= {s for _, s in second.seen})
         assert second.dropped == {} and second._rx.admitted == 1
+        # 0 is in the first's buffer; 1 was held by it (sent again if its acknowledgement had not left yet)
+        assert set(range(2, 8)) <= {s for _, s in second.seen} <= set(range(1, 8))
         for s in second.buffer.get(len(second.buffer)):
             np.testing.assert_array_equal(s.fields[0], field + s.step)
         p.close()
@@ -475,7 +493,12 @@ def test_both_wires_carry_samples_bit_for_bit_and_refuse_a_stranger(wire):
         stranger = Producer(endpoint=srv.endpoint, secret=b"x" * 32, campaign=CAMPAIGN, sim_id=9, attempt=0, rank=0,
                             nranks=1, params={"alpha": 0.5}, global_shape=(4,), offset=(0,), local_shape=(4,),
                             send_timeout_s=1.0)
-        stranger.send(0, 0.0, {"T": np.ones(4), "U": np.ones(4)})
+        if wire == "framed":  # its proof is refused at the handshake: a final error at the first send
+            with pytest.raises(ConfigError, match=r"^simulation 9 rank 0: trainer at tcp://.*: the trainer refused "
+                                                  r"this producer's proof of the campaign secret"):
+                stranger.send(0, 0.0, {"T": np.ones(4), "U": np.ones(4)})
+        else:
+            stranger.send(0, 0.0, {"T": np.ones(4), "U": np.ones(4)})
         field = np.random.default_rng(5).random((6, 5))
         prods = _producers(srv, 1, 0, field, nranks=2)
         for step in range(3):

@@ -1,7 +1,7 @@
 """Issue 24: what one producer connection -- a peer holding the campaign secret -- can make a
 stream server hold outside the training buffer, in bytes (:mod:`hpcml.stream.budget`).
 
-Real ZeroMQ over loopback, no fakes: what a connection makes the server hold while the buffer is
+Real sockets over loopback, no fakes: what a connection makes the server hold while the buffer is
 full is capped per connection, whatever it sends -- valid messages, or messages announcing more
 and larger frames than a valid one (measured as the server process's resident memory, in a
 fresh interpreter, the attacker in another process) --
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from hpcml.errors import ConfigError
-from hpcml.stream import Buffer, BufferConfig, Producer, budget, message, transport
+from hpcml.stream import Buffer, BufferConfig, Producer, budget, message
 from hpcml.stream.assembly import Assembler, sample_bytes
+from hpcml.stream.sender import Sender
 from hpcml.stream.server import ServerConfig, StreamServer
 
 SECRET = b"k" * 32
@@ -49,21 +49,20 @@ def _header(**kw) -> dict:
 
 # -- the limits, from the config alone ------------------------------------------------------------
 def test_limits_are_sized_from_the_schema_and_the_budget():
-    def queued(lim) -> int:  # ZeroMQ's chunks and the one in its engine, one message, the longest skipped table
-        return ((lim.depth + 1) * budget.CHUNK + lim.message_bytes + 64 * message.MAX_FRAMES
-                + transport.head_bytes(transport.SKIP_FRAMES))
+    def queued(lim) -> int:  # one message, its frames aligned
+        return lim.message_bytes + 64 * message.MAX_FRAMES
 
     two = ServerConfig(field_names=("T", "U"), shape=(64, 64))  # a field of the grid in float64: 32 KiB
     lim = two.limits
     assert (lim.frame_bytes, lim.message_bytes) == (65536, 2 * 32768 + HEADER)  # a header frame is larger
-    assert (lim.depth, lim.peer_bytes) == (budget.MAX_DEPTH, 8 * lim.message_bytes) and budget.MAX_DEPTH == 32
+    assert lim.peer_bytes == 8 * lim.message_bytes and lim.held_bytes == budget.HELD_BYTES == 256 << 20
     assert lim.queued_bytes == queued(lim) < 2 * 1024 * 1024
     two_msgs = 2 * (2 * 2048 + HEADER) + 5  # 16 x 16 x 2 fields in float64: 4 KiB a message besides its header
     least = ServerConfig(field_names=("T", "U"), shape=(16, 16), max_peer_bytes=two_msgs)
-    assert (least.limits.depth, least.limits.peer_bytes) == ((2 * 2048 + HEADER + 5) // 8192, two_msgs)
+    assert (least.limits.peer_bytes, least.limits.messages) == (two_msgs, 2)
     # no shape: the largest sample max_sample_bytes lets in, as one float64 block; max_frame_bytes caps it
     free = ServerConfig(field_names=("T",), max_sample_bytes=1 << 20, max_partial_bytes=1 << 20).limits
-    assert (free.frame_bytes, free.message_bytes, free.depth) == (2 << 20, (2 << 20) + HEADER, budget.MAX_DEPTH)
+    assert (free.frame_bytes, free.message_bytes) == (2 << 20, (2 << 20) + HEADER)
     assert free.queued_bytes == queued(free)
     capped = ServerConfig(field_names=("T",), max_frame_bytes=1 << 19, max_sample_bytes=1 << 20).limits
     assert (capped.frame_bytes, capped.message_bytes) == (1 << 19, (1 << 19) + HEADER)
@@ -75,6 +74,9 @@ def test_limits_are_sized_from_the_schema_and_the_budget():
                                 f" expected at least {2 * (32768 + HEADER)}"),
     (dict(max_peer_bytes=0), "ServerConfig.max_peer_bytes=0: expected None or an integer number of bytes in 1..2**62"),
     (dict(hwm=1), "ServerConfig needs 0 <= port < 65536, hwm >= 2, end_grace_s >= 0; got 0, 1, 30.0"),
+    (dict(max_held_bytes=1000), f"ServerConfig.max_held_bytes=1000 holds fewer than 2 messages of "
+                                f"{32768 + HEADER + 64 * message.MAX_FRAMES} bytes (the largest valid one, aligned): "
+                                f"expected at least {2 * (32768 + HEADER + 64 * message.MAX_FRAMES)}"),
 ])
 def test_a_budget_that_cannot_hold_two_messages_is_refused_with_its_numbers(kw, error):
     with pytest.raises(ConfigError) as e:
@@ -85,16 +87,15 @@ def test_a_budget_that_cannot_hold_two_messages_is_refused_with_its_numbers(kw, 
 def test_hwm_2_delivers_every_message():
     """The least budget, two messages (a read-ahead of a few chunks), delivers every message."""
     srv = _server(hwm=2)
-    ctx = zmq.Context()
+    push = Sender(SECRET)
     try:
-        push = transport.push_socket(ctx, SECRET)
         push.connect(srv.endpoint)
         for step in range(50):
             push.send_multipart(message.encode(SECRET, _header(step=step), [np.full(1, step, np.float32)]))
         _wait(lambda: srv.counters["samples"] == 50)
         assert sorted(s.step for s in srv.buffer.get(50)) == list(range(50)) and srv.dropped == {}
     finally:
-        ctx.destroy(linger=0)
+        push.close(linger=0)
         srv.stop()
 
 
@@ -132,9 +133,8 @@ def test_an_abusive_peer_is_capped_and_an_honest_simulation_delivers_every_sampl
     whole = sample_bytes(1, shape)  # 81,920 bytes held per incomplete sample
     budget = 12 * whole + 100
     srv = _server(shape=shape, max_peer_bytes=budget, capacity=64)
-    ctx = zmq.Context()
+    abuser = Sender(SECRET, hwm=100)
     try:
-        abuser = transport.push_socket(ctx, SECRET, hwm=100)
         abuser.connect(srv.endpoint)
         for step in range(30):
             abuser.send_multipart(message.encode(SECRET, _header(sim=7, step=step, nranks=2, global_shape=list(shape),
@@ -159,14 +159,16 @@ def test_an_abusive_peer_is_capped_and_an_honest_simulation_delivers_every_sampl
             np.testing.assert_array_equal(s.fields[0], fields[s.step])
         assert srv.buffer.get(1) is None
     finally:
-        ctx.destroy(linger=0)
+        abuser.close(linger=0)
         srv.stop()
 
 
 # -- what a connection holds while the buffer is full, whatever it sends --------------------------
 ATTACK = """
 import sys, time, zmq, numpy as np
-from hpcml.stream import message, transport
+from hpcml.stream import message
+from hpcml.stream.handshake import HandshakeError
+from hpcml.stream.sender import Sender
 from tests.unit.test_stream_budget import SECRET, _header
 endpoint, conns, frame, attack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 n = frame // 4
@@ -174,8 +176,7 @@ if attack in ("valid", "stranger"):  # the largest valid message, on another gri
     frames = message.encode(SECRET, _header(sim=1, global_shape=[n], shape=[n]), [np.ones(n, np.float32)])
 else:  # MAX_FRAMES frames of the largest frame each: MAX_FRAMES - 2 times a valid message
     frames = [message.MAGIC, b"{}"] + [np.ones(n, np.float32)] * (message.MAX_FRAMES - 3) + [bytes(16)]
-ctx = zmq.Context()
-socks = [transport.push_socket(ctx, SECRET if attack != "stranger" else b"s" * 32, hwm=1) for _ in range(conns)]
+socks = [Sender(SECRET if attack != "stranger" else b"s" * 32, hwm=1) for _ in range(conns)]
 for s in socks:
     s.connect(endpoint)
 sent, last = 0, [time.monotonic()] * conns
@@ -184,11 +185,10 @@ while min(time.monotonic() - t for t in last) < 2.0:  # until every connection i
         try:
             s.send_multipart(frames, zmq.NOBLOCK)
             sent, last[i] = sent + 1, time.monotonic()
-        except zmq.Again:
+        except (zmq.Again, HandshakeError):
             time.sleep(0.005)
 print(sent, flush=True)
 sys.stdin.read()  # stay connected until the server has read everything
-ctx.destroy(linger=0)
 """
 
 
@@ -201,10 +201,9 @@ def _queue_scenario(conns: int, frame: int, attack: str) -> dict:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     srv = _server(max_frame_bytes=frame, max_sample_bytes=frame, max_partial_bytes=frame, capacity=1)
-    ctx = zmq.Context()
+    plug = Sender(SECRET)  # one sample to fill the buffer, one the server then holds
     child = None
     try:
-        plug = transport.push_socket(ctx, SECRET)  # one sample to fill the buffer, one the server then holds
         plug.connect(srv.endpoint)
         for step in range(2):
             plug.send_multipart(message.encode(SECRET, _header(step=step), [np.ones(1, np.float32)]))
@@ -233,14 +232,14 @@ def _queue_scenario(conns: int, frame: int, attack: str) -> dict:
         time.sleep(0.2)
         lim = srv.limits
         return {"growth": peak, "sent": sent, "dropped": srv.dropped, "messages": srv.counters["messages"],
-                "held_while_full": held, "depth": lim.depth, "queued_bytes": lim.queued_bytes,
+                "held_while_full": held, "queued_bytes": lim.queued_bytes,
                 "refused": srv._rx.refused,
                 "message_bytes": lim.message_bytes}
     finally:
         if child is not None:
             child.kill()
             child.wait()
-        ctx.destroy(linger=0)
+        plug.close(linger=0)
         srv.stop()
 
 
@@ -257,15 +256,15 @@ def _run_scenario(conns: int, frame: int, attack: str) -> dict:
 def test_what_a_connection_holds_while_the_buffer_is_full_is_capped_whatever_it_sends(attack):
     """The issue's attack, scaled down: 6 connections of 1 MiB messages while the buffer is full,
     valid ones or ones of 19 frames of 1 MiB (which libzmq's own multipart messages would have
-    held whole: +576 MiB at 4 MiB frames before), or valid ones without the token. The server's
-    memory grows by at most connections x ``queued_bytes`` (a stranger's by ZeroMQ's chunks
-    alone); every queued message is read once the buffer frees and dropped, none twice, and
-    every stranger refused."""
+    held whole: +576 MiB at 4 MiB frames before), or valid ones without the secret. The server's
+    memory grows by at most connections x ``queued_bytes`` (a stranger's by its answer alone);
+    every queued message is read once the buffer frees and dropped, none twice, and every
+    stranger refused."""
     conns, frame = 6, 1 << 20
     run = _run_scenario(conns, frame, attack)
     if attack == "stranger":
         assert run["dropped"] == {} and run["refused"] >= conns and run["messages"] == 2, run
-        assert run["growth"] <= conns * (run["depth"] + 1) * budget.CHUNK + (8 << 20), run
+        assert run["growth"] <= 8 << 20, run
         return
     reason = "wrong_shape" if attack == "valid" else "oversized"
     assert run["dropped"] == {reason: run["sent"]} and run["sent"] >= conns, run

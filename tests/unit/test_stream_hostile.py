@@ -22,7 +22,9 @@ import pytest
 import zmq
 
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import Buffer, BufferConfig, message, transport
+from hpcml.stream import Buffer, BufferConfig, framing, handshake, message, transport
+from hpcml.stream.handshake import HandshakeError
+from hpcml.stream.sender import Sender
 from hpcml.stream.server import ServerConfig, StreamServer
 
 SECRET = b"s" * 32
@@ -122,13 +124,14 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
     rss0 = _rss()
     ctx = zmq.Context()
     rng = np.random.default_rng(12)
-    push = transport.push_socket(ctx, SECRET, hwm=0)  # hwm 0: never blocks, the order on one pipe is kept
+    push = Sender(SECRET, hwm=0)  # hwm 0: never blocks, the order on one connection is kept
     push.connect(srv.endpoint)
-    strangers = [ctx.socket(zmq.PUSH), transport.push_socket(ctx, b"y" * 32), transport.push_socket(ctx, SECRET)]
-    strangers[2].token = b"wrong".ljust(transport.TOKEN_BYTES)  # no secret: refused at the first message
+    strangers = [ctx.socket(zmq.PUSH), Sender(b"y" * 32, hwm=1), Sender(SECRET, hwm=1)]
+    strangers[2]._key = b"wrong".ljust(32)  # no secret: its answer is refused
     strangers[0].setsockopt(zmq.LINGER, 0)
     for s in strangers:
         s.connect(srv.endpoint)
+    senders = [push, *strangers[1:]]
     try:
         sent = {"valid": 0, "hostile": 0, "replays": 0, "partial": 0, "stranger": 0, "oversized": 0}
         valid, replays, n = {}, [], 0
@@ -153,10 +156,10 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
                                                         global_shape=[256, 256], shape=[128, 256], offset=[0, 0]),
                                                 [np.zeros((128, 256), np.float32)]))
                     sent["partial"] += 1
-                try:  # valid messages, but no token: never delivered
+                try:  # valid messages, but no secret to answer the challenge: never delivered
                     strangers[n % 3].send_multipart(_signed(_header(sim=sim, step=100 + step)), zmq.NOBLOCK)
                     sent["stranger"] += 1
-                except zmq.Again:
+                except (zmq.Again, HandshakeError):
                     pass
         for k in range(4):  # raw TCP: 2 MB of junk, or a ZMTP greeting without the handshake, then frames
             host, port = srv.endpoint[len("tcp://"):].rsplit(":", 1)
@@ -169,8 +172,9 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
                 except OSError:  # the server hung up on it: what should happen
                     pass
             sent["stranger"] += 1
-        big = transport.push_socket(ctx, SECRET)  # past max_frame_bytes: refused before a byte of it is kept
+        big = Sender(SECRET)  # past max_frame_bytes: refused before a byte of it is kept
         big.connect(srv.endpoint)
+        senders.append(big)
         for k in range(5):
             big.send_multipart(_signed(_header(sim=7000 + k, global_shape=[1 << 17], offset=[0], shape=[1 << 17]),
                                        [np.zeros(1 << 17, np.float32)]), zmq.NOBLOCK)
@@ -215,7 +219,10 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
         assert growth < RSS_BOUND, f"server RSS grew {growth / 2**20:.1f} MiB"
         print(f"\nfuzz: {total} messages {sent}; drops {drops}; "
               f"RSS growth {growth / 2**20:.1f} MiB; {time.perf_counter() - t_last:.2f} s after the last send")
+        assert isinstance(strangers[1].error, HandshakeError) and isinstance(strangers[2].error, HandshakeError)
     finally:
+        for s in senders:
+            s.close(linger=0)
         ctx.destroy(linger=0)
         srv.stop()
 
@@ -235,9 +242,8 @@ def _wait(cond, timeout=10.0):
 
 def test_incomplete_sample_is_evicted_after_the_timeout_and_a_late_block_starts_anew():
     srv = _server(partial_timeout_s=0.5)
-    ctx = zmq.Context()
+    push = Sender(SECRET)
     try:
-        push = transport.push_socket(ctx, SECRET)
         push.connect(srv.endpoint)
         half = _header(sim=3, nranks=2, shape=[4, 6])
         push.send_multipart(_signed(half, [np.ones((4, 6), np.float32)]))
@@ -250,7 +256,7 @@ def test_incomplete_sample_is_evicted_after_the_timeout_and_a_late_block_starts_
         _wait(lambda: srv.counters["messages"] == 2)
         assert srv.counters["samples"] == 0 and len(srv.ingest.assembly) == 1
     finally:
-        ctx.destroy(linger=0)
+        push.close(linger=0)
         srv.stop()
 
 
@@ -258,16 +264,15 @@ def test_overlapping_blocks_are_never_a_sample():
     """Two ranks whose blocks overlap cover the area of the grid but leave a hole: dropped,
     not a sample with uninitialised memory in it."""
     srv = _server()
-    ctx = zmq.Context()
+    push = Sender(SECRET)
     try:
-        push = transport.push_socket(ctx, SECRET)
         push.connect(srv.endpoint)
         for r in range(2):  # both send rows 0..3 of an 8-row grid
             push.send_multipart(_signed(_header(sim=4, nranks=2, rank=r, shape=[4, 6]), [np.ones((4, 6), np.float32)]))
         _wait(lambda: srv.dropped.get("incomplete_cover") == 1)
         assert srv.counters["samples"] == 0 and len(srv.ingest.assembly) == 0
     finally:
-        ctx.destroy(linger=0)
+        push.close(linger=0)
         srv.stop()
 
 
@@ -308,38 +313,84 @@ def test_server_limits_are_validated(kw, error):
     assert str(e.value) == error
 
 
-def test_a_stranger_costs_no_message_and_the_token_is_not_the_secret(monkeypatch):
+def _admitted(host: str, port: int, secret: bytes = SECRET) -> tuple[socket.socket, bytes, bytes]:
+    """A raw connection that answered the challenge: (it, the server's greeting, its answer)."""
+    s = socket.create_connection((host, port), timeout=5)
+    hello = _exactly(s, handshake.HELLO_BYTES)
+    answer, _ = handshake.answer(handshake.key(secret), hello)
+    s.sendall(answer)
+    head = _exactly(s, handshake.REPLY_BYTES)
+    _exactly(s, handshake.info_length(head))
+    return s, hello, answer
+
+
+def _exactly(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = s.recv(n - len(out))
+        assert got, f"closed after {len(out)} of {n} bytes"
+        out += got
+    return out
+
+
+def _until_closed(s: socket.socket) -> bytes:
+    out = b""
+    try:
+        while got := s.recv(64):
+            out += got
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def test_a_stranger_costs_no_message_and_a_replayed_answer_opens_nothing(monkeypatch):
+    """No secret, no message: ZeroMQ's own greeting, another campaign's sender, a silent
+    connection (closed after HELLO_S) and a valid answer replayed on a new connection are all
+    refused; the key proven with is not the secret, nor the secret in hex."""
     monkeypatch.setattr(transport, "HELLO_S", 0.5)
     srv = _server()
     ctx = zmq.Context()
+    other = Sender(b"t" * 32, hwm=1)  # another campaign's
     try:
-        assert SECRET.hex().encode() not in transport.token(SECRET) and transport.token(SECRET) != \
-            transport.token(b"t" * 32)
-        zmtp = ctx.socket(zmq.PUSH)  # ZeroMQ's own protocol: its greeting is not the token
+        assert SECRET not in handshake.key(SECRET) and SECRET.hex().encode() not in handshake.token(SECRET)
+        assert handshake.key(SECRET) != handshake.key(b"t" * 32)
+        zmtp = ctx.socket(zmq.PUSH)  # ZeroMQ's own protocol: its greeting is no answer
         zmtp.linger = 0
         zmtp.connect(srv.endpoint)
-        other = transport.push_socket(ctx, b"t" * 32)  # another campaign's token
         other.connect(srv.endpoint)
-        for step in range(50):  # valid messages, signed with the secret, but no token
+        for step in range(50):  # valid messages, signed with the secret, but no answer to the challenge
             try:
                 zmtp.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
                 other.send_multipart(_signed(_header(sim=1, step=step)), zmq.NOBLOCK)
-            except zmq.Again:
+            except (zmq.Again, HandshakeError):
                 pass
+        with pytest.raises(HandshakeError, match="refused this producer's proof"):
+            other.wait_info(10)
         host, port = srv.endpoint[len("tcp://"):].rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as slow:  # 10 bytes, then nothing: closed after HELLO_S
-            slow.sendall(transport.token(SECRET)[:10])
+        with socket.create_connection((host, int(port))) as slow:  # the greeting, then nothing: closed after HELLO_S
             slow.settimeout(5)
             t0 = time.monotonic()
+            assert len(_exactly(slow, handshake.HELLO_BYTES)) == handshake.HELLO_BYTES
             assert slow.recv(1) == b"" and 0.4 < time.monotonic() - t0 < 4
-        ok = transport.push_socket(ctx, SECRET)
+        first, hello, answer = _admitted(host, int(port))  # a captured answer ...
+        with socket.create_connection((host, int(port))) as replay:  # ... replayed on a new connection
+            replay.settimeout(5)
+            hello2 = _exactly(replay, handshake.HELLO_BYTES)
+            assert hello2 != hello  # a fresh challenge
+            replay.sendall(answer + framing.pack(_signed(_header(sim=9))).tobytes())
+            assert _until_closed(replay) in (b"", b"\0")  # refused (a reset may beat the refusal byte)
+        first.close()
+        ok = Sender(SECRET)
         ok.connect(srv.endpoint)
         ok.send_multipart(_signed(_header(sim=2)))
         _wait(lambda: srv.counters["samples"] == 1)
+        ok.close()
         time.sleep(0.3)
+        assert ok.undelivered == 0 and ok.info["fields"] == ["T"] and ok.info["campaign"] == CAMPAIGN
         assert srv.counters["messages"] == 1 and srv.dropped == {} and sorted(srv.seen) == [(2, 0)]
-        assert srv._rx.refused >= 3 and srv._rx.admitted == 1 and srv._rx.held_bytes() == 0
+        assert srv._rx.refused >= 4 and srv._rx.admitted == 2 and srv._rx.held_bytes() == 0
     finally:
+        other.close(linger=0)
         ctx.destroy(linger=0)
         srv.stop()
 
@@ -351,7 +402,7 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
         stop = threading.Event()
 
         def flood(k: int) -> None:
-            s = transport.push_socket(ctx, SECRET, hwm=8)
+            s = Sender(SECRET, hwm=8)
             s.connect(srv.endpoint)
             while not stop.is_set():
                 try:
@@ -364,7 +415,7 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
         for t in threads:
             t.start()
         _wait(lambda: srv.dropped.get("malformed", 0) > 200, timeout=30)  # the flood is on
-        ok = transport.push_socket(ctx, SECRET)
+        ok = Sender(SECRET)
         ok.connect(srv.endpoint)
         for step in range(20):
             ok.send_multipart(_signed(_header(sim=2, step=step)))
@@ -373,6 +424,7 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
         for t in threads:
             t.join()
         assert srv.dropped["malformed"] > 100 and srv._thread.is_alive()
+        ok.close(linger=0)
     finally:
         ctx.destroy(linger=0)
         srv.stop()
@@ -408,15 +460,13 @@ def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_it
     """The framing alone (no server thread): strangers are closed and forgotten; a key holder's
     message of too many or too large frames is refused before anything is kept, its bytes passed
     over, and the next message on the same connection arrives whole."""
-    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, hwm=8, max_frame_bytes=1 << 16,
-                            max_message_bytes=1 << 17)
-    ctx = zmq.Context()
+    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, max_frame_bytes=1 << 16, max_message_bytes=1 << 17)
+    tx = Sender(SECRET)
     try:
         host, port = rx.endpoint[len("tcp://"):].rsplit(":", 1)
         strangers = [socket.create_connection((host, int(port))) for _ in range(5)]
         for s in strangers:
             s.sendall(os.urandom(100))
-        tx = transport.push_socket(ctx, SECRET)
         tx.connect(rx.endpoint)
         big = np.ones(1 << 15, np.float32)  # 128 KiB: past the frame limit
         tx.send_multipart([message.MAGIC, b"{}", big, bytes(16)])
@@ -440,21 +490,24 @@ def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_it
         for s in strangers:
             s.close()
     finally:
-        ctx.destroy(linger=0)
+        tx.close(linger=0)
         rx.close()
 
 
 def test_a_message_whose_sender_falls_silent_is_dropped_and_its_buffer_freed(monkeypatch):
-    """libzmq drops the close notice of a connection whose queue was full, so a sender that
-    vanished mid-message is found by its silence: after STALL_S with nothing queued, its
-    message is dropped (``stalled``, counted), its buffer freed and the connection closed."""
+    """A sender that vanished mid-message without a close (a node gone) is found by its
+    silence: after STALL_S with nothing to read, its message is dropped (``stalled``,
+    counted), its buffer freed and the connection closed."""
     monkeypatch.setattr(transport, "STALL_S", 0.3)
-    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, hwm=8, max_frame_bytes=1 << 20,
-                            max_message_bytes=1 << 21)
+    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, max_frame_bytes=1 << 20, max_message_bytes=1 << 21)
     try:
         host, port = rx.endpoint[len("tcp://"):].rsplit(":", 1)
-        wire = transport.pack(transport.token(SECRET), [message.MAGIC, b"{}", np.ones(1 << 18, np.float32), bytes(16)])
-        with socket.create_connection((host, int(port))) as s:
+        wire = framing.pack([message.MAGIC, b"{}", np.ones(1 << 18, np.float32), bytes(16)])
+        th = threading.Thread(target=lambda: [rx.wait(0.05) or _again(rx) for _ in range(40)])
+        th.start()  # the server's side of the handshake
+        s = _admitted(host, int(port))[0]
+        th.join()
+        with s:
             s.sendall(wire[: len(wire) // 2])  # half a message, then silence
             s.settimeout(5)
             errors, t0 = [], time.monotonic()
@@ -462,7 +515,7 @@ def test_a_message_whose_sender_falls_silent_is_dropped_and_its_buffer_freed(mon
                 try:
                     rx.recv()
                 except zmq.Again:
-                    assert rx.held_bytes() in (0, len(wire) - transport.head_bytes(4))
+                    assert rx.held_bytes() in (0, len(wire) - framing.head_bytes(4))
                     rx.sweep()
                     time.sleep(0.05)
                 except message.MessageError as e:
@@ -474,3 +527,10 @@ def test_a_message_whose_sender_falls_silent_is_dropped_and_its_buffer_freed(mon
             assert s.recv(1) == b""  # closed by the server
     finally:
         rx.close()
+
+
+def _again(rx) -> None:
+    try:
+        rx.recv()
+    except zmq.Again:
+        pass

@@ -1,0 +1,178 @@
+"""How one connection's bytes become messages: the framed wire's state machine, per connection.
+
+A connection is in one state at a time and reads only what that state wants, so no byte
+of a message is read before its length table has been checked (:mod:`hpcml.stream.framing`):
+
+    _HELLO  the 64 answer bytes of the challenge (pending; :mod:`hpcml.stream.handshake`)
+    _HEAD   magic and frame count (8 bytes)
+    _TABLE  the frame lengths: a short table whole, a long one streamed by and summed
+    _TPAD   the table's padding, passed over; then the message is refused or queued
+    _WAIT   waiting for memory (:attr:`Receiver.max_held_bytes`): its connection unread
+    _BODY   read straight into the message's one buffer, in as few calls as the kernel allows
+    _SKIP   a refused message's bytes, read into scratch and passed over
+
+:class:`MessageReader` is the reading half of :class:`hpcml.stream.transport.Receiver`,
+which owns the sockets, admission, memory and eviction.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import numpy as np
+
+from hpcml.stream import handshake, message
+from hpcml.stream.framing import FIXED, MAGIC, head_bytes, pad
+
+#: Bytes read from one connection in one round at most (the others' turn comes first).
+ROUND_BYTES = 4 << 20
+#: The scratch buffer: bytes passed over (refused messages, padding) and long length tables.
+SCRATCH = 1 << 18
+#: Messages (or refusals) one :meth:`Receiver.recv` round yields at most before it returns.
+ROUND_MESSAGES = 256
+_HELLO, _HEAD, _TABLE, _TPAD, _WAIT, _BODY, _SKIP = range(7)
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
+                 "fill", "skip", "opened", "seen", "taken", "started")
+
+    def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
+        self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, _HELLO
+        self.opened = self.seen = self.started = time.monotonic()
+        self.head, self.frames, self.left, self.lengths, self.total = bytearray(), 0, 0, (), 0
+        self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
+
+    def need(self) -> int:
+        """Bytes the head-collecting states want next (no byte of the message after them is read)."""
+        if self.state == _HELLO:
+            return handshake.ANSWER_BYTES - len(self.head)
+        if self.state == _HEAD:
+            return FIXED - len(self.head)
+        if self.frames <= message.MAX_FRAMES:  # _TABLE: the whole (short) table at once
+            return 8 * self.frames - len(self.head)
+        return min(8 * self.left - len(self.head), SCRATCH - 8)  # a long one streams by
+
+    def busy(self) -> bool:
+        """In the middle of a message."""
+        return self.state in (_TABLE, _TPAD, _BODY, _SKIP, _WAIT) or (self.state == _HEAD and bool(self.head))
+
+
+class MessageReader:
+    """Reads admitted connections' messages into ``_ready`` (the Receiver provides the sockets,
+    ``_admit``, ``_drop``, ``_close`` and the memory queue ``_waiting``)."""
+
+    def _read(self, c: _Conn) -> None:
+        got = 0
+        while got < ROUND_BYTES and len(self._ready) < ROUND_MESSAGES and c.state != _WAIT:
+            if c.state == _BODY:  # straight into the message's buffer
+                room = c.view[c.fill:c.fill + min(c.body.nbytes - c.fill, ROUND_BYTES)]
+            elif c.state in (_SKIP, _TPAD):
+                room = self._scratch[:min(c.skip, SCRATCH)]
+            else:
+                room = self._scratch[:c.need()]
+            try:
+                n = c.sock.recv_into(room)
+            except BlockingIOError:
+                return
+            except OSError:
+                n = 0
+            if n == 0:
+                return self._drop(c)
+            got += n
+            c.seen = time.monotonic()
+            if not self._took(c, room[:n]):
+                return
+
+    def _took(self, c: _Conn, data: memoryview) -> bool:
+        """Account ``data`` just read for ``c``; False once ``c`` is closed."""
+        n = data.nbytes
+        if c.state == _BODY:
+            c.fill += n
+            if c.fill == c.body.nbytes:
+                self._complete(c)
+        elif c.state in (_SKIP, _TPAD):
+            c.skip -= n
+            if not c.skip:
+                self._taken(c) if c.state == _SKIP else self._decide(c)
+        elif c.state == _TABLE and c.frames > message.MAX_FRAMES:  # summed as it streams by, never kept
+            buf = bytes(c.head) + bytes(data)
+            whole = len(buf) // 8 * 8
+            c.total += int(np.sum((np.frombuffer(buf[:whole], "<u8") // 64).astype(object))) * 64 + 64 * int(
+                np.count_nonzero(np.frombuffer(buf[:whole], "<u8") % 64))
+            c.left -= whole // 8
+            c.head = bytearray(buf[whole:])
+            if not c.left:
+                self._table_done(c)
+        else:
+            c.head += data
+            if c.need() == 0:
+                return self._step(c)
+        return True
+
+    def _step(self, c: _Conn) -> bool:
+        """A head part is complete; False if ``c`` was closed."""
+        if c.state == _HELLO:
+            return self._admit(c, handshake.check_answer(self._key, c.nonce, bytes(c.head)))
+        if c.state == _HEAD:
+            magic, c.frames = struct.unpack("<II", c.head)
+            c.head, c.left, c.lengths, c.total = bytearray(), c.frames, (), 0
+            if magic != MAGIC:
+                self._ready.append((None, message.MessageError("malformed", f"connection {c.peer}: no message "
+                                                               f"starts where one must (magic {magic:#x})")))
+                self._close(c, evicted=True)
+                return False
+            c.state = _TABLE
+            if c.frames == 0:
+                self._table_done(c)
+            return True
+        c.lengths = struct.unpack(f"<{c.frames}Q", c.head)  # _TABLE, a short one
+        c.total, c.head, c.left = sum(pad(x) for x in c.lengths), bytearray(), 0
+        self._table_done(c)
+        return True
+
+    def _table_done(self, c: _Conn) -> None:
+        c.head, c.skip = bytearray(), head_bytes(c.frames) - FIXED - 8 * c.frames  # the table's padding
+        c.state = _TPAD
+        if not c.skip:
+            self._decide(c)
+
+    def _decide(self, c: _Conn) -> None:
+        """The whole head is in: refuse the message (its body passed over) or queue it for memory."""
+        k, total = c.frames, c.total
+        if k > message.MAX_FRAMES:
+            return self._refuse_msg(c, "too_many_frames", f"{k} frames, expected at most {message.MAX_FRAMES}")
+        if k < 3:
+            return self._refuse_msg(c, "malformed", f"{k} frames, expected 3 to {message.MAX_FRAMES}")
+        if max(c.lengths) > self.frame_bytes or total > self.body_bytes:
+            return self._refuse_msg(c, "oversized", f"frames of up to {max(c.lengths)} bytes (at most "
+                                    f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})")
+        c.state = _WAIT
+        self._waiting.append(c)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _refuse_msg(self, c: _Conn, reason: str, detail: str) -> None:
+        self._ready.append((c, message.MessageError(reason, f"connection {c.peer}: {detail}")))
+        c.skip, c.state = c.total, _SKIP
+        if not c.skip:
+            self._taken(c)
+
+    def _taken(self, c: _Conn) -> None:
+        """One message of ``c``'s read (whole, or refused and passed over): the next may start.
+        It is acknowledged when :meth:`recv` hands it over."""
+        c.state, c.head, c.lengths = _HEAD, bytearray(), ()
+
+    def _complete(self, c: _Conn) -> None:
+        frames, at = [], 0
+        for n in c.lengths:
+            frames.append(c.view[at:at + n])
+            at += pad(n)
+        self._ready.append((c, (c.peer, frames)))
+        self.held -= c.body.nbytes
+        c.body, c.view = None, None
+        self._taken(c)

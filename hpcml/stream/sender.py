@@ -1,0 +1,299 @@
+"""A producer's connection to one stream server: plain TCP, a thread that sends and resends.
+
+:meth:`Sender.send_buffer` queues one message (the producer's one buffer, not copied) and
+returns, so the simulation computes while its output goes out; it blocks once ``hwm``
+messages are held (queued or sent and not yet acknowledged): the trainer's backpressure.
+The thread connects, answers the server's challenge (:mod:`hpcml.stream.handshake`), sends in
+order and takes the server's acknowledgements (:mod:`hpcml.stream.framing`). When the
+connection drops it reconnects and sends again exactly the messages the server had not
+acknowledged, so a cut connection loses nothing this process still holds (a message the
+server took but whose acknowledgement was cut arrives twice: the trainer drops the copy).
+A refused proof is final (:class:`~hpcml.stream.handshake.HandshakeError`): no reconnecting.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from zmq import NOBLOCK, Again
+
+from hpcml import log
+from hpcml.errors import ConfigError
+from hpcml.stream import framing, handshake
+
+logger = log.get_logger(__name__)
+
+#: Seconds a connection attempt and its handshake may take.
+CONNECT_S = 10.0
+#: Bytes one ``send`` call hands the kernel at most.
+SEND_MAX = 4 << 20
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://HOST:PORT`` (``[v6]`` hosts too), or a ConfigError naming it."""
+    rest = endpoint.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if rest == endpoint or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"stream endpoint {endpoint!r}: expected tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class Sender:
+    """Sends whole messages to one server over TCP; reconnects and resends what was not taken."""
+
+    def __init__(self, secret: bytes, *, hwm: int | None = None, timeout_s: float | None = None) -> None:
+        self._key = handshake.key(secret)
+        self.hwm = hwm or 0
+        """Messages held here (queued or unacknowledged) before a send blocks; 0: no bound."""
+        self.timeout_s = 600.0 if timeout_s is None else timeout_s
+        self._cv = threading.Condition()
+        self._items: deque[list[memoryview]] = deque()  # every message not acknowledged yet, in order (its parts)
+        self._next = 0  # index in _items of the next to send on this connection
+        self._off = 0  # bytes of it already sent
+        self._taken = 0  # acknowledgements on this connection
+        self._closing = self._stop = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._addr: tuple[str, int] | None = None
+        self._thread: threading.Thread | None = None
+        self.info: dict | None = None
+        """What the server said of itself and its samples at the handshake."""
+        self.error: handshake.HandshakeError | None = None
+        """Why this sender gave up (a refused proof), or None."""
+        self.connections = 0
+        self.resent = 0
+        """Messages sent again after a connection dropped before they were acknowledged."""
+        self.undelivered = 0
+        """Messages the server had not acknowledged when :meth:`close` gave up."""
+
+    # -- the caller's side ------------------------------------------------------------------
+    def connect(self, endpoint: str) -> None:
+        self._addr = parse_endpoint(endpoint)
+        self._thread = threading.Thread(target=self._run, name="hpcml-stream-sender", daemon=True)
+        self._thread.start()
+
+    def wait_info(self, timeout_s: float) -> dict | None:
+        """The server's handshake info, waiting for the first handshake up to ``timeout_s``;
+        None if none finished in time. Raises the sender's final error."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.info is not None or self.error is not None, timeout_s)
+            if self.error is not None:
+                raise self.error
+            return self.info
+
+    def send_message(self, buf, views, flags: int = 0) -> None:
+        """One message built by :func:`framing.frame_buffer` (``views`` serve the zmtp wire)."""
+        self.send_buffer(buf, flags)
+
+    def send_frames(self, frames: Sequence) -> None:
+        """One message of ``frames``, none copied (:func:`framing.parts`)."""
+        self.send_parts(framing.parts(frames))
+
+    def send_multipart(self, frames: Sequence, flags: int = 0, copy: bool = True) -> None:
+        """Send ``frames`` as one message (copied into one buffer; ``copy`` is accepted for zmq's signature)."""
+        self.send_buffer(framing.pack(frames), flags)
+
+    def send_buffer(self, buf, flags: int = 0) -> None:
+        """Queue one message's wire bytes (not copied: ``buf`` must not change afterwards);
+        ``zmq.Again`` if ``hwm`` are held for ``timeout_s`` (at once with ``NOBLOCK``)."""
+        self.send_parts([buf], flags)
+
+    def send_parts(self, parts: Sequence, flags: int = 0) -> None:
+        """Queue one message given as the consecutive pieces of its wire bytes (sent with one
+        ``sendmsg``, none copied: none may change until the server acknowledged it)."""
+        item = [memoryview(p).cast("B") for p in parts]
+        with self._cv:
+            full = lambda: self.hwm and len(self._items) >= self.hwm and self.error is None  # noqa: E731
+            if full() and (flags & NOBLOCK or not self._cv.wait_for(lambda: not full(), self.timeout_s)):
+                raise Again()
+            if self.error is not None:
+                raise self.error
+            idle = self._next >= len(self._items)  # the thread may be waiting in select: wake it
+            self._items.append(item)
+        if idle:
+            self._wake()
+
+    def close(self, linger: int | None = None) -> None:
+        """Wait until the server took every message (at most ``timeout_s``, or ``linger`` ms as
+        ZeroMQ counts it: 0 none, -1 for ever), then stop; :attr:`undelivered` says what it did not take."""
+        wait = self.timeout_s if linger is None else None if linger < 0 else linger / 1000
+        with self._cv:
+            self._closing = True
+            self._wake()
+            if self._thread is not None:
+                self._cv.wait_for(lambda: not self._items or self.error is not None, wait)
+            self._stop = True
+            self.undelivered = len(self._items)
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # already awake, or closed
+
+    # -- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._cv:
+                if self._stop or (self._closing and not self._items):
+                    return
+            try:
+                sock = self._open()
+            except handshake.HandshakeError as e:
+                if e.final:
+                    return self._fail(e)
+                sock = None
+            except OSError:
+                sock = None
+            if sock is None:
+                time.sleep(backoff)
+                backoff = min(1.0, 2 * backoff)
+                continue
+            backoff = 0.05
+            self._pump(sock)  # a cut: what was not acknowledged goes again on the next connection
+            sock.close()
+
+    def _fail(self, e: handshake.HandshakeError) -> None:
+        with self._cv:
+            self.error = e
+            self._cv.notify_all()
+        logger.error("stream sender to %s:%s gave up: %s", *self._addr, e)
+
+    def _open(self) -> socket.socket:
+        sock = socket.create_connection(self._addr, timeout=CONNECT_S)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_exact(sock, handshake.HELLO_BYTES)
+            answer, nonce_p = handshake.answer(self._key, hello)
+            sock.sendall(answer)
+            head = _recv_exact(sock, 1)
+            if head != b"\1":
+                handshake.info_length(head)  # a refusal: raises, final
+            head += _recv_exact(sock, handshake.REPLY_BYTES - 1)
+            info = handshake.check_reply(self._key, hello[len(handshake.HELLO):], nonce_p, head,
+                                         _recv_exact(sock, handshake.info_length(head)))
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        with self._cv:
+            self.resent += min(self._next, len(self._items)) if self.connections else 0
+            self._next = self._off = self._taken = 0
+            self.info = info
+            self.connections += 1
+            self._cv.notify_all()
+        return sock
+
+    def _pump(self, sock: socket.socket) -> None:
+        """Send and take acknowledgements until the connection drops or the sender stops. Sends
+        go straight on while the socket takes them; ``select`` waits only when it does not, or
+        when nothing is left to send."""
+        sel = selectors.DefaultSelector()
+        sel.register(sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        acks, events = bytearray(), selectors.EVENT_READ
+        try:
+            while True:
+                with self._cv:
+                    if self._stop or (self._closing and not self._items):
+                        return
+                    item = self._items[self._next] if self._next < len(self._items) else None
+                if item is not None:
+                    try:
+                        self._off += sock.sendmsg(_rest(item, self._off))
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        return
+                    else:
+                        if self._off == sum(p.nbytes for p in item):
+                            with self._cv:
+                                self._next += 1
+                                self._off = 0
+                            if not self._read_acks(sock, acks):
+                                return
+                        continue
+                want = selectors.EVENT_READ | (selectors.EVENT_WRITE if item is not None else 0)
+                if want != events:
+                    sel.modify(sock, want)
+                    events = want
+                for k, _ev in sel.select(1.0):
+                    if k.fileobj == self._wake_r:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    elif not self._read_acks(sock, acks):
+                        return
+        finally:
+            sel.close()
+
+    def _read_acks(self, sock: socket.socket, acks: bytearray) -> bool:
+        """Take the acknowledgements waiting (none: no wait); False once the connection is gone."""
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        acks += data
+        n = len(acks) // 8 * 8
+        if n:
+            self._acked(framing.ACK.unpack_from(acks, n - 8)[0])
+            del acks[:n]
+        return True
+
+    def _acked(self, taken: int) -> None:
+        with self._cv:
+            k = taken - self._taken
+            if not 0 <= k <= self._next:  # more than was sent: not our server's count
+                return
+            for _ in range(k):
+                self._items.popleft()
+            self._next -= k
+            self._taken = taken
+            self._cv.notify_all()
+
+
+def _rest(parts: list[memoryview], off: int) -> list[memoryview]:
+    """What is left of ``parts`` past byte ``off`` (at most ``SEND_MAX`` bytes of it)."""
+    out, room = [], SEND_MAX
+    for p in parts:
+        if off >= p.nbytes:
+            off -= p.nbytes
+            continue
+        out.append(p[off:off + room])
+        room -= out[-1].nbytes
+        off = 0
+        if not room:
+            break
+    return out
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError(f"the server closed the connection after {len(out)} of {n} handshake bytes")
+        out += got
+    return bytes(out)
