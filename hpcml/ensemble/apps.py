@@ -44,6 +44,9 @@ from hpcml.ensemble import attempts, ledger, rundir
 from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
+from hpcml.log import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = ["RunHandle", "SimulationFuture", "claim", "design", "mark_done", "provenance", "simulation",
            "simulation_app", "training"]
@@ -58,6 +61,9 @@ class RunHandle:
     non_streaming: set[int] = field(default_factory=set)
     """Simulations submitted with ``SimSpec(stream=False)``: the trainer does not wait for them."""
     ended: bool = False
+    done_before: set[int] | None = None
+    """Resumed: the simulations an earlier run completed whose results survive (read once,
+    on the first :func:`simulation`): they are not run again."""
     """:func:`mark_done` was called: the next :func:`claim` or :func:`simulation` starts a new run."""
 
     @property
@@ -156,6 +162,11 @@ def simulation(spec: SimSpec, *, run_dir: str | Path, site: Site | str | None = 
     rundir.record_spec(run_dir, spec)
     if spec.stream is False:
         handle.non_streaming.add(spec.sim_id)
+    if spec.sim_id in _done_before(handle, spec):  # resumed: completed earlier, its results kept
+        out = SimulationFuture(spec.sim_id, None)
+        out.skipped = True
+        out.set_result(0)
+        return out
     directory = attempts.sim_dir(run_dir, spec.sim_id)
     first = attempts.next_attempt(directory)
     prefix, resources = _launch(site, launch, spec.ranks)
@@ -187,6 +198,22 @@ class SimulationFuture(concurrent.futures.Future):
     def __init__(self, sim_id: int, app_future) -> None:
         super().__init__()
         self.sim_id, self.app_future = sim_id, app_future
+        self.skipped = False
+        """Completed in an earlier run of a resumed campaign: not run again (``app_future`` None)."""
+
+
+def _done_before(handle: RunHandle, spec: SimSpec) -> set[int]:
+    """What a resumed run need not run again, as the Campaign decides it: completed earlier,
+    and -- if it streams -- every sample of it in the trainer's latest checkpoint."""
+    if not handle.contract.resume:
+        return set()
+    if handle.done_before is None:
+        done = set(attempts.completed_sims(handle.run_dir))
+        streaming = done if handle.contract.streams else set()
+        handle.done_before = ledger.kept(handle.run_dir, done, streaming - handle.non_streaming) if done else set()
+        if done:
+            logger.info("resuming: %d simulation(s) completed earlier and are not run again", len(handle.done_before))
+    return handle.done_before
 
 
 def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:

@@ -91,3 +91,31 @@ def test_apps_in_a_plain_parsl_script_with_user_steps(tmp_path):
     assert saw["tag"] == "t 1" and {k: saw["done"][k] for k in ("completed", "failed", "streamed", "silent")} == {
         **done, "streamed": {}, "silent": [0, 1, 2]}  # the walks close no Producer: a streaming trainer would say so
     assert saw["done"]["run"] == json.loads((run / "campaign_id.json").read_text())["runs"][-1]["run"]
+
+
+def test_a_resumed_apps_workflow_runs_only_what_did_not_finish(tmp_path):
+    """Issue 39: ``claim(resume=True)`` skips the simulations an earlier run completed, as the
+    Campaign does (before, resuming 6 finished simulations ran all 6 again: 12 attempts)."""
+    (tmp_path / "walk.py").write_text(SIM)
+    run = tmp_path / "run"
+
+    # simulation 3's first attempt dies (retries=0: it fails); the resumed run's attempt 1 of it finishes
+    specs = [SimSpec(sim_id=i, params={"alpha": 1.0 + i}, ranks=2, stream=False,
+                     argv=[sys.executable, str(tmp_path / "walk.py")] + (["--crash-first-attempt"] if i == 3 else []))
+             for i in range(4)]
+    parsl.load(parsl.Config(executors=[ThreadPoolExecutor(label="mine", max_threads=4)], retries=0,
+                            run_dir=str(tmp_path / "parsl")))
+    try:
+        apps.claim(run, stream=False)
+        first = apps.mark_done(run, [apps.simulation(s, run_dir=run, launch="mpiexec -n {ranks}")
+                                     for s in specs])
+        apps.claim(run, resume=True, stream=False)
+        futs = [apps.simulation(s, run_dir=run, launch="mpiexec -n {ranks}") for s in specs]
+        second = apps.mark_done(run, futs)
+    finally:
+        parsl.dfk().cleanup()
+        parsl.clear()
+    assert first == {"completed": [0, 1, 2], "failed": [3]} and second == {"completed": [0, 1, 2, 3], "failed": []}
+    assert [f.skipped for f in futs] == [True, True, True, False]
+    assert sorted((r["sim_id"], r["attempt"], r["status"]) for r in apps.provenance(run)) == [
+        (0, 0, "ok"), (1, 0, "ok"), (2, 0, "ok"), (3, 0, "killed"), (3, 1, "ok")]  # 5 attempts, not 8

@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("parsl")
 
+from hpcml.ensemble.apps import provenance as apps_provenance  # noqa: E402
+
 HERE = Path(__file__).resolve().parent / "own_sim"
 ROOT = HERE.parents[2]
 SIM, TRAIN = str(HERE / "burgers1d.py"), str(HERE / "train_burgers.py")
@@ -134,7 +136,9 @@ def test_a_parsl_workflow_run_twice_in_one_directory_is_refused_in_seconds_then_
     assert json.loads(_line(resumed.stdout, "RESULT"))["trainer"] == 0, _why(run)
     s2 = json.loads((run / "train_summary.json").read_text())
     assert (s2["status"], s2["resumed_at"], s2["samples_ingested"], s2["samples_missing"]) == ("ok", 20, 10, 0)
-    assert s2["duplicate_samples"] == 10 and s2["run"] != s["run"]  # the re-run simulations' copies, dropped
+    # issue 39: the finished simulations are not run again (before, they were, and their 10 copies were dropped)
+    assert s2["duplicate_samples"] == 0 and s2["run"] != s["run"]
+    assert sorted((r["sim_id"], r["attempt"]) for r in apps_provenance(run)) == [(0, 0), (1, 0)]
 
 
 @pytest.mark.timeout(200)

@@ -1,0 +1,118 @@
+"""How the campaign driver grows with the number of simulations: CPU, memory and records per simulation.
+
+    python benchmarks/campaign_scale.py --json --sims 1000
+    python benchmarks/campaign_scale.py --json --sims 300,1000,3000      # growth between sizes
+
+A local Campaign (Parsl threads, no scheduler) of ``--sims`` tiny members: each runs
+``/bin/true`` through the attempt wrapper (no mpiexec: ``sim_launch=""``), so what is
+measured is the driver and the per-simulation protocol (Parsl task, attempt files,
+provenance, progress), not a simulation. Peer: the same number of bare Parsl ``bash_app``
+tasks running ``/bin/true`` under the same executor (what Parsl alone costs per task). Per
+size: ``wall_s``, ``driver_cpu_ms_per_sim`` (this process, every thread), ``driver_rss_mib``
+(peak), ``files_per_sim`` and ``record_bytes_per_sim`` (everything the run directory holds),
+``duplicates`` and ``missing`` (members with more than one, or no, successful attempt in the
+provenance), and the bare Parsl figures beside them; the last line is the largest size.
+Each size runs in a fresh interpreter, so peak memory is that size's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _usage() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_maxrss / 1024
+
+
+def _campaign(n: int, threads: int, run_dir: Path) -> dict:
+    from hpcml.ensemble import Campaign, SimSpec
+
+    sims = [SimSpec(sim_id=i, params={"x": float(i)}, argv=["/bin/true"], stream=False) for i in range(n)]
+    c = Campaign(run_dir=run_dir, site="local", max_concurrent=threads, retries=0, progress=False, sim_launch="")
+    cpu0, t0 = _usage()[0], time.perf_counter()
+    res = c.run(sims)
+    wall = time.perf_counter() - t0
+    cpu, rss = _usage()
+    ok: dict[int, int] = {}
+    for line in (run_dir / "provenance.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("status") == "ok":
+            ok[rec["sim_id"]] = ok.get(rec["sim_id"], 0) + 1
+    files = sum(len(f) for _, _, f in os.walk(run_dir))
+    size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+    return {"sims": n, "status": res.status, "wall_s": wall, "driver_cpu_ms_per_sim": 1e3 * (cpu - cpu0) / n,
+            "driver_rss_mib": rss, "files_per_sim": files / n, "record_bytes_per_sim": size / n,
+            "provenance_bytes_per_sim": (run_dir / "provenance.jsonl").stat().st_size / n,
+            "duplicates": sum(v > 1 for v in ok.values()), "missing": n - len(ok)}
+
+
+def _bare_parsl(n: int, threads: int, run_dir: Path) -> dict:
+    import parsl
+    from parsl import bash_app
+    from parsl.executors import ThreadPoolExecutor
+
+    @bash_app
+    def true_app() -> str:
+        return "/bin/true"
+
+    parsl.load(parsl.Config(executors=[ThreadPoolExecutor(max_threads=threads)], run_dir=str(run_dir),
+                            usage_tracking=0, strategy="none"))
+    try:
+        cpu0, t0 = _usage()[0], time.perf_counter()
+        futs = [true_app() for _ in range(n)]
+        failed = sum(f.exception() is not None for f in futs)
+        wall = time.perf_counter() - t0
+        cpu, rss = _usage()
+    finally:
+        parsl.dfk().cleanup()
+        parsl.clear()
+    return {"parsl_wall_s": wall, "parsl_cpu_ms_per_task": 1e3 * (cpu - cpu0) / n, "parsl_rss_mib": rss,
+            "parsl_failed": failed}
+
+
+def _one(kind: str, n: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="hpcml-scale-") as d:
+        return (_campaign if kind == "campaign" else _bare_parsl)(n, threads, Path(d) / "run")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sims", default="1000", help="one size, or several separated by commas")
+    p.add_argument("--threads", type=int, default=8, help="simulations at once (max_concurrent)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    rows = []
+    for n in [int(x) for x in args.sims.split(",")]:
+        row = {}
+        for kind in ("campaign", "parsl"):  # each in a fresh interpreter: its own peak memory, one parsl.load
+            code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.campaign_scale import _one; "
+                    f"print(json.dumps(_one({kind!r}, {n}, {args.threads})))")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+            if out.returncode:
+                sys.exit(f"campaign_scale: the {kind} run of {n} failed: {out.stderr[-2000:]}")
+            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        row["cpu_vs_parsl"] = row["driver_cpu_ms_per_sim"] / row["parsl_cpu_ms_per_task"]
+        rows.append(row)
+        print(json.dumps(row) if args.json else json.dumps(row, indent=1), flush=True)
+    if len(rows) >= 3:
+        a, b, c = rows[-3:]
+        print(json.dumps({"rss_growth_ratio": (c["driver_rss_mib"] - b["driver_rss_mib"])
+                          / max(1e-9, b["driver_rss_mib"] - a["driver_rss_mib"]), **rows[-1]}))
+    bad = [r["sims"] for r in rows if r["duplicates"] or r["missing"] or r["status"] != "ok"]
+    sys.exit(f"campaign_scale: duplicates or missing members at {bad}" if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
