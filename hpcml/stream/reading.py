@@ -37,13 +37,14 @@ _HELLO, _HEAD, _TABLE, _TPAD, _WAIT, _BODY, _SKIP = range(7)
 
 class _Conn:
     __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
-                 "fill", "skip", "opened", "seen", "taken", "started")
+                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started")
 
     def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
         self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, _HELLO
         self.opened = self.seen = self.started = time.monotonic()
         self.head, self.frames, self.left, self.lengths, self.total = bytearray(), 0, 0, (), 0
         self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
+        self.acked, self.out = 0, bytearray()  # the count sent so far; bytes due to the producer (a reply, acks)
 
     def need(self) -> int:
         """Bytes the head-collecting states want next (no byte of the message after them is read)."""

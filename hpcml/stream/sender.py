@@ -57,7 +57,9 @@ class Sender:
         self._items: deque[list[memoryview]] = deque()  # every message not acknowledged yet, in order (its parts)
         self._next = 0  # index in _items of the next to send on this connection
         self._off = 0  # bytes of it already sent
-        self._taken = 0  # acknowledgements on this connection
+        self._taken = 0  # acknowledgements on this connection, applied
+        self._ack_to = 0  # the highest count the server sent on this connection (may run ahead of _next:
+        #                   a refused message is acknowledged once its head is read, before its body is sent)
         self._closing = self._stop = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -118,6 +120,7 @@ class Sender:
                 raise self.error
             idle = self._next >= len(self._items)  # the thread may be waiting in select: wake it
             self._items.append(item)
+            self._cv.notify_all()  # a thread waiting for something to send before it reconnects
         if idle:
             self._wake()
 
@@ -135,11 +138,12 @@ class Sender:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if self._thread is None or not self._thread.is_alive():  # else it still selects on them: left open
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _wake(self) -> None:
         try:
@@ -169,6 +173,8 @@ class Sender:
             backoff = 0.05
             self._pump(sock)  # a cut: what was not acknowledged goes again on the next connection
             sock.close()
+            with self._cv:  # closed while idle (the server made room): reconnect when there is something to send
+                self._cv.wait_for(lambda: self._items or self._stop or self._closing)
 
     def _fail(self, e: handshake.HandshakeError) -> None:
         with self._cv:
@@ -195,7 +201,7 @@ class Sender:
         sock.setblocking(False)
         with self._cv:
             self.resent += min(self._next, len(self._items)) if self.connections else 0
-            self._next = self._off = self._taken = 0
+            self._next = self._off = self._taken = self._ack_to = 0
             self.info = info
             self.connections += 1
             self._cv.notify_all()
@@ -227,6 +233,7 @@ class Sender:
                             with self._cv:
                                 self._next += 1
                                 self._off = 0
+                                self._pop_acked()
                             if not self._read_acks(sock, acks):
                                 return
                         continue
@@ -264,14 +271,21 @@ class Sender:
 
     def _acked(self, taken: int) -> None:
         with self._cv:
-            k = taken - self._taken
-            if not 0 <= k <= self._next:  # more than was sent: not our server's count
+            if taken <= self._ack_to or taken > self._taken + len(self._items):  # stale, or not our server's count
                 return
-            for _ in range(k):
-                self._items.popleft()
-            self._next -= k
-            self._taken = taken
-            self._cv.notify_all()
+            self._ack_to = taken
+            self._pop_acked()
+
+    def _pop_acked(self) -> None:
+        """Drop the messages the server acknowledged that have left whole (caller holds the lock)."""
+        k = min(self._ack_to - self._taken, self._next)
+        if k <= 0:
+            return
+        for _ in range(k):
+            self._items.popleft()
+        self._next -= k
+        self._taken += k
+        self._cv.notify_all()
 
 
 def _rest(parts: list[memoryview], off: int) -> list[memoryview]:

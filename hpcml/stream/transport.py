@@ -46,7 +46,7 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.stream import handshake, message
 from hpcml.stream.framing import ACK, ALIGN
-from hpcml.stream.reading import _BODY, _HEAD, _WAIT, SCRATCH, MessageReader, _Conn
+from hpcml.stream.reading import _BODY, _HEAD, _WAIT, ROUND_MESSAGES, SCRATCH, MessageReader, _Conn
 
 logger = log.get_logger(__name__)
 
@@ -130,6 +130,7 @@ class Receiver(MessageReader):
         self._swept = self._reading = time.monotonic()
         self._capped_logged = 0.0
         self._paused = False
+        self._accept_after = 0.0
         self.held = 0
         self.admitted = 0
         """Connections that answered the challenge."""
@@ -169,19 +170,22 @@ class Receiver(MessageReader):
         c, got = self._ready.popleft()
         if c is not None and c.sock.fileno() >= 0:  # acknowledged once the server has it in hand
             c.taken += 1
-            self._ack_due[c.sock.fileno()] = c
+            self._ack_due[c.sock.fileno()] = c  # the count goes out at the next flush
         if isinstance(got, message.MessageError):
             raise got
         return got
 
-    def _pause_accepting(self) -> None:
-        """Leave new connections in the kernel's queue until a pending one answers or ages."""
+    def _pause_accepting(self, for_s: float = 0.0) -> None:
+        """Leave new connections in the kernel's queue until a pending one answers or ages
+        (and at least ``for_s``: out of descriptors)."""
+        self._accept_after = time.monotonic() + for_s
         if not self._paused:
             self._sel.unregister(self.sock)
             self._paused = True
 
     def _resume_accepting(self) -> None:
-        if self._paused and (len(self._pending) < self.pending_max or time.monotonic() - next(
+        now = time.monotonic()
+        if self._paused and now >= self._accept_after and (len(self._pending) < self.pending_max or now - next(
                 iter(self._pending.values())).opened >= PENDING_GRACE_S):
             self._sel.register(self.sock, selectors.EVENT_READ, None)
             self._paused = False
@@ -190,8 +194,16 @@ class Receiver(MessageReader):
         self._resume_accepting()
         events = self._events if self._events is not None else self._sel.select(0)
         self._events = None
-        self._reading = time.monotonic()
-        for k, _ in events:
+        now = time.monotonic()
+        if now - self._reading > 1.0:  # the server did not read (backpressure): nobody was silent meanwhile
+            for c in self._conns.values():
+                c.seen += now - self._reading
+                c.started += now - self._reading
+        self._reading = now
+        for i, (k, _) in enumerate(events):
+            if len(self._ready) >= ROUND_MESSAGES:  # the rest are served first next round, none starved
+                self._events = events[i:]
+                break
             if k.data is None:
                 self._accept()
             elif (fd := k.data.sock.fileno()) >= 0 and (self._conns.get(fd) or self._pending.get(fd)) is k.data:
@@ -200,23 +212,33 @@ class Receiver(MessageReader):
         self.flush()
 
     def flush(self) -> None:
-        """Send the acknowledgements due (the server calls it too when it stops reading)."""
+        """Send what is due to producers -- acknowledgements, the rest of a handshake reply -- as
+        far as their sockets take it (the server calls it too when it stops reading)."""
         for fd, c in list(self._ack_due.items()):
+            if c.taken > c.acked:
+                c.out += ACK.pack(c.taken)
+                c.acked = c.taken
             try:
-                c.sock.send(ACK.pack(c.taken))
-                del self._ack_due[fd]
+                n = c.sock.send(c.out)
             except BlockingIOError:
-                pass  # its next round; the count only grows
+                continue  # its next round
             except OSError:
                 self._drop(c)
+                continue
+            del c.out[:n]
+            if not c.out:
+                del self._ack_due[fd]
+
+    def _send(self, c: _Conn, data: bytes) -> None:
+        """Queue ``data`` for ``c`` behind what it already waits for, and send what its socket takes."""
+        c.out += data
+        self._ack_due[c.sock.fileno()] = c
 
     def _accept(self) -> None:
         for _ in range(256):
-            if len(self._pending) >= self.pending_max:
-                oldest = next(iter(self._pending.values()))
-                if time.monotonic() - oldest.opened < PENDING_GRACE_S:
-                    return self._pause_accepting()
-                self._refuse(oldest)  # crowded out: a producer would have answered by now
+            crowded = len(self._pending) >= self.pending_max
+            if crowded and time.monotonic() - next(iter(self._pending.values())).opened < PENDING_GRACE_S:
+                return self._pause_accepting()
             try:
                 sock, _addr = self.sock.accept()
             except BlockingIOError:
@@ -225,8 +247,10 @@ class Receiver(MessageReader):
                 if e.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
                     self._refuse(next(iter(self._pending.values())))  # a descriptor for the next
                     continue
-                logger.warning("stream server: accept failed: %s", e)
-                return
+                logger.warning("stream server: accept failed (%s): not accepting for a second", e)
+                return self._pause_accepting(1.0)
+            if crowded:
+                self._refuse(next(iter(self._pending.values())))  # crowded out: a producer would have answered
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             first, nonce = handshake.hello()
@@ -270,11 +294,7 @@ class Receiver(MessageReader):
             self.refused += 1
             self._close(c)
             return False
-        try:
-            c.sock.send(handshake.reply(self._key, c.nonce, nonce_p, self._info))
-        except OSError:
-            self._close(c)
-            return False
+        self._send(c, handshake.reply(self._key, c.nonce, nonce_p, self._info))
         if len(self._conns) >= self.max_connections:
             self._make_room()
         self._conns[fd] = c

@@ -96,3 +96,27 @@ def test_a_connection_cut_eight_times_mid_message_loses_no_sample():
     finally:
         relay.stop.set()
         srv.stop()
+
+
+def test_a_refused_message_is_acknowledged_and_the_producer_goes_on():
+    """The server acknowledges a refused message once its head is read, before the producer
+    has sent its body (review of issue 39): the producer must count that acknowledgement when
+    the message has left, not drop it, or it waits for ever on a message the server took."""
+    from hpcml.stream import message
+    from hpcml.stream.sender import Sender
+
+    srv = StreamServer(campaign="cuts", secret=SECRET, rank=0, n_trainers=1,
+                       buffer=Buffer(BufferConfig(policy="fifo", capacity=100, watermark=1)),
+                       config=ServerConfig(param_names=("a",), field_names=("T",), shape=SHAPE)).start()
+    tx = Sender(SECRET, hwm=2, timeout_s=20)
+    try:
+        tx.connect(srv.endpoint)
+        big = np.ones(8 << 20, np.float32)  # 32 MiB: past the frame limit and the socket buffers, refused at its head
+        for _ in range(3):
+            tx.send_frames([message.MAGIC, b"{}", memoryview(big).cast("B"), bytes(16)])
+        t0 = time.monotonic()
+        tx.close(linger=20_000)
+        assert tx.undelivered == 0 and time.monotonic() - t0 < 10
+        assert srv.dropped == {"oversized": 3}
+    finally:
+        srv.stop()
