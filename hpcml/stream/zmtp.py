@@ -88,6 +88,8 @@ class Sender:
         self.sock.send_multipart(views, flags, copy=False)
 
     def close(self, linger: int | None = None) -> None:
+        if self.sock.closed:
+            return
         self.sock.close(linger)
         self._ctx.term()
 
