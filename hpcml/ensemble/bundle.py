@@ -1,0 +1,182 @@
+"""Many small simulations in one process: a bundle runs its members one after another, in-process.
+
+At 10^5 ensemble members a process launch, a Parsl task and six files per member cost more
+than the members (``benchmarks/campaign_scale.py``: 3.1 ms of driver CPU and 6 files a
+simulation). A bundle is one task that imports the user's entry point once and calls it
+for each member::
+
+    python -m hpcml.ensemble.bundle BUNDLE_DIR
+
+``BUNDLE_DIR/bundle.json`` (written by the driver): ``{"entry": "pkg.module:function",
+"retries": R, "members": [{"sim_id": 7, "params": {...}}, ...]}``. The function is called
+as ``function(sim_id=..., params=..., attempt=...)`` and returns a JSON object (its result)
+or None; it may stream through ``Producer.from_campaign(comm=MPI.COMM_SELF, ...)``, which
+finds its simulation id, attempt and stream record in the environment as a launched
+simulation does. Each member keeps what a simulation of its own has:
+
+- **its id and attempts**: a member's attempt numbers are ``k x (R + 1) + r`` for the
+  bundle's attempt ``k`` (claimed by the attempt wrapper, ``HPCML_ATTEMPT``) and its own
+  retry ``r``, so they grow across retries of the member and of the bundle, as the
+  stream's exactly-once rules need;
+- **its retries**: an exception is retried up to ``R`` times in-process, except a
+  deterministic one (a ConfigError, or a final record its producer wrote): never retried;
+- **its record**: one JSON line per ended attempt in ``BUNDLE_DIR/members.jsonl`` (status
+  ``ok``, ``failed`` or ``final``, result, error, times, samples streamed), written and
+  flushed as it ends -- no directory or file of its own;
+- **exactly once**: a bundle run again (its task retried after a node died) skips the
+  members that already ended ``ok`` or ``final``.
+
+The bundle exits 0 once every member has ended (failed members are the driver's to count),
+and prints ``HPCML_SIM_RESULT`` with the counts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD, FINAL_SUFFIX, read_bytes
+from hpcml.errors import ConfigError
+
+SPEC_FILE = "bundle.json"
+RECORDS_FILE = "members.jsonl"
+#: The largest ``bundle.json`` read (10^4 members of a few parameters fit well inside).
+MAX_SPEC_BYTES = 64 << 20
+#: The largest ``members.jsonl`` read on a rerun.
+MAX_RECORDS_BYTES = 256 << 20
+
+
+def load_entry(entry: str) -> Callable:
+    """The function ``pkg.module:function`` names; ConfigError naming it if it is not one."""
+    mod, _, name = entry.partition(":")
+    if not mod or not name.isidentifier():
+        raise ConfigError(f"bundle entry {entry!r}: expected 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"bundle entry {entry!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"bundle entry {entry!r} is not callable")
+    return fn
+
+
+def write_spec(bundle_dir: Path, entry: str, members: list[dict], retries: int) -> None:
+    """The driver's side: what the bundle runs (atomically: the task may start at once)."""
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    tmp = bundle_dir / f".{SPEC_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"entry": entry, "retries": retries, "members": members}, separators=(",", ":")))
+    os.replace(tmp, bundle_dir / SPEC_FILE)
+
+
+def read_records(bundle_dir: Path) -> list[dict]:
+    """Every member attempt's record so far (a line cut by a crash is skipped)."""
+    data = read_bytes(Path(bundle_dir) / RECORDS_FILE, MAX_RECORDS_BYTES, "the bundle's member records")
+    out = []
+    for line in (data or b"").decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("sim_id"), int):
+            out.append(rec)
+    return out
+
+
+def _read_spec(bundle_dir: Path) -> dict:
+    data = read_bytes(bundle_dir / SPEC_FILE, MAX_SPEC_BYTES, "a bundle's members (JSON)")
+    if data is None:
+        raise ConfigError(f"bundle {bundle_dir}: no {SPEC_FILE}")
+    try:
+        spec = json.loads(data)
+        members = [(int(m["sim_id"]), dict(m["params"])) for m in spec["members"]]
+        retries = int(spec.get("retries", 0))
+        entry = str(spec["entry"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"bundle {bundle_dir}/{SPEC_FILE}: {type(e).__name__}: {e}; expected entry, retries and "
+                          f"members of sim_id and params") from None
+    return {"entry": entry, "retries": max(0, retries), "members": members}
+
+
+def run_bundle(bundle_dir: str | os.PathLike, *, bundle_attempt: int = 0) -> dict[str, int]:
+    """Run every member of the bundle in ``bundle_dir`` not ended before; the counts by status."""
+    bundle_dir = Path(bundle_dir)
+    spec = _read_spec(bundle_dir)
+    fn = load_entry(spec["entry"])
+    tries = spec["retries"] + 1
+    ended = {r["sim_id"] for r in read_records(bundle_dir) if r.get("status") in ("ok", "final")}
+    counts = {"ok": 0, "failed": 0, "final": 0, "skipped": len({s for s, _ in spec["members"]} & ended)}
+    saved = {k: os.environ.get(k) for k in (ENV_SIM_ID, ENV_ATTEMPT, ENV_STREAM_RECORD)}
+    with open(bundle_dir / RECORDS_FILE, "a") as log:
+        try:
+            for sim_id, params in spec["members"]:
+                if sim_id in ended:
+                    continue
+                for r in range(tries):
+                    rec = _attempt(fn, bundle_dir, sim_id, params, bundle_attempt * tries + r)
+                    log.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
+                    log.flush()
+                    if rec["status"] != "failed":
+                        break
+                counts[rec["status"]] += 1
+                ended.add(sim_id)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return counts
+
+
+def _attempt(fn: Callable, bundle_dir: Path, sim_id: int, params: dict, attempt: int) -> dict:
+    """One attempt of one member, in this process, its stream record and final error captured."""
+    stream = bundle_dir / f".member_{sim_id}_{attempt}.stream.json"
+    final = stream.with_name(stream.name.removesuffix(".stream.json") + FINAL_SUFFIX)
+    os.environ.update({ENV_SIM_ID: str(sim_id), ENV_ATTEMPT: str(attempt), ENV_STREAM_RECORD: str(stream)})
+    start = time.time()
+    result, error, status = None, None, "ok"
+    try:
+        result = fn(sim_id=sim_id, params=dict(params), attempt=attempt)
+        if result is not None and not isinstance(result, dict):
+            raise ConfigError(f"the bundle entry returned {type(result).__name__}: expected a dict or None")
+    except ConfigError as e:
+        status, error = "final", f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 -- a member's failure is recorded, the bundle goes on
+        status, error = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+    streamed = None
+    for path, take in ((stream, "n_sent"), (final, "error")):
+        data = read_bytes(path, 1 << 16, "a member's record") if path.exists() else None
+        if data is not None:
+            try:
+                rec = json.loads(data)
+            except ValueError:
+                rec = {}
+            if take == "n_sent":
+                streamed = rec.get("n_sent")
+            elif status != "final":  # its producer refused something deterministic, even if the entry caught it
+                status, error = "final", str(rec.get("error"))
+            path.unlink(missing_ok=True)
+    return {"sim_id": sim_id, "attempt": attempt, "status": status, "params": params, "result": result,
+            "error": error, "streamed": streamed, "start": start, "end": time.time(),
+            "duration_s": round(time.time() - start, 6)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcml.ensemble.bundle BUNDLE_DIR", file=sys.stderr)
+        return 2
+    try:
+        counts = run_bundle(args[0], bundle_attempt=int(os.environ.get(ENV_ATTEMPT, "0")))
+    except ConfigError as e:
+        print(f"hpcml bundle: {e}", file=sys.stderr)
+        return 78
+    print("HPCML_SIM_RESULT " + json.dumps(counts), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
