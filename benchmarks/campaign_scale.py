@@ -36,26 +36,88 @@ def _usage() -> tuple[float, float]:
     return r.ru_utime + r.ru_stime, r.ru_maxrss / 1024
 
 
-def _campaign(n: int, threads: int, run_dir: Path) -> dict:
-    from hpcml.ensemble import Campaign, SimSpec
+def member(sim_id: int, params: dict, attempt: int) -> dict:
+    """A bundled member: as small as a member can be."""
+    return {"x": params["x"], "attempt": attempt}
 
-    sims = [SimSpec(sim_id=i, params={"x": float(i)}, argv=["/bin/true"], stream=False) for i in range(n)]
-    c = Campaign(run_dir=run_dir, site="local", max_concurrent=threads, retries=0, progress=False, sim_launch="")
+
+def _specs(n: int, bundle: int) -> list:
+    from hpcml.ensemble import SimSpec
+
+    if bundle:
+        return [SimSpec(sim_id=i, params={"x": float(i)}, entry="benchmarks.campaign_scale:member", stream=False)
+                for i in range(n)]
+    return [SimSpec(sim_id=i, params={"x": float(i)}, argv=["/bin/true"], stream=False) for i in range(n)]
+
+
+def _make(run_dir: Path, threads: int, bundle: int):
+    from hpcml.ensemble import Campaign
+
+    return Campaign(run_dir=run_dir, site="local", max_concurrent=threads, retries=0, progress=False, sim_launch="",
+                    bundle=max(1, bundle), env={"PYTHONPATH": str(ROOT)})
+
+
+def _ok_counts(run_dir: Path) -> dict[int, int]:
+    ok: dict[int, int] = {}
+    with open(run_dir / "provenance.jsonl") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("status") == "ok":
+                ok[rec["sim_id"]] = ok.get(rec["sim_id"], 0) + 1
+    return ok
+
+
+def _killed_run(n: int, threads: int, run_dir: Path, bundle: int) -> None:
+    """Child process: the same campaign, killed from outside at half way."""
+    _make(run_dir, threads, bundle).run(_specs(n, bundle))
+
+
+def _campaign(n: int, threads: int, run_dir: Path, bundle: int = 0, resume: bool = False) -> dict:
+    sims = _specs(n, bundle)
     cpu0, t0 = _usage()[0], time.perf_counter()
-    res = c.run(sims)
+    res = _make(run_dir, threads, bundle).run(sims)
     wall = time.perf_counter() - t0
     cpu, rss = _usage()
-    ok: dict[int, int] = {}
-    for line in (run_dir / "provenance.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("status") == "ok":
-            ok[rec["sim_id"]] = ok.get(rec["sim_id"], 0) + 1
+    ok = _ok_counts(run_dir)
     files = sum(len(f) for _, _, f in os.walk(run_dir))
     size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
-    return {"sims": n, "status": res.status, "wall_s": wall, "driver_cpu_ms_per_sim": 1e3 * (cpu - cpu0) / n,
-            "driver_rss_mib": rss, "files_per_sim": files / n, "record_bytes_per_sim": size / n,
-            "provenance_bytes_per_sim": (run_dir / "provenance.jsonl").stat().st_size / n,
-            "duplicates": sum(v > 1 for v in ok.values()), "missing": n - len(ok)}
+    out = {"sims": n, "status": res.status, "wall_s": wall, "driver_cpu_ms_per_sim": 1e3 * (cpu - cpu0) / n,
+           "driver_rss_mib": rss, "files_per_sim": files / n, "record_bytes_per_sim": size / n,
+           "provenance_bytes_per_sim": (run_dir / "provenance.jsonl").stat().st_size / n,
+           "duplicates": sum(v > 1 for v in ok.values()), "missing": n - len(ok)}
+    if resume:
+        out.update(_kill_and_resume(n, threads, run_dir.with_name("killed"), bundle, sims))
+    return out
+
+
+def _kill_and_resume(n: int, threads: int, run_dir: Path, bundle: int, sims: list) -> dict:
+    """The campaign again in a child process, SIGKILLed once half its members have ended; then
+    resumed here: how long the resume takes, and what ran twice or never."""
+    import signal
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.campaign_scale import _killed_run; "
+            f"from pathlib import Path; _killed_run({n}, {threads}, Path({str(run_dir)!r}), {bundle})")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             cwd=ROOT)
+    prov = run_dir / "provenance.jsonl"
+    while child.poll() is None:
+        if prov.exists() and len(_ok_counts(run_dir)) >= n // 2:
+            child.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    child.wait()
+    at_kill = len(_ok_counts(run_dir)) if prov.exists() else 0
+    time.sleep(3)  # the attempt wrappers see the driver gone within a second and end their tasks
+    t0 = time.perf_counter()
+    res = _make(run_dir, threads, bundle).run(sims, resume=True)
+    resume_s = time.perf_counter() - t0
+    ok = _ok_counts(run_dir)
+    return {"resume_s": resume_s, "resume_status": res.status, "ok_at_kill": at_kill,
+            "resume_skipped": len(res.skipped), "resume_duplicates": sum(v > 1 for v in ok.values()),
+            "resume_missing": n - len(ok)}
 
 
 def _bare_parsl(n: int, threads: int, run_dir: Path) -> dict:
@@ -82,35 +144,48 @@ def _bare_parsl(n: int, threads: int, run_dir: Path) -> dict:
             "parsl_failed": failed}
 
 
-def _one(kind: str, n: int, threads: int) -> dict:
+def _one(kind: str, n: int, threads: int, bundle: int = 0, resume: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpcml-scale-") as d:
-        return (_campaign if kind == "campaign" else _bare_parsl)(n, threads, Path(d) / "run")
+        if kind == "campaign":
+            return _campaign(n, threads, Path(d) / "run", bundle, resume)
+        return _bare_parsl(n if not bundle else -(-n // bundle), threads, Path(d) / "run")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sims", default="1000", help="one size, or several separated by commas")
     p.add_argument("--threads", type=int, default=8, help="simulations at once (max_concurrent)")
+    p.add_argument("--bundle", type=int, default=0, help="members a task, run in-process (SimSpec(entry=...)); "
+                                                         "0: one /bin/true launched per simulation")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="skip the kill at half way and the resume (measured for the largest size by default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     rows = []
-    for n in [int(x) for x in args.sims.split(",")]:
+    sizes = [int(x) for x in args.sims.split(",")]
+    for n in sizes:
         row = {}
         for kind in ("campaign", "parsl"):  # each in a fresh interpreter: its own peak memory, one parsl.load
             code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.campaign_scale import _one; "
-                    f"print(json.dumps(_one({kind!r}, {n}, {args.threads})))")
+                    f"print(json.dumps(_one({kind!r}, {n}, {args.threads}, {args.bundle}, "
+                    f"{args.resume and n == sizes[-1] and kind == 'campaign'})))")
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if out.returncode:
                 sys.exit(f"campaign_scale: the {kind} run of {n} failed: {out.stderr[-2000:]}")
             row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        row["bundle"] = args.bundle
         row["cpu_vs_parsl"] = row["driver_cpu_ms_per_sim"] / row["parsl_cpu_ms_per_task"]
         rows.append(row)
         print(json.dumps(row) if args.json else json.dumps(row, indent=1), flush=True)
     if len(rows) >= 3:
         a, b, c = rows[-3:]
-        print(json.dumps({"rss_growth_ratio": (c["driver_rss_mib"] - b["driver_rss_mib"])
-                          / max(1e-9, b["driver_rss_mib"] - a["driver_rss_mib"]), **rows[-1]}))
-    bad = [r["sims"] for r in rows if r["duplicates"] or r["missing"] or r["status"] != "ok"]
+        grow_bc = c["driver_rss_mib"] - b["driver_rss_mib"]
+        grow_ab = max(1e-9, b["driver_rss_mib"] - a["driver_rss_mib"])
+        per_sim = (grow_bc / (c["sims"] - b["sims"])) / (grow_ab / (b["sims"] - a["sims"]))
+        print(json.dumps({"rss_growth_ratio": grow_bc / grow_ab,  # absolute: 10 for memory linear in members
+                          "rss_growth_per_sim_ratio": per_sim, **rows[-1]}))
+    bad = [r["sims"] for r in rows if r["duplicates"] or r["missing"] or r["status"] != "ok"
+           or r.get("resume_duplicates") or r.get("resume_missing")]
     sys.exit(f"campaign_scale: duplicates or missing members at {bad}" if bad else 0)
 
 

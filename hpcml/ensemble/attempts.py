@@ -242,25 +242,29 @@ def _note_stderr(exc: BaseException, err: Path) -> None:
 def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
     """The provenance records of ``run_dir`` (of one simulation, or all), in the order written;
     a line cut by a crash while it was appended is skipped."""
+    return [rec for rec in iter_provenance(run_dir) if sim_id is None or rec.get("sim_id") == sim_id]
+
+
+def iter_provenance(run_dir: Path):
+    """The provenance records one at a time (a campaign of 10^5 members is not held at once)."""
     try:
-        text = (Path(run_dir) / PROVENANCE_FILE).read_text()
+        f = open(Path(run_dir) / PROVENANCE_FILE, errors="replace")
     except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and (sim_id is None or rec.get("sim_id") == sim_id):
-            out.append(rec)
-    return out
+        return
+    with f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
 
 
 def record_orphans(run_dir: Path) -> int:
     """Provenance records for the attempts that have none: their driver was killed while they
     ran (the wrapper ended them, ``driver_gone``, or was killed itself: ``lost``). How many."""
-    recorded = {(r.get("sim_id"), r.get("attempt")) for r in read_provenance(run_dir)}
+    recorded = {(r.get("sim_id"), r.get("attempt")) for r in iter_provenance(run_dir)}
     n = 0
     for d in sorted((Path(run_dir) / "sims").glob("sim_*")):
         try:
@@ -277,7 +281,13 @@ def record_orphans(run_dir: Path) -> int:
                     f.write(json.dumps(rec) + "\n")
                 n += 1
             k += 1
-    return n
+    from hpcml.ensemble.bundle import orphan_rows  # imports nothing of the driver's
+
+    rows = orphan_rows(Path(run_dir), recorded)
+    if rows:
+        with open(Path(run_dir) / PROVENANCE_FILE, "a") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+    return n + len(rows)
 
 
 def stream_record(directory: Path, k: int) -> int | None:
@@ -287,12 +297,23 @@ def stream_record(directory: Path, k: int) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
+def last_attempts(run_dir: Path) -> dict[int, int]:
+    """The highest attempt number each simulation has in ``run_dir``'s provenance (one pass)."""
+    out: dict[int, int] = {}
+    for rec in iter_provenance(run_dir):
+        sim, k = rec.get("sim_id"), rec.get("attempt")
+        if isinstance(sim, int) and isinstance(k, int):
+            out[sim] = max(out.get(sim, -1), k)
+    return out
+
+
 def completed_sims(run_dir: Path) -> dict[int, dict]:
-    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its latest record."""
+    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its latest
+    record's ``attempt`` and ``streamed`` (not the whole record: 10^5 of them add up)."""
     done: dict[int, dict] = {}
-    for rec in read_provenance(run_dir):
-        if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):
-            done[rec["sim_id"]] = rec  # the latest: a simulation run again in a later run counts as that run's
+    for rec in iter_provenance(run_dir):
+        if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):  # the latest counts: a later run's
+            done[rec["sim_id"]] = {"attempt": rec.get("attempt"), "streamed": rec.get("streamed")}
     return done
 
 

@@ -8,16 +8,17 @@ for each member::
     python -m hpcml.ensemble.bundle BUNDLE_DIR
 
 ``BUNDLE_DIR/bundle.json`` (written by the driver): ``{"entry": "pkg.module:function",
-"retries": R, "members": [{"sim_id": 7, "params": {...}}, ...]}``. The function is called
+"retries": R, "members": [{"sim_id": 7, "params": {...}, "first_attempt": 0}, ...]}``. The function is called
 as ``function(sim_id=..., params=..., attempt=...)`` and returns a JSON object (its result)
 or None; it may stream through ``Producer.from_campaign(comm=MPI.COMM_SELF, ...)``, which
 finds its simulation id, attempt and stream record in the environment as a launched
 simulation does. Each member keeps what a simulation of its own has:
 
-- **its id and attempts**: a member's attempt numbers are ``k x (R + 1) + r`` for the
-  bundle's attempt ``k`` (claimed by the attempt wrapper, ``HPCML_ATTEMPT``) and its own
-  retry ``r``, so they grow across retries of the member and of the bundle, as the
-  stream's exactly-once rules need;
+- **its id and attempts**: a member's attempt numbers are ``first + k x (R + 1) + r`` for
+  the first number the driver gives it (past its attempts of earlier runs), the bundle's
+  attempt ``k`` (claimed by the attempt wrapper, ``HPCML_ATTEMPT``) and its own retry
+  ``r``, so they grow across retries of the member and of the bundle and are never used
+  twice, as the stream's exactly-once rules need;
 - **its retries**: an exception is retried up to ``R`` times in-process, except a
   deterministic one (a ConfigError, or a final record its producer wrote): never retried;
 - **its record**: one JSON line per ended attempt in ``BUNDLE_DIR/members.jsonl`` (status
@@ -83,9 +84,38 @@ def read_records(bundle_dir: Path) -> list[dict]:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("sim_id"), int):
+        if (isinstance(rec, dict) and type(rec.get("sim_id")) is int and type(rec.get("attempt")) is int
+                and rec.get("status") in ("ok", "failed", "final")):  # others' writes are input: checked
             out.append(rec)
     return out
+
+
+def provenance_row(rec: dict, entry: str, launch: str, bundle_name: str) -> dict:
+    """A member attempt's record as the campaign's provenance line (the fields a launched
+    simulation's line has; ``status`` ok or failed, the cause in ``error``)."""
+    return {"sim_id": rec["sim_id"], "attempt": rec.get("attempt"), "params": rec.get("params"),
+            "status": "ok" if rec.get("status") == "ok" else "failed", "returncode": None, "signal": None,
+            "samples_sent": (rec.get("result") or {}).get("samples_sent") if isinstance(rec.get("result"), dict)
+            else None, "result": rec.get("result"), "streamed": rec.get("streamed"), "start": rec.get("start"),
+            "end": rec.get("end"), "duration_s": rec.get("duration_s"), "host": None, "launch": launch,
+            "argv": [f"entry:{entry}"], "error": rec.get("error"), "bundle": bundle_name}
+
+
+def orphan_rows(run_dir: Path, recorded: set) -> list[dict]:
+    """Provenance lines for member attempts that bundles of earlier runs recorded but no driver
+    folded in (it was killed while they ran): a resume then neither runs them again nor
+    reuses their attempt numbers."""
+    rows = []
+    for d in sorted((Path(run_dir) / "sims").glob("bundle_*")):
+        try:
+            entry = _read_spec(d)["entry"]
+        except ConfigError:
+            continue
+        for rec in read_records(d):
+            if (rec["sim_id"], rec.get("attempt")) not in recorded:
+                rows.append(provenance_row(rec, entry, "", d.name))
+                recorded.add((rec["sim_id"], rec.get("attempt")))
+    return rows
 
 
 def _read_spec(bundle_dir: Path) -> dict:
@@ -94,7 +124,7 @@ def _read_spec(bundle_dir: Path) -> dict:
         raise ConfigError(f"bundle {bundle_dir}: no {SPEC_FILE}")
     try:
         spec = json.loads(data)
-        members = [(int(m["sim_id"]), dict(m["params"])) for m in spec["members"]]
+        members = [(int(m["sim_id"]), dict(m["params"]), int(m.get("first_attempt", 0))) for m in spec["members"]]
         retries = int(spec.get("retries", 0))
         entry = str(spec["entry"])
     except (ValueError, KeyError, TypeError) as e:
@@ -110,15 +140,15 @@ def run_bundle(bundle_dir: str | os.PathLike, *, bundle_attempt: int = 0) -> dic
     fn = load_entry(spec["entry"])
     tries = spec["retries"] + 1
     ended = {r["sim_id"] for r in read_records(bundle_dir) if r.get("status") in ("ok", "final")}
-    counts = {"ok": 0, "failed": 0, "final": 0, "skipped": len({s for s, _ in spec["members"]} & ended)}
+    counts = {"ok": 0, "failed": 0, "final": 0, "skipped": len({m[0] for m in spec["members"]} & ended)}
     saved = {k: os.environ.get(k) for k in (ENV_SIM_ID, ENV_ATTEMPT, ENV_STREAM_RECORD)}
     with open(bundle_dir / RECORDS_FILE, "a") as log:
         try:
-            for sim_id, params in spec["members"]:
+            for sim_id, params, first in spec["members"]:
                 if sim_id in ended:
                     continue
                 for r in range(tries):
-                    rec = _attempt(fn, bundle_dir, sim_id, params, bundle_attempt * tries + r)
+                    rec = _attempt(fn, bundle_dir, sim_id, params, first + bundle_attempt * tries + r)
                     log.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
                     log.flush()
                     if rec["status"] != "failed":

@@ -64,6 +64,7 @@ def site_mismatch(site: Site, environ: Mapping[str, str] | None = None) -> str |
                 f"job's nodes")
     return None
 
+
 MODES = ("auto", "allocation", "pilot")
 
 
@@ -100,6 +101,10 @@ class Campaign:
     progress_every_s: float = 30.0
     """Seconds between progress lines when stderr is not a terminal."""
     poll_s: float = 0.2
+    bundle: int = 1
+    """Members of ``SimSpec(entry=...)`` run per task, in one process, one after another
+    (:mod:`hpcml.ensemble.bundle`): at 10^5 members a launch and six files each cost more
+    than the members. Simulations given as ``argv`` are launched one per task, as before."""
     mode: str = "auto"
     """``auto`` (inside a job of the site's scheduler: ``allocation``, else ``pilot``),
     ``allocation`` or ``pilot``."""
@@ -116,6 +121,8 @@ class Campaign:
         self.run_dir = Path(self.run_dir).resolve()
         if not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be an int >= 1, got {self.max_concurrent!r}")
+        if isinstance(self.bundle, bool) or not isinstance(self.bundle, int) or self.bundle < 1:
+            raise ConfigError(f"bundle must be an int >= 1 (members a task), got {self.bundle!r}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
         if self.sim_timeout_s is not None and not self.sim_timeout_s > 0:

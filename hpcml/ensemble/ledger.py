@@ -23,7 +23,8 @@ logger = get_logger(__name__)
 def streamed(run_dir: Path, sim_ids: Iterable[int]) -> dict[int, int | None]:
     """What each completed simulation streamed (its successful attempt's Producer count;
     None: it completed without a Producer)."""
-    done = attempts.completed_sims(run_dir)
+    sim_ids = list(sim_ids)
+    done = attempts.completed_sims(run_dir) if sim_ids else {}
     out: dict[int, int | None] = {}
     for sim in sim_ids:
         rec = done.get(sim)

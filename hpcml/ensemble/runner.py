@@ -126,6 +126,7 @@ class Run:
             if self.waves:  # the waves proposed by an earlier run of this campaign: the same simulations
                 self.sims += [self._sim(spec) for spec in self.waves.open(self.run_dir)]
             self.contract = self._contract()
+            self.pool.run_id = self.contract.run
             self._prepare()
             return self._go(t0, alloc is None, train_hosts, sim_hosts)
         finally:
@@ -244,9 +245,13 @@ class Run:
             skip = done & set(kept)
         else:
             skip = set()
+        last = attempts.last_attempts(self.run_dir) if self.resume else {}
         for s in self.sims:
-            rundir.record_spec(self.run_dir, s.spec)
-            s.first = attempts.next_attempt(s.dir)
+            if s.spec.entry is None:
+                rundir.record_spec(self.run_dir, s.spec)
+                s.first = attempts.next_attempt(s.dir)
+            else:  # a bundled member: no directory of its own; its attempts go on from the provenance's
+                s.first = last.get(s.spec.sim_id, -1) + 1
             if s.spec.sim_id in skip:
                 s.outcome, s.skipped = "completed", True
         if done:
@@ -276,7 +281,8 @@ class Run:
     def _rank_idle(self) -> bool:
         """A streaming trainer rank with no running simulation (:func:`~hpcml.ensemble.waves.rank_idle`)."""
         return self.streams and self.training is not None and rank_idle(
-            [s.spec.sim_id for s in self.pool.inflight.values() if s.streams], self.c.train_ranks(self.training))
+            [i for t in self.pool.inflight.values() if t.streams for i in getattr(t, "sim_ids", [t.spec.sim_id])],
+            self.c.train_ranks(self.training))
 
     def _sim(self, spec: SimSpec) -> Sim:
         return Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcml.contract import FINAL_SUFFIX, read_final_error
-from hpcml.ensemble import attempts
+from hpcml.ensemble import attempts, bundles
 from hpcml.errors import ConfigError
 from hpcml.ensemble.spec import SimSpec
 from hpcml.log import get_logger
@@ -60,7 +60,9 @@ class SimPool:
         self.c, self.run_dir, self.sims = campaign, run_dir, sims
         self.sims_dir = run_dir / "sims"
         self._check, self._stopping, self._show = check, stopping, show
-        self.inflight: dict[concurrent.futures.Future, Sim] = {}
+        self.inflight: dict[concurrent.futures.Future, Sim | bundles.BundleTask] = {}
+        self.run_id = "run"
+        """This run's id: names its bundles' directories."""
         self.on_complete: Callable[[Sim], None] = lambda s: None
 
     def run(self, pending: list[Sim], app, more: Callable[[], list[Sim] | None] | None = None) -> None:
@@ -82,6 +84,13 @@ class SimPool:
             while queue and len(self.inflight) < self.c.max_concurrent:
                 s = queue.popleft()
                 s.submitted, s.outcome = time.monotonic(), "running"
+                if s.spec.entry is not None:  # members run in-process, up to `bundle` of them a task
+                    members = [s]
+                    while queue and len(members) < self.c.bundle and queue[0].spec.entry == s.spec.entry:
+                        members.append(queue.popleft())
+                        members[-1].submitted, members[-1].outcome = s.submitted, "running"
+                    self._submit_bundle(members, app)
+                    continue
                 for old in s.dir.glob(f"attempt_*{FINAL_SUFFIX}"):  # an earlier run's: this one may have fixed it
                     old.unlink(missing_ok=True)
                 limit = math.ceil(self.c.sim_timeout_s) if self.c.sim_timeout_s else 0
@@ -96,7 +105,8 @@ class SimPool:
             for fut in done:
                 self.finish(self.inflight.pop(fut), fut)
             for s in self.inflight.values():
-                self.record(s, final=False)
+                if not isinstance(s, bundles.BundleTask):
+                    self.record(s, final=False)
             self._show()
 
     def cancel(self) -> None:
@@ -113,12 +123,25 @@ class SimPool:
             self.finish(self.inflight.pop(fut), fut, cancelled=True)
         for fut in not_done:
             s = self.inflight.pop(fut)
+            if isinstance(s, bundles.BundleTask):
+                bundles.settle(s, self.run_dir, self.c.sim_prefix(1), None)
+                continue
             self.record(s, final=True)
             s.outcome = "cancelled"
             logger.error("simulation %d did not stop within %.0f s of cancellation", s.spec.sim_id,
                          self.c.cancel_grace_s + 15)
 
-    def finish(self, s: Sim, fut: concurrent.futures.Future, *, cancelled: bool = False) -> None:
+    def _submit_bundle(self, members: list[Sim], app) -> None:
+        task = bundles.start(members, self.run_dir, self.run_id, self.c.retries,
+                             {s.spec.sim_id: s.first for s in members})
+        limit = math.ceil(self.c.sim_timeout_s * len(members)) if self.c.sim_timeout_s else 0
+        fut = app(str(task.dir), members[0].spec.sim_id, self.c.sim_prefix(1), bundles.argv(task), limit,
+                  math.ceil(self.c.cancel_grace_s), parsl_resource_specification=self.c.resource_spec(1))
+        self.inflight[fut] = task
+
+    def finish(self, s, fut: concurrent.futures.Future, *, cancelled: bool = False) -> None:
+        if isinstance(s, bundles.BundleTask):
+            return self._finish_bundle(s, fut, cancelled)
         s.finished = time.monotonic()
         exc = fut.exception()
         self.record(s, final=True, exc=exc, ok=exc is None)
@@ -135,6 +158,22 @@ class SimPool:
                                   f"retry or a resume would fail the same way): {s.final_error}")
             logger.warning("simulation %d failed after %d attempt(s): %s", s.spec.sim_id, len(s.recorded),
                            attempts.describe(exc))
+
+    def _finish_bundle(self, task: bundles.BundleTask, fut: concurrent.futures.Future, cancelled: bool) -> None:
+        exc = fut.exception()
+        bundles.settle(task, self.run_dir, self.c.sim_prefix(1), None if cancelled else exc)
+        for s in task.sims:
+            if s.outcome == "completed":
+                self.on_complete(s)
+        final = [s for s in task.sims if s.final_error is not None]
+        if final:  # every other member would fail the same way: stop here
+            s = final[0]
+            raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a retry or "
+                              f"a resume would fail the same way): {s.final_error}")
+        failed = [s.spec.sim_id for s in task.sims if s.outcome == "failed"]
+        if failed:
+            logger.warning("bundle %s: %d member(s) failed: %s%s", task.dir.name, len(failed), failed[:10],
+                           f" ({attempts.describe(exc)})" if exc is not None else "")
 
     def record(self, s: Sim, *, final: bool, exc: BaseException | None = None, ok: bool = False) -> None:
         spec = s.spec

@@ -17,7 +17,11 @@ class SimSpec:
 
     sim_id: int
     params: dict[str, float]
-    argv: list[str]
+    argv: list[str] = field(default_factory=list)
+    entry: str | None = None
+    """Instead of ``argv``: ``package.module:function``, called in-process as
+    ``function(sim_id=, params=, attempt=)`` by a bundle of members
+    (``Campaign(bundle=N)``, :mod:`hpcml.ensemble.bundle`); one rank."""
     ranks: int = 2
     stream: bool | None = None
     """Whether it streams to the campaign's training job. None: when the training job takes
@@ -32,7 +36,12 @@ class SimSpec:
             raise ConfigError(f"sim_id must be an int >= 0, got {self.sim_id!r}")
         if not isinstance(self.ranks, int) or self.ranks < 1:
             raise ConfigError(f"sim {self.sim_id}: ranks must be an int >= 1, got {self.ranks!r}")
-        if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
+        if self.entry is not None:
+            mod, _, fn = str(self.entry).partition(":")
+            if not isinstance(self.entry, str) or not mod or not fn.isidentifier() or self.argv:
+                raise ConfigError(f"sim {self.sim_id}: entry={self.entry!r}: expected 'package.module:function' and no "
+                                  f"argv (argv={self.argv!r})")
+        elif isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"sim {self.sim_id}: argv must be a non-empty list of strings, got {self.argv!r}")
         if not isinstance(self.params, Mapping):
             raise ConfigError(f"sim {self.sim_id}: params must be a dict, got {self.params!r}")
@@ -42,7 +51,9 @@ class SimSpec:
             raise ConfigError(f"sim {self.sim_id}: params must be finite JSON values ({e})") from None
 
     def command(self) -> list[str]:
-        """The full program argv (still without the MPI prefix)."""
+        """The full program argv (still without the MPI prefix); an entry's: the entry."""
+        if self.entry is not None:
+            return [f"entry:{self.entry}"]
         return [*self.argv, "--sim-id", str(self.sim_id), "--params-json", json.dumps(dict(self.params))]
 
 

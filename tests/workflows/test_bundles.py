@@ -1,0 +1,66 @@
+"""Issue 39, part 4: ``Campaign(bundle=N)`` runs members of ``SimSpec(entry=...)`` N to a task,
+in one process each, through real Parsl; every member keeps its id, attempts, retries and
+provenance line, and a deterministic error still ends the campaign at once."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+pytest.importorskip("parsl")
+
+from hpcml.ensemble import Campaign, SimSpec  # noqa: E402
+from hpcml.errors import ConfigError  # noqa: E402
+
+MEMBERS = textwrap.dedent('''
+    from hpcml.errors import ConfigError
+
+    def member(sim_id, params, attempt):
+        if sim_id == 7 and attempt == 0:
+            raise RuntimeError("a hiccup")  # its retry, in the same process, succeeds
+        if params.get("bad"):
+            raise ConfigError(f"params['bad']={params['bad']!r}: expected none")
+        return {"y": 2 * params["x"], "samples_sent": 0}
+''')
+
+
+def _campaign(tmp_path, run: str) -> Campaign:
+    (tmp_path / "my_members.py").write_text(MEMBERS)
+    return Campaign(run_dir=tmp_path / run, site="local", max_concurrent=2, retries=1, progress=False, sim_launch="",
+                    bundle=16, env={"PYTHONPATH": str(tmp_path)})
+
+
+def test_bundled_members_each_keep_their_attempts_and_provenance(tmp_path):
+    sims = [SimSpec(sim_id=i, params={"x": float(i)}, entry="my_members:member", stream=False) for i in range(40)]
+    res = _campaign(tmp_path, "run").run(sims)
+    assert (res.status, res.completed, res.failed) == ("ok", list(range(40)), [])
+    assert res.attempts == {i: 2 if i == 7 else 1 for i in range(40)} and res.retried == [7]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "provenance.jsonl").read_text().splitlines()]
+    assert sorted((r["sim_id"], r["attempt"], r["status"]) for r in rows) == sorted(
+        [(i, 0, "ok") for i in range(40) if i != 7] + [(7, 0, "failed"), (7, 1, "ok")])
+    assert {r["result"]["y"] for r in rows if r["status"] == "ok"} == {2.0 * i for i in range(40)}
+    sims_dir = tmp_path / "run" / "sims"
+    assert not list(sims_dir.glob("sim_*")) and len(list(sims_dir.glob("bundle_*"))) == 3  # 16 + 16 + 8
+    # resumed: nothing runs again
+    again = _campaign(tmp_path, "run").run(sims, resume=True)
+    assert again.status == "ok" and again.skipped == list(range(40))
+
+
+def test_a_bundled_members_deterministic_error_ends_the_campaign_naming_it(tmp_path):
+    sims = [SimSpec(sim_id=i, params={"x": float(i), **({"bad": 1} if i == 3 else {})}, entry="my_members:member",
+                    stream=False) for i in range(10)]
+    with pytest.raises(ConfigError, match=r"^simulation 3 failed on a deterministic error, not retried \(a retry or a "
+                                          r"resume would fail the same way\): ConfigError: params\['bad'\]=1: "
+                                          r"expected none$"):
+        _campaign(tmp_path, "bad").run(sims)
+    rows = [json.loads(x) for x in (tmp_path / "bad" / "provenance.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], r["status"]) for r in rows if r["sim_id"] == 3] == [(0, "failed")]  # not retried
+
+
+def test_an_entry_is_validated_in_one_line():
+    with pytest.raises(ConfigError, match=r"^sim 1: entry='nocolon': expected 'package.module:function' and no argv"):
+        SimSpec(sim_id=1, params={}, entry="nocolon")
+    with pytest.raises(ConfigError, match=r"^bundle must be an int >= 1 \(members a task\), got 0$"):
+        Campaign(run_dir="/tmp/x", site="local", bundle=0)
