@@ -65,7 +65,7 @@ def settle(task: BundleTask, run_dir: Path, launch: str, exc: BaseException | No
                 if r["attempt"] in s.recorded:
                     continue
                 row = bundle.provenance_row(r, s.spec.entry, launch, task.dir.name)
-                s.recorded[r["attempt"]] = {k: row[k] for k in ("status", "samples_sent", "duration_s")}  # slim
+                s.recorded[r["attempt"]] = {k: row[k] for k in ("status", "samples_sent", "duration_s", "streamed")}
                 f.write(json.dumps(row, default=str) + "\n")
             last = recs[-1] if recs else None
             s.finished = time.monotonic()

@@ -299,10 +299,15 @@ class Run:
     def _completed(self, s: Sim) -> None:
         """A streaming simulation that completed without streaming fails the campaign at once:
         the trainer would wait for its samples, and every other simulation would be wasted."""
-        if s.streams and not _stream_record_seen(s.dir, s.first + s.claimed - 1):
+        if s.spec.entry is not None:  # a bundled member: its record says what it streamed
+            seen = any(r.get("streamed") is not None for r in s.recorded.values() if r.get("status") == "ok")
+        else:
+            seen = _stream_record_seen(s.dir, s.first + s.claimed - 1)
+        if s.streams and not seen:
+            where = s.dir if s.spec.entry is None else self.prov_path
             self.error = (f"simulation {s.spec.sim_id} completed without streaming (no hpcml.stream.Producer of it "
                           f"was closed: run without its stream option, or without producer.close()?), but the training "
-                          f"job takes its stream; SimSpec(stream=False) if it writes files instead (see {s.dir})")
+                          f"job takes its stream; SimSpec(stream=False) if it writes files instead (see {where})")
             raise LaunchError(self.error)
 
     def _write_done(self) -> None:

@@ -1,4 +1,4 @@
-"""The streaming data path: simulations send their output over ZeroMQ straight into the
+"""The streaming data path: simulations send their output over TCP straight into the
 training job's buffers -- authenticated, validated, assembled, ingested exactly once.
 
 The producer side (:mod:`hpcml.stream.producer`, :mod:`hpcml.stream.message`,

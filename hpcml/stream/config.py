@@ -46,8 +46,8 @@ class ServerConfig:
     never finish cannot grow memory."""
     max_peer_bytes: int | None = None
     """Budget of one producer connection, in bytes: at most this much of incomplete samples its
-    blocks opened (past it such a block is dropped: ``peer_budget``); what it leaves beside one
-    message sizes ZeroMQ's read-ahead. None: ``hwm`` largest valid messages. Whatever a
+    blocks opened (past it such a block is dropped: ``peer_budget``); on the zmtp wire it sizes
+    ZeroMQ's queue. None: ``hwm`` largest valid messages. Whatever a
     connection sends, it holds at most ``limits.queued_bytes`` before decoding
     (:mod:`hpcml.stream.budget`)."""
     transport: str = "framed"

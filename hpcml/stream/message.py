@@ -1,6 +1,7 @@
 """The wire format of streamed simulation data: JSON header + raw arrays + HMAC, never pickle.
 
-A message is a ZeroMQ multipart message::
+A message is a list of frames (one framed message on the wire, :mod:`hpcml.stream.framing`;
+one multipart message on the zmtp wire)::
 
     [b"hpcml-stream/2", header (UTF-8 JSON), payload_0, ..., payload_{k-1}, mac (16 bytes)]
 

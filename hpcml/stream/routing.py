@@ -9,7 +9,7 @@ fails: a rank without a sample). When the trainer count changes most simulations
 a restore reads every saved rank's state anyway, so nothing is lost or taken twice.
 
 Rendezvous between a training job and simulations launched separately: the trainer
-writes ``endpoints.json`` (one ZeroMQ address per data-parallel rank, with the campaign
+writes ``endpoints.json`` (one stream address per data-parallel rank, with the campaign
 and run, written atomically: :func:`hpcml.contract.write_endpoints`); the campaign's
 contract (:mod:`hpcml.contract`) names it and the secret file for every simulation. The
 secret is 32 random bytes in a file readable by its owner only.

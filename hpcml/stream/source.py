@@ -1,7 +1,7 @@
 """What a training loop needs of a sample source, and the state every source saves.
 
 A source fills a :class:`~hpcml.stream.buffer.Buffer` from a thread: the
-:class:`~hpcml.stream.server.StreamServer` from simulations over ZeroMQ, the
+:class:`~hpcml.stream.server.StreamServer` from simulations over TCP, the
 :class:`~hpcml.stream.files.FileSource` from HDF5 files, or a user's own. Its state is
 plain named arrays (buffer contents, the ``(sim, step)`` keys already taken, JSON meta as
 uint8), so it goes into a checkpoint beside the model and a restart ingests nothing twice.

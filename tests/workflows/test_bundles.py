@@ -5,14 +5,17 @@ provenance line, and a deterministic error still ends the campaign at once."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("parsl")
 
-from hpcml.ensemble import Campaign, SimSpec  # noqa: E402
+from hpcml.ensemble import Campaign, SimSpec, TrainingJob  # noqa: E402
 from hpcml.errors import ConfigError  # noqa: E402
+from hpcml.stream import new_secret  # noqa: E402
 
 MEMBERS = textwrap.dedent('''
     from hpcml.errors import ConfigError
@@ -64,3 +67,44 @@ def test_an_entry_is_validated_in_one_line():
         SimSpec(sim_id=1, params={}, entry="nocolon")
     with pytest.raises(ConfigError, match=r"^bundle must be an int >= 1 \(members a task\), got 0$"):
         Campaign(run_dir="/tmp/x", site="local", bundle=0)
+
+
+STREAMING = textwrap.dedent('''
+    import numpy as np
+    from mpi4py import MPI
+    from hpcml.stream import Producer
+
+    def member(sim_id, params, attempt):
+        """A member that streams three outputs of a 64-point field, as a 1-rank simulation would."""
+        out = Producer.from_campaign(comm=MPI.COMM_SELF, params=params, global_shape=(64,), offset=(0,),
+                                     local_shape=(64,), fields=("u",), sim_id=sim_id, attempt=attempt)
+        x = np.arange(64) / 64
+        for k in range(3):
+            out.send(10 * k, 0.01 * k, {"u": params["amp"] * np.sin(2 * np.pi * x) * np.exp(-params["nu"] * k)})
+        out.close()
+        return {"samples_sent": 3}
+''')
+
+
+@pytest.mark.timeout(180)
+def test_bundled_members_stream_into_a_trainer_every_sample_once(tmp_path):
+    (tmp_path / "streaming_members.py").write_text(STREAMING)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    new_secret(run_dir / "stream.key")
+    env = {"PYTHONPATH": str(tmp_path), "HPCML_STREAM_ENDPOINTS_FILE": str(run_dir / "endpoints.json"),
+           "HPCML_STREAM_SECRET_FILE": str(run_dir / "stream.key")}
+    train = str(Path(__file__).resolve().parent / "own_sim" / "train_burgers.py")
+    sims = [SimSpec(sim_id=i, params={"nu": 0.01 + 0.005 * i, "amp": 0.5 + 0.05 * i}, entry="streaming_members:member")
+            for i in range(8)]
+    campaign = Campaign(run_dir=run_dir, site="local", max_concurrent=2, retries=1, progress=False, sim_launch="",
+                        bundle=4, env=env)
+    res = campaign.run(sims, training=TrainingJob(argv=[sys.executable, train, "--nx", "64", "--t-max", "0.05",
+                                                        "--steps", "20"], ranks=1),
+                       ready_file=run_dir / "endpoints.json", ready_timeout_s=120, train_timeout_s=120)
+    assert (res.status, res.completed, res.training_returncode) == ("ok", list(range(8)), 0)
+    s = json.loads((run_dir / "train_summary.json").read_text())
+    assert (s["samples_expected"], s["samples_ingested"], s["samples_missing"], s["duplicate_samples"]) == \
+        (24, 24, 0, 0), s
+    rows = [json.loads(x) for x in (run_dir / "provenance.jsonl").read_text().splitlines()]
+    assert sorted((r["sim_id"], r["streamed"]) for r in rows) == [(i, 3) for i in range(8)]
