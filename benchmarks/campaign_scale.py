@@ -41,6 +41,58 @@ def member(sim_id: int, params: dict, attempt: int) -> dict:
     return {"x": params["x"], "attempt": attempt}
 
 
+GRID = 16  # a streaming member's field: 16 float32 points
+
+TRAINER = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
+from hpcml.train import FieldScales, train_surrogate
+n = int(sys.argv[1])
+model = MLPSurrogate(MLPSurrogateConfig(n_params=1, shape=({GRID},), hidden=32, depth=2))
+scales = FieldScales(param_lo=(0.0,), param_hi=(float(n),), t_max=1.0, field_offset=0.0, field_scale=1.0)
+sys.exit(train_surrogate(model, params=("x",), fields=("u",), scales=scales, shape=({GRID},)))
+"""
+
+
+def stream_member(sim_id: int, params: dict, attempt: int) -> dict:
+    """A bundled member that streams one sample into the campaign's trainer."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcml.stream import Producer
+
+    out = Producer.from_campaign(comm=MPI.COMM_SELF, params=params, global_shape=(GRID,), offset=(0,),
+                                 local_shape=(GRID,), fields=("u",), sim_id=sim_id, attempt=attempt)
+    out.send(0, 0.0, {"u": np.full(GRID, params["x"], np.float32)})
+    out.close()
+    return {"samples_sent": 1}
+
+
+def _on_site(n: int, site: str, bundle: int, threads: int, run_dir: Path) -> dict:
+    """Every member streams one sample into a 2-rank trainer, through the site's scheduler."""
+    from hpcml.ensemble import Campaign, SimSpec, TrainingJob
+
+    sims = [SimSpec(sim_id=i, params={"x": float(i)}, entry="benchmarks.campaign_scale:stream_member")
+            for i in range(n)]
+    training = TrainingJob(argv=[sys.executable, "-c", TRAINER, str(n)], ranks=2, steps=100, batch=8, stream=True,
+                           env={"PYTHONPATH": str(ROOT)})
+    c = Campaign(run_dir=run_dir, site=site, site_options={"nodes": 1, "walltime": "00:20:00"}, bundle=bundle,
+                 max_concurrent=threads, retries=1, progress=False, env={"PYTHONPATH": str(ROOT)})
+    cpu0, t0 = _usage()[0], time.perf_counter()
+    res = c.run(sims, training=training, train_timeout_s=900)
+    wall = time.perf_counter() - t0
+    cpu, rss = _usage()
+    ok = _ok_counts(run_dir)
+    s = json.loads((run_dir / "train_summary.json").read_text())
+    return {"sims": n, "site": site, "bundle": bundle, "status": res.status, "wall_s": wall,
+            "driver_cpu_ms_per_sim": 1e3 * (cpu - cpu0) / n, "driver_rss_mib": rss,
+            "duplicates": sum(v > 1 for v in ok.values()), "missing": n - len(ok),
+            "samples_expected": s["samples_expected"], "samples_ingested": s["samples_ingested"],
+            "samples_missing": s["samples_missing"], "duplicate_samples": s["duplicate_samples"],
+            "gradient_steps": s["gradient_steps"], "training_returncode": res.training_returncode}
+
+
 def _specs(n: int, bundle: int) -> list:
     from hpcml.ensemble import SimSpec
 
@@ -159,8 +211,19 @@ def main() -> None:
                                                          "0: one /bin/true launched per simulation")
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="skip the kill at half way and the resume (measured for the largest size by default)")
+    p.add_argument("--site", help="a scheduler's site (slurm-local): bundled members stream one sample each into "
+                                  "a 2-rank trainer, through its scheduler (one size, --bundle >= 1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.site:
+        n = int(args.sims.split(",")[-1])
+        with tempfile.TemporaryDirectory(prefix="hpcml-scale-", dir=str(ROOT / "runs") if (ROOT / "runs").is_dir()
+                                         else None) as d:
+            row = _on_site(n, args.site, max(1, args.bundle), args.threads, Path(d) / "run")
+        print(json.dumps(row) if args.json else json.dumps(row, indent=1))
+        bad = row["duplicates"] or row["missing"] or row["samples_missing"] or row["duplicate_samples"] or \
+            row["status"] != "ok" or row["samples_ingested"] != n
+        sys.exit("campaign_scale: a member or a sample missing or twice" if bad else 0)
     rows = []
     sizes = [int(x) for x in args.sims.split(",")]
     for n in sizes:

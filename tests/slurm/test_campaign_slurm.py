@@ -144,3 +144,17 @@ def test_adaptive_campaign_split_by_the_walltime_warning(tmp_path):
         assert sum(r["status"] == "ok" for r in mine) == 1, mine
     assert any(r["status"] == "cancelled" for r in recs)  # the warning stopped a running one
     assert json.loads((run_dir / "campaign_id.json").read_text())["simulations"]["count"] == SIMS + 1
+
+
+def test_bundled_members_stream_through_the_scheduler_every_sample_once(tmp_path):
+    """Issue 39, part 6 scaled down (the benchmark runs 10,000): members bundled 100 to a task
+    through the site's Parsl executor on the Slurm nodes, each streaming one sample into a
+    2-rank trainer: every member once, every sample once."""
+    out = subprocess.run([PY, str(ROOT / "benchmarks" / "campaign_scale.py"), "--json", "--site", "slurm-local",
+                          "--sims", "300", "--bundle", "100", "--threads", "3"], capture_output=True, text=True,
+                         env=ENV, cwd=ROOT, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (row["status"], row["duplicates"], row["missing"], row["training_returncode"]) == ("ok", 0, 0, 0), row
+    assert (row["samples_expected"], row["samples_ingested"], row["samples_missing"], row["duplicate_samples"]) == \
+        (300, 300, 0, 0), row
