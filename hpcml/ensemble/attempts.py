@@ -21,7 +21,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpcml.contract import CONFIG_ERROR, read_final_error
+from hpcml.contract import CONFIG_ERROR
+from hpcml.outcome import read_final_error
 
 RESULT_MARKER = "HPCML_SIM_RESULT"
 """Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""

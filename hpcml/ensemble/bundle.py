@@ -42,7 +42,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD, FINAL_SUFFIX, read_bytes
+from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD, read_bytes
+from hpcml.outcome import FINAL_SUFFIX
 from hpcml.errors import ConfigError
 
 SPEC_FILE = "bundle.json"

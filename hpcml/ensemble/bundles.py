@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcml.ensemble import attempts, bundle
@@ -22,7 +22,6 @@ class BundleTask:
 
     sims: list
     dir: Path
-    submitted: float = field(default_factory=time.monotonic)
 
     @property
     def sim_ids(self) -> list[int]:

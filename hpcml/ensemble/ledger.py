@@ -9,6 +9,7 @@ trainer's accounting (``train_summary.json``) is over its checkpointed state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +35,20 @@ def streamed(run_dir: Path, sim_ids: Iterable[int]) -> dict[int, int | None]:
                 n = attempts.stream_record(attempts.sim_dir(run_dir, sim), rec["attempt"])
             out[sim] = n
     return out
+
+
+def streamed_anything(s, wait_s: float = 5.0) -> bool:
+    """Whether the completed simulation ``s`` (a pool's Sim) closed a Producer: a bundled
+    member's record says so; a launched one's attempt left its stream record (waited for a
+    little: a shared file system shows another node's new file late)."""
+    if s.spec.entry is not None:
+        return any(r.get("streamed") is not None for r in s.recorded.values() if r.get("status") == "ok")
+    deadline = time.monotonic() + wait_s
+    while attempts.stream_record(s.dir, s.first + s.claimed - 1) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
 
 
 def done_record(contract: Contract, completed: list[int], failed: list[int], streaming: set[int]) -> DoneRecord:

@@ -299,11 +299,7 @@ class Run:
     def _completed(self, s: Sim) -> None:
         """A streaming simulation that completed without streaming fails the campaign at once:
         the trainer would wait for its samples, and every other simulation would be wasted."""
-        if s.spec.entry is not None:  # a bundled member: its record says what it streamed
-            seen = any(r.get("streamed") is not None for r in s.recorded.values() if r.get("status") == "ok")
-        else:
-            seen = _stream_record_seen(s.dir, s.first + s.claimed - 1)
-        if s.streams and not seen:
+        if s.streams and not ledger.streamed_anything(s):
             where = s.dir if s.spec.entry is None else self.prov_path
             self.error = (f"simulation {s.spec.sim_id} completed without streaming (no hpcml.stream.Producer of it "
                           f"was closed: run without its stream option, or without producer.close()?), but the training "
@@ -398,17 +394,6 @@ class Run:
                  cumulative={"sims_completed": sorted(attempts.completed_sims(self.run_dir)),
                              "samples": self.samples})  # every run of the campaign, not only this one
         return d
-
-
-def _stream_record_seen(directory: Path, k: int, wait_s: float = 5.0) -> bool:
-    """Whether attempt ``k`` left its Producer's record, waiting a little for a shared file
-    system that shows another node's new file late."""
-    deadline = time.monotonic() + wait_s
-    while attempts.stream_record(directory, k) is None:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
-    return True
 
 
 def _refuse_loaded_parsl() -> None:

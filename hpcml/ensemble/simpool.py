@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcml.contract import FINAL_SUFFIX, read_final_error
+from hpcml.outcome import FINAL_SUFFIX, read_final_error
 from hpcml.ensemble import attempts, bundles
 from hpcml.errors import ConfigError
 from hpcml.ensemble.spec import SimSpec

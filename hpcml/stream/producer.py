@@ -32,8 +32,8 @@ import numpy as np
 import zmq
 
 from hpcml import log
-from hpcml.contract import (ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints, write_final_error,
-                            write_stream_record)
+from hpcml.contract import ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints
+from hpcml.outcome import write_final_error, write_stream_record
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.stream import framing, message, routing, sender, zmtp
 from hpcml.stream.handshake import HandshakeError

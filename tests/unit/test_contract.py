@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hpcml import lifeline
-from hpcml.contract import (Contract, DoneRecord, read_done, read_endpoints, read_json, write_done, write_endpoints,
-                            write_stream_record)
+from hpcml.contract import Contract, DoneRecord, read_done, read_endpoints, read_json, write_done, write_endpoints
+from hpcml.outcome import write_stream_record
 from hpcml.errors import ConfigError, LaunchError
 
 

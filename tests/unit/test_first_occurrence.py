@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hpcml.contract import read_final_error, write_final_error
+from hpcml.outcome import read_final_error, write_final_error
 from hpcml.ensemble.attempts import hpcml_sim
 from hpcml.ensemble.campaign import site_mismatch
 from hpcml.ensemble.site import load_site

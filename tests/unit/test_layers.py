@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2] / "hpcml"
 LAYERS = [
     ["errors", "stop", "lazy"],
     ["env", "net", "contract"],
-    ["log", "info"],
+    ["log", "info", "outcome"],
     ["grid", "stream", "lifeline"],
     ["parallel", "ckpt"],
     ["models"],
