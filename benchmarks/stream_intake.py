@@ -3,10 +3,10 @@
     python benchmarks/stream_intake.py --json                  # 1 MiB messages, then both workflows
     python benchmarks/stream_intake.py --json --nx 1024 --no-workflow
 
-Intake: one producer process (a simulation rank: hpcml.stream.Producer, GMAC, one copy per message) sends
+Intake: one producer process (a simulation rank: hpcml.stream.Producer, one copy per message) sends
 ``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
-thread (GMAC check, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
-trainer would. Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between
+thread (challenge per connection, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
+trainer would; ``stream_sealed`` is the same with ``integrity="message"`` (a GMAC on every message, both sides). Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between
 the same two processes, nothing else. Limit: loopback TCP of the same bytes (``sendall`` of
 each message, ``recv_into`` one buffer allocated once: ``tcp_limit_mb_s``). File path: the same samples written to one HDF5
 file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
@@ -38,6 +38,8 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
     """Child process: send n messages (raw zmq or hpcml Producer)."""
     import zmq
 
+    from hpcml.stream import Producer, read_secret  # imported before the clock starts, as zmq is
+
     field = np.random.default_rng(0).random((nx, ny), dtype=np.float32)
     cpu0 = time.process_time()  # the sending alone (every thread of this process), not the start-up
     if kind == "tcp":
@@ -61,10 +63,6 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
         ctx.term()  # before `field` is freed: zero-copy frames are still being sent
         print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
         return
-    from hpcml.stream import Producer, message, read_secret
-
-    if kind == "hpcml-nomac":  # diagnostic only: the same pipeline with no authentication
-        message.mac = lambda secret, frames: bytes(message.MAC_BYTES)
     p = Producer(endpoint=endpoint, secret=read_secret(key_file), campaign="bench", sim_id=0, attempt=0, rank=0,
                  nranks=1, params={"a": 1.0}, global_shape=(nx, ny), offset=(0, 0), local_shape=(nx, ny), copy=False)
     for i in range(n):  # as a kernel does: a fresh float32 copy of its state per output
@@ -143,18 +141,15 @@ def tcp_limit(args, key_file) -> tuple[float, dict]:
 def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dict, dict]:
     import threading
 
-    from hpcml.stream import Buffer, BufferConfig, message, read_secret
+    from hpcml.stream import Buffer, BufferConfig, read_secret
     from hpcml.stream.server import ServerConfig, StreamServer
-
-    mac = message.mac
-    if kind == "hpcml-nomac":  # diagnostic only, as in the producer
-        message.mac = lambda secret, frames: bytes(message.MAC_BYTES)
-    cpu0 = time.process_time()
 
     buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
     srv = StreamServer(campaign="bench", secret=read_secret(key_file), rank=0, n_trainers=1, buffer=buf,
                        config=ServerConfig(param_names=("a",), field_names=("T",),
-                                           transport="zmtp" if kind == "hpcml-zmtp" else "framed")).start()
+                                           transport="zmtp" if kind == "hpcml-zmtp" else "framed",
+                                           integrity="message" if kind == "hpcml-sealed" else "connection")).start()
+    cpu0 = time.process_time()  # from a listening server to the last sample taken, as for raw ZeroMQ
     got = []
 
     def consume():  # as a trainer: batches of 8
@@ -166,11 +161,10 @@ def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dic
     th.start()
     proc = spawn(kind, srv.endpoint, args, key_file)
     th.join()
-    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages}
+    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
+           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
     stats = srv.stats()
     srv.stop()
-    cpu["receiver_ms"] = (time.process_time() - cpu0) * 1e3 / args.messages
-    message.mac = mac
     msg = args.nx * args.ny * 4
     dt = got[-1] - srv.t_first  # first arrival to the last sample in a trainer's hands, as for raw ZeroMQ
     return msg * (len(got) - 1) / 1e6 / dt, (len(got) - 1) / dt, stats, cpu
@@ -240,18 +234,18 @@ def main() -> None:
         tmp = Path(d)
         key = str(tmp / "k")
         new_secret(key)
-        raws, runs, nomac, zmtp, tcps = [], [], [], [], []
+        raws, runs, sealed, zmtp, tcps = [], [], [], [], []
         for _ in range(args.repeat):  # in turns: each sees the same load on the 2 cores
             tcps.append(tcp_limit(args, key))
             raws.append(raw_zmq(args, key))
             runs.append(hpcml_stream(args, key))
-            nomac.append(hpcml_stream(args, key, "hpcml-nomac"))
+            sealed.append(hpcml_stream(args, key, "hpcml-sealed"))
             zmtp.append(hpcml_stream(args, key, "hpcml-zmtp"))
         raw = max(r[0] for r in raws)
         mb, sps, stats, _ = max(runs, key=lambda r: r[0])
         paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
         cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in ("sender_ms", "receiver_ms")}
-               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_no_mac", nomac),
+               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_sealed", sealed),
                                 ("stream_zmtp", zmtp), ("tcp_limit", tcps))}
         mib = args.nx * args.ny * 4 / 2**20
         cpu_mib = {name: {side.replace("_ms", "_ms_per_mib"): v / mib for side, v in c.items()}
@@ -263,14 +257,16 @@ def main() -> None:
                "file_path_mb_s": fmb, "tcp_limit_mb_s_runs": [r[0] for r in tcps],
                "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
                "stream_mb_s_runs": [r[0] for r in runs], "zmq_raw_mb_s_runs": [r[0] for r in raws],
-               "stream_no_mac_mb_s_runs": [r[0] for r in nomac], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
+               "stream_sealed_mb_s_runs": [r[0] for r in sealed], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
                "cpu_per_message_ms": cpu, "cpu_per_mib_ms": cpu_mib,
                "receiver_cpu_per_mib_vs_raw_zmq": cpu["stream"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
                "cpu_bound_ratio": sum(cpu["raw_zmq"].values()) / sum(cpu["stream"].values()),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
                           "stream_vs_tcp_limit": mb / tcp, "zmq_raw_vs_tcp_limit": raw / tcp,
                           "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
-                          "no_mac_vs_raw_zmq": max(r[0] for r in nomac) / raw,
+                          "sealed_vs_raw_zmq": max(r[0] for r in sealed) / raw,
+                          "sealed_vs_raw_zmq_paired_median": sorted(z[0] / w[0] for z, w in zip(sealed, raws))[
+                              len(raws) // 2],
                           "zmtp_vs_raw_zmq": max(r[0] for r in zmtp) / raw,
                           "zmtp_vs_raw_zmq_paired_median": sorted(z[0] / w[0] for z, w in zip(zmtp, raws))[
                               len(raws) // 2]}}

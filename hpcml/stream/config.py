@@ -55,6 +55,13 @@ class ServerConfig:
     byte a connection makes the server hold bounded, whatever it sends) or ``"zmtp"`` (ZeroMQ's
     own messages, PUSH -> PULL: a peer holding the campaign secret can make the server hold any
     amount: for trusted simulations only, :mod:`hpcml.stream.zmtp`)."""
+    integrity: str = "connection"
+    """What the framed wire authenticates: ``"connection"`` (each connection answers a fresh
+    challenge under the campaign secret, and what then arrives on it is its producer's: TCP
+    carries it, as PostgreSQL's SCRAM or Redis's AUTH leave it) or ``"message"`` (each message
+    also carries a GMAC tag over every byte, so a host on the path that rewrites TCP segments is
+    caught too; costs ~0.1-0.2 ms of CPU per MiB on each side, docs/streaming.md). The zmtp
+    wire seals every message whatever this says."""
     partial_timeout_s: float = 600.0
     """An incomplete sample no block has reached for this long is evicted (``partial_evicted``)."""
     end_grace_s: float = 30.0
@@ -77,6 +84,9 @@ class ServerConfig:
                               f"{self.max_partial_bytes}: one incomplete sample must fit the bound")
         if self.transport not in ("framed", "zmtp"):
             raise ConfigError(f"ServerConfig.transport={self.transport!r}: expected 'framed' or 'zmtp'")
+        if self.integrity not in ("connection", "message"):
+            raise ConfigError(f"ServerConfig.integrity={self.integrity!r}: expected 'connection' (a challenge per "
+                              f"connection) or 'message' (a MAC on every message too)")
         if not self.partial_timeout_s > 0:
             raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
         for name in ("max_peer_bytes", "max_held_bytes"):
@@ -98,5 +108,6 @@ def handshake_info(campaign: str, run: str, rank: int, config: ServerConfig) -> 
     """What a producer learns of this trainer rank at the handshake, to refuse at its first
     ``send`` what the trainer would drop (:meth:`hpcml.stream.Producer.send`)."""
     return json.dumps({"campaign": campaign, "run": run or "", "rank": rank, "fields": list(config.field_names),
-                       "params": list(config.param_names), "shape": list(config.shape) if config.shape else None},
+                       "params": list(config.param_names), "shape": list(config.shape) if config.shape else None,
+                       "integrity": config.integrity},
                       separators=(",", ":")).encode()

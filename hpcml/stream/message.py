@@ -5,6 +5,10 @@ one multipart message on the zmtp wire)::
 
     [b"hpcml-stream/2", header (UTF-8 JSON), payload_0, ..., payload_{k-1}, mac (16 bytes)]
 
+The ``mac`` frame may be left out on a connection whose peer answered the framed wire's
+challenge (``ServerConfig(integrity="connection")``, the default: :func:`decode` with
+``authenticated=True``); one that is there is checked all the same.
+
 ``mac`` is a GMAC tag (AES-256-GCM over authenticated data only, 16 bytes) over the frame
 count and every frame's length, then every frame before it, so frames cannot be moved
 between messages or re-split. Its one-time key is HMAC-SHA256(secret, header), and every
@@ -15,7 +19,7 @@ ChaCha20-Poly1305, with HMAC as the key derivation and GMAC as the one-time MAC.
 HMAC-SHA256 at ~1.8 GB/s: authentication stays far below the cost of moving the bytes. Payloads
 are the C-order bytes of one field of one rank's subdomain, dtype float32 or float64 as
 the header says; fields have 1 to ``MAX_DIMS`` dimensions (1-D, 2-D and 3-D solvers). A
-receiver checks the MAC first and then every number in the header against the payload
+receiver checks the MAC first (where it is required) and then every number in the header against the payload
 sizes before it touches the arrays: anything malformed or unauthenticated raises
 :class:`MessageError`, which the server counts and drops.
 
@@ -100,10 +104,10 @@ def box_problem(global_shape, offset, shape, shape_name: str = "shape") -> str |
     return None
 
 
-def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = ()) -> list:
+def encode(secret: bytes, header: dict, payloads: list[np.ndarray] = (), *, sealed: bool = True) -> list:
     """Frames of one message (a fresh nonce goes into the header). Payloads are passed as buffers, not copied.
     A header the receiver would refuse for its size is a ConfigError here, at the sender."""
-    return seal(secret, header_text(header), payloads)
+    return seal(secret, header_text(header), payloads, sealed=sealed)
 
 
 def header_text(header: dict) -> bytes:
@@ -116,12 +120,14 @@ def nonce() -> str:
     return os.urandom(16).hex()
 
 
-def seal(secret: bytes, text: bytes, payloads=()) -> list:
+def seal(secret: bytes, text: bytes, payloads=(), *, sealed: bool = True) -> list:
     """Frames of one message whose header is already JSON text (with its nonce): the
-    Producer serialises the parts of its header that never change once."""
+    Producer serialises the parts of its header that never change once. ``sealed=False``:
+    no MAC frame, for a connection that proved the secret (``decode(authenticated=True)``)."""
     check_header(text)
     frames = [MAGIC, text] + [memoryview(np.ascontiguousarray(p)).cast("B") for p in payloads]
-    frames.append(mac(secret, frames))
+    if sealed:
+        frames.append(mac(secret, frames))
     return frames
 
 
@@ -177,39 +183,106 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+_JSON = json.JSONDecoder(parse_constant=_no_constant)
+"""One decoder for every header (``json.loads`` with an option builds one a call)."""
+
+
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def decode(secret: bytes, frames: list, campaign: str, run: str | None = None) -> Message:
+def decode(secret: bytes, frames: list, campaign: str, run: str | None = None, *,
+           authenticated: bool = False) -> Message:
     """Authenticate and validate ``frames`` (bytes or zmq Frames) of ``campaign`` (and, given,
     ``run``: a message that names another run is refused): a :class:`Message`, or
-    :class:`MessageError` -- never another exception, whatever the input."""
+    :class:`MessageError` -- never another exception, whatever the input.
+
+    ``authenticated``: the frames came over a connection whose peer proved the secret (the
+    framed wire's challenge, :mod:`hpcml.stream.handshake`), so a message may come without a
+    MAC frame (:func:`seal` with ``sealed=False``); one that has a MAC frame is checked all the
+    same. Otherwise the MAC frame is required and checked before anything else is parsed."""
     try:
-        return _decode(secret, frames, campaign, run)
+        return _decode(secret, frames, campaign, run, authenticated)
     except MessageError:
         raise
     except Exception as e:  # a check this module missed: still a drop with a reason, never a dead server
         raise MessageError("bad_header", f"{type(e).__name__}: {_short(str(e))}") from None
 
 
-def _decode(secret: bytes, frames: list, campaign: str, run: str | None) -> Message:
-    raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
-    _need(3 <= len(raw) <= MAX_FRAMES, "malformed", lambda: f"{len(raw)} frames, expected 3 to {MAX_FRAMES}")
-    _need(raw[0] == MAGIC, "malformed", "wrong magic")
+def _check_mac(secret: bytes, raw: list) -> None:
     _need(memoryview(raw[-1]).nbytes == MAC_BYTES, "malformed", "no MAC frame")
-    _need(memoryview(raw[1]).nbytes <= MAX_HEADER_BYTES, "malformed", "header too large")
     _need(hmac.compare_digest(mac(secret, raw[:-1]), bytes(raw[-1])), "unauthenticated", "MAC mismatch")
+
+
+def _decode(secret: bytes, frames: list, campaign: str, run: str | None, authenticated: bool) -> Message:
+    raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+    lo = 2 if authenticated else 3
+    _need(lo <= len(raw) <= MAX_FRAMES, "malformed", lambda: f"{len(raw)} frames, expected {lo} to {MAX_FRAMES}")
+    _need(raw[0] == MAGIC, "malformed", "wrong magic")
+    _need(memoryview(raw[1]).nbytes <= MAX_HEADER_BYTES, "malformed", "header too large")
+    if not authenticated:
+        _check_mac(secret, raw)
     try:
-        h = json.loads(bytes(raw[1]), parse_constant=_no_constant)
-    except ValueError as e:
+        h = _JSON.decode(str(raw[1], "utf-8"))
+    except ValueError as e:  # UnicodeDecodeError too
         raise MessageError("bad_header", f"not JSON: {e}") from None
     _need(isinstance(h, dict) and h.get("kind") in KINDS, "bad_header",
           lambda: f"kind={h.get('kind') if isinstance(h, dict) else h!r}")
+    if authenticated:  # sealed or not: the frames the header announces tell
+        fields = h.get("fields")
+        k = 2 + (len(fields) if h["kind"] == "data" and type(fields) is list else 0)
+        if len(raw) == k + 1:
+            _check_mac(secret, raw)
+        else:
+            raw = raw + [b""]  # the payloads are raw[2:-1] either way
     _need(h.get("campaign") == campaign, "wrong_campaign", lambda: f"campaign={_short(h.get('campaign'))}")
     _need(run is None or h.get("run", run) == run, "wrong_campaign", lambda: f"run={_short(h.get('run'))}, "
           f"not this run's {run!r} (a message of an earlier run)")
     payloads = raw[2:-1]
+    if h["kind"] == "data" and _data_ok(h, payloads):  # the common case, checked at once
+        shape = h["shape"]
+        return Message(h, {f[0]: np.frombuffer(b, _DTYPES[f[1]]).reshape(shape) for f, b in zip(h["fields"], payloads)})
+    return _checked(h, payloads)
+
+
+def _data_ok(h: dict, payloads: list) -> bool:
+    """Whether a data header passes every check of :func:`_checked` (which names what failed)."""
+    try:
+        return _data_fits(h, payloads)
+    except Exception:  # a missing key, an unhashable dtype, an int too large for a float: _checked says
+        return False
+
+
+def _data_fits(h: dict, payloads: list) -> bool:
+    sim, attempt, rank, nranks, step, t = h["sim"], h["attempt"], h["rank"], h["nranks"], h["step"], h["t"]
+    g, o, s, params, fields = h["global_shape"], h["offset"], h["shape"], h["params"], h["fields"]
+    if not (type(sim) is int and type(attempt) is int and type(rank) is int and type(nranks) is int
+            and type(step) is int and 0 <= sim <= MAX_ID and 0 <= attempt <= MAX_ID and 0 <= step <= MAX_ID
+            and 0 <= rank < nranks <= MAX_RANKS and type(t) in (int, float) and math.isfinite(t)):
+        return False
+    if not (type(g) is list and type(o) is list and type(s) is list and 1 <= len(g) <= MAX_DIMS
+            and len(o) == len(g) == len(s)):
+        return False
+    for a, b, c in zip(o, s, g):
+        if not (type(a) is int and type(b) is int and type(c) is int and 0 <= a and 1 <= b and a + b <= c <= MAX_ID):
+            return False
+    if not (type(params) is dict and all(type(v) in (int, float) and math.isfinite(v) for v in params.values())):
+        return False
+    if not (type(fields) is list and 1 <= len(fields) <= MAX_FIELDS and len(fields) == len(payloads)):
+        return False
+    n = math.prod(s)
+    names = set()
+    for f, buf in zip(fields, payloads):
+        if not (type(f) is list and len(f) == 2 and type(f[0]) is str and f[1] in _DTYPES and f[0] not in names
+                and memoryview(buf).nbytes == n * (4 if f[1] == "float32" else 8)):
+            return False
+        names.add(f[0])
+    return True
+
+
+def _checked(h: dict, payloads: list) -> Message:
+    """Every check of a header, each naming what it found: an end marker, or a data message
+    :func:`_data_ok` refused (this says why)."""
     sim, attempt, rank = (_ints(h, k, None)[0] for k in ("sim", "attempt", "rank"))
     nranks = _ints(h, "nranks", None, 1, MAX_RANKS)[0]
     _need(rank < nranks, "bad_header", lambda: f"rank {rank} of {nranks}")

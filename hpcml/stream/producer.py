@@ -215,17 +215,21 @@ class Producer:
         message.check_header(text)
         t0 = time.perf_counter()
         try:
+            sealed = self._sealed()
             if not self.copy and all(a.dtype == dtype and a.flags.c_contiguous for a, dtype in arrays):
                 frames = [message.MAGIC, text, *[memoryview(a).cast("B") for a, _ in arrays]]
-                frames.append(message.mac(self.secret, frames))
+                if sealed:
+                    frames.append(message.mac(self.secret, frames))
                 self._sock.send_frames(frames)
             else:
                 nbytes = [a.size * dtype.itemsize for a, dtype in arrays]
-                buf, views = framing.frame_buffer([len(message.MAGIC), len(text), *nbytes, message.MAC_BYTES])
+                buf, views = framing.frame_buffer([len(message.MAGIC), len(text), *nbytes,
+                                                   *([message.MAC_BYTES] if sealed else [])])
                 views[0][:], views[1][:] = message.MAGIC, text
                 for (a, dtype), view in zip(arrays, views[2:]):
                     np.copyto(np.frombuffer(view, dtype).reshape(a.shape), a, casting="unsafe")
-                views[-1][:] = message.mac(self.secret, views[:-1])
+                if sealed:
+                    views[-1][:] = message.mac(self.secret, views[:-1])
                 self._sock.send_message(buf, views)
         except zmq.Again:
             self._abandon()
@@ -235,6 +239,13 @@ class Producer:
             self._abandon()
             raise self._error(f"trainer at {self.endpoint}: {e}") from None
         self.blocked_s += time.perf_counter() - t0
+
+    def _sealed(self) -> bool:
+        """Whether messages carry a MAC: always on the zmtp wire; on the framed one unless the
+        trainer said at the handshake that the challenge is enough (``integrity="connection"``),
+        and always before any handshake finished (a sealed message is taken by every server)."""
+        info = getattr(self._sock, "info", None)
+        return not (isinstance(info, dict) and info.get("integrity") == "connection")
 
     def _abandon(self) -> None:
         """Stop at once (nothing more is waited for at exit) after an error that ends this producer."""

@@ -4,9 +4,11 @@ A connection is in one state at a time and reads only what that state wants, so 
 of a message is read before its length table has been checked (:mod:`hpcml.stream.framing`):
 
     _HELLO  the 64 answer bytes of the challenge (pending; :mod:`hpcml.stream.handshake`)
-    _HEAD   magic and frame count (8 bytes)
-    _TABLE  the frame lengths: a short table whole, a long one streamed by and summed
-    _TPAD   the table's padding, passed over; then the message is refused or queued
+    _HEAD   the first 64 bytes of a head (every head has at least that many): magic, frame
+            count and the first 7 lengths, with their padding (a message of up to 7 frames
+            in one read)
+    _TABLE  the rest of the frame lengths: a short table whole, a long one streamed by and summed
+    _TPAD   the table's padding, passed over; then the message is refused, given memory, or queued
     _WAIT   waiting for memory (:attr:`Receiver.max_held_bytes`): its connection unread
     _BODY   read straight into the message's one buffer, in as few calls as the kernel allows
     _SKIP   a refused message's bytes, read into scratch and passed over
@@ -24,12 +26,16 @@ import time
 import numpy as np
 
 from hpcml.stream import handshake, message
-from hpcml.stream.framing import FIXED, MAGIC, head_bytes, pad
+from hpcml.stream.framing import ALIGN, FIXED, MAGIC, head_bytes, pad
 
 #: Bytes read from one connection in one round at most (the others' turn comes first).
 ROUND_BYTES = 4 << 20
 #: The scratch buffer: bytes passed over (refused messages, padding) and long length tables.
 SCRATCH = 1 << 18
+#: When a message's bytes run out mid-body, the socket wakes the server again only once this many
+#: more (or the rest, if fewer) are in (``SO_RCVLOWAT``): a round per large piece, not per segment.
+#: A sender at :data:`~hpcml.stream.transport.MIN_RATE` still shows progress every quarter second.
+LOWAT = 256 << 10
 #: Messages (or refusals) one :meth:`Receiver.recv` round yields at most before it returns.
 ROUND_MESSAGES = 256
 _HELLO, _HEAD, _TABLE, _TPAD, _WAIT, _BODY, _SKIP = range(7)
@@ -37,7 +43,7 @@ _HELLO, _HEAD, _TABLE, _TPAD, _WAIT, _BODY, _SKIP = range(7)
 
 class _Conn:
     __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
-                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started")
+                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started", "lowat")
 
     def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
         self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, _HELLO
@@ -45,13 +51,14 @@ class _Conn:
         self.head, self.frames, self.left, self.lengths, self.total = bytearray(), 0, 0, (), 0
         self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
         self.acked, self.out = 0, bytearray()  # the count sent so far; bytes due to the producer (a reply, acks)
+        self.lowat = 1  # the socket's SO_RCVLOWAT now
 
     def need(self) -> int:
         """Bytes the head-collecting states want next (no byte of the message after them is read)."""
         if self.state == _HELLO:
             return handshake.ANSWER_BYTES - len(self.head)
         if self.state == _HEAD:
-            return FIXED - len(self.head)
+            return ALIGN - len(self.head)
         if self.frames <= message.MAX_FRAMES:  # _TABLE: the whole (short) table at once
             return 8 * self.frames - len(self.head)
         return min(8 * self.left - len(self.head), SCRATCH - 8)  # a long one streams by
@@ -77,6 +84,8 @@ class MessageReader:
             try:
                 n = c.sock.recv_into(room)
             except BlockingIOError:
+                if c.state == _BODY:
+                    _lowat(c, min(c.body.nbytes - c.fill, LOWAT))
                 return
             except OSError:
                 n = 0
@@ -118,17 +127,20 @@ class MessageReader:
         if c.state == _HELLO:
             return self._admit(c, handshake.check_answer(self._key, c.nonce, bytes(c.head)))
         if c.state == _HEAD:
-            magic, c.frames = struct.unpack("<II", c.head)
-            c.head, c.left, c.lengths, c.total = bytearray(), c.frames, (), 0
+            magic, c.frames = struct.unpack_from("<II", c.head)
             if magic != MAGIC:
                 self._ready.append((None, message.MessageError("malformed", f"connection {c.peer}: no message "
                                                                f"starts where one must (magic {magic:#x})")))
                 self._close(c, evicted=True)
                 return False
-            c.state = _TABLE
-            if c.frames == 0:
-                self._table_done(c)
-            return True
+            c.left, c.total = c.frames, 0
+            if FIXED + 8 * c.frames <= ALIGN:  # the whole head is in: table and padding
+                c.lengths = struct.unpack_from(f"<{c.frames}Q", c.head, FIXED)
+                c.total, c.head = sum(pad(x) for x in c.lengths), bytearray()
+                self._decide(c)
+            else:  # the table goes on: what came of it stays in ``head``
+                c.head, c.lengths, c.state = c.head[FIXED:], (), _TABLE
+            return c.sock.fileno() >= 0
         c.lengths = struct.unpack(f"<{c.frames}Q", c.head)  # _TABLE, a short one
         c.total, c.head, c.left = sum(pad(x) for x in c.lengths), bytearray(), 0
         self._table_done(c)
@@ -145,11 +157,13 @@ class MessageReader:
         k, total = c.frames, c.total
         if k > message.MAX_FRAMES:
             return self._refuse_msg(c, "too_many_frames", f"{k} frames, expected at most {message.MAX_FRAMES}")
-        if k < 3:
-            return self._refuse_msg(c, "malformed", f"{k} frames, expected 3 to {message.MAX_FRAMES}")
+        if k < 2:  # magic and header at least (an end marker on an authenticated connection)
+            return self._refuse_msg(c, "malformed", f"{k} frames, expected 2 to {message.MAX_FRAMES}")
         if max(c.lengths) > self.frame_bytes or total > self.body_bytes:
             return self._refuse_msg(c, "oversized", f"frames of up to {max(c.lengths)} bytes (at most "
                                     f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})")
+        if not self._waiting and self.held + total <= self.max_held_bytes:  # memory now: read on
+            return self._give_memory(c)
         c.state = _WAIT
         self._waiting.append(c)
         try:
@@ -169,6 +183,8 @@ class MessageReader:
         c.state, c.head, c.lengths = _HEAD, bytearray(), ()
 
     def _complete(self, c: _Conn) -> None:
+        if c.lowat != 1:
+            _lowat(c, 1)
         frames, at = [], 0
         for n in c.lengths:
             frames.append(c.view[at:at + n])
@@ -177,3 +193,12 @@ class MessageReader:
         self.held -= c.body.nbytes
         c.body, c.view = None, None
         self._taken(c)
+
+
+def _lowat(c: _Conn, n: int) -> None:
+    """Wake the server for ``c`` once ``n`` bytes are in (a close or an error wakes it whatever ``n``)."""
+    try:
+        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+        c.lowat = n
+    except OSError:
+        pass

@@ -21,6 +21,10 @@ from hpcml.stream.buffer import Sample
 from hpcml.stream.message import MAX_DIMS, MessageError
 
 
+_F32_INF = 2.0**128 - 2.0**103
+"""Halfway between the largest float32 and 2**128: a value this large or larger rounds to infinity."""
+
+
 def shape_text(shape: Sequence[int]) -> str:
     return " x ".join(str(n) for n in shape) if len(shape) > 1 else f"{shape[0]} (1-D)"
 
@@ -70,11 +74,12 @@ class SampleSchema:
     def params_vector(self, params: Mapping[str, float]) -> np.ndarray:
         """The trainer's parameters in its order, float32 (MessageError ``bad_header`` for a
         value finite in JSON but not in float32, e.g. 1e300)."""
-        with np.errstate(over="ignore"):
-            v = np.array([params[n] for n in self.param_names], np.float32)
-        if not np.isfinite(v).all():
+        vals = [params[n] for n in self.param_names]
+        if not all(-_F32_INF < x < _F32_INF for x in vals):  # rounds to inf in float32 (NaN never got here)
+            with np.errstate(over="ignore"):
+                v = np.array(vals, np.float32)
             raise MessageError("bad_header", f"parameters {dict(zip(self.param_names, v.tolist()))} overflow float32")
-        return v
+        return np.array(vals, np.float32)
 
     def sample(self, sim: int, step: int, t: float, params: np.ndarray, fields: np.ndarray) -> Sample:
         """A Sample of fields [F, *shape] already checked (:meth:`check`), as float32; its

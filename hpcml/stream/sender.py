@@ -3,8 +3,12 @@
 :meth:`Sender.send_buffer` queues one message (the producer's one buffer, not copied) and
 returns, so the simulation computes while its output goes out; it blocks once ``hwm``
 messages are held (queued or sent and not yet acknowledged): the trainer's backpressure.
-The thread connects, answers the server's challenge (:mod:`hpcml.stream.handshake`), sends in
-order and takes the server's acknowledgements (:mod:`hpcml.stream.framing`). When the
+The caller's thread hands a message to the kernel itself when nothing is ahead of it and
+takes the acknowledgements that came meanwhile (no thread switch per message: one cost half
+the sender's CPU); the thread connects, answers the server's challenge
+(:mod:`hpcml.stream.handshake`), sends what the socket did not take at once, and waits for
+acknowledgements when someone waits for them (a full ``hwm``, a close)
+(:mod:`hpcml.stream.framing`). When the
 connection drops it reconnects and sends again exactly the messages the server had not
 acknowledged, so a cut connection loses nothing this process still holds (a message the
 server took but whose acknowledgement was cut arrives twice: the trainer drops the copy).
@@ -15,7 +19,7 @@ Imports no torch.
 from __future__ import annotations
 
 import os
-import selectors
+import select
 import socket
 import threading
 import time
@@ -60,6 +64,9 @@ class Sender:
         self._taken = 0  # acknowledgements on this connection, applied
         self._ack_to = 0  # the highest count the server sent on this connection (may run ahead of _next:
         #                   a refused message is acknowledged once its head is read, before its body is sent)
+        self._sock: socket.socket | None = None  # the connection (handshake done); used under _cv only
+        self._acks = bytearray()  # acknowledgement bytes read, not yet a whole count
+        self._blocked = 0  # callers waiting for room (the thread then reads acknowledgements)
         self._closing = self._stop = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -113,15 +120,75 @@ class Sender:
         ``sendmsg``, none copied: none may change until the server acknowledged it)."""
         item = [memoryview(p).cast("B") for p in parts]
         with self._cv:
-            full = lambda: self.hwm and len(self._items) >= self.hwm and self.error is None  # noqa: E731
-            if full() and (flags & NOBLOCK or not self._cv.wait_for(lambda: not full(), self.timeout_s)):
-                raise Again()
+            if self._full():
+                self._take_acks()  # what the server acknowledged meanwhile makes room
+            if self._full():
+                if flags & NOBLOCK:
+                    raise Again()
+                self._blocked += 1
+                self._wake()  # the thread reads acknowledgements while someone waits for them
+                try:
+                    if not self._cv.wait_for(lambda: not self._full(), self.timeout_s):
+                        raise Again()
+                finally:
+                    self._blocked -= 1
             if self.error is not None:
                 raise self.error
-            idle = self._next >= len(self._items)  # the thread may be waiting in select: wake it
             self._items.append(item)
+            if self._next == len(self._items) - 1:  # nothing ahead of it: to the kernel from this thread
+                self._push()
+                self._take_acks()
+            backlog = self._next < len(self._items)
             self._cv.notify_all()  # a thread waiting for something to send before it reconnects
-        if idle:
+        if backlog:
+            self._wake()
+
+    def _full(self) -> bool:
+        return bool(self.hwm) and len(self._items) >= self.hwm and self.error is None
+
+    def _push(self) -> None:
+        """Send what the socket takes now, from the next unsent message on (lock held)."""
+        sock = self._sock
+        while sock is not None and self._next < len(self._items):
+            item = self._items[self._next]
+            try:
+                self._off += sock.sendmsg(_rest(item, self._off))
+            except BlockingIOError:
+                return
+            except OSError:
+                return self._broken(sock)
+            if self._off < sum(p.nbytes for p in item):
+                return
+            self._next += 1
+            self._off = 0
+            self._pop_acked()
+
+    def _take_acks(self) -> None:
+        """Take the acknowledgements waiting on the socket, without waiting (lock held)."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            return self._broken(sock)
+        if not data:
+            return self._broken(sock)
+        self._acks += data
+        n = len(self._acks) // 8 * 8
+        if n:
+            taken = framing.ACK.unpack_from(self._acks, n - 8)[0]
+            del self._acks[:n]
+            if self._ack_to < taken <= self._taken + len(self._items):  # else stale, or not our server's count
+                self._ack_to = taken
+                self._pop_acked()
+
+    def _broken(self, sock: socket.socket) -> None:
+        """``sock`` failed (lock held): the thread closes it, reconnects and resends what was not acknowledged."""
+        if self._sock is sock:
+            self._sock = None
             self._wake()
 
     def close(self, linger: int | None = None) -> None:
@@ -171,8 +238,13 @@ class Sender:
                 backoff = min(1.0, 2 * backoff)
                 continue
             backoff = 0.05
-            self._pump(sock)  # a cut: what was not acknowledged goes again on the next connection
-            sock.close()
+            try:
+                self._pump(sock)  # a cut: what was not acknowledged goes again on the next connection
+            finally:
+                with self._cv:
+                    if self._sock is sock:
+                        self._sock = None
+                sock.close()
             with self._cv:  # closed while idle (the server made room): reconnect when there is something to send
                 self._cv.wait_for(lambda: self._items or self._stop or self._closing)
 
@@ -202,79 +274,44 @@ class Sender:
         with self._cv:
             self.resent += min(self._next, len(self._items)) if self.connections else 0
             self._next = self._off = self._taken = self._ack_to = 0
+            self._acks = bytearray()
+            self._sock = sock
             self.info = info
             self.connections += 1
             self._cv.notify_all()
         return sock
 
     def _pump(self, sock: socket.socket) -> None:
-        """Send and take acknowledgements until the connection drops or the sender stops. Sends
-        go straight on while the socket takes them; ``select`` waits only when it does not, or
-        when nothing is left to send."""
-        sel = selectors.DefaultSelector()
-        sel.register(sock, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        acks, events = bytearray(), selectors.EVENT_READ
-        try:
-            while True:
-                with self._cv:
-                    if self._stop or (self._closing and not self._items):
-                        return
-                    item = self._items[self._next] if self._next < len(self._items) else None
-                if item is not None:
+        """Send what the caller's thread left and read acknowledgements when someone waits for
+        them, until the connection drops or the sender stops. A socket error or hang-up ends it
+        whatever is asked for (``poll`` reports those always)."""
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        mask = -1
+        while True:
+            with self._cv:
+                if self._stop or (self._closing and not self._items) or self._sock is not sock:
+                    return
+                self._push()
+                waited = self._closing or self._blocked > 0
+                if waited:
+                    self._take_acks()
+                if self._sock is not sock:
+                    return
+                want = (select.POLLIN if waited else 0) | (select.POLLOUT if self._next < len(self._items) else 0)
+            if want != mask:
+                poller.register(sock, want)  # again: a modify
+                mask = want
+            for fd, ev in poller.poll(1000):
+                if fd == self._wake_r:
                     try:
-                        self._off += sock.sendmsg(_rest(item, self._off))
+                        os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                    except OSError:
-                        return
-                    else:
-                        if self._off == sum(p.nbytes for p in item):
-                            with self._cv:
-                                self._next += 1
-                                self._off = 0
-                                self._pop_acked()
-                            if not self._read_acks(sock, acks):
-                                return
-                        continue
-                want = selectors.EVENT_READ | (selectors.EVENT_WRITE if item is not None else 0)
-                if want != events:
-                    sel.modify(sock, want)
-                    events = want
-                for k, _ev in sel.select(1.0):
-                    if k.fileobj == self._wake_r:
-                        try:
-                            os.read(self._wake_r, 4096)
-                        except BlockingIOError:
-                            pass
-                    elif not self._read_acks(sock, acks):
-                        return
-        finally:
-            sel.close()
-
-    def _read_acks(self, sock: socket.socket, acks: bytearray) -> bool:
-        """Take the acknowledgements waiting (none: no wait); False once the connection is gone."""
-        try:
-            data = sock.recv(1 << 16)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        if not data:
-            return False
-        acks += data
-        n = len(acks) // 8 * 8
-        if n:
-            self._acked(framing.ACK.unpack_from(acks, n - 8)[0])
-            del acks[:n]
-        return True
-
-    def _acked(self, taken: int) -> None:
-        with self._cv:
-            if taken <= self._ack_to or taken > self._taken + len(self._items):  # stale, or not our server's count
-                return
-            self._ack_to = taken
-            self._pop_acked()
+                elif ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    with self._cv:
+                        self._take_acks()  # what the server acknowledged before it went is not sent again
+                    return
 
     def _pop_acked(self) -> None:
         """Drop the messages the server acknowledged that have left whole (caller holds the lock)."""

@@ -75,6 +75,8 @@ class StreamServer:
                                           max_message_bytes=lim.message_bytes, max_held_bytes=lim.held_bytes,
                                           info=handshake_info(campaign, contract.run if contract else "", rank,
                                                               config))
+        self._unsealed_ok = config.transport == "framed" and config.integrity == "connection"
+        """Messages without a MAC frame are taken: each connection proved the secret (the challenge)."""
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (when last logged, drops then)
         self.endpoint = self._rx.endpoint
         self._lock = threading.Lock()  # the ingest state and the pending sample, against a checkpoint
@@ -207,7 +209,8 @@ class StreamServer:
         """Decode, check and place one message (into the buffer if it completes a sample, the
         same lock hold); anything wrong with it is a counted drop."""
         try:
-            msg = message.decode(self._secret, frames, self.campaign, self.contract.run if self.contract else None)
+            msg = message.decode(self._secret, frames, self.campaign, self.contract.run if self.contract else None,
+                                 authenticated=self._unsealed_ok)
         except message.MessageError as e:
             with self._lock:
                 return self._rejected(e)

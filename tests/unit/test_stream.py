@@ -523,3 +523,44 @@ def test_both_wires_carry_samples_bit_for_bit_and_refuse_a_stranger(wire):
 def test_an_unknown_wire_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^ServerConfig.transport='push': expected 'framed' or 'zmtp'$"):
         ServerConfig(field_names=("T",), transport="push")
+
+
+@pytest.mark.parametrize("integrity", ["connection", "message"])
+def test_integrity_modes_a_producer_follows_the_trainer_and_the_server_refuses_what_its_mode_does_not_take(
+        integrity):
+    """``connection`` (the default): the challenge is enough and Producers send no MAC;
+    ``message``: every message carries one, and a message without it -- even on a connection
+    that proved the secret -- is dropped. Both take a sealed message; neither takes a bad MAC."""
+    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
+    srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1, buffer=buf,
+                       config=ServerConfig(param_names=("alpha",), field_names=("T",), integrity=integrity)).start()
+    raw = Sender(SECRET)
+    try:
+        field = np.random.default_rng(1).random((6, 5))
+        prods = _producers(srv, 1, 0, field, nranks=2)
+        _send_all(prods, range(3), field)
+        assert [p._sealed() for p, _ in prods] == [integrity == "message"] * 2  # what the handshake said
+        for p, _ in prods:
+            p.close()
+        _wait(lambda: srv.counters["samples"] == 3)
+        raw.connect(srv.endpoint)
+        a = np.ones((6, 5), np.float32)
+        raw.send_multipart(message.encode(SECRET, _header(sim=2, step=0, global_shape=[6, 5], shape=[6, 5]), [a],
+                                          sealed=False))  # no MAC
+        raw.send_multipart(message.encode(SECRET, _header(sim=2, step=1, global_shape=[6, 5], shape=[6, 5]), [a]))
+        bad = message.encode(SECRET, _header(sim=2, step=2, global_shape=[6, 5], shape=[6, 5]), [a])
+        raw.send_multipart(bad[:-1] + [bytes(16)])  # a MAC that does not verify
+        _wait(lambda: srv.counters["messages"] + sum(srv.dropped.values()) == 6 + 2 + 3)  # data, ends, raw
+        unsealed_taken = integrity == "connection"
+        assert srv.counters["samples"] == 3 + 1 + unsealed_taken
+        assert srv.dropped == ({"unauthenticated": 1} if unsealed_taken else {"unauthenticated": 1, "malformed": 1})
+        assert (2, 1) in srv.seen and ((2, 0) in srv.seen) == unsealed_taken
+    finally:
+        raw.close(linger=0)
+        srv.stop()
+
+
+def test_an_unknown_integrity_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^ServerConfig.integrity='none': expected 'connection' \(a challenge per "
+                                          r"connection\) or 'message' \(a MAC on every message too\)$"):
+        ServerConfig(field_names=("T",), integrity="none")

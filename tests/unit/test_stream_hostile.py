@@ -90,15 +90,18 @@ RAW_HEADERS = [b"[]", b'"x"', b"5", b"null", b"{", b"\xff\xfe", b"[" * 5000 + b"
                b'{"kind": "data", "sim": ' + b"9" * 5000 + b"}", b'{"kind": NaN}']
 
 
-def _hostile(rng: np.random.Generator, i: int) -> list[bytes]:
-    """One bad message (category by ``i``), every one dropped with exactly one reason."""
+def _hostile(rng: np.random.Generator, i: int, sealed: bool = True) -> list[bytes]:
+    """One bad message (category by ``i``), every one dropped with exactly one reason. ``sealed``:
+    the server requires a MAC on every message (else a message without one is a valid message
+    from a connection that proved the secret: cut short, it is cut in its payload too)."""
     kind = i % 8
     if kind == 0:  # random frames
         return [rng.bytes(int(rng.integers(0, 200))) for _ in range(int(rng.integers(1, 7)))]
     if kind == 1:  # a valid message cut short: a frame, payload bytes or the MAC removed
         f = _signed(_header(sim=int(rng.integers(1000, 2000))))
         cut = int(rng.integers(3))
-        return [f[0], f[1], f[-1]] if cut == 0 else [f[0], f[1], f[2][:-4], f[-1]] if cut == 1 else f[:-1]
+        return [f[0], f[1], f[-1]] if cut == 0 else [f[0], f[1], f[2][:-4], f[-1]] if cut == 1 else \
+            f[:-1] if sealed else [f[0], f[1], f[2][:-4]]
     if kind == 2:  # wrong MAC, or the wrong secret
         f = _signed(_header(sim=int(rng.integers(1000, 2000))), secret=b"z" * 32 if i % 16 == 2 else SECRET)
         return f if i % 16 == 2 else f[:-1] + [rng.bytes(16)]
@@ -116,9 +119,13 @@ def _hostile(rng: np.random.Generator, i: int) -> list[bytes]:
     return [message.MAGIC] + [b""] * int(rng.integers(20, 400))  # many frames
 
 
-def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
-    cfg = ServerConfig(param_names=("alpha",), field_names=("T",), hwm=1000, end_grace_s=5,
+@pytest.mark.parametrize("integrity", ["connection", "message"])
+def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one(integrity):
+    """``connection`` (the default): valid messages come without a MAC, as a Producer sends them
+    to such a server; ``message``: every message must carry one."""
+    cfg = ServerConfig(param_names=("alpha",), field_names=("T",), hwm=1000, end_grace_s=5, integrity=integrity,
                        max_frame_bytes=1 << 18, max_sample_bytes=1 << 20, max_partial_bytes=1 << 22)
+    sealed = integrity == "message"
     srv = StreamServer(campaign=CAMPAIGN, secret=SECRET, rank=0, n_trainers=1,
                        buffer=Buffer(BufferConfig(policy="fifo", capacity=10**5, watermark=0)), config=cfg).start()
     rss0 = _rss()
@@ -142,13 +149,14 @@ def test_fuzz_server_drops_every_bad_message_and_keeps_every_good_one():
                     lo, hi = r * SHAPE[0] // nr, (r + 1) * SHAPE[0] // nr
                     f = _signed(_header(sim=sim, step=step, t=step / 10, rank=r, nranks=nr, offset=[lo, 0],
                                         shape=[hi - lo, SHAPE[1]], params={"alpha": sim / 100}), [a[lo:hi]])
+                    f = f if sealed or r % 2 else f[:-1]  # connection: with and without a MAC, both taken
                     push.send_multipart(f)
                     sent["valid"] += 1
                     if nr == 1 and step % 3 == 0:
                         replays.append(f)
                 valid[sim, step] = a
                 for _ in range(20):  # twenty bad ones after every good sample
-                    push.send_multipart(_hostile(rng, n))
+                    push.send_multipart(_hostile(rng, n, sealed))
                     sent["hostile"] += 1
                     n += 1
                 if step == 5:  # half a sample on another grid than the training's: refused (wrong_shape)
@@ -414,7 +422,9 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
         threads = [threading.Thread(target=flood, args=(k,)) for k in range(3)]
         for t in threads:
             t.start()
-        _wait(lambda: srv.dropped.get("malformed", 0) > 200, timeout=30)  # the flood is on
+        # no MAC frame of 16 bytes and an empty header: malformed where a MAC is required, bad_header where
+        # the connection's challenge was enough (integrity="connection", the default)
+        _wait(lambda: srv.dropped.get("bad_header", 0) > 200, timeout=30)  # the flood is on
         ok = Sender(SECRET)
         ok.connect(srv.endpoint)
         for step in range(20):
@@ -423,7 +433,7 @@ def test_concurrent_hostile_peers_do_not_starve_a_valid_one():
         stop.set()
         for t in threads:
             t.join()
-        assert srv.dropped["malformed"] > 100 and srv._thread.is_alive()
+        assert srv.dropped["bad_header"] > 100 and srv._thread.is_alive()
         ok.close(linger=0)
     finally:
         ctx.destroy(linger=0)
@@ -471,7 +481,7 @@ def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_it
         big = np.ones(1 << 15, np.float32)  # 128 KiB: past the frame limit
         tx.send_multipart([message.MAGIC, b"{}", big, bytes(16)])
         tx.send_multipart([message.MAGIC, b"{}"] + [b"x"] * 40 + [bytes(16)])  # 43 frames
-        tx.send_multipart([message.MAGIC, b"{}"])  # 2 frames
+        tx.send_multipart([message.MAGIC])  # 1 frame: no header (2 is an end marker without a MAC)
         tx.send_multipart([message.MAGIC, b'{"ok":1}', np.arange(5, dtype=np.float32), bytes(16)])
         got, t0 = [], time.monotonic()
         while len(got) < 4 and time.monotonic() - t0 < 10:

@@ -145,3 +145,33 @@ def test_producer_refuses_at_send_what_the_server_would_drop(step, fields, error
     finally:
         for x in (p, q):
             x._sock.close(linger=0)
+
+
+def test_a_message_without_a_mac_is_taken_only_from_an_authenticated_connection():
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    bare = [bytes(f) for f in message.encode(SECRET, _header(), [a], sealed=False)]
+    assert len(bare) == 3  # magic, header, payload
+    np.testing.assert_array_equal(message.decode(SECRET, bare, CAMPAIGN, authenticated=True).arrays["T"], a)
+    with pytest.raises(message.MessageError, match="malformed: no MAC frame"):  # the payload is no MAC
+        message.decode(SECRET, bare, CAMPAIGN)
+    sealed = [bytes(f) for f in message.encode(SECRET, _header(), [a])]
+    assert message.decode(SECRET, sealed, CAMPAIGN, authenticated=True).header["step"] == 5  # checked all the same
+    with pytest.raises(message.MessageError, match="unauthenticated: MAC mismatch"):
+        message.decode(SECRET, sealed[:-1] + [bytes(16)], CAMPAIGN, authenticated=True)
+    end = [bytes(f) for f in message.encode(SECRET, {"kind": "end", "campaign": CAMPAIGN, "sim": 3, "attempt": 0,
+                                                     "rank": 0, "nranks": 1, "n_sent": 2}, sealed=False)]
+    assert message.decode(SECRET, end, CAMPAIGN, authenticated=True).kind == "end" and len(end) == 2
+    with pytest.raises(message.MessageError, match=r"truncated: field T: 16 bytes, expected 48"):
+        message.decode(SECRET, bare[:2] + [bytes(16)], CAMPAIGN, authenticated=True)  # short: no MAC, a short payload
+
+
+def test_parameters_past_float32_are_refused_at_the_exact_rounding_edge():
+    from hpcml.stream.schema import SampleSchema
+
+    s = SampleSchema(("T",), ("a",))
+    edge = 2.0**128 - 2.0**103  # rounds to infinity in float32; the float64 just below it to the largest float32
+    assert s.params_vector({"a": np.nextafter(edge, 0)})[0] == np.finfo(np.float32).max
+    assert s.params_vector({"a": -np.nextafter(edge, 0)})[0] == -np.finfo(np.float32).max
+    for v in (edge, -edge, 1e300):
+        with pytest.raises(message.MessageError, match="bad_header: parameters .* overflow float32"):
+            s.params_vector({"a": v})
