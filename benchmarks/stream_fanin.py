@@ -6,8 +6,9 @@
 One StreamServer thread (trainer rank 0 of 1, a consumer thread draining its buffer as a
 trainer would) in this process; ``--procs`` client processes open ``--connections``
 connections between them, each a one-rank simulation of its own that answers the server's
-challenge and streams ``--messages`` samples of a ``--nx`` x ``--nx`` float32 field (GMAC'd,
-as a Producer sends them) with at most ``--window`` unacknowledged, then its end marker. The
+challenge and, once every connection has (so all stream at once), streams ``--messages``
+samples of a ``--nx`` x ``--nx`` float32 field (GMAC'd, which a server of either integrity
+takes) with at most ``--window`` unacknowledged, then its end marker. The
 clients multiplex their sockets on one ``selectors`` loop each (4,000 Producer threads would
 measure Python's threads, not the server). Last line: ``connections``, ``samples_expected``,
 ``samples_ingested``, ``duplicates``, ``intake_mb_s``, ``min_share_over_fair`` (while every
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import selectors
 import socket
@@ -39,8 +41,11 @@ sys.path.insert(0, str(ROOT))
 CAMPAIGN = "fanin"
 
 
-def _client(endpoint: str, key_file: str, first: int, n: int, messages: int, nx: int, window: int) -> None:
-    """Child process: ``n`` connections, simulations ``first .. first+n-1``, multiplexed."""
+def _client(endpoint: str, key_file: str, first: int, n: int, messages: int, nx: int, window: int,
+            go_file: str = "") -> None:
+    """Child process: ``n`` connections, simulations ``first .. first+n-1``, multiplexed; each
+    answers the challenge, then holds its samples until ``go_file`` exists (every connection of
+    every client admitted: all stream at once)."""
     from hpcml.stream import framing, handshake, message, read_secret
     from hpcml.stream.sender import parse_endpoint
 
@@ -57,6 +62,7 @@ def _client(endpoint: str, key_file: str, first: int, n: int, messages: int, nx:
             self.out, self.got, self.nonce_p, self.hello = memoryview(b""), bytearray(), b"", b""
             self.state = "hello"
             self.sock = socket.socket()
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as a Producer's Sender does
             self.sock.setblocking(False)
             self.sock.connect_ex(addr)
             sel.register(self.sock, selectors.EVENT_READ, self)
@@ -76,9 +82,13 @@ def _client(endpoint: str, key_file: str, first: int, n: int, messages: int, nx:
     retries = [0]
     for i in range(n):  # each registers itself with the selector, which holds it
         C(first + i)
-    live = n
+    live, started = n, not go_file
     while live:
-        for k, ev in sel.select(1.0):
+        if not started and os.path.exists(go_file):
+            started = True
+            for k in list(sel.get_map().values()):
+                sel.modify(k.fileobj, selectors.EVENT_READ | selectors.EVENT_WRITE, k.data)
+        for k, ev in sel.select(1.0 if started else 0.05):
             c = k.data
             if ev & selectors.EVENT_READ:
                 try:
@@ -119,7 +129,7 @@ def _client(endpoint: str, key_file: str, first: int, n: int, messages: int, nx:
                             c.sock.close()
                             live -= 1
                             continue
-            if c.state != "send":
+            if c.state != "send" or not started:
                 continue
             while True:  # fill the window, then wait for acknowledgements or room in the socket
                 if not c.out and c.inflight < window and c.step <= messages:
@@ -165,7 +175,7 @@ def main() -> None:
 
         def consume() -> None:  # as a trainer: batches of 64
             while got[0] < expected:
-                b = buf.get(64, timeout=0.1)
+                b = buf.get(min(64, expected - got[0]), timeout=0.1)  # the last batch may be short
                 got[0] += len(b or [])
         snaps: list[tuple[float, np.ndarray]] = []
         done = threading.Event()
@@ -180,12 +190,17 @@ def main() -> None:
         for t in threads:
             t.start()
         share = -(-args.connections // args.procs)
+        go_file = Path(d) / "go"
         t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, "-c", (
             f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.stream_fanin import _client; "
             f"_client({srv.endpoint!r}, {key_file!r}, {i * share}, {min(share, args.connections - i * share)}, "
-            f"{args.messages}, {args.nx}, {args.window})")], stdout=subprocess.PIPE, text=True)
+            f"{args.messages}, {args.nx}, {args.window}, {str(go_file)!r})")], stdout=subprocess.PIPE, text=True)
             for i in range(args.procs) if i * share < args.connections]
+        deadline = time.monotonic() + 120  # every connection answers the challenge, then all stream at once
+        while srv.stats()["peers"]["admitted"] < args.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        go_file.touch()
         outs = [pr.communicate()[0] for pr in procs]
         threads[0].join(timeout=120)
         wall = time.perf_counter() - t0
@@ -195,10 +210,11 @@ def main() -> None:
         counts = np.array([srv.ingest.per_sim.get(s, 0) for s in range(args.connections)])
         # the window in which every connection is active: each has delivered, none has finished
         live = [(t, c) for t, c in snaps if c.min() >= 1 and c.max() < args.messages]
-        fair = None
+        fair, by_client = None, []
         if len(live) >= 2:
             delta = live[-1][1] - live[0][1]
             fair = float(delta.min() / delta.mean()) if delta.mean() > 0 else None
+            by_client = [float(delta[i:i + share].mean() / delta.mean()) for i in range(0, args.connections, share)]
         nbytes = stats["samples"] * args.nx * args.nx * 4
         out = {"benchmark": "stream_fanin", "connections": args.connections, "messages_per_connection": args.messages,
                "sample_bytes": args.nx * args.nx * 4, "samples_expected": expected,
@@ -206,7 +222,7 @@ def main() -> None:
                "missing": int(expected - counts.sum()), "sims_short": int((counts < args.messages).sum()),
                "dropped": stats["dropped"], "wall_s": wall, "intake_mb_s": nbytes / 1e6 / stats["intake_s"]
                if stats["intake_s"] else 0.0, "samples_s": stats["samples"] / stats["intake_s"] if stats["intake_s"]
-               else 0.0, "min_share_over_fair": fair, "fair_window_s": live[-1][0] - live[0][0] if len(live) >= 2
+               else 0.0, "min_share_over_fair": fair, "client_share_over_fair": by_client, "fair_window_s": live[-1][0] - live[0][0] if len(live) >= 2
                else 0.0, "server_rss_mib": _rss_peak_mib(), "fd_limit": cap["fd_limit"],
                "max_connections": cap["max_connections"], "pending_max": cap["pending_max"], "admitted": stats["peers"]["admitted"],
                "refused": stats["peers"]["refused"], "evicted": stats["peers"]["evicted"],

@@ -8,7 +8,7 @@ of a message is read before its length table has been checked (:mod:`hpcml.strea
             count and the first 7 lengths, with their padding (a message of up to 7 frames
             in one read)
     _TABLE  the rest of the frame lengths: a short table whole, a long one streamed by and summed
-    _TPAD   the table's padding, passed over; then the message is refused, given memory, or queued
+    _TPAD   the table's padding, passed over; then the message is refused or queued
     _WAIT   waiting for memory (:attr:`Receiver.max_held_bytes`): its connection unread
     _BODY   read straight into the message's one buffer, in as few calls as the kernel allows
     _SKIP   a refused message's bytes, read into scratch and passed over
@@ -162,8 +162,6 @@ class MessageReader:
         if max(c.lengths) > self.frame_bytes or total > self.body_bytes:
             return self._refuse_msg(c, "oversized", f"frames of up to {max(c.lengths)} bytes (at most "
                                     f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})")
-        if not self._waiting and self.held + total <= self.max_held_bytes:  # memory now: read on
-            return self._give_memory(c)
         c.state = _WAIT
         self._waiting.append(c)
         try:
