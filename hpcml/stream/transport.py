@@ -274,18 +274,14 @@ class Receiver(MessageReader):
             if self.held + c.total > self.max_held_bytes:
                 return
             self._waiting.popleft()
+            raw = np.empty(c.total + ALIGN, np.uint8)
+            at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
+            c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, _BODY, time.monotonic()
+            c.view = memoryview(c.body)
+            self.held += c.total
             self._sel.register(c.sock, selectors.EVENT_READ, c)
-            self._give_memory(c)
-
-    def _give_memory(self, c: _Conn) -> None:
-        """``c``'s next message gets its one buffer (counted in :attr:`held`): read into it."""
-        raw = np.empty(c.total + ALIGN, np.uint8)
-        at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
-        c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, _BODY, time.monotonic()
-        c.view = memoryview(c.body)
-        self.held += c.total
-        if not c.total:
-            self._complete(c)
+            if not c.total:
+                self._complete(c)
 
     def _admit(self, c: _Conn, nonce_p: bytes | None) -> bool:
         fd = c.sock.fileno()
