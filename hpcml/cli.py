@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml import env
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid.layout import DEGREE_AXES, DENSE_AXES, EXPERT_AXES
@@ -213,9 +214,7 @@ def _cmd_job(args: argparse.Namespace) -> int:
         print(f"hpcml job: save it as {args.name}{suffix} in the directory you submit from: on exit 75 it submits "
               f"itself again from there (or set HPCML_JOB_SCRIPT, or use --script)", file=sys.stderr)
     if args.script:
-        with open(args.script, "w") as f:
-            f.write(text)
-        os.chmod(args.script, 0o755)
+        safeio.replace(args.script, text, mode=0o755)  # a FIFO or directory there is refused, a link replaced
         print(f"hpcml job: wrote {args.script}", file=sys.stderr)
     else:
         print(text, end="")

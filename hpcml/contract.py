@@ -27,13 +27,13 @@ import json
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hpcml import safeio
 from hpcml.errors import ConfigError, LaunchError
 
 #: A training job that ran to its end but lacks samples its simulations sent (sysexits' EX_DATAERR).
@@ -61,6 +61,8 @@ ENDPOINTS_FILE, DONE_FILE, SECRET_FILE, SUMMARY_FILE = ("endpoints.json", "sims_
 FEEDBACK_FILE = "feedback.json"
 #: The training job's launch token, rewritten at each (re)launch: a job holding another is superseded.
 LEASE_FILE = "trainer.lease"
+#: A lease holds one launch token; anything larger is not the driver's.
+MAX_LEASE_BYTES = 256
 _INTS = ("steps", "batch", "n_sims", "driver_pid")
 MAX_RECORD_BYTES = 64 << 20
 """A JSON file of the protocol larger than this is refused before parsing (a done record of
@@ -202,20 +204,18 @@ class Contract:
         if self.launch is None:
             return False
         try:
-            holder = (Path(self.run_dir) / LEASE_FILE).read_text().strip()
-        except OSError:
+            holder = safeio.read_text(Path(self.run_dir) / LEASE_FILE, MAX_LEASE_BYTES, "a launch token")
+        except (OSError, ConfigError):  # not this job's to judge: the driver's lease is a token, not a link or FIFO
             return False
-        return bool(holder) and holder != self.launch
+        return bool(holder) and holder.strip() != self.launch
 
 
 # --- the protocol's files ------------------------------------------------------------------------
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Atomically (a temporary file renamed over it): a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
+    """Atomically (a temporary file renamed over it): a reader never sees half a file, and a
+    link put at ``path`` is replaced, not written through (:func:`hpcml.safeio.replace`)."""
+    safeio.replace(path, text + "\n")
 
 
 def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
@@ -226,44 +226,13 @@ def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:
     """A protocol record, or None if the file is not there; ConfigError naming the file when
     it is not a regular file (a FIFO would block the reader, a symbolic link could point
-    anywhere), too large, not JSON or not an object (checked for size before parsing)."""
-    data = read_bytes(path, max_bytes, "a small JSON record")
-    if data is None:
-        return None
-    try:
-        rec = json.loads(data)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(rec).__name__}")
-    return rec
+    anywhere), too large, nested too deep, not JSON or not an object (:mod:`hpcml.safeio`)."""
+    return safeio.read_json(path, max_bytes)
 
 
 def read_bytes(path: str | os.PathLike, max_bytes: int, expected: str) -> bytes | None:
-    """A protocol file's bytes, or None if it is not there; ConfigError naming the file when
-    it is not a regular file (opened non-blocking, no links followed) or holds more than
-    ``max_bytes`` (``expected`` says what it should have been)."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}; expected a regular file, not a link") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{path}: not a regular file")
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    if len(data) > max_bytes:
-        raise ConfigError(f"{path}: larger than {max_bytes} bytes, expected {expected}")
-    return data
+    """A protocol file's bytes, or None if it is not there (:func:`hpcml.safeio.read_bytes`)."""
+    return safeio.read_bytes(path, max_bytes, expected)
 
 
 def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",

@@ -155,8 +155,10 @@ def main(argv=None) -> int:
         trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
         if args.ckpt_dir:
             overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
-            trainer.hooks.append(CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep,
-                                                async_save=args.async_save, overlap=overlap))
+            hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep, async_save=args.async_save,
+                                  overlap=overlap)
+            hook.claim(trainer.grid.comm)  # another job saving there: one line on every rank, no traceback
+            trainer.hooks.append(hook)
             if args.resume:
                 load_trainer(trainer, args.ckpt_dir)
         if args.init_from and not args.resume:  # a requeued job resumes its own checkpoint instead

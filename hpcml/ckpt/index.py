@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcml import safeio
 from hpcml.ckpt import format as fmt, manifest
 from hpcml.ckpt.checked import file_sha256
 from hpcml.ckpt.plan import ChunkMeta
@@ -111,10 +112,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _point_latest(root: Path, name: str) -> None:
     """``latest`` names ``name`` (write + rename, fsynced)."""
-    latest_tmp = root / (fmt.LATEST + ".tmp")
-    latest_tmp.write_text(name + "\n")
-    fsync_path(latest_tmp)
-    latest_tmp.rename(root / fmt.LATEST)
+    safeio.replace(root / fmt.LATEST, name + "\n", fsync=True)  # a link or FIFO put there is replaced, never followed
     fsync_path(root)
 
 

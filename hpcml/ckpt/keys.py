@@ -7,10 +7,11 @@ reader with a key configured refuses a checkpoint that is unsigned or signed by 
 not hold. Signing costs one HMAC over the manifest, not a pass over the data.
 
 Where a key comes from (the first that is set): ``key=`` in the call; ``$HPCML_CKPT_KEY``
-(key text); ``$HPCML_CKPT_KEY_FILE`` (a file, one key per line, not readable by others -- a
-campaign's ``stream.key`` serves). Several keys rotate: the first signs, every one verifies.
-Each key text is stretched through HMAC with a fixed label, so a secret reused from the
-stream never serves the checkpoint under the same key. numpy-free, torch-free.
+(key text); ``$HPCML_CKPT_KEY_FILE`` (a file, one key per line, not readable by others).
+Several keys rotate: the first signs, every one verifies. Keys have roles: a campaign's
+stream secret is held by every simulation, which the stream treats as possibly hostile, so
+it never signs a checkpoint -- a key that is it (the same file, the same text or bytes, one
+inside the other) is refused (:func:`check_role`). numpy-free, torch-free.
 """
 
 from __future__ import annotations
@@ -102,7 +103,50 @@ def from_file(path: str | os.PathLike) -> Keyring:
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(b"#")]
     if not lines:
         raise ConfigError(f"checkpoint key file {path} holds no key: expected one key per line")
+    check_role(lines, f"key file {path}", path)
     return Keyring(tuple(derive(ln, str(path)) for ln in lines), f"key file {path}")
+
+
+def check_role(texts: list[bytes], where: str, path: Path | None = None, environ=None) -> None:
+    """ConfigError when a checkpoint key is the campaign's stream secret: its file (a
+    campaign's ``stream.key``, or ``$HPCML_STREAM_SECRET_FILE``), its text, its bytes, or one
+    inside the other. Every simulation holds that secret; a key it gives could forge a
+    checkpoint that verifies."""
+    from hpcml import safeio
+    from hpcml.contract import ENV, SECRET_FILE
+
+    environ = os.environ if environ is None else environ
+    secret_file = environ.get(ENV["secret_file"])
+    why = f"checkpoint key from {where} is the campaign's stream secret"
+    advice = (": every simulation holds that secret, so it cannot sign checkpoints -- make a key of its own "
+              "(openssl rand -hex 32 > ~/.hpcml-ckpt.key; chmod 600 ~/.hpcml-ckpt.key)")
+    if path is not None and (path.name == SECRET_FILE and (path.parent / "campaign_id.json").exists()
+                             or secret_file and _same(path, secret_file)):
+        raise ConfigError(why + advice)
+    if not secret_file:
+        return
+    try:
+        secret = (safeio.read_text(secret_file, 4096, "the stream secret") or "").strip().lower().encode()
+    except (OSError, ValueError):
+        return  # the stream's own check names it
+    if not secret:
+        return
+    forms = {secret}
+    try:
+        forms.add(bytes.fromhex(secret.decode()))
+    except ValueError:
+        pass
+    for t in texts:
+        t = t.strip()
+        if any(f and (f in t or f in t.lower() or (len(t) >= MIN_KEY_CHARS and t.lower() in f)) for f in forms):
+            raise ConfigError(why + " (or holds it)" + advice)
+
+
+def _same(a: Path, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def keyring(key: bytes | str | os.PathLike | Keyring | bool | None = None) -> Keyring | None:
@@ -113,10 +157,12 @@ def keyring(key: bytes | str | os.PathLike | Keyring | bool | None = None) -> Ke
     if isinstance(key, Keyring):
         return key
     if isinstance(key, (bytes, bytearray)):
+        check_role([bytes(key)], "key=")
         return Keyring((derive(key, "key="),), "key=")
     if key is not None and key is not True:
         return from_file(key)
     if os.environ.get(ENV_KEY):
+        check_role([k.encode() for k in os.environ[ENV_KEY].split()], f"${ENV_KEY}")
         return Keyring(tuple(derive(k, f"${ENV_KEY}") for k in os.environ[ENV_KEY].split()), f"${ENV_KEY}")
     if os.environ.get(ENV_KEY_FILE):
         return from_file(os.environ[ENV_KEY_FILE])
@@ -125,4 +171,4 @@ def keyring(key: bytes | str | os.PathLike | Keyring | bool | None = None) -> Ke
     return None
 
 
-__all__ = ["ENV_KEY", "ENV_KEY_FILE", "Keyring", "derive", "from_file", "key_id", "keyring"]
+__all__ = ["ENV_KEY", "ENV_KEY_FILE", "Keyring", "check_role", "derive", "from_file", "key_id", "keyring"]

@@ -72,7 +72,7 @@ def hold(root: str | os.PathLike) -> bool:
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise CheckpointError(f"cannot take the checkpoint lock {path}: {e.strerror}") from None
-            if prev and _maybe_alive(prev):
+            if prev and maybe_alive(prev):
                 raise CheckpointError(f"{root} is being saved to by {describe(prev)} (by its lock {path}; this file "
                                       f"system has no flock): remove {path} if that job is over") from None
         me = owner()
@@ -120,7 +120,7 @@ def _read(fd: int) -> dict:
     return who if isinstance(who, dict) else {}
 
 
-def _maybe_alive(who: dict) -> bool:
+def maybe_alive(who: dict) -> bool:
     """False only when the owner is surely gone: a process of this boot of this host that
     no longer runs (or another process now has its pid), or this same batch job, requeued."""
     me = owner()
@@ -146,4 +146,4 @@ def _boot_id() -> str:
         return ""
 
 
-__all__ = ["LOCK", "describe", "hold", "hold_on", "owner", "release"]
+__all__ = ["LOCK", "describe", "hold", "hold_on", "maybe_alive", "owner", "release"]

@@ -93,8 +93,10 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 def _limit(ckpt: Path) -> int:
-    """How large the manifest of ``ckpt`` may be: :data:`FREE_MANIFEST_BYTES`, or the bytes of
-    the shard files beside it when more (lstat of plain names only; at most 1<<17 entries)."""
+    """How large the manifest of ``ckpt`` may be: :data:`FREE_MANIFEST_BYTES`, or the bytes the
+    shard files beside it hold on disk when more -- allocated blocks, not lengths, so a shard
+    made sparse cannot make room for a huge manifest (lstat of plain names only; at most 1<<17
+    entries)."""
     data = 0
     try:
         with os.scandir(ckpt) as it:
@@ -102,7 +104,8 @@ def _limit(ckpt: Path) -> int:
                 if k > 1 << 17:
                     break
                 if FILE_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
-                    data += entry.stat(follow_symlinks=False).st_size
+                    st = entry.stat(follow_symlinks=False)
+                    data += min(st.st_size, st.st_blocks * 512)  # what is on disk: a sparse shard claims nothing
     except OSError:
         pass
     return min(MAX_MANIFEST_BYTES, max(FREE_MANIFEST_BYTES, data))

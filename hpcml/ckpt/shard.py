@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -25,6 +24,7 @@ from typing import Iterable
 import h5py
 import numpy as np
 
+from hpcml import safeio
 from hpcml.ckpt.sink import BufferedSink, DirectSink
 from hpcml.errors import CheckpointError
 
@@ -217,17 +217,10 @@ def open_regular(path: Path) -> int:
     socket or device planted under a checkpoint's name is refused at once instead of
     blocking ``open()`` until a writer appears (signals then could not stop the process)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as e:
-        what = "is a symlink" if os.path.islink(path) else (e.strerror or str(e)).lower()
-        raise CheckpointError(f"cannot open {path}: {what} (a checkpoint's files are regular files in its directory)") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise CheckpointError(f"{path} is {_kind(mode)}, not a regular file: refused (a checkpoint's files are "
-                              "regular files)")
-    os.set_blocking(fd, True)
-    return fd
+        return safeio.open_fd(path)
+    except (OSError, ValueError) as e:  # FileRefused is a ValueError
+        what = e if isinstance(e, ValueError) else f"cannot open {path}: {(e.strerror or str(e)).lower()}"
+        raise CheckpointError(f"{what} (a checkpoint's files are regular files in its directory)") from None
 
 
 def read_bounded(path: Path, limit: int, what: str = "") -> bytes:
@@ -241,14 +234,6 @@ def read_bounded(path: Path, limit: int, what: str = "") -> bytes:
         return pread_exact(fd, size, 0)
     finally:
         os.close(fd)
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import h5py
 
+from hpcml import safeio
 from hpcml.ckpt import format as fmt, keys, manifest
 from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.plan import check_fused, fused_spec
@@ -30,7 +31,10 @@ def list_checkpoints(root: str | os.PathLike) -> list[dict]:
         why = "it is a file" if root.exists() else "the path does not exist"
         raise CheckpointError(f"no checkpoint directory at {root}: {why}; expected the run directory that holds "
                               f"its step_N checkpoints")
-    latest = (root / fmt.LATEST).read_text().strip() if (root / fmt.LATEST).is_file() else None
+    try:
+        latest = (safeio.read_text(root / fmt.LATEST, 4096, "a step name") or "").strip() or None
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     out = []
     for p in sorted(root.iterdir()):
         m = fmt.STEP_RE.match(p.name)

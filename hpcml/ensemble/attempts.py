@@ -21,7 +21,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.contract import CONFIG_ERROR
+from hpcml.errors import ConfigError
+from hpcml.log import get_logger
 from hpcml.outcome import read_final_error
 
 RESULT_MARKER = "HPCML_SIM_RESULT"
@@ -31,6 +34,9 @@ CANCEL_FILE = "CANCEL"
 PROVENANCE_FILE = "provenance.jsonl"
 """One JSON record per ended attempt, in ``run_dir``."""
 _CANCELLED_RC = 125
+logger = get_logger(__name__)
+MAX_RECORD_LINE = 1 << 20
+"""An attempt's record or provenance line larger than this is not one hpcml wrote: passed over."""
 
 
 # --- the remote side: runs on the Parsl worker ----------------------------------------------
@@ -47,6 +53,8 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
         return f"exit {_CANCELLED_RC}"  # a retry after cancellation: no attempt, no launch
     if read_final_error(sim_dir) is not None:  # a deterministic error: a retry would fail the same way
         return f"exit {CONFIG_ERROR}"
+    if os.path.islink(sim_dir):  # the group may write the run directory: a link could lead anywhere
+        return f"echo {shlex.quote(f'{sim_dir} is a symbolic link, not a directory of the campaign: refused')} >&2; exit {CONFIG_ERROR}"
     os.makedirs(sim_dir, exist_ok=True)
     k = 0
     while True:
@@ -57,6 +65,9 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
             k += 1
     with os.fdopen(fd, "w") as f:
         json.dump({"start": time.time(), "host": socket.gethostname()}, f)
+    for name in os.listdir(sim_dir):  # the attempt's files are its own: none planted before it was claimed
+        if name.startswith(f"attempt_{k}.") and name != f"attempt_{k}.start":
+            os.unlink(os.path.join(sim_dir, name))  # a name, never followed
     script = os.path.join(sims_dir, "attempt.sh")
     # `launch` stays unquoted: $PARSL_MPI_PREFIX must expand on the worker.
     return (f"exec /bin/bash {shlex.quote(script)} {shlex.quote(sim_dir)} {int(sim_id)} {k} {int(limit_s)} "
@@ -74,6 +85,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 base=$dir/attempt_$k
 [ -f "$here/env.sh" ] && . "$here/env.sh"
 export HPCML_SIM_ID=$id HPCML_ATTEMPT=$k HPCML_STREAM_RECORD=$base.stream.json
+set -C  # noclobber: a file or link put at one of this attempt's names is refused, never written through
 exec >"$base.out" 2>"$base.err" </dev/null
 printf '%q ' "$@" >"$base.cmd"  # the command as launched: $PARSL_MPI_PREFIX expanded
 set -m
@@ -96,18 +108,19 @@ stop() {
     kill -KILL -- -"$child" 2>/dev/null
 }
 interrupted=0 killer=
+note() { [ -e "$base.reason" ] || echo "$1" >"$base.reason"; }  # the first reason stands
 # Signalled (e.g. a worker shutting down): TERM the attempt now, KILL it after the grace
 # period from the background, so that the wait below reaps it as soon as it exits.
-trap 'interrupted=1; echo interrupted >"$base.reason"; kill -TERM -- -"$child" 2>/dev/null
+trap 'interrupted=1; note interrupted; kill -TERM -- -"$child" 2>/dev/null
       (sleep "$grace"; kill -KILL -- -"$child" 2>/dev/null) & killer=$!' TERM INT HUP
 (
     n=0
     while sleep 1; do
         kill -0 "$child" 2>/dev/null || exit 0
         n=$((n + 1))
-        if [ -e "$here/CANCEL" ]; then echo cancelled >"$base.reason"
-        elif [ "$limit" -gt 0 ] && [ "$n" -ge "$limit" ]; then echo timeout >"$base.reason"
-        elif driver_gone; then echo driver_gone >"$base.reason"
+        if [ -e "$here/CANCEL" ]; then note cancelled
+        elif [ "$limit" -gt 0 ] && [ "$n" -ge "$limit" ]; then note timeout
+        elif driver_gone; then note driver_gone
         else continue; fi
         stop
         exit 0
@@ -119,7 +132,7 @@ wait "$child"; rc=$?
 if [ "$interrupted" = 1 ]; then wait "$child"; rc=$?; kill "$killer" 2>/dev/null; fi
 kill -- -"$watcher" 2>/dev/null
 wait "$watcher" 2>/dev/null
-[ -f "$base.reason" ] && reason=$(cat "$base.reason")
+[ -f "$base.reason" ] && [ ! -L "$base.reason" ] && reason=$(head -c 32 "$base.reason")
 # MPICH's hydra exits 0 after forwarding SIGTERM: a stopped attempt must not look like a
 # success -- unless it printed its result line, its last act: then it finished as the stop came.
 if [ -n "$reason" ] && [ "$rc" = 0 ]; then
@@ -149,16 +162,11 @@ def clear_cancel(sims_dir: Path) -> None:
 
 def _write_if_changed(path: Path, text: str, mode: int) -> None:
     try:
-        if path.read_text() == text:
+        if safeio.read_text(path, len(text.encode()) + 1) == text:
             return
-    except OSError:
+    except (OSError, ConfigError):
         pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    safeio.replace(path, text, mode=mode)
 
 
 def sim_dir(run_dir: Path, sim_id: int) -> Path:
@@ -170,18 +178,18 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
     """The provenance record of attempt ``k`` of the simulation in ``directory``, or None
     while it runs (``missing_end``: it is over but left no end record; its return code is
     ``missing_end_rc``)."""
-    base = directory / f"attempt_{k}"
-    start = read_json(base.with_suffix(".start")) or {}
-    end = read_json(base.with_suffix(".end"))
+    base, root = directory / f"attempt_{k}", run_dir  # every file read below the run directory, no link followed
+    start = read_json(base.with_suffix(".start"), root=root) or {}
+    end = read_json(base.with_suffix(".end"), root=root)
     if end is None and not missing_end:
         return None
     out, err = base.with_suffix(".out"), base.with_suffix(".err")
-    result = parse_result(out)
-    if end is not None:
-        rc, t_end, reason = end.get("returncode"), end.get("end"), end.get("reason") or None
+    result = parse_result(out, root=root)
+    if end is not None:  # written by the wrapper, yet input: a field of the wrong type is as good as none
+        rc, t_end, reason = _int(end.get("returncode")), _time(end.get("end")), end.get("reason") or None
     else:  # no end record: the wrapper itself was killed, the worker lost, or the file not yet visible
         rc, t_end, reason = missing_end_rc, None, None
-    sig = exit_signal(rc, tail_text(out) + tail_text(err))
+    sig = exit_signal(rc, tail_text(out, root=root) + tail_text(err, root=root))
     if reason in ("timeout", "cancelled", "interrupted", "driver_gone"):
         status = reason
     elif rc == 0:
@@ -190,16 +198,17 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
         status = "killed"
     else:
         status = "lost" if rc is None else "failed"
-    t_start = start.get("start")
+    t_start = _time(start.get("start"))
+    host = start.get("host")
     return {
         "sim_id": sim_id, "attempt": k, "params": dict(params), "status": status,
         "returncode": rc, "signal": sig,
         "samples_sent": result.get("samples_sent") if result else None, "result": result,
-        "streamed": stream_record(directory, k),
+        "streamed": stream_record(directory, k, root=root),
         "start": t_start, "end": t_end,
         "duration_s": round(t_end - t_start, 3) if t_start is not None and t_end is not None else None,
-        "host": start.get("host"), "launch": launch, "argv": list(argv),
-        "command": read_text(base.with_suffix(".cmd")),
+        "host": host[:256] if isinstance(host, str) else None, "launch": launch, "argv": list(argv),
+        "command": read_text(base.with_suffix(".cmd"), root=root),
         "stdout": str(out.relative_to(run_dir)), "stderr": str(err.relative_to(run_dir)),
     }
 
@@ -223,8 +232,7 @@ def record_ended(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping
                 rec = attempt_record(run_dir, directory, **args, missing_end_rc=rc, missing_end=True)
             if rec is not None:
                 recorded[k] = rec
-                with open(run_dir / PROVENANCE_FILE, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                append_provenance(run_dir, [rec])
         k += 1
     if final and exc is not None and not ok and (k - 1) in recorded:
         _note_stderr(exc, run_dir / recorded[k - 1]["stderr"])
@@ -247,19 +255,23 @@ def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
 
 
 def iter_provenance(run_dir: Path):
-    """The provenance records one at a time (a campaign of 10^5 members is not held at once)."""
-    try:
-        f = open(Path(run_dir) / PROVENANCE_FILE, errors="replace")
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                yield rec
+    """The provenance records one at a time (a campaign of 10^5 members is not held at once);
+    a line that is not one of ours (torn, too long, too deep, not JSON) is passed over."""
+    for line in safeio.iter_lines(Path(run_dir) / PROVENANCE_FILE, MAX_RECORD_LINE, root=run_dir):
+        try:
+            rec = safeio.parse_json(line, PROVENANCE_FILE, max_depth=8)
+        except ConfigError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def append_provenance(run_dir: Path, records: list[dict]) -> None:
+    """Append records to ``run_dir/provenance.jsonl`` in one write, never through a link
+    (:func:`hpcml.safeio.append`)."""
+    if records:
+        safeio.append(Path(run_dir) / PROVENANCE_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records),
+                      root=run_dir, lines=True)
 
 
 def record_orphans(run_dir: Path) -> int:
@@ -267,33 +279,39 @@ def record_orphans(run_dir: Path) -> int:
     ran (the wrapper ended them, ``driver_gone``, or was killed itself: ``lost``). How many."""
     recorded = {(r.get("sim_id"), r.get("attempt")) for r in iter_provenance(run_dir)}
     n = 0
-    for d in sorted((Path(run_dir) / "sims").glob("sim_*")):
+    sims = Path(run_dir) / "sims"
+    if sims.is_symlink():
+        raise ConfigError(f"{sims}: a symbolic link, not the campaign's directory of simulations: refused (it "
+                          f"could lead anywhere); move it away and resume")
+    for d in sorted(sims.glob("sim_*")):
         try:
             sim = int(d.name[4:])
         except ValueError:
             continue
-        spec = read_json(d / "spec.json") or {}
+        if d.is_symlink() or not d.is_dir():  # not a directory this campaign made: nothing of it is read
+            logger.warning("%s is not a directory of this campaign (a link or a file): passed over", d)
+            continue
+        spec = read_json(d / "spec.json", root=run_dir) or {}
+        spec = {"params": spec.get("params") if isinstance(spec.get("params"), dict) else {},
+                "argv": [str(a) for a in spec["argv"]] if isinstance(spec.get("argv"), list) else []}
         k = 0
         while (d / f"attempt_{k}.start").exists():
             if (sim, k) not in recorded:
                 rec = attempt_record(Path(run_dir), d, sim_id=sim, params=spec.get("params") or {},
                                      argv=spec.get("argv") or [], launch="", k=k, missing_end=True)
-                with open(Path(run_dir) / PROVENANCE_FILE, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                append_provenance(run_dir, [rec])
                 n += 1
             k += 1
     from hpcml.ensemble.bundle import orphan_rows  # imports nothing of the driver's
 
     rows = orphan_rows(Path(run_dir), recorded)
-    if rows:
-        with open(Path(run_dir) / PROVENANCE_FILE, "a") as f:
-            f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+    append_provenance(run_dir, rows)
     return n + len(rows)
 
 
-def stream_record(directory: Path, k: int) -> int | None:
+def stream_record(directory: Path, k: int, *, root: Path | None = None) -> int | None:
     """Samples attempt ``k`` streamed (its Producer's record), or None: it created no Producer."""
-    rec = read_json(directory / f"attempt_{k}.stream.json")
+    rec = read_json(directory / f"attempt_{k}.stream.json", root=root)
     n = rec.get("n_sent") if rec else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
@@ -327,42 +345,47 @@ def next_attempt(sim_dir: Path) -> int:
     return k
 
 
-def read_json(path: Path) -> dict | None:
+def read_json(path: Path, *, root: Path | None = None) -> dict | None:
+    """An attempt's small record, or None when it is missing or not one of ours (a link, a
+    FIFO, too large, not JSON): the attempt then counts as not ended, or lost."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
+        return safeio.read_json(path, MAX_RECORD_LINE, root=root)
+    except (OSError, ConfigError):
         return None
 
 
-def tail_text(path: Path, max_bytes: int = 8192) -> str:
+def read_text(path: Path, *, root: Path | None = None) -> str | None:
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+        text = safeio.read_text(path, MAX_RECORD_LINE, root=root)
+    except (OSError, ConfigError):
+        return None
+    return None if text is None else text.strip()
+
+
+def tail_text(path: Path, max_bytes: int = 8192, *, root: Path | None = None) -> str:
+    return safeio.tail(path, max_bytes, root=root).decode(errors="replace")
+
+
+def _int(v) -> int | None:
+    return v if type(v) is int and abs(v) < 1 << 31 else None
+
+
+def _time(v) -> float | None:
+    return float(v) if type(v) in (int, float) and 0 <= v < 1e11 else None
 
 
 def tail_lines(path: Path, n: int) -> list[str]:
     return [line.strip() for line in tail_text(path).splitlines() if line.strip()][-n:]
 
 
-def parse_result(out: Path) -> dict | None:
-    """The last ``HPCML_SIM_RESULT {json}`` line of an attempt's stdout (its last MiB)."""
-    for line in reversed(tail_text(out, 1 << 20).splitlines()):
+def parse_result(out: Path, *, root: Path | None = None) -> dict | None:
+    """The last ``HPCML_SIM_RESULT {json}`` line of an attempt's stdout (its last MiB): the
+    simulation's own output, so untrusted -- too deep or not JSON is no result."""
+    for line in reversed(tail_text(out, 1 << 20, root=root).splitlines()):
         if line.startswith(RESULT_MARKER + " "):
             try:
-                data = json.loads(line[len(RESULT_MARKER) + 1:])
-            except ValueError:
+                data = safeio.parse_json(line[len(RESULT_MARKER) + 1:], str(out), max_depth=16)
+            except ConfigError:
                 return None
             return data if isinstance(data, dict) else None
     return None

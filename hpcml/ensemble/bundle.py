@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD, read_bytes
 from hpcml.outcome import FINAL_SUFFIX
 from hpcml.errors import ConfigError
@@ -71,21 +72,23 @@ def load_entry(entry: str) -> Callable:
 def write_spec(bundle_dir: Path, entry: str, members: list[dict], retries: int) -> None:
     """The driver's side: what the bundle runs (atomically: the task may start at once)."""
     bundle_dir.mkdir(parents=True, exist_ok=True)
-    tmp = bundle_dir / f".{SPEC_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"entry": entry, "retries": retries, "members": members}, separators=(",", ":")))
-    os.replace(tmp, bundle_dir / SPEC_FILE)
+    safeio.replace(bundle_dir / SPEC_FILE, json.dumps({"entry": entry, "retries": retries, "members": members},
+                                                      separators=(",", ":")))
 
 
-def read_records(bundle_dir: Path) -> list[dict]:
-    """Every member attempt's record so far (a line cut by a crash is skipped)."""
-    data = read_bytes(Path(bundle_dir) / RECORDS_FILE, MAX_RECORDS_BYTES, "the bundle's member records")
+def read_records(bundle_dir: Path, *, root: Path | None = None) -> list[dict]:
+    """Every member attempt's record so far (a line cut by a crash is skipped); ``root``: the
+    run directory, below which no link is followed."""
+    data = safeio.read_bytes(Path(bundle_dir) / RECORDS_FILE, MAX_RECORDS_BYTES, "the bundle's member records",
+                             root=root)
     out = []
     for line in (data or b"").decode(errors="replace").splitlines():
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = safeio.parse_json(line, RECORDS_FILE, max_depth=16)
+        except ConfigError:
             continue
         if (isinstance(rec, dict) and type(rec.get("sim_id")) is int and type(rec.get("attempt")) is int
+                and 0 <= rec["sim_id"] < 1 << 53 and 0 <= rec["attempt"] < 1 << 31
                 and rec.get("status") in ("ok", "failed", "final")):  # others' writes are input: checked
             out.append(rec)
     return out
@@ -108,23 +111,25 @@ def orphan_rows(run_dir: Path, recorded: set) -> list[dict]:
     reuses their attempt numbers."""
     rows = []
     for d in sorted((Path(run_dir) / "sims").glob("bundle_*")):
+        if d.is_symlink() or not d.is_dir():  # not a bundle this campaign made: nothing of it is read
+            continue
         try:
-            entry = _read_spec(d)["entry"]
+            entry = _read_spec(d, root=run_dir)["entry"]
         except ConfigError:
             continue
-        for rec in read_records(d):
+        for rec in read_records(d, root=run_dir):
             if (rec["sim_id"], rec.get("attempt")) not in recorded:
                 rows.append(provenance_row(rec, entry, "", d.name))
                 recorded.add((rec["sim_id"], rec.get("attempt")))
     return rows
 
 
-def _read_spec(bundle_dir: Path) -> dict:
-    data = read_bytes(bundle_dir / SPEC_FILE, MAX_SPEC_BYTES, "a bundle's members (JSON)")
+def _read_spec(bundle_dir: Path, *, root: Path | None = None) -> dict:
+    data = safeio.read_bytes(bundle_dir / SPEC_FILE, MAX_SPEC_BYTES, "a bundle's members (JSON)", root=root)
     if data is None:
         raise ConfigError(f"bundle {bundle_dir}: no {SPEC_FILE}")
     try:
-        spec = json.loads(data)
+        spec = safeio.parse_json(data, f"bundle {bundle_dir}/{SPEC_FILE}", max_depth=8)
         members = [(int(m["sim_id"]), dict(m["params"]), int(m.get("first_attempt", 0))) for m in spec["members"]]
         retries = int(spec.get("retries", 0))
         entry = str(spec["entry"])
@@ -143,7 +148,9 @@ def run_bundle(bundle_dir: str | os.PathLike, *, bundle_attempt: int = 0) -> dic
     ended = {r["sim_id"] for r in read_records(bundle_dir) if r.get("status") in ("ok", "final")}
     counts = {"ok": 0, "failed": 0, "final": 0, "skipped": len({m[0] for m in spec["members"]} & ended)}
     saved = {k: os.environ.get(k) for k in (ENV_SIM_ID, ENV_ATTEMPT, ENV_STREAM_RECORD)}
-    with open(bundle_dir / RECORDS_FILE, "a") as log:
+    fd = safeio.open_fd(bundle_dir / RECORDS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a") as log:
+        log.write(safeio.ends_torn(fd).decode())  # a record torn by a killed bundle stays a line of its own
         try:
             for sim_id, params, first in spec["members"]:
                 if sim_id in ended:
@@ -182,9 +189,10 @@ def _attempt(fn: Callable, bundle_dir: Path, sim_id: int, params: dict, attempt:
         data = read_bytes(path, 1 << 16, "a member's record") if path.exists() else None
         if data is not None:
             try:
-                rec = json.loads(data)
-            except ValueError:
+                rec = safeio.parse_json(data, str(path), max_depth=8)
+            except ConfigError:
                 rec = {}
+            rec = rec if isinstance(rec, dict) else {}
             if take == "n_sent":
                 streamed = rec.get("n_sent")
             elif status != "final":  # its producer refused something deterministic, even if the entry caught it

@@ -4,7 +4,6 @@ folded into the campaign's provenance when a task ends."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -55,24 +54,25 @@ def settle(task: BundleTask, run_dir: Path, launch: str, exc: BaseException | No
     """Fold the task's member records into provenance and set each member's outcome and
     final error; a member with no record was lost with its task (``exc``) or never started."""
     by: dict[int, list[dict]] = {}
-    for rec in bundle.read_records(task.dir):
+    for rec in bundle.read_records(task.dir, root=run_dir):
         by.setdefault(rec["sim_id"], []).append(rec)
-    with open(run_dir / attempts.PROVENANCE_FILE, "a") as f:
-        for s in task.sims:
-            recs = by.get(s.spec.sim_id, [])
-            for r in recs:
-                if r["attempt"] in s.recorded:
-                    continue
-                row = bundle.provenance_row(r, s.spec.entry, launch, task.dir.name)
-                s.recorded[r["attempt"]] = {k: row[k] for k in ("status", "samples_sent", "duration_s", "streamed")}
-                f.write(json.dumps(row, default=str) + "\n")
-            last = recs[-1] if recs else None
-            s.finished = time.monotonic()
-            if last is not None and last["status"] == "ok":
-                s.outcome = "completed"
-            elif last is not None and last["status"] == "final":
-                s.outcome, s.final_error = "failed", str(last.get("error"))
-            elif last is not None or exc is not None:
-                s.outcome = "failed"
-            else:
-                s.outcome = "cancelled"
+    rows = []
+    for s in task.sims:
+        recs = by.get(s.spec.sim_id, [])
+        for r in recs:
+            if r["attempt"] in s.recorded:
+                continue
+            row = bundle.provenance_row(r, s.spec.entry, launch, task.dir.name)
+            s.recorded[r["attempt"]] = {k: row[k] for k in ("status", "samples_sent", "duration_s", "streamed")}
+            rows.append(row)
+        last = recs[-1] if recs else None
+        s.finished = time.monotonic()
+        if last is not None and last["status"] == "ok":
+            s.outcome = "completed"
+        elif last is not None and last["status"] == "final":
+            s.outcome, s.final_error = "failed", str(last.get("error"))
+        elif last is not None or exc is not None:
+            s.outcome = "failed"
+        else:
+            s.outcome = "cancelled"
+    attempts.append_provenance(run_dir, rows)  # one write for the task's members

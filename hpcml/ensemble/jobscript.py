@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.ensemble.checks import check_count, walltime_seconds, warning_seconds
 from hpcml.ensemble.rules import Fact, Queue
 from hpcml.ensemble.site import Site, load_site, python_env_line
@@ -227,8 +228,7 @@ def submit(spec: JobSpec, path: str | Path) -> str:
     path = Path(path).resolve()
     if spec.script_path is None and spec.site.batch.resubmits:  # the script submits itself again from there
         spec = dataclasses.replace(spec, script_path=str(path))
-    path.write_text(render(spec))
-    path.chmod(0o755)
+    safeio.replace(path, render(spec), mode=0o755)
     return spec.site.batch.submit(path, spec.site.name)
 
 

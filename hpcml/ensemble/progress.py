@@ -7,8 +7,7 @@ stays readable and small.
 
 from __future__ import annotations
 
-import json
-import os
+from hpcml import safeio
 import sys
 import time
 from pathlib import Path
@@ -21,20 +20,13 @@ def last_json_line(path: Path, *, max_bytes: int = 65536) -> dict | None:
     The trainer appends to ``metrics.jsonl`` while we read, so a partial last line is
     skipped in favour of the one before it.
     """
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            tail = f.read()
-    except OSError:
-        return None
+    tail = safeio.tail(path, max_bytes)
     for line in reversed(tail.split(b"\n")):
         line = line.strip()
         if not line:
             continue
         try:
-            rec = json.loads(line)
+            rec = safeio.parse_json(line, str(path))
         except ValueError:
             continue
         if isinstance(rec, dict):

@@ -37,6 +37,7 @@ from typing import Any
 
 from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, LEASE_FILE, read_json, write_json
 from hpcml.ensemble import attempts
+from hpcml.ensemble.driver_lease import DriverLease
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
@@ -53,6 +54,7 @@ STATE = ("campaign.json", "training.json", "provenance.jsonl", "sims_done.json",
 PROTOCOL_FILES = (ENDPOINTS_FILE, LEASE_FILE)
 
 _held: dict[Path, int] = {}  # run_dir -> the locked directory's descriptor, held by this process
+_leases: dict[Path, DriverLease] = {}  # run_dir -> its driver lease, renewed by this process
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,15 @@ def claim(run_dir: Path, sims: Sequence[SimSpec] = (), training: TrainingJob | N
         raise ConfigError(f"{where}: {e.strerror}; expected a directory, or a path where one can be made") from None
     _lock(run_dir)
     try:
-        cid, held, rec = _identity(run_dir, sims, training, resume=resume, adaptive=adaptive)
-    except BaseException:
+        return _take(run_dir, sims, training, resume=resume, entry=entry, adaptive=adaptive)
+    except BaseException:  # refused (another campaign, a tampered record): the directory is free again
         release(run_dir)
         raise
+
+
+def _take(run_dir: Path, sims, training, *, resume: bool, entry: str, adaptive: dict | None) -> Claim:
+    where = f"run directory {run_dir}"
+    cid, held, rec = _identity(run_dir, sims, training, resume=resume, adaptive=adaptive)
     run = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     rec.setdefault("runs", []).append({"run": run, "entry": entry, "started": attempts.iso(time.time()),
                                        "host": socket.gethostname(), "pid": os.getpid()})
@@ -170,14 +177,23 @@ def _lock(run_dir: Path) -> None:
         holder = f"pid {runs[-1].get('pid', '?')} on {runs[-1].get('host', '?')}"
         raise ConfigError(f"run directory {run_dir} is in use by a running driver ({holder}): wait for it to end, "
                           f"or use a new directory") from None
-    except OSError as e:  # a file system without flock (some NFS, Lustre mounted without it): go on, unguarded
-        logger.warning("run directory %s: cannot lock it (%s): a second driver would not be stopped", run_dir,
-                       e.strerror)
+    except OSError as e:  # a file system without flock (some NFS, Lustre mounted without it): the lease decides
+        logger.info("run directory %s: no flock here (%s): its driver lease guards it", run_dir, e.strerror)
+    lease = DriverLease(run_dir)  # also with flock: Lustre's localflock keeps a lock per node only
+    try:
+        lease.take()
+    except BaseException:
+        os.close(fd)
+        raise
     _held[run_dir] = fd
+    _leases[run_dir] = lease
 
 
 def release(run_dir: Path) -> None:
     """Give up the claim of ``run_dir`` (the lock goes with it)."""
+    lease = _leases.pop(Path(run_dir).resolve(), None)
+    if lease is not None:
+        lease.release()
     fd = _held.pop(Path(run_dir).resolve(), None)
     if fd is not None:
         os.close(fd)

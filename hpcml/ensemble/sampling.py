@@ -117,6 +117,10 @@ class _Cube:
         return np.clip(out, 0.0, 1.0)
 
 
+#: A sampler's counters (points drawn, waves) never pass this: a state that says more was not recorded by one.
+MAX_COUNT = 2**31 - 1
+
+
 def _n(n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ConfigError(f"propose(n={n!r}): expected an integer >= 0")
@@ -135,8 +139,9 @@ def _state(state: object, kind: str, keys: Collection[str], others: Collection[s
         raise ConfigError(f"{who}: the state was drawn with seed {state.get('seed')}, this sampler has seed {seed}")
     for k in keys:
         v = state[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{who}: {k}={v!r}, expected an integer >= 0")
+        top = 2**128 if k == "seed" else MAX_COUNT
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+            raise ConfigError(f"{who}: {k}={v!r}, expected an integer from 0 to {top}")
     return dict(state)
 
 
@@ -235,7 +240,7 @@ class FullFactorial:
 
     def __init__(self, bounds: Bounds, n: int | Mapping[str, int], *,
                  log: Collection[str] = frozenset()) -> None:
-        self.points = full_factorial(bounds, n, log=log)
+        self.points, self.bounds = full_factorial(bounds, n, log=log), dict(bounds)
         self.drawn = 0
 
     @property

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE, write_text
 from hpcml.ensemble import schedulers, watchdog
 from hpcml.ensemble.attempts import tail_text
@@ -116,8 +117,9 @@ class TrainerProcess:
         env = {**os.environ, **self.env, **job.env, ENV["launch"]: self.launch,
                **({ENV["resume"]: "1"} if restart else {})}
         logger.info("training job: %s", self.line)
-        mode = "ab" if restart or append else "wb"
-        with open(self.run_dir / "train.out", mode) as out, open(self.run_dir / "train.err", mode) as err:
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if restart or append else os.O_TRUNC)
+        with os.fdopen(safeio.open_fd(self.run_dir / "train.out", flags, root=self.run_dir), "wb") as out, \
+                os.fdopen(safeio.open_fd(self.run_dir / "train.err", flags, root=self.run_dir), "wb") as err:
             # its own process group, under the watchdog that ends it if this driver dies
             self.proc = subprocess.Popen(watchdog.command(["/bin/bash", "-c", self.line]), stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)

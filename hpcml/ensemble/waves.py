@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.contract import read_bytes, read_json
 from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
 from hpcml.ensemble.spec import SimSpec
@@ -97,9 +98,14 @@ class WavePlan:
         self.sampler, self.budget, self.size = sampler, budget, size
         self.ended: str | None = None
         """Why no wave follows (a target reached), once :meth:`end` recorded it."""
+        self._initial = sampler.state_dict()
         self.waves: list[dict] = self._read()
         if self.waves:
-            self.sampler.load_state_dict(self.waves[-1]["sampler"])
+            try:
+                self.sampler.load_state_dict(self.waves[-1]["sampler"])
+            except (ConfigError, TypeError, KeyError) as e:
+                raise ConfigError(f"{self.path}, line {len(self.waves)}: the sampler's state is not one it can take "
+                                  f"({e})") from None
             logger.info("%d wave(s), %d simulation(s) recorded in %s: continuing from them", len(self.waves),
                         self.proposed, self.path)
 
@@ -183,10 +189,34 @@ class WavePlan:
         """One line, on disk before anything it decides happens."""
         if isinstance(line, dict):
             line = json.dumps(line) + "\n"
-        with open(self.path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        safeio.append(self.path, line, fsync=True, lines=True)
+
+    def _check_recorded(self, w: dict, line: int, first: int) -> None:
+        """A recorded wave is input (the group may write the run directory): no more simulations
+        than the plan allows, and parameters the sampler could have proposed -- finite, its
+        names, inside its bounds -- or it is refused, naming the file and line, before anything runs."""
+        where = f"{self.path}, line {line}"
+        if len(w["ids"]) > self.size or first + len(w["ids"]) > self.budget:
+            raise ConfigError(f"{where}: wave {w['wave']} of {len(w['ids'])} simulations from id {first}: this plan "
+                              f"runs waves of at most {self.size} and {self.budget} simulations in all")
+        counted = _counters_past(w["sampler"], self._initial, drawn=first + len(w["ids"]), waves=w["wave"] + 1)
+        if counted:
+            raise ConfigError(f"{where}: the sampler's state says {counted}: more than this plan drew (a sampler "
+                              f"counts at most the simulations and waves proposed since its start)")
+        bounds = sampler_bounds(self.sampler)
+        for sim, p in zip(w["ids"], w["params"]):
+            bad = next((k for k, v in p.items() if isinstance(v, bool) or not math.isfinite(v)), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: simulation {sim} has {bad}={p[bad]!r}: expected a finite number")
+            if bounds is None:
+                continue
+            if set(p) != set(bounds):
+                raise ConfigError(f"{where}: simulation {sim} has parameters {sorted(p)[:8]}, the sampler's are "
+                                  f"{sorted(bounds)}")
+            out = next((k for k, v in p.items() if not _inside(v, *bounds[k])), None)
+            if out is not None:
+                raise ConfigError(f"{where}: simulation {sim} has {out}={p[out]!r}, outside the sampler's bounds "
+                                  f"{tuple(bounds[out])}")
 
     def _read(self) -> list[dict]:
         data = read_bytes(self.path, MAX_BYTES, "a wave record of this library")
@@ -196,14 +226,17 @@ class WavePlan:
         complete, torn = lines[:-1], lines[-1]
         if torn:  # cut off, so that the next wave starts a line of its own
             logger.warning("%s: its last line is incomplete (a crash while it was written): dropped", self.path)
-            with open(self.path, "r+b") as f:
-                f.truncate(len(data) - len(torn))
-                os.fsync(f.fileno())
+            fd = safeio.open_fd(self.path, os.O_RDWR)
+            try:
+                os.ftruncate(fd, len(data) - len(torn))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         waves: list[dict] = []
         first = 0  # the id the next recorded wave starts at
         for n, raw in enumerate(complete, 1):
+            w = safeio.parse_json(raw, f"{self.path}, line {n}")  # not JSON, too deep, 1e999: refused, saying which
             try:
-                w = json.loads(raw)
                 if isinstance(w, dict) and "end" in w and n == len(complete) and w.get("proposed") == first:
                     self.ended = str(w["end"])  # the plan ended there (a target reached)
                     break
@@ -217,9 +250,40 @@ class WavePlan:
             if not ok:
                 raise ConfigError(f"{self.path}, line {n}: not the next wave of this record (wave {len(waves)}, "
                                   f"simulations numbered on from {first})")
+            self._check_recorded(w, n, first)
             waves.append(w)
             first += len(w["ids"])
         return waves
+
+
+def sampler_bounds(sampler) -> dict[str, tuple[float, float]] | None:
+    """The parameter bounds of ``sampler`` (hpcml's samplers say them), or None."""
+    bounds = getattr(sampler, "bounds", None)
+    if bounds is None:
+        bounds = getattr(getattr(sampler, "cube", None), "bounds", None)
+    return {str(k): (float(v[0]), float(v[1])) for k, v in bounds.items()} if isinstance(bounds, Mapping) else None
+
+
+def _counters_past(state, initial, *, drawn: int, waves: int, path: str = "") -> str | None:
+    """The first of a recorded sampler state's counters (``drawn``, ``wave``, nested states
+    too) past what the plan proposed since the sampler's ``initial`` state, as ``path=value``."""
+    if not isinstance(state, Mapping):
+        return None
+    initial = initial if isinstance(initial, Mapping) else {}
+    for k, v in state.items():
+        start = initial.get(k)
+        start = start if type(start) is int else 0
+        if k in ("drawn", "wave") and type(v) is int and v > start + (drawn if k == "drawn" else waves):
+            return f"{path}{k}={v}"
+        if isinstance(v, Mapping) and (found := _counters_past(v, initial.get(k), drawn=drawn, waves=waves,
+                                                               path=f"{path}{k}.")):
+            return found
+    return None
+
+
+def _inside(v: float, lo: float, hi: float) -> bool:
+    slack = 1e-9 * max(abs(lo), abs(hi), 1.0)  # a bound mapped back from the unit cube
+    return lo - slack <= v <= hi + slack
 
 
 def rank_idle(running: list[int], ranks: int) -> bool:

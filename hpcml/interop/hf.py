@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpcml import safeio
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
 from hpcml.interop.hf_files import SafetensorsDir, data_bytes, read_json
 from hpcml.models.transformer.config import TransformerConfig
@@ -328,9 +329,9 @@ def export_hf(ckpt_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     total = sum(t.numel() * t.element_size() for t in weights.values())
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, ns in zip(files, shards) for n in ns}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        safeio.replace(out / "model.safetensors.index.json", json.dumps(index, indent=2))
     saved_dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, saved_dtype), indent=2))
+    safeio.replace(out / "config.json", json.dumps(hf_config(cfg, saved_dtype), indent=2))
     return {"files": files, "bytes": total, "seconds": time.perf_counter() - t0, "read_seconds": read_s}
 
 

@@ -9,7 +9,6 @@ opened (an index naming ``../x`` or a symbolic link out of it is refused). Reads
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpcml import safeio
 from hpcml.ckpt.shard import open_regular, read_bounded
 from hpcml.errors import CheckpointError, ConfigError
 
@@ -64,10 +64,7 @@ def read_json(root: Path, name: str, limit: int):
         raw = read_bounded(path.resolve(), limit)  # inside the directory (or the hub cache): checked above
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
+    return safeio.parse_json(raw, str(path), constants=True)  # transformers writes Infinity: its checks name it
 
 
 def inside(root: Path, name) -> Path:
@@ -100,9 +97,9 @@ def header(path: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: header length {n} does not fit a {size}-byte file "
                                   f"(limit {MAX_HEADER_BYTES}): not a safetensors file")
         try:
-            h = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not JSON ({e})") from None
+            h = safeio.parse_json(f.read(n), f"{path}: header")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     if not isinstance(h, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     h.pop("__metadata__", None)

@@ -13,6 +13,7 @@ from hpcml.plan.predict import predict, predict_lines
 from hpcml.plan.spec import ATTENTION, FRAMEWORKS, PRECISIONS, RECOMPUTE, PlanLayout
 
 MAX_LAYOUT_FILE = 64 << 20
+MAX_LAYOUT_LINES = 20_000
 _LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "schedule")
 
 
@@ -96,13 +97,19 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
         if len(text) > MAX_LAYOUT_FILE:
             raise ConfigError(f"--layouts -: more than {MAX_LAYOUT_FILE} bytes")
     else:
-        from hpcml.ckpt.shard import read_bounded
+        from hpcml import safeio
 
         try:
-            text = read_bounded(Path(args.layouts), MAX_LAYOUT_FILE, "--layouts takes").decode("utf-8", "replace")
+            text = safeio.read_text(Path(args.layouts), MAX_LAYOUT_FILE, "JSON lines of layouts")
         except OSError as e:
             raise ConfigError(f"--layouts {args.layouts}: {e.strerror}") from None
-    results = predict_lines(text.splitlines(), given)
+        if text is None:
+            raise ConfigError(f"--layouts {args.layouts}: no such file")
+    lines = text.splitlines()
+    if len(lines) > MAX_LAYOUT_LINES:
+        raise ConfigError(f"--layouts {args.layouts}: {len(lines)} lines, at most {MAX_LAYOUT_LINES} (a prediction "
+                          f"costs ~1 ms: split the file, or let `hpcml plan` search: give no tp, pp, cp, ep)")
+    results = predict_lines(lines, given)
     for r in results:
         if args.json:
             print(json.dumps(r))

@@ -41,14 +41,15 @@ from hpcml.stream.handshake import HandshakeError
 logger = log.get_logger(__name__)
 
 
-
 def trainer_mismatch(info: dict, *, campaign: str, run: str, fields: Sequence[str], params: Mapping,
                      global_shape: Sequence[int]) -> str | None:
     """What in a producer's output the trainer that sent ``info`` would drop, or None."""
     if info.get("campaign") != campaign:
         return f"the trainer belongs to campaign {info.get('campaign')!r}, this simulation to {campaign!r}"
-    if run and info.get("run") and info["run"] != run:
-        return f"the trainer belongs to run {info['run']!r} of the campaign, this simulation to run {run!r}"
+    if info.get("run") and info["run"] != run:
+        return (f"the trainer belongs to run {info['run']!r} of the campaign, this simulation to run {run!r}" if run
+                else f"the trainer belongs to run {info['run']!r} of the campaign, this producer names no run "
+                     f"(build it with Producer.from_campaign, or pass run=)")
     want = info.get("fields") or []
     if want and sorted(fields) != sorted(want):
         return f"fields {sorted(fields)} sent, the trainer takes {sorted(want)}"

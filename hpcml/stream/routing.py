@@ -17,11 +17,13 @@ secret is 32 random bytes in a file readable by its owner only.
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import secrets
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.contract import read_endpoints, write_endpoints
 from hpcml.errors import ConfigError
 
@@ -48,7 +50,7 @@ def new_secret(path: str | os.PathLike) -> bytes:
         return read_secret(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key.hex().encode())
     return key
@@ -56,8 +58,10 @@ def new_secret(path: str | os.PathLike) -> bytes:
 
 def read_secret(path: str | os.PathLike) -> bytes:
     try:
-        text = Path(path).read_text().strip()
-        key = bytes.fromhex(text)
+        text = safeio.read_text(path, 4096, "64 hex characters")
+        if text is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file")
+        key = bytes.fromhex(text.strip())
     except (OSError, ValueError) as e:
         raise ConfigError(f"stream secret file {path}: {e}; expected 64 hex characters") from None
     if len(key) < 16:

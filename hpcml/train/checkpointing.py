@@ -77,10 +77,15 @@ class CheckpointHook:
         self._guarded = False
         stop.install(signals)  # the Trainer reads stop.requested() every step
 
-    def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
-        if not self._owner:  # a second job on this directory is refused at its first step, not its first save
-            ckpt.lock.hold_on(self.root, trainer.grid.comm)
+    def claim(self, comm) -> None:
+        """Take the directory's lock now (collective; at the latest the first step does): a
+        second job on it is refused on every rank, before a script loads or trains anything."""
+        if not self._owner:
+            ckpt.lock.hold_on(self.root, comm)
             self._owner = True
+
+    def __call__(self, trainer: TrainLoop, metrics: dict) -> None:
+        self.claim(trainer.grid.comm)  # a second job on this directory is refused at its first step, not its first save
         if metrics.get("stop"):
             self.save(trainer)
             return

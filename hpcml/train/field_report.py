@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from hpcml import safeio
 from hpcml.stream.buffer import Sample
 
 
@@ -19,7 +19,14 @@ def write_report(run_dir: str | Path, sample: Sample, pred: np.ndarray, summary:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    hist = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    hist = []
+    for line in safeio.iter_lines(run_dir / "metrics.jsonl", 1 << 20):
+        try:
+            rec = safeio.parse_json(line, "metrics.jsonl", max_depth=8) if line.strip() else None
+        except ValueError:
+            continue  # a torn or foreign line: the plot goes on without it
+        if isinstance(rec, dict):
+            hist.append(rec)
     true = sample.fields[0]
     if true.ndim == 3:
         true, pred = true[..., true.shape[-1] // 2], pred[..., pred.shape[-1] // 2]

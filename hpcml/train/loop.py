@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpcml import ckpt, log
+from hpcml import ckpt, log, safeio
 from hpcml import stop as stop_flag
 from hpcml.errors import ConfigError
 from hpcml.parallel.api import ParallelModel
@@ -138,7 +139,7 @@ class TrainLoop:
         self._metrics_file = None
         if config.run_dir and self.grid.rank == 0:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(config.run_dir) / "config.json").write_text(json.dumps(
+            safeio.replace(Path(config.run_dir) / "config.json", json.dumps(
                 {"train": asdict(config), "layout": self.grid.layout.degrees,
                  "parallel": asdict(model.config)}, indent=1, default=str))
         self.account = memory.account_of(model) if config.memory_account else None
@@ -226,7 +227,8 @@ class TrainLoop:
             return
         if self.config.run_dir:
             if self._metrics_file is None:  # appended: a resumed run's history shows the steps it redid
-                self._metrics_file = open(Path(self.config.run_dir) / "metrics.jsonl", "a")
+                self._metrics_file = os.fdopen(safeio.open_fd(Path(self.config.run_dir) / "metrics.jsonl",
+                                                              os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
             self._metrics_file.write(json.dumps(m) + "\n")
             self._metrics_file.flush()
         if self.config.progress and (m["step"] % self.config.log_every == 0 or m["step"] == end):

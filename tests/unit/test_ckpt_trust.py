@@ -134,6 +134,36 @@ def test_bad_keys_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "ck" / "step_00000003").exists()
 
 
+def test_the_stream_secret_never_signs_checkpoints(tmp_path, monkeypatch):
+    """Keys have roles (issue 40): every simulation holds the campaign's stream secret, so a
+    checkpoint key that is it -- its file, its text, its bytes, a piece of it -- is refused."""
+    from hpcml.stream import new_secret
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "campaign_id.json").write_text("{}")
+    secret = new_secret(run / "stream.key")
+    text = (run / "stream.key").read_text().strip()
+    with pytest.raises(ConfigError, match=r"checkpoint key from key file .*stream\.key is the campaign's stream secret: "
+                                          r"every simulation holds that secret, so it cannot sign checkpoints"):
+        keys.keyring(run / "stream.key")  # beside campaign_id.json: a campaign's, even outside its jobs
+    monkeypatch.setenv("HPCML_STREAM_SECRET_FILE", str(run / "stream.key"))
+    own = tmp_path / "copy.key"
+    for key_text in (text, text.upper(), "prefix-" + text, text[8:40]):
+        own.write_text(key_text + "\n")
+        own.chmod(0o600)
+        with pytest.raises(ConfigError, match=r"is the campaign's stream secret \(or holds it\)"):
+            keys.keyring(own)
+    with pytest.raises(ConfigError, match=r"key= is the campaign's stream secret"):
+        keys.keyring(secret)  # the bytes themselves
+    monkeypatch.setenv(keys.ENV_KEY, "x" * 8 + text)
+    with pytest.raises(ConfigError, match=r"HPCML_CKPT_KEY is the campaign's stream secret"):
+        keys.keyring(None)
+    monkeypatch.delenv(keys.ENV_KEY)
+    own.write_text("a key of its own, 0123456789abcdef\n")
+    assert keys.keyring(own).source == f"key file {own}"  # another key is taken
+
+
 # -- bounded before parsing -----------------------------------------------------------------
 @pytest.mark.parametrize("name", ["rank_00000.h5", "index.h5", "manifest.json", "latest"])
 def test_fifo_under_a_checkpoint_name_is_refused_at_once(tmp_path, name):
@@ -190,6 +220,12 @@ def test_manifest_bounded_by_the_files_beside_it(tmp_path):
     step = _save(tmp_path / "ck")
     (step / "manifest.json").write_bytes(b" " * (manifest.FREE_MANIFEST_BYTES + 1))
     with pytest.raises(CheckpointError, match="more than the .* a manifest of this checkpoint may have"):
+        _load(step)
+    shard = next(p for p in step.iterdir() if manifest.FILE_RE.match(p.name))
+    os.truncate(shard, 1 << 30)  # a shard made sparse: a GiB it does not hold makes no room (issue 40)
+    (step / "manifest.json").write_bytes(b" " * (manifest.FREE_MANIFEST_BYTES + 1))
+    with pytest.raises(CheckpointError, match=rf"{manifest.FREE_MANIFEST_BYTES + 1} bytes, more than the "
+                                              rf"{manifest.FREE_MANIFEST_BYTES} a manifest of this checkpoint may have"):
         _load(step)
 
 

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "hpcml"
 #: Lowest first; packages in one row import none of each other.
 LAYERS = [
     ["errors", "stop", "lazy"],
+    ["safeio"],  # the one file layer: every file hpcml reads or writes for a user
     ["env", "net", "contract"],
     ["log", "info", "outcome"],
     ["grid", "stream", "lifeline"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import re
 import subprocess
@@ -334,3 +335,9 @@ def test_cli_one_layout_a_file_and_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--seq-len, --global-batch, --gpu or --site" in err
     assert cli(base + ["--layouts", str(tmp_path)]) == 2  # a directory
+    os.mkfifo(tmp_path / "fifo")  # issue 40: refused at once, named for what it is
+    assert cli(base + ["--layouts", str(tmp_path / "fifo")]) == 2
+    assert "fifo: is a FIFO; expected a regular file (not a link, FIFO or device)" in capsys.readouterr().err
+    lines.write_text('{"tp": 2}\n' * 20_001)  # more lines than a run of the planner should take
+    assert cli(base + ["--layouts", str(lines)]) == 2
+    assert "20001 lines, at most 20000" in capsys.readouterr().err

@@ -437,14 +437,21 @@ def test_a_message_of_an_earlier_run_is_dropped_not_taken_as_this_runs(tmp_path)
                                                       r"campaign, this simulation to run 'r1' \(trainer rank 0 at "):
                     p.send(1, 0.1, {"T": field})
                 continue
+            if not run:  # none named: not taken as this run's either (issue 40)
+                with pytest.raises(ConfigError, match=r"^simulation 2 rank 0: the trainer belongs to run 'r2' of the "
+                                                      r"campaign, this producer names no run \(build it with "
+                                                      r"Producer.from_campaign, or pass run=\)"):
+                    p.send(1, 0.1, {"T": field})
+                continue
             p.send(1, 0.1, {"T": field})
             p.close()
         # a message of run r1 replayed by hand past that check: its header refuses it
         replay.connect(srv.endpoint)
         replay.send_multipart(message.encode(SECRET, {**_header(sim=0, step=1, nranks=1, shape=[4, 3]), "run": "r1"},
                                              [field]))
-        _wait(lambda: srv.counters["samples"] == 2 and srv.dropped.get("wrong_campaign") == 1)
-        assert sorted(srv.seen) == [(1, 1), (2, 1)]
+        replay.send_multipart(message.encode(SECRET, _header(sim=3, step=1, nranks=1, shape=[4, 3]), [field]))  # no run
+        _wait(lambda: srv.counters["samples"] == 1 and srv.dropped.get("wrong_campaign") == 2)
+        assert sorted(srv.seen) == [(1, 1)]
     finally:
         replay.close(linger=0)
         srv.stop()

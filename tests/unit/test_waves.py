@@ -73,7 +73,7 @@ def test_a_torn_last_line_is_dropped_and_a_foreign_record_refused(tmp_path):
         WavePlan(tmp_path, _sampler(), budget=50, size=12)
     path.unlink()
     os.mkfifo(path)
-    with pytest.raises(ConfigError, match=r"waves\.jsonl: not a regular file$"):
+    with pytest.raises(ConfigError, match=r"waves\.jsonl: is a FIFO; expected a regular file"):
         WavePlan(tmp_path, _sampler(), budget=50, size=12)
 
 

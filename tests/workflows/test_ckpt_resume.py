@@ -87,6 +87,25 @@ def test_resume_without_checkpoint_is_one_line(tmp_path):
         f"llm_pretrain: error: no checkpoint at {tmp_path / 'none'}: the path does not exist"]
 
 
+def test_a_second_job_on_the_checkpoint_directory_is_one_line_on_every_rank(tmp_path):
+    """Issue 40: the refusal was clear but came as a traceback from the first step."""
+    (ck := tmp_path / "ck").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hpcml.ckpt import lock; "
+                               "lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(ck)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = mpiexec(2, sys.executable, SCRIPT, *ARGS, "--ckpt-dir", str(ck), timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith(f"llm_pretrain: error: {ck} is being saved to by another job "
+                                                     f"(pid {holder.pid} on ")  # rank 0 says it; every rank exits 2
+    assert not list(ck.glob("step_*"))  # nothing trained or saved
+
+
 SAVER = textwrap.dedent("""
     import sys, torch
     from hpcml import ckpt

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from hpcml import safeio
 from hpcml.ensemble.rules import Fact, Queue
 from hpcml.errors import ConfigError, LaunchError
 
@@ -189,7 +190,7 @@ class Resubmitting(Scheduler):
         spec = JobSpec(site=site, command=tuple(argv), nodes=(nodes, nodes), walltime=walltime, account=account,
                        queue=queue, ranks=ranks, name="hpcml-train", requeue=False, workdir=str(run_dir))
         path = Path(run_dir) / f"train{self.suffix}"
-        path.write_text(render(spec))
+        safeio.replace(path, render(spec), mode=0o755)
         return self.submit_and_wait.format(path=shlex.quote(str(path)))
 
     def signal_argv(self, job_id: str, signal_name: str | None) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcml import safeio
 from hpcml.ensemble.rules import Fact, Queue, Source
 from hpcml.ensemble.schedulers.base import Resubmitting, first_match
 
@@ -64,7 +65,7 @@ class PBS(Resubmitting):
     def narrow_nodes(self, nodes: Sequence[str], run_dir: Path) -> list[str]:
         nodefile = Path(run_dir) / "sim_nodes"
         nodefile.parent.mkdir(parents=True, exist_ok=True)
-        nodefile.write_text("".join(f"{n}\n" for n in nodes))
+        safeio.replace(nodefile, "".join(f"{n}\n" for n in nodes))
         return [f"export PBS_NODEFILE={shlex.quote(str(nodefile))}"]
 
     def provider(self, site: Site, request: SiteRequest, queue: Queue | None, common: dict[str, Any]):
