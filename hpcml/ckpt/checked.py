@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcml import stop
-from hpcml.ckpt import format as fmt, keys as keyring_, manifest
+from hpcml.ckpt import format as fmt, keys as keyring_, manifest, rollback
 from hpcml.ckpt.shard import COALESCE, check_file, crc32, metadata_sha256, open_regular, pread_exact, read_region
 from hpcml.errors import CheckpointError
 
@@ -31,6 +31,8 @@ class Checkpoint:
         self.keys = keyring_.keyring(key)
         self.manifest = manifest.read(self.path, self.keys)
         m = self.manifest
+        if self.keys is not None:  # signed, and of this directory, and not rolled back behind `latest`
+            rollback.check(self.path.parent, self.path, m, self.keys, via_latest=self.path != Path(path))
         self.signed_by: str | None = manifest.signed_by(m)
         self.step: int = m["step"]
         self.extra: dict = m["extra"]

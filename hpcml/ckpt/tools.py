@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import h5py
 
 from hpcml import safeio
-from hpcml.ckpt import format as fmt, keys, manifest
+from hpcml.ckpt import format as fmt, keys, manifest, rollback
 from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.plan import check_fused, fused_spec
 from hpcml.ckpt.shard import fsync_path
@@ -108,10 +108,12 @@ def sign(path: str | os.PathLike) -> str:
         raise CheckpointError(f"not signing {path}: it does not verify ({problems[0]})")
     with Checkpoint(path, key=False) as ck:
         step_dir, m = ck.path, dict(ck.manifest)
+    m["root"] = rollback.root_id(step_dir.parent, ring)  # signing adopts it into this directory
     tmp = step_dir / (fmt.MANIFEST + ".tmp")
     manifest.write(tmp, m, ring)
     os.replace(tmp, step_dir / fmt.MANIFEST)
     fsync_path(step_dir)
+    rollback.record(step_dir.parent, m, ring)
     return keys.key_id(ring.keys[0])
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hpcml import __version__, log
-from hpcml.ckpt import codec, format as fmt, keys as keyring_, lock
+from hpcml.ckpt import codec, format as fmt, keys as keyring_, lock, rollback
 from hpcml.ckpt.index import commit, finish_manifest, write_index
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.shard import write_shard
@@ -261,12 +261,25 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
                  "created": time.time()}
         m = write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, tables, attrs, p.tensor_attrs, placements,
                         p.scalars, single_file=p.single_file)
+        if p.keys is not None:  # bound to this directory, so no other run's step passes for one of it
+            m["root"] = _root_id(p.root, p.keys)
         finish_manifest(p.tmp, m, files, p.keys)
         commit(p.root, p.tmp, p.final, p.keep)
+        if p.keys is not None:
+            rollback.record(p.root, m, p.keys)
     except Exception as e:  # noqa: BLE001
         shutil.rmtree(p.tmp, ignore_errors=True)
         return failure(0, e)
     return None
+
+
+def _root_id(root: Path, keys: keyring_.Keyring) -> str:
+    try:
+        return rollback.root_id(root, keys)
+    except CheckpointError as e:  # not one this key signed (keys changed, or tampered): saves go on, anew
+        logger.warning("%s: starting a new signed state (%s)", root, e)
+        (root / rollback.STATE).unlink(missing_ok=True)
+        return rollback.root_id(root, keys)
 
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,

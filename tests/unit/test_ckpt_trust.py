@@ -134,6 +134,38 @@ def test_bad_keys_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "ck" / "step_00000003").exists()
 
 
+def test_a_signed_step_rolled_back_or_of_another_run_is_refused(tmp_path):
+    """Issue 40: with a key, an older signed step behind `latest`, or another run's signed step
+    under the same key, passed before; each directory now has a signed id and newest step."""
+    from hpcml.ckpt import rollback
+
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _save(root, step=3, key=KEY)
+    _save(root, step=5, key=KEY, scale=2.0)
+    state = json.loads((root / rollback.STATE).read_text())
+    assert state["step"] == 5 and len(state["root"]) == 32
+    assert ckpt.Checkpoint(root, key=KEY).step == 5
+    (root / "latest").write_text("step_00000003\n")  # pointed back by someone who can write the directory
+    with pytest.raises(CheckpointError, match=r"latest names step 3, but step 5 was saved and signed here "
+                                              r"\(signed_state\.json\): rolled back, refused"):
+        ckpt.Checkpoint(root, key=KEY)
+    assert ckpt.Checkpoint(root / "step_00000003", key=KEY).step == 3  # named explicitly: an earlier one, on purpose
+    _save(other, step=7, key=KEY, scale=3.0)  # another run, the same key
+    subprocess.run(["cp", "-r", str(other / "step_00000007"), str(root)], check=True)
+    (root / "latest").write_text("step_00000007\n")
+    for path in (root, root / "step_00000007"):
+        with pytest.raises(CheckpointError, match=r"step_00000007 was saved in checkpoint directory [0-9a-f]{32}, "
+                                                  r"not in this one .*: a step of another run copied in: refused"):
+            ckpt.Checkpoint(path, key=KEY)
+    assert ckpt.Checkpoint(root, key=False).step == 7  # without a key nothing is known: what the key buys
+    state["step"] = 9  # the state itself edited: its signature says so
+    (root / rollback.STATE).write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"signed_state\.json: the signature does not match its content"):
+        ckpt.Checkpoint(root / "step_00000005", key=KEY)
+    _save(root, step=11, key=KEY)  # a save goes on: a new signed state, with a warning
+    assert json.loads((root / rollback.STATE).read_text())["step"] == 11 and ckpt.Checkpoint(root, key=KEY).step == 11
+
+
 def test_the_stream_secret_never_signs_checkpoints(tmp_path, monkeypatch):
     """Keys have roles (issue 40): every simulation holds the campaign's stream secret, so a
     checkpoint key that is it -- its file, its text, its bytes, a piece of it -- is refused."""
