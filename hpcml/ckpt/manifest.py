@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcml import safeio
 from hpcml.ckpt import format as fmt
 from hpcml.ckpt.keys import Keyring
 from hpcml.ckpt.plan import check_fused, fused_spec
@@ -94,9 +95,9 @@ def write_file(path: Path, data: bytes) -> None:
 
 def _limit(ckpt: Path) -> int:
     """How large the manifest of ``ckpt`` may be: :data:`FREE_MANIFEST_BYTES`, or the bytes the
-    shard files beside it hold on disk when more -- allocated blocks, not lengths, so a shard
-    made sparse cannot make room for a huge manifest (lstat of plain names only; at most 1<<17
-    entries)."""
+    shard files beside it hold when more -- their data outside holes, so a shard made sparse
+    cannot make room for a huge manifest, while a compressed one (few blocks, no holes) counts
+    whole (plain names only; at most 1<<17 entries)."""
     data = 0
     try:
         with os.scandir(ckpt) as it:
@@ -105,7 +106,10 @@ def _limit(ckpt: Path) -> int:
                     break
                 if FILE_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
-                    data += min(st.st_size, st.st_blocks * 512)  # what is on disk: a sparse shard claims nothing
+                    n = st.st_size
+                    if st.st_blocks * 512 < n:  # holes (a shard made sparse) or compression: count what it holds
+                        n = safeio.data_bytes(entry.path, n)
+                    data += n
     except OSError:
         pass
     return min(MAX_MANIFEST_BYTES, max(FREE_MANIFEST_BYTES, data))

@@ -32,7 +32,7 @@ def run(tmp_path):
     return tmp_path / "run"
 
 
-def _quick(fn, limit_s: float = 3.0):
+def _quick(fn, limit_s: float = 5.0):
     """``fn()``'s result or exception, failing the test if it blocks (a FIFO opened for reading)."""
     out: dict = {}
 
