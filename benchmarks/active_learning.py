@@ -93,7 +93,8 @@ def bands(errors: list[float], held_out: list[dict], axis: str) -> list[float]:
 def one_run(kind: str, seed: int, held_out: list[dict], args, cache: dict) -> dict:
     import torch
 
-    from hpcml.ensemble.sampling import Breed, Halton, SimStats
+    from hpcml.ensemble.breed import Breed
+    from hpcml.ensemble.sampling import Halton, SimStats
     from hpcml.grid import ProcessGrid
     from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
     from hpcml.stream.buffer import Sample

@@ -339,11 +339,11 @@ def consume(consumer: str, run: Path):
     c = contract.Contract(run_dir=str(run), campaign=CAMPAIGN, run=RUN, launch=LAUNCH,
                           endpoints_file=str(run / "endpoints.json"), done_file=str(run / "sims_done.json"))
     if consumer == "orphans":  # a resumed driver (rundir.claim) and then the campaign's skip of completed ones
-        from hpcml.ensemble import attempts
+        from hpcml.ensemble import attempts, provenance
 
-        n, done = attempts.record_orphans(run), sorted(attempts.completed_sims(run))
+        n, done = attempts.record_orphans(run), sorted(provenance.completed_sims(run))
         last = [(r.get("sim_id"), r.get("status"), r.get("streamed"), r.get("samples_sent"))
-                for r in attempts.read_provenance(run)[-3:]]
+                for r in provenance.read_provenance(run)[-3:]]
         return f"orphans={n} completed={done} last={last}"
     if consumer == "lease":
         return f"superseded={c.superseded()}"

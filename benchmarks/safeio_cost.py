@@ -4,11 +4,11 @@ page cache gives them (the limit), side by side in one run.
 
     python benchmarks/safeio_cost.py --json            # 100,000 provenance lines, a 20 MB done record
 
-Provenance: ``attempts.completed_sims`` (``safeio.iter_lines`` + a depth-bounded parse per line)
+Provenance: ``provenance.completed_sims`` (``safeio.iter_lines`` + a depth-bounded parse per line)
 over 100,000 lines of ~410 bytes (a campaign of 10^5 members), against a plain ``for line in
 open()`` + ``json.loads``. A done record: ``contract.read_json`` (size and blocks checked, one
 pass over its brackets, then parsed) against ``json.loads(open().read())``. Appends:
-``attempts.append_provenance`` of one record (open without following links, check, write,
+``provenance.append_provenance`` of one record (open without following links, check, write,
 close) against a plain ``open(..., "a")``. Limit: ``read()`` of the same bytes.
 """
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
     from hpcml import contract
-    from hpcml.ensemble import attempts
+    from hpcml.ensemble import provenance
 
     with tempfile.TemporaryDirectory() as d:
         run = Path(d)
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                "start": 1.8e9, "end": 1.8e9 + 3.5, "duration_s": 3.5, "host": "nid001234", "launch": "srun -n 2",
                "argv": ["python", "-m", "my_sim", "--steps", "100"], "command": "srun -n 2 python -m my_sim",
                "stdout": "sims/sim_00000/attempt_0.out", "stderr": "sims/sim_00000/attempt_0.err"}
-        prov = run / attempts.PROVENANCE_FILE
+        prov = run / provenance.PROVENANCE_FILE
         prov.write_text("".join(json.dumps({**rec, "sim_id": i}) + "\n" for i in range(args.lines)))
         done = run / "sims_done.json"
         n = 10**6
@@ -61,15 +61,15 @@ def main(argv=None) -> int:
             with open(prov) as f:
                 return {r["sim_id"] for r in map(json.loads, f) if r.get("status") == "ok"}
 
-        assert set(attempts.completed_sims(run)) == plain_prov()  # the same answer, or the timing means nothing
-        safe_prov = _best(lambda: attempts.completed_sims(run), args.repeat)
+        assert set(provenance.completed_sims(run)) == plain_prov()  # the same answer, or the timing means nothing
+        safe_prov = _best(lambda: provenance.completed_sims(run), args.repeat)
         plain_p = _best(plain_prov, args.repeat)
         read_p = _best(lambda: prov.read_bytes(), args.repeat)
         safe_done = _best(lambda: contract.read_json(done), args.repeat)
         plain_done = _best(lambda: json.loads(open(done).read()), args.repeat)
         k = 2000
         line = [{**rec, "sim_id": -1}]
-        safe_app = _best(lambda: [attempts.append_provenance(run, line) for _ in range(k)], args.repeat) / k
+        safe_app = _best(lambda: [provenance.append_provenance(run, line) for _ in range(k)], args.repeat) / k
 
         def plain_append():
             for _ in range(k):

@@ -230,11 +230,6 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dic
     return safeio.read_json(path, max_bytes)
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int, expected: str) -> bytes | None:
-    """A protocol file's bytes, or None if it is not there (:func:`hpcml.safeio.read_bytes`)."""
-    return safeio.read_bytes(path, max_bytes, expected)
-
-
 def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",
                     closed: str | None = None, max_connections: int | None = None) -> None:
     """Publish the trainer ranks' stream addresses (index = trainer rank) for ``campaign`` and

@@ -100,7 +100,7 @@ def dt_for(args) -> float:
 
 def driver(args, argv: list[str]) -> None:
     from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design, load_site
-    from hpcml.ensemble.sampling import Breed
+    from hpcml.ensemble.breed import Breed
     from hpcml.errors import ConfigError, LaunchError
 
     t0, run_dir = time.perf_counter(), Path(args.run_dir).resolve()

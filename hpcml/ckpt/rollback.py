@@ -49,15 +49,14 @@ def read(root: Path, keys: Keyring) -> dict | None:
     return rec
 
 
-def root_id(root: Path, keys: Keyring) -> str:
-    """The directory's id: its signed state's, or a new one for its first signed save."""
-    state = read(root, keys)
+def root_id(state: dict | None) -> str:
+    """The directory's id: its signed ``state``'s (:func:`read`), or a new one for its first signed save."""
     return state["root"] if state else uuid.uuid4().hex
 
 
-def record(root: Path, manifest: dict, keys: Keyring) -> None:
-    """After a signed save of ``manifest`` committed: the state names it when it is the newest."""
-    state = read(root, keys)
+def record(root: Path, manifest: dict, keys: Keyring, state: dict | None) -> None:
+    """After a signed save of ``manifest`` committed: the state names it when it is the newest
+    (``state``: the directory's before the save, as :func:`read` gave it)."""
     if state is not None and state["step"] > manifest["step"]:
         return  # an older step saved again (a re-save): the newest stays the newest
     rec = {"root": manifest["root"], "step": manifest["step"], "save_id": manifest["save_id"]}

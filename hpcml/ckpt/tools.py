@@ -108,12 +108,13 @@ def sign(path: str | os.PathLike) -> str:
         raise CheckpointError(f"not signing {path}: it does not verify ({problems[0]})")
     with Checkpoint(path, key=False) as ck:
         step_dir, m = ck.path, dict(ck.manifest)
-    m["root"] = rollback.root_id(step_dir.parent, ring)  # signing adopts it into this directory
+    state = rollback.read(step_dir.parent, ring)
+    m["root"] = rollback.root_id(state)  # signing adopts it into this directory
     tmp = step_dir / (fmt.MANIFEST + ".tmp")
     manifest.write(tmp, m, ring)
     os.replace(tmp, step_dir / fmt.MANIFEST)
     fsync_path(step_dir)
-    rollback.record(step_dir.parent, m, ring)
+    rollback.record(step_dir.parent, m, ring, state)
     return keys.key_id(ring.keys[0])
 
 

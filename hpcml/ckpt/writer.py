@@ -261,25 +261,26 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
                  "created": time.time()}
         m = write_index(p.tmp / fmt.INDEX, p.per_rank, p.owner, tables, attrs, p.tensor_attrs, placements,
                         p.scalars, single_file=p.single_file)
+        state = _signed_state(p.root, p.keys) if p.keys is not None else None
         if p.keys is not None:  # bound to this directory, so no other run's step passes for one of it
-            m["root"] = _root_id(p.root, p.keys)
+            m["root"] = rollback.root_id(state)
         finish_manifest(p.tmp, m, files, p.keys)
         commit(p.root, p.tmp, p.final, p.keep)
         if p.keys is not None:
-            rollback.record(p.root, m, p.keys)
+            rollback.record(p.root, m, p.keys, state)
     except Exception as e:  # noqa: BLE001
         shutil.rmtree(p.tmp, ignore_errors=True)
         return failure(0, e)
     return None
 
 
-def _root_id(root: Path, keys: keyring_.Keyring) -> str:
+def _signed_state(root: Path, keys: keyring_.Keyring) -> dict | None:
     try:
-        return rollback.root_id(root, keys)
+        return rollback.read(root, keys)
     except CheckpointError as e:  # not one this key signed (keys changed, or tampered): saves go on, anew
         logger.warning("%s: starting a new signed state (%s)", root, e)
         (root / rollback.STATE).unlink(missing_ok=True)
-        return rollback.root_id(root, keys)
+        return None
 
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,

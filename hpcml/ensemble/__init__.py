@@ -5,7 +5,8 @@ retries, provenance, the walltime and requeue. Imports no torch and no particula
 from hpcml.ensemble.campaign import Campaign
 from hpcml.ensemble.design import design, full_factorial, latin_hypercube, sobol
 from hpcml.ensemble.hardware import SiteHardware
-from hpcml.ensemble.sampling import Breed, Halton, Sampler, SimStats
+from hpcml.ensemble.breed import Breed
+from hpcml.ensemble.sampling import Halton, Sampler, SimStats
 from hpcml.ensemble.site import Site, list_sites, load_site
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 

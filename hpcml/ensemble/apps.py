@@ -41,6 +41,7 @@ from typing import Any
 
 from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, SECRET_FILE, Contract, write_done
 from hpcml.ensemble import attempts, ledger, rundir
+from hpcml.ensemble.provenance import completed_sims, read_provenance
 from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
@@ -208,7 +209,7 @@ def _done_before(handle: RunHandle, spec: SimSpec) -> set[int]:
     if not handle.contract.resume:
         return set()
     if handle.done_before is None:
-        done = set(attempts.completed_sims(handle.run_dir))
+        done = set(completed_sims(handle.run_dir))
         streaming = done if handle.contract.streams else set()
         handle.done_before = ledger.kept(handle.run_dir, done, streaming - handle.non_streaming) if done else set()
         if done:
@@ -218,7 +219,7 @@ def _done_before(handle: RunHandle, spec: SimSpec) -> set[int]:
 
 def provenance(run_dir: str | Path, sim_id: int | None = None) -> list[dict]:
     """The provenance records in ``run_dir`` (of one simulation, or all), in the order written."""
-    return attempts.read_provenance(Path(run_dir), sim_id)
+    return read_provenance(Path(run_dir), sim_id)
 
 
 def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int]]:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpcml import safeio
+from hpcml.ensemble.provenance import MAX_RECORD_LINE, append_provenance, iter_provenance
 from hpcml.contract import CONFIG_ERROR
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
@@ -31,12 +32,8 @@ RESULT_MARKER = "HPCML_SIM_RESULT"
 """Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""
 CANCEL_FILE = "CANCEL"
 """Created in ``run_dir/sims`` to stop every running attempt and every retry."""
-PROVENANCE_FILE = "provenance.jsonl"
-"""One JSON record per ended attempt, in ``run_dir``."""
 _CANCELLED_RC = 125
 logger = get_logger(__name__)
-MAX_RECORD_LINE = 1 << 20
-"""An attempt's record or provenance line larger than this is not one hpcml wrote: passed over."""
 
 
 # --- the remote side: runs on the Parsl worker ----------------------------------------------
@@ -248,32 +245,6 @@ def _note_stderr(exc: BaseException, err: Path) -> None:
     exc.add_note(f"see {err}" + (": " + " / ".join(tail) if tail else ""))
 
 
-def read_provenance(run_dir: Path, sim_id: int | None = None) -> list[dict]:
-    """The provenance records of ``run_dir`` (of one simulation, or all), in the order written;
-    a line cut by a crash while it was appended is skipped."""
-    return [rec for rec in iter_provenance(run_dir) if sim_id is None or rec.get("sim_id") == sim_id]
-
-
-def iter_provenance(run_dir: Path):
-    """The provenance records one at a time (a campaign of 10^5 members is not held at once);
-    a line that is not one of ours (torn, too long, too deep, not JSON) is passed over."""
-    for line in safeio.iter_lines(Path(run_dir) / PROVENANCE_FILE, MAX_RECORD_LINE, root=run_dir):
-        try:
-            rec = safeio.parse_json(line, PROVENANCE_FILE, max_depth=8)
-        except ConfigError:
-            continue
-        if isinstance(rec, dict):
-            yield rec
-
-
-def append_provenance(run_dir: Path, records: list[dict]) -> None:
-    """Append records to ``run_dir/provenance.jsonl`` in one write, never through a link
-    (:func:`hpcml.safeio.append`)."""
-    if records:
-        safeio.append(Path(run_dir) / PROVENANCE_FILE, "".join(json.dumps(r, default=str) + "\n" for r in records),
-                      root=run_dir, lines=True)
-
-
 def record_orphans(run_dir: Path) -> int:
     """Provenance records for the attempts that have none: their driver was killed while they
     ran (the wrapper ended them, ``driver_gone``, or was killed itself: ``lost``). How many."""
@@ -297,8 +268,8 @@ def record_orphans(run_dir: Path) -> int:
         k = 0
         while (d / f"attempt_{k}.start").exists():
             if (sim, k) not in recorded:
-                rec = attempt_record(Path(run_dir), d, sim_id=sim, params=spec.get("params") or {},
-                                     argv=spec.get("argv") or [], launch="", k=k, missing_end=True)
+                rec = attempt_record(Path(run_dir), d, sim_id=sim, params=spec["params"], argv=spec["argv"],
+                                     launch="", k=k, missing_end=True)
                 append_provenance(run_dir, [rec])
                 n += 1
             k += 1
@@ -314,26 +285,6 @@ def stream_record(directory: Path, k: int, *, root: Path | None = None) -> int |
     rec = read_json(directory / f"attempt_{k}.stream.json", root=root)
     n = rec.get("n_sent") if rec else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
-
-
-def last_attempts(run_dir: Path) -> dict[int, int]:
-    """The highest attempt number each simulation has in ``run_dir``'s provenance (one pass)."""
-    out: dict[int, int] = {}
-    for rec in iter_provenance(run_dir):
-        sim, k = rec.get("sim_id"), rec.get("attempt")
-        if isinstance(sim, int) and isinstance(k, int):
-            out[sim] = max(out.get(sim, -1), k)
-    return out
-
-
-def completed_sims(run_dir: Path) -> dict[int, dict]:
-    """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its latest
-    record's ``attempt`` and ``streamed`` (not the whole record: 10^5 of them add up)."""
-    done: dict[int, dict] = {}
-    for rec in iter_provenance(run_dir):
-        if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):  # the latest counts: a later run's
-            done[rec["sim_id"]] = {"attempt": rec.get("attempt"), "streamed": rec.get("streamed")}
-    return done
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcml import safeio
-from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD, read_bytes
+from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD
 from hpcml.outcome import FINAL_SUFFIX
 from hpcml.errors import ConfigError
 
@@ -186,7 +186,10 @@ def _attempt(fn: Callable, bundle_dir: Path, sim_id: int, params: dict, attempt:
         status, error = "failed", "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
     streamed = None
     for path, take in ((stream, "n_sent"), (final, "error")):
-        data = read_bytes(path, 1 << 16, "a member's record") if path.exists() else None
+        try:
+            data = safeio.read_bytes(path, 1 << 16, "a member's record")
+        except (OSError, ConfigError):  # planted in the bundle's directory: no record of this member's
+            data = None
         if data is not None:
             try:
                 rec = safeio.parse_json(data, str(path), max_depth=8)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcml.ensemble import attempts, bundle
+from hpcml.ensemble import bundle, provenance
 from hpcml.log import get_logger
 
 logger = get_logger(__name__)
@@ -75,4 +75,4 @@ def settle(task: BundleTask, run_dir: Path, launch: str, exc: BaseException | No
             s.outcome = "failed"
         else:
             s.outcome = "cancelled"
-    attempts.append_provenance(run_dir, rows)  # one write for the task's members
+    provenance.append_provenance(run_dir, rows)  # one write for the task's members

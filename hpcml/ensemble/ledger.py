@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hpcml.contract import Contract, DoneRecord, read_json
-from hpcml.ensemble import attempts
+from hpcml.ensemble import attempts, provenance
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
@@ -25,7 +25,7 @@ def streamed(run_dir: Path, sim_ids: Iterable[int]) -> dict[int, int | None]:
     """What each completed simulation streamed (its successful attempt's Producer count;
     None: it completed without a Producer)."""
     sim_ids = list(sim_ids)
-    done = attempts.completed_sims(run_dir) if sim_ids else {}
+    done = provenance.completed_sims(run_dir) if sim_ids else {}
     out: dict[int, int | None] = {}
     for sim in sim_ids:
         rec = done.get(sim)

@@ -23,7 +23,7 @@ from pathlib import Path
 from hpcml import stop
 from hpcml.contract import (DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done,
                             write_json)
-from hpcml.ensemble import attempts, ledger, rundir
+from hpcml.ensemble import attempts, ledger, provenance, rundir
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.campaign import Campaign, executor_label, streaming
 from hpcml.ensemble.progress import ProgressLine, last_json_line
@@ -64,7 +64,7 @@ class Run:
         self.pool = SimPool(c, self.run_dir, self.sims, check=self._check_trainer, stopping=self._stopping,
                             show=self._show)
         self.pool.on_complete = self._completed
-        self.prov_path = self.run_dir / attempts.PROVENANCE_FILE
+        self.prov_path = self.run_dir / provenance.PROVENANCE_FILE
         self.trainer: TrainerProcess | None = None
         self.contract: Contract | None = None
         self.parsl_load_s = 0.0
@@ -237,7 +237,7 @@ class Run:
         attempts.prepare(self.pool.sims_dir, {**self.contract.for_simulations().to_env(), **self.c.env})
         attempts.clear_cancel(self.pool.sims_dir)
         rundir.clear_done(self.run_dir)
-        done = set(attempts.completed_sims(self.run_dir)) if self.resume else set()
+        done = set(provenance.completed_sims(self.run_dir)) if self.resume else set()
         if done:
             kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
             if kept is None:
@@ -245,7 +245,7 @@ class Run:
             skip = done & set(kept)
         else:
             skip = set()
-        last = attempts.last_attempts(self.run_dir) if self.resume else {}
+        last = provenance.last_attempts(self.run_dir) if self.resume else {}
         for s in self.sims:
             if s.spec.entry is None:
                 rundir.record_spec(self.run_dir, s.spec)
@@ -391,7 +391,7 @@ class Run:
                  sim_timeout_s=self.c.sim_timeout_s, provenance=self.prov_path.name, ok=r.ok,
                  stop_reason=self.stop_reason, deadline=self.deadline, pid=os.getpid(),
                  training=None if self.trainer is None else self.trainer.summary(),
-                 cumulative={"sims_completed": sorted(attempts.completed_sims(self.run_dir)),
+                 cumulative={"sims_completed": sorted(provenance.completed_sims(self.run_dir)),
                              "samples": self.samples})  # every run of the campaign, not only this one
         return d
 

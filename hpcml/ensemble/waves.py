@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcml import safeio
-from hpcml.contract import read_bytes, read_json
+from hpcml.contract import read_json
 from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
@@ -219,7 +219,7 @@ class WavePlan:
                                   f"{tuple(bounds[out])}")
 
     def _read(self) -> list[dict]:
-        data = read_bytes(self.path, MAX_BYTES, "a wave record of this library")
+        data = safeio.read_bytes(self.path, MAX_BYTES, "a wave record of this library")
         if data is None:
             return []
         lines = data.split(b"\n")

@@ -17,7 +17,6 @@ secret is 32 random bytes in a file readable by its owner only.
 
 from __future__ import annotations
 
-import errno
 import operator
 import os
 import secrets
@@ -59,11 +58,11 @@ def new_secret(path: str | os.PathLike) -> bytes:
 def read_secret(path: str | os.PathLike) -> bytes:
     try:
         text = safeio.read_text(path, 4096, "64 hex characters")
-        if text is None:
-            raise FileNotFoundError(errno.ENOENT, "no such file")
-        key = bytes.fromhex(text.strip())
+        key = bytes.fromhex(text.strip()) if text is not None else None
     except (OSError, ValueError) as e:
         raise ConfigError(f"stream secret file {path}: {e}; expected 64 hex characters") from None
+    if key is None:
+        raise ConfigError(f"stream secret file {path}: no such file; expected 64 hex characters")
     if len(key) < 16:
         raise ConfigError(f"stream secret in {path} has {len(key)} bytes, expected >= 16")
     return key

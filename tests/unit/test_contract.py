@@ -140,7 +140,7 @@ def test_a_simulation_id_is_one_simulation(tmp_path):
 
 
 def test_attempts_killed_with_their_driver_get_a_provenance_line_on_resume(tmp_path):
-    from hpcml.ensemble import attempts
+    from hpcml.ensemble import attempts, provenance
 
     d = attempts.sim_dir(tmp_path, 4)
     d.mkdir(parents=True)
@@ -150,7 +150,7 @@ def test_attempts_killed_with_their_driver_get_a_provenance_line_on_resume(tmp_p
         if end:
             (d / f"attempt_{k}.end").write_text(json.dumps(end))
     assert attempts.record_orphans(tmp_path) == 2 and attempts.record_orphans(tmp_path) == 0
-    recs = attempts.read_provenance(tmp_path)
+    recs = provenance.read_provenance(tmp_path)
     assert [(r["attempt"], r["status"], r["returncode"], r["params"]) for r in recs] == [
         (0, "driver_gone", 143, {"a": 1.0}), (1, "lost", None, {"a": 1.0})]
 

@@ -16,8 +16,9 @@ import pytest
 
 from hpcml import contract
 from hpcml.contract import Contract, read_endpoints
-from hpcml.ensemble import attempts
-from hpcml.ensemble.sampling import Breed, Halton
+from hpcml.ensemble import attempts, provenance
+from hpcml.ensemble.breed import Breed
+from hpcml.ensemble.sampling import Halton
 from hpcml.ensemble.waves import WAVES_FILE, WavePlan, read_feedback_record
 from hpcml.errors import ConfigError
 
@@ -61,29 +62,29 @@ def _orphan(run_dir, sim=0):
 
 def test_a_resume_never_appends_through_a_link_out_of_the_run_directory(run):
     _orphan(run)
-    (run / attempts.PROVENANCE_FILE).symlink_to(run.parent / "outside")
+    (run / provenance.PROVENANCE_FILE).symlink_to(run.parent / "outside")
     with pytest.raises(ConfigError, match=r"provenance\.jsonl: is a symbolic link"):
         attempts.record_orphans(run)
     assert (run.parent / "outside").read_bytes() == OUTSIDE
-    (run / attempts.PROVENANCE_FILE).unlink()
+    (run / provenance.PROVENANCE_FILE).unlink()
     (run / "sims").rename(run / "sims_real")  # a directory on the way replaced by a link
     (run / "sims").symlink_to(run / "sims_real")
-    (run / attempts.PROVENANCE_FILE).write_text("")
+    (run / provenance.PROVENANCE_FILE).write_text("")
     (run.parent / "outside_dir").mkdir()
     os.link(run.parent / "outside", run.parent / "outside_dir" / "hard")
-    (run / attempts.PROVENANCE_FILE).unlink()
-    os.link(run.parent / "outside", run / attempts.PROVENANCE_FILE)  # a hard link: the same file outside
+    (run / provenance.PROVENANCE_FILE).unlink()
+    os.link(run.parent / "outside", run / provenance.PROVENANCE_FILE)  # a hard link: the same file outside
     with pytest.raises(ConfigError, match=r"hard links"):
-        attempts.append_provenance(run, [{"sim_id": 0}])
+        provenance.append_provenance(run, [{"sim_id": 0}])
     assert (run.parent / "outside").read_bytes() == OUTSIDE
 
 
 def test_fifos_in_the_run_directory_neither_hang_the_driver_nor_pass_for_records(run):
     d = _orphan(run)
-    os.mkfifo(run / attempts.PROVENANCE_FILE)
+    os.mkfifo(run / provenance.PROVENANCE_FILE)
     with pytest.raises(ConfigError, match=r"provenance\.jsonl: is a FIFO"):
-        _quick(lambda: list(attempts.iter_provenance(run)))
-    os.unlink(run / attempts.PROVENANCE_FILE)
+        _quick(lambda: list(provenance.iter_provenance(run)))
+    os.unlink(run / provenance.PROVENANCE_FILE)
     for name in ("attempt_0.start", "attempt_0.stream.json", "attempt_0.out", "attempt_0.cmd"):
         os.unlink(d / name) if (d / name).exists() else None
         os.mkfifo(d / name)
@@ -93,11 +94,11 @@ def test_fifos_in_the_run_directory_neither_hang_the_driver_nor_pass_for_records
 
 
 def test_huge_and_nested_records_are_refused_in_one_line_not_read_whole(run):
-    prov = run / attempts.PROVENANCE_FILE
+    prov = run / provenance.PROVENANCE_FILE
     good = json.dumps({"sim_id": 3, "attempt": 0, "status": "ok"}).encode()
     with open(prov, "wb") as f:  # a 64 MiB line between two good ones, and a nested one
         f.write(good + b"\n" + b"x" * (64 << 20) + b"\n" + NESTED + b"\n" + good.replace(b"3", b"4") + b"\n")
-    assert sorted(attempts.completed_sims(run)) == [3, 4]
+    assert sorted(provenance.completed_sims(run)) == [3, 4]
     for name in ("endpoints.json", "feedback.json", "campaign_id.json", "sims_done.json"):
         (run / name).write_bytes(NESTED)
         with pytest.raises(ConfigError, match=rf"{name}: JSON nested more than 64 deep") as e:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hpcml.ensemble import sampling
-from hpcml.ensemble.sampling import Breed, FullFactorial, Halton, LatinHypercube, SimStats, Sobol
+from hpcml.ensemble.breed import Breed
+from hpcml.ensemble.sampling import FullFactorial, Halton, LatinHypercube, SimStats, Sobol
 from hpcml.errors import ConfigError
 
 BOUNDS = {"k": (0.1, 10.0), "q": (-1.0, 1.0)}

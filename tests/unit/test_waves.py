@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpcml.ensemble.sampling import Breed, Halton, SimStats
+from hpcml.ensemble.breed import Breed
+from hpcml.ensemble.sampling import Halton, SimStats
 from hpcml.ensemble.waves import WAVES_FILE, WavePlan
 from hpcml.errors import ConfigError
 

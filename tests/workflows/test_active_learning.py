@@ -21,7 +21,8 @@ import pytest
 parsl = pytest.importorskip("parsl")
 
 from hpcml.ensemble.campaign import Campaign, SimSpec, TrainingJob  # noqa: E402
-from hpcml.ensemble.sampling import Breed, Halton  # noqa: E402
+from hpcml.ensemble.breed import Breed  # noqa: E402
+from hpcml.ensemble.sampling import Halton  # noqa: E402
 from hpcml.errors import ConfigError  # noqa: E402
 
 SIM = textwrap.dedent("""
