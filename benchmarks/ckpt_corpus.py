@@ -72,11 +72,13 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,6 +244,14 @@ CLASSES: tuple[Cls, ...] = (
        must_refuse=CK_EPS, rewrites=True),
     _c("wrong-key", "ck", "the reference signed with another key", ("other-key",), keyed_only=True,
        must_refuse=CK_EPS, rewrites=True),
+    _c("crc-fit", "ck", "a data chunk's values changed, 4 bytes fitted so its CRC-32 still matches (no file but "
+       "the shard touched)", ("model-first-value", "optim-first-value", "model-last-chunk"), keyed_only=True,
+       must_refuse=READ_ALL,  # the exports read model/ tensors only: an optimizer chunk is not theirs to refuse
+       per_variant={"optim-first-value": {"must_refuse": ("verify", "resume", "convert", "consolidate")}}),
+    _c("rollback", "ck", "latest pointed back at the older signed step 1 of this run (signed_state.json kept)",
+       ("latest-to-step1", "step2-removed"), keyed_only=True, must_refuse=CK_EPS),
+    _c("other-run", "ck", "another run's signed step (same key) copied in (signed_state.json kept)",
+       ("replaces-step2", "as-step3-latest"), keyed_only=True, must_refuse=CK_EPS),
     # -- Hugging Face directories (--init-from) ---------------------------------------------------
     _c("hf-pristine", "hf", "the reference's Hugging Face export", ("as-exported",), benign=True),
     _c("hf-config-huge", "hf", "config.json far larger than the safetensors",
@@ -277,7 +287,8 @@ CLASS_BY_NAME = {c.name: c for c in CLASSES}
 def case_list(classes: list[str] | None = None, *, total: int | None = None, one_each: bool = False,
               keyed: bool = False) -> list[Case]:
     """The corpus. ``keyed``: the cases a reader with a key is run on (the ones that rewrite the
-    manifest, the pristine reference, an unsigned and a wrongly signed one). ``total``: about
+    manifest, the pristine reference, and the keyed-only classes: unsigned, wrongly signed, data
+    fitted under its CRC-32, rolled back, another run's step). ``total``: about
     that many cases -- fewer: every class keeps its share (at least one, its first variants),
     more: the random classes grow; ``one_each``: the first case of every class."""
     chosen = [CLASS_BY_NAME[n] for n in classes] if classes else list(CLASSES)
@@ -295,7 +306,7 @@ def case_list(classes: list[str] | None = None, *, total: int | None = None, one
         variants = c.variants[:k] if c.variants else tuple(str(i) for i in range(k))
         for i, v in enumerate(variants):
             case = Case(c.name, i, v, c.kind, **{**c.policy, **c.per_variant.get(v, {})})
-            if keyed and not (case.kind == "ck" and (case.rewrites or case.benign)):
+            if keyed and not (case.kind == "ck" and (case.rewrites or case.benign or case.keyed_only)):
                 continue
             if keyed and case.cls in ("old-fallback", "stray-nonregular"):
                 continue
@@ -900,7 +911,6 @@ def _g_huge(case, ctx, d):
 def _g_many(case, ctx, d):
     """One tensor of 65,536 single-element pieces in a 64 KiB shard of its own, every digest
     recomputed: a ~19 MB manifest (the 32-dimensional variant)."""
-    import zlib
 
     root, step = _base(ctx, d)
     m = _manifest(step)
@@ -1139,6 +1149,83 @@ def _g_forger(case, ctx, d):
     return Made(root)
 
 
+def crc_preserving(orig: bytes, edited: bytes, fix_at: int) -> bytes:
+    """``edited`` (as long as ``orig``) with the 4 bytes at ``fix_at`` chosen so that its CRC-32
+    equals ``orig``'s. A CRC-32 is affine over GF(2): the 32 bits at ``fix_at`` move it by a
+    linear map of full rank, so solving 32 equations fits any target."""
+    n, zero = len(orig), zlib.crc32(bytes(len(orig)))
+    basis: list[tuple[int, int]] = []  # (effect on the CRC, the bits that make it), reduced
+    for bit in range(32):
+        c = bytearray(n)
+        c[fix_at + bit // 8] = 1 << (bit % 8)
+        v, comb = zlib.crc32(bytes(c)) ^ zero, 1 << bit
+        for bv, bc in basis:
+            if v ^ bv < v:
+                v, comb = v ^ bv, comb ^ bc
+        if v:
+            basis.append((v, comb))
+    want, sol = zlib.crc32(orig) ^ zlib.crc32(edited), 0
+    for bv, bc in sorted(basis, reverse=True):
+        if want ^ bv < want:
+            want, sol = want ^ bv, sol ^ bc
+    out = bytearray(edited)
+    for bit in range(32):
+        if sol >> bit & 1:
+            out[fix_at + bit // 8] ^= 1 << (bit % 8)
+    assert zlib.crc32(bytes(out)) == zlib.crc32(orig), "the CRC-32 fit"
+    return bytes(out)
+
+
+def forge_chunk(step: Path, name: str, chunk: int = 0) -> None:
+    """Chunk ``chunk`` of tensor ``name`` (float32) rewritten in its shard: its first value
+    1000.0, the next four bytes fitted so the chunk's CRC-32 is unchanged; nothing else touched."""
+    p = json.loads((step / "manifest.json").read_text())["tensors"][name]["pieces"][0]
+    at, nb = p["at"][chunk], 4 * math.prod(p["chunk"])
+    with open(step / p["file"], "r+b") as f:
+        f.seek(at)
+        orig = f.read(nb)
+        f.seek(at)
+        f.write(crc_preserving(orig, struct.pack("<f", 1000.0) + orig[4:], 4))
+
+
+def _g_crc_fit(case, ctx, d):
+    root, step = _base(ctx, d)
+    name = {"model-first-value": "model/layers.0.attention.wq.weight",
+            "optim-first-value": "optim/layers.1.feed_forward.w2.weight/exp_avg",
+            "model-last-chunk": "model/tok_embeddings.weight"}[case.variant]
+    pieces = _manifest(step)["tensors"][name]["pieces"]
+    forge_chunk(step, name, len(pieces[0]["at"]) - 1 if case.variant == "model-last-chunk" else 0)
+    return Made(root)
+
+
+def _g_rollback(case, ctx, d):
+    """The whole reference directory, signed state included; `latest` sent back to step 1."""
+    root = d / "ck"
+    shutil.copytree(ctx.ck, root, symlinks=True)
+    if case.variant == "step2-removed":
+        shutil.rmtree(root / STEP_DIR)
+    (root / "latest").write_text(OLD_DIR + "\n")
+    return Made(root)
+
+
+def _g_other_run(case, ctx, d):
+    """Another run's signed step 2 (same key, another directory id) in this directory."""
+    root, step = _base(ctx, d)
+    shutil.copy2(ctx.ck / "signed_state.json", root / "signed_state.json")
+    if case.variant == "replaces-step2":
+        shutil.rmtree(step)
+        shutil.copytree(ctx.foreign / STEP_DIR, step)
+    else:
+        m = _manifest(ctx.foreign / STEP_DIR)
+        three = f"step_{STEP + 1:08d}"
+        shutil.copytree(ctx.foreign / STEP_DIR, root / three)
+        m["step"] = m["extra"]["step"] = STEP + 1  # a forger renumbers it too: the signature then fails
+        if case.index % 2:
+            _forge(root / three, m)
+        (root / "latest").write_text(three + "\n")
+    return Made(root)
+
+
 def _g_unsigned(case, ctx, d):
     src = ctx.plain / "ck" if case.cls == "unsigned" else ctx.ref / "other-key"
     root, _ = _base(ctx, d, src)
@@ -1356,6 +1443,7 @@ GENERATORS = {
     "many-pieces": _g_many, "nonregular": _g_nonregular, "extra-trainer": _g_extra(True),
     "extra-edited": _g_extra(False), "extra-model": _g_extra(True), "step-disagree": _g_step_disagree,
     "manifest-field": _g_field, "forger": _g_forger, "unsigned": _g_unsigned, "wrong-key": _g_unsigned,
+    "crc-fit": _g_crc_fit, "rollback": _g_rollback, "other-run": _g_other_run,
     "hf-pristine": _g_hf_pristine, "hf-config-huge": _g_hf_config, "hf-config-bad": _g_hf_config,
     "hf-flip-header": _g_hf_flip, "hf-trunc": _g_hf_trunc, "hf-header": _g_hf_header,
     "hf-nonregular": _g_hf_nonregular, "hf-links": _g_hf_links,

@@ -92,7 +92,8 @@ class AsyncSaver:
         try:
             self._copy(p, items, buf, lambda c: c.name not in done)
             p.arrays = {}  # the staging buffer holds the snapshot now
-            self._writer.submit(p.tmp / fmt.shard_name(p.rank), items, p.shard_attrs)
+            name = fmt.shard_name(p.rank)
+            self._writer.submit(p.tmp / name, items, p.shard_attrs, p.mac_key(name))
         except BaseException as e:  # noqa: BLE001 -- reported on every rank at the commit
             self._staging_error = e
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcml.ckpt.chunkmac import ChunkMac
 from hpcml.ckpt.shard import write_shard
 
 ALIGN = 64  # staging offsets: cache-line aligned
@@ -126,13 +127,14 @@ class ShardWriter:
         child.close()
         self._sock = parent
 
-    def submit(self, path: Path, items: list[dict], attrs: dict | None = None) -> None:
+    def submit(self, path: Path, items: list[dict], attrs: dict | None = None, mac_key: bytes | None = None) -> None:
         """Write ``items`` (dataset, offset, shape, dtype, at: staging offset) into ``path``,
-        whose root carries ``attrs`` (the save's step and id)."""
+        whose root carries ``attrs`` (the save's step and id); ``mac_key``: in a signed save, the
+        key of this file's chunk digests (this file's alone: the process never holds the signing key)."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
-        send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items, "attrs": attrs},
-             (self._fd,))
+        send(self._sock, {"op": "write", "path": str(path), "size": self.size, "items": items, "attrs": attrs,
+                          "mac_key": mac_key.hex() if mac_key is not None else None}, (self._fd,))
 
     def result(self) -> dict:
         """The status of the submitted write: ``{"ok": True, "bytes", "meta_sha256", "datasets",
@@ -194,7 +196,8 @@ def _write(job: dict, fd: int) -> dict:
                   np.ndarray(tuple(it["shape"]), np.dtype(it["dtype"]), buffer=mm, offset=it["at"]))
                  for it in job["items"]]
         path.parent.mkdir(parents=True, exist_ok=True)
-        info = write_shard(path, items, attrs=job.get("attrs"))
+        mac = ChunkMac(bytes.fromhex(job["mac_key"])) if job.get("mac_key") else None
+        info = write_shard(path, items, attrs=job.get("attrs"), mac=mac)
         del items  # the views must go before the map closes
         return {"ok": True, **info, "seconds": time.perf_counter() - t0}
     finally:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hpcml.ckpt.dcp_pickle import MAX_PICKLE_BYTES, Window, dims, line, load_entry, metadata_globals, unpickle
+from hpcml.ckpt.dcp_pickle import MAX_PICKLE_BYTES, Record, Window, dims, line, load_entry, metadata_globals, unpickle
 from hpcml.ckpt.shard import open_regular, read_bounded
 from hpcml.errors import CheckpointError
 

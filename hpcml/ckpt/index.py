@@ -70,7 +70,8 @@ def write_index(path: Path, per_rank: list[list[ChunkMeta]], owner: dict[tuple, 
                 layout[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = \
                     h5py.VirtualSource(f"./{file}", dataset, shape=c.shape, dtype=np_dtype)
                 pieces.append({"file": file, "dataset": dataset, "offset": list(c.offset), "shape": list(c.shape),
-                               "chunk": table["chunk"], "at": table["at"], "crc": table["crc"]})
+                               "chunk": table["chunk"], "at": table["at"], "crc": table["crc"]}
+                              | ({"mac": table["mac"]} if "mac" in table else {}))
             ds = f.create_virtual_dataset(name, layout)
             ds.attrs["dtype"] = first.dtype
             ds.attrs["global_shape"] = np.asarray([] if name in scalars else first.global_shape, dtype=np.int64)

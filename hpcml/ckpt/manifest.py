@@ -5,7 +5,8 @@ A checkpoint is untrusted input. The manifest is read with a size bound and chec
 field against the only layout the writer makes: plain file names of the step directory,
 pieces that tile each tensor exactly once, data chunks inside their files and disjoint, so
 that nothing declared can exceed the bytes really on disk. Each file's digest (metadata
-SHA-256 plus a CRC-32 per data chunk for shards, a SHA-256 for ``index.h5``) and the save's
+SHA-256 plus a CRC-32 per data chunk for shards -- and a keyed tag per chunk when signed,
+:mod:`hpcml.ckpt.chunkmac` -- a SHA-256 for ``index.h5``) and the save's
 id and step bind every file to this save: a stale, swapped or edited file is refused before
 HDF5 (or numpy) sees its bytes. numpy only, no torch, no h5py.
 """
@@ -22,10 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from hpcml import safeio
-from hpcml.ckpt import format as fmt
+from hpcml.ckpt import chunkmac, format as fmt
 from hpcml.ckpt.keys import Keyring
 from hpcml.ckpt.plan import check_fused, fused_spec
 from hpcml.ckpt.shard import open_regular, pread_exact
+from hpcml.ckpt.tiling import coverage
 from hpcml.errors import CheckpointError
 
 MANIFEST = fmt.MANIFEST
@@ -34,7 +36,7 @@ MAX_MANIFEST_BYTES = 256 << 20
 """A manifest larger than this is refused before parsing (a 1 TB checkpoint's is ~20 MB)."""
 FREE_MANIFEST_BYTES = 8 << 20
 """Beyond this, a manifest may be no larger than the shard files beside it (a real one is far
-smaller: ~25 bytes per data chunk of >= 1 KiB), so parsing it costs memory in proportion to
+smaller: ~25 bytes per data chunk of >= 1 KiB, ~60 signed), so parsing it costs memory in proportion to
 bytes really on disk, not to what a crafted file claims."""
 MAX_INT = 1 << 62
 """Every count, offset and size: below int64's limit (numpy works on them)."""
@@ -226,6 +228,7 @@ def check(m, ckpt: Path) -> None:
         bad = np.flatnonzero(at[:-1] + nb[:-1] > at[1:])
         if len(bad):
             raise CheckpointError(f"{name}: data chunks at bytes {at[bad[0]]} and {at[bad[0] + 1]} overlap")
+    chunkmac.check_fields(m)
 
 
 def _matrix(rows: list, d: int, lo: int, what: str) -> np.ndarray:
@@ -344,78 +347,3 @@ def _check_attrs(name: str, attrs: dict, shape: list[int]) -> None:
                                 or not 1 <= experts <= shape[0]):
         raise CheckpointError(f"{name} experts {str(experts)[:40]}: expected 1 to {shape[0] if shape else 0} "
                               f"(expert index first)")
-
-
-def coverage(shape: tuple[int, ...], boxes) -> str | None:
-    """None if the (offset, shape) boxes inside ``shape`` cover it exactly once, else why
-    not. ``boxes``: a list of (offset, shape) pairs, or the two as (n, d) int64 arrays.
-    Equal volumes and no two boxes overlapping is exactly once; the overlap test is
-    :func:`_disjoint`, O(n log n) per pass in time and O(n) in memory, never pairwise over
-    all pieces and never anything of the tensor's size."""
-    if isinstance(boxes, tuple):
-        lo, size = boxes
-    else:
-        lo = np.asarray([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
-        size = np.asarray([s for _, s in boxes], dtype=np.int64).reshape(len(boxes), len(shape))
-    total = math.prod(shape)
-    covered = sum(math.prod(s) for s in size.tolist())
-    if covered > total:
-        return f"pieces overlap: they hold {covered} elements, the tensor {total}"
-    if covered != total:
-        return f"{total - covered} of {total} elements not covered by any piece"
-    if len(lo) > 1 and len(shape):
-        return _disjoint(lo, lo + size)
-    return None
-
-
-MAX_PASSES_PER_DIM = 4
-SMALL_GROUP = 64
-
-
-def _disjoint(lo: np.ndarray, hi: np.ndarray) -> str | None:
-    """None if no two boxes ``[lo, hi)`` overlap, else why not.
-
-    Every layout a save makes is a nest of slabs (a dimension cut into intervals, each cut
-    again along others: sharding, fused sub-parameters), so the boxes are split into groups
-    that a cut along one dimension separates -- one sort per pass, all groups at once --
-    until each group holds one box. Boxes that no cut separates are tested pairwise when
-    few, and refused when many (no save lays pieces out like that)."""
-    n, d = lo.shape
-    gid = np.zeros(n, dtype=np.int64)
-    alive = np.ones(n, dtype=bool)
-    idle, k = 0, 0
-    for _ in range(MAX_PASSES_PER_DIM * d + 8):
-        if not alive.any() or idle >= d:
-            break
-        idx = np.flatnonzero(alive)
-        g, a, b = gid[idx], lo[idx, k], hi[idx, k]
-        order = np.lexsort((a, g))
-        idx, g, a, b = idx[order], g[order], a[order], b[order]
-        vals = np.unique(np.concatenate([a, b]))
-        ra, rb = np.searchsorted(vals, a), np.searchsorted(vals, b)
-        span = len(vals) + 1
-        reach = np.maximum.accumulate(g * span + rb) - g * span  # furthest end so far in the group
-        first = np.ones(len(idx), dtype=bool)
-        first[1:] = g[1:] != g[:-1]
-        cut = np.zeros(len(idx), dtype=bool)
-        cut[1:] = ~first[1:] & (reach[:-1] <= ra[1:])
-        idle = 0 if cut.any() else idle + 1
-        newg = np.cumsum(first | cut) - 1 + (gid.max() + 1)
-        gid[idx] = newg
-        sizes = np.bincount(newg - newg[0]) if len(newg) else np.zeros(0, np.int64)
-        alive[idx] = sizes[newg - newg[0]] > 1
-        k = (k + 1) % d
-    if not alive.any():
-        return None
-    idx = np.flatnonzero(alive)
-    for group in np.split(idx[np.argsort(gid[idx], kind="stable")],
-                          np.flatnonzero(np.diff(np.sort(gid[idx]))) + 1):
-        if len(group) > SMALL_GROUP:
-            return (f"pieces overlap, or {len(group)} of them are laid out in no slabs a save makes: "
-                    f"refused rather than tested pairwise")
-        gl, gh = lo[group], hi[group]
-        over = np.all((gl[:, None] < gh[None]) & (gl[None] < gh[:, None]), axis=-1)
-        np.fill_diagonal(over, False)
-        if over.any():
-            return "pieces overlap: some elements are covered more than once"
-    return None

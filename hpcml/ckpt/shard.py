@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 
 from hpcml import safeio
+from hpcml.ckpt.chunkmac import ChunkMac
 from hpcml.ckpt.sink import BufferedSink, DirectSink
 from hpcml.errors import CheckpointError
 
@@ -112,12 +113,13 @@ def _chunk_offsets(ds: h5py.Dataset) -> list[int]:
 
 
 def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarray]], *,
-                attrs: dict | None = None) -> dict:
+                attrs: dict | None = None, mac: ChunkMac | None = None) -> dict:
     """Write ``(dataset, offset, array)`` items into a new shard and fsync it.
 
     Returns what the manifest records of it: ``{"bytes", "meta_sha256", "datasets": [{"chunk":
-    chunk shape, "at": byte offsets, "crc": CRC-32 per chunk}]}`` in item order. Raises
-    ``OSError`` (ENOSPC included) from plain writes: the space is reserved before any data goes in.
+    chunk shape, "at": byte offsets, "crc": CRC-32 per chunk}]}`` in item order, and with
+    ``mac`` (a signed save) each chunk's keyed tag too (``"mac"``, :mod:`hpcml.ckpt.chunkmac`).
+    Raises ``OSError`` (ENOSPC included) from plain writes: the space is reserved before any data goes in.
     """
     items = [(d, o, np.ascontiguousarray(a)) for d, o, a in items]
     need = sum(a.nbytes for _, _, a in items)
@@ -134,7 +136,10 @@ def write_shard(path: Path, items: Iterable[tuple[str, tuple[int, ...], np.ndarr
         with DirectSink.open(path, fd, COALESCE) as sink:
             for (_, _, arr), table in zip(items, tables):
                 nb = math.prod(table["chunk"]) * arr.itemsize
-                table["crc"] = _write_chunks(sink, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]), table["at"])
+                table["crc"], tags = _write_chunks(sink, arr.reshape(arr.shape or (1,)), tuple(table["chunk"]),
+                                                   table["at"], mac)
+                if mac is not None:
+                    table["mac"] = tags
                 data_ranges += [(a, nb) for a in table["at"]]
         meta = metadata_sha256(fd, size, data_ranges)
         os.fsync(fd)  # what is still in the page cache (HDF5's metadata, runs' end pages, the writeback's tail)
@@ -151,14 +156,16 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _write_chunks(sink: BufferedSink, arr: np.ndarray, chunk: tuple[int, ...], at: list[int]) -> list[int]:
+def _write_chunks(sink: BufferedSink, arr: np.ndarray, chunk: tuple[int, ...], at: list[int],
+                  mac: ChunkMac | None = None) -> tuple[list[int], str]:
     """Each run of chunks adjacent in the file goes to ``sink`` in one piece: straight from the
     array when its chunks are whole rows (they are then its bytes, in order) and the sink
     takes the caller's memory, else through the sink's staging buffer the chunks are copied
     into (edge chunks zero-padded to the full chunk, as HDF5 stores them). Each chunk's CRC-32
-    is taken while its bytes are in cache."""
+    is taken while its bytes are in cache, and with ``mac`` its keyed tag (hex, in chunk order)."""
     nb = math.prod(chunk) * arr.itemsize
     crcs = [0] * len(at)
+    tags = [b""] * len(at) if mac is not None else []
     flat = arr.reshape(-1).view(np.uint8)
     whole_rows = chunk[1:] == arr.shape[1:]
     for run in _runs(at, list(range(len(at))), nb):
@@ -180,8 +187,10 @@ def _write_chunks(sink: BufferedSink, arr: np.ndarray, chunk: tuple[int, ...], a
         view = memoryview(data)
         for j, i in enumerate(run):
             crcs[i] = crc32(view[j * nb:(j + 1) * nb])
+            if mac is not None:
+                tags[i] = mac.tag(at[i], view[j * nb:(j + 1) * nb])
         sink.put(at[run[0]], data)
-    return crcs
+    return crcs, b"".join(tags).hex()
 
 
 def gaps(size: int, data_ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -247,9 +256,9 @@ def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:
     return runs
 
 
-def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: str):
+def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: str, mac: ChunkMac | None = None):
     """Yield ``(chunk index, bytes)`` of the wanted chunks, each checked against its CRC-32
-    as it is read. Runs of adjacent chunks are read in one pread into two reused buffers and
+    -- or with ``mac`` (a keyed reader), its keyed tag -- as it is read. Runs of adjacent chunks are read in one pread into two reused buffers and
     checked by a thread (pread and crc32 release the GIL) while the caller copies the run
     before. A yielded view is valid until the next one. ``where`` names the dataset for errors."""
     nb = math.prod(table["chunk"]) * itemsize
@@ -267,7 +276,9 @@ def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: s
             raise CheckpointError(f"{where}: short read of {n} of {len(view)} bytes at offset {at[runs[k][0]]}: "
                                   "the file is truncated")
         for j, i in enumerate(runs[k]):
-            if crc32(view[j * nb:(j + 1) * nb]) != crc[i]:
+            if mac is not None:
+                mac.check(at[i], view[j * nb:(j + 1) * nb], table["mac"], i, where)
+            elif crc32(view[j * nb:(j + 1) * nb]) != crc[i]:
                 raise CheckpointError(f"{where}: chunk {i} at byte {at[i]} fails its CRC-32: corrupted or replaced")
         return view
 
@@ -291,10 +302,10 @@ def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: s
 
 
 def read_region(fd: int, shape: tuple[int, ...], table: dict, dtype: np.dtype, region: tuple[slice, ...],
-                where: str, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                where: str, out: np.ndarray | None = None, mac: ChunkMac | None = None) -> tuple[np.ndarray, int]:
     """The ``region`` of a dataset of ``shape`` stored in chunks (``table``), checked chunk by
-    chunk, copied into ``out`` (an array of the region's shape; default: a new one); returns
-    it and the bytes read (whole chunks)."""
+    chunk (:func:`read_chunks`), copied into ``out`` (an array of the region's shape; default:
+    a new one); returns it and the bytes read (whole chunks)."""
     chunk = tuple(table["chunk"])
     g = grid(shape, chunk)
     ranges = [range(r.start // c, (r.stop - 1) // c + 1) for r, c in zip(region, chunk)]
@@ -303,7 +314,7 @@ def read_region(fd: int, shape: tuple[int, ...], table: dict, dtype: np.dtype, r
     if out is None:
         out = np.empty(tuple(r.stop - r.start for r in region), dtype=dtype)
     nread = 0
-    for i, data in read_chunks(fd, table, dtype.itemsize, wanted, where):
+    for i, data in read_chunks(fd, table, dtype.itemsize, wanted, where, mac):
         box = np.frombuffer(data, dtype=dtype).reshape(chunk)
         t = tile(i, shape, chunk)
         lo = [max(a.start, b.start) for a, b in zip(t, region)]
@@ -314,58 +325,10 @@ def read_region(fd: int, shape: tuple[int, ...], table: dict, dtype: np.dtype, r
     return out, nread
 
 
-def check_file(fd: int, size: int, meta_sha256: str, tables: list[tuple[str, dict, int]]) -> list[str]:
-    """Every byte of a shard checked, streamed in file order (bounded memory, one pass however
-    many datasets the file holds): each data chunk against its CRC-32, the rest against the
-    metadata digest. ``tables``: (dataset name, chunk table, itemsize) of each dataset in
-    the file. Problems found (the first bad chunk of each dataset), or []."""
-    chunks = sorted((a, math.prod(table["chunk"]) * itemsize, c, k, i) for k, (_, table, itemsize) in enumerate(tables)
-                    for i, (a, c) in enumerate(zip(table["at"], table["crc"])))
-    runs: list[list[tuple]] = []
-    for ch in chunks:  # adjacent chunks in one pread, up to COALESCE bytes
-        if runs and ch[0] == runs[-1][-1][0] + runs[-1][-1][1] and ch[0] + ch[1] - runs[-1][0][0] <= COALESCE:
-            runs[-1].append(ch)
-        else:
-            runs.append([ch])
-    bad: dict[int, str] = {}
-    buffers = [np.empty(max((r[-1][0] + r[-1][1] - r[0][0] for r in runs), default=0), np.uint8) for _ in range(2)]
-
-    def fill(k: int) -> memoryview:
-        run = runs[k]
-        view = memoryview(buffers[k % 2])[:run[-1][0] + run[-1][1] - run[0][0]]
-        n = os.preadv(fd, [view], run[0][0])
-        if n != len(view):
-            raise CheckpointError(f"short read of {n} of {len(view)} bytes at offset {run[0][0]}: the file is truncated")
-        return view
-
-    with ThreadPoolExecutor(1) as pool:  # the next run is read while this one's CRCs are taken
-        ahead = pool.submit(fill, 0) if runs else None
-        for k, run in enumerate(runs):
-            try:
-                view = ahead.result()
-            except CheckpointError as e:
-                for ch in run:
-                    bad.setdefault(ch[3], f"{tables[ch[3]][0]}: {e}")
-                view = None
-            ahead = pool.submit(fill, k + 1) if k + 1 < len(runs) else None
-            if view is None:
-                continue
-            base = run[0][0]
-            for at, nb, crc, t, i in run:
-                if t not in bad and crc32(view[at - base:at - base + nb]) != crc:
-                    bad[t] = f"{tables[t][0]}: chunk {i} at byte {at} fails its CRC-32: corrupted or replaced"
-    problems = [bad[t] for t in sorted(bad)]
-    try:
-        if metadata_sha256(fd, size, [(a, nb) for a, nb, *_ in chunks]) != meta_sha256:
-            problems.append("HDF5 metadata differs from what was saved (SHA-256): edited, corrupted or from another save")
-    except CheckpointError as e:
-        problems.append(str(e))
-    return problems
-
-
-def describe(path: Path, datasets: list[str]) -> dict:
+def describe(path: Path, datasets: list[str], mac: ChunkMac | None = None) -> dict:
     """What :func:`write_shard` returns, for a file that HDF5 wrote itself (the collective
-    single-file save): chunk tables from HDF5, then one read of every chunk for its CRC-32."""
+    single-file save): chunk tables from HDF5, then one read of every chunk for its CRC-32
+    (and with ``mac``, its keyed tag)."""
     tables = []
     with h5py.File(path, "r") as f:
         for name in datasets:
@@ -376,7 +339,14 @@ def describe(path: Path, datasets: list[str]) -> dict:
         size, ranges = os.fstat(fd).st_size, []
         for table in tables:
             nb = math.prod(table["chunk"]) * table.pop("itemsize")
-            table["crc"] = [crc32(pread_exact(fd, nb, a)) for a in table["at"]]
+            table["crc"], tags = [], []
+            for a in table["at"]:  # a chunk at a time: memory stays one chunk whatever the file holds
+                data = pread_exact(fd, nb, a)
+                table["crc"].append(crc32(data))
+                if mac is not None:
+                    tags.append(mac.tag(a, data))
+            if mac is not None:
+                table["mac"] = b"".join(tags).hex()
             ranges += [(a, nb) for a in table["at"]]
         return {"bytes": size, "meta_sha256": metadata_sha256(fd, size, ranges), "datasets": tables}
     finally:

@@ -42,6 +42,6 @@ def write_single(p) -> tuple:
         return ("ok", 0, SINGLE_FILE, {})
     fsync_path(path)
     names = sorted(tensors)
-    info = describe(path, names)
+    info = describe(path, names, p.mac(SINGLE_FILE))
     return ("ok", info["bytes"], SINGLE_FILE, {"meta_sha256": info["meta_sha256"],
                                                "tables": dict(zip(names, info["datasets"]))})

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import h5py
 
 from hpcml import safeio
-from hpcml.ckpt import format as fmt, keys, manifest, rollback
+from hpcml.ckpt import chunkmac, format as fmt, keys, manifest, rollback
 from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.plan import check_fused, fused_spec
-from hpcml.ckpt.shard import fsync_path
+from hpcml.ckpt.shard import fsync_path, read_chunks
 from hpcml.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,13 +102,14 @@ def sign(path: str | os.PathLike) -> str:
     """Sign checkpoint ``path`` with the configured key (the first of the keyring) once every
     byte of it verifies; returns the key id. The manifest is replaced atomically (write, fsync,
     rename). Signing says "I trust this content": use it on checkpoints you made, e.g. to sign
-    those saved before a key was set, or to re-sign with a new key when rotating."""
+    those saved before a key was set, or to re-sign with a new key when rotating. Every data
+    chunk gets a keyed digest under the key and a new salt (:mod:`hpcml.ckpt.chunkmac`)."""
     ring = keys.keyring(True)
     problems = verify(path, key=False)
     if problems:
         raise CheckpointError(f"not signing {path}: it does not verify ({problems[0]})")
     with Checkpoint(path, key=False) as ck:
-        step_dir, m = ck.path, dict(ck.manifest)
+        step_dir, m = ck.path, _tagged(ck, ring.keys[0])
     state = rollback.read(step_dir.parent, ring)
     m["root"] = rollback.root_id(state)  # signing adopts it into this directory
     tmp = step_dir / (fmt.MANIFEST + ".tmp")
@@ -116,6 +118,23 @@ def sign(path: str | os.PathLike) -> str:
     fsync_path(step_dir)
     rollback.record(step_dir.parent, m, ring, state)
     return keys.key_id(ring.keys[0])
+
+
+def _tagged(ck: Checkpoint, key: bytes) -> dict:
+    """A copy of ``ck``'s manifest whose data chunks carry keyed digests under ``key`` and a new
+    salt: each chunk read once more, and checked against its CRC-32 as it is tagged."""
+    salt = uuid.uuid4().hex
+    tensors = {}
+    for name, t in ck.tensors.items():
+        pieces = []
+        for p in t["pieces"]:
+            mac, tags = chunkmac.ChunkMac(chunkmac.file_key(key, salt, p["file"])), [b""] * len(p["at"])
+            for i, data in read_chunks(ck._open(p["file"]), p, ck.dtype(name).itemsize, list(range(len(tags))),
+                                       f"{ck.path / p['file']} {p['dataset']}"):
+                tags[i] = mac.tag(p["at"][i], data)
+            pieces.append({**p, "mac": b"".join(tags).hex()})
+        tensors[name] = {**t, "pieces": pieces}
+    return {**ck.manifest, "tensors": tensors, "data_mac": chunkmac.header(salt)}
 
 
 def model_weights(source: Checkpoint | str | os.PathLike) -> dict[str, torch.Tensor]:

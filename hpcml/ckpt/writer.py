@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hpcml import __version__, log
-from hpcml.ckpt import codec, format as fmt, keys as keyring_, lock, rollback
+from hpcml.ckpt import chunkmac, codec, format as fmt, keys as keyring_, lock, rollback
 from hpcml.ckpt.index import commit, finish_manifest, write_index
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.shard import write_shard
@@ -82,9 +82,10 @@ def _pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict] | No
     return metas, locals_, placements
 
 
-def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray], attrs: dict) -> dict:
+def _write_shard(path: Path, chunks: list[ChunkMeta], arrays: dict[tuple, np.ndarray], attrs: dict,
+                 mac: chunkmac.ChunkMac | None = None) -> dict:
     """Write this rank's owned chunks; returns the shard's manifest entry and each chunk's table."""
-    info = write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks], attrs=attrs)
+    info = write_shard(path, [(c.dataset, c.offset, arrays[c.key]) for c in chunks], attrs=attrs, mac=mac)
     return {"meta_sha256": info["meta_sha256"], "tables": dict(zip((c.key for c in chunks), info["datasets"]))}
 
 
@@ -124,6 +125,15 @@ class _Pending:
     def shard_attrs(self) -> dict:
         """What binds each shard file to this save."""
         return {"hpcml_step": self.step, "hpcml_save_id": self.attrs["save_id"]}
+
+    def mac_key(self, file: str) -> bytes | None:
+        """In a signed save, the key of ``file``'s chunk digests (:mod:`hpcml.ckpt.chunkmac`;
+        the save's random id is its salt), else None."""
+        return chunkmac.file_key(self.keys.keys[0], self.attrs["save_id"], file) if self.keys is not None else None
+
+    def mac(self, file: str) -> chunkmac.ChunkMac | None:
+        key = self.mac_key(file)
+        return chunkmac.ChunkMac(key) if key is not None else None
 
 
 def _normalized(attrs: dict) -> dict:
@@ -215,7 +225,7 @@ def _write_local(p: _Pending) -> tuple:
     try:
         p.tmp.mkdir(parents=True, exist_ok=True)
         if p.mine:
-            info = _write_shard(shard, p.mine, p.arrays, p.shard_attrs)
+            info = _write_shard(shard, p.mine, p.arrays, p.shard_attrs, p.mac(shard.name))
             return ("ok", shard.stat().st_size, shard.name, info)
     except Exception as e:  # noqa: BLE001 -- reported on every rank by _finish
         return ("error", failure(rank, e, shard), "", {})
@@ -264,6 +274,7 @@ def _index_and_commit(p: _Pending, gathered: list[tuple[tuple, dict[str, str]]])
         state = _signed_state(p.root, p.keys) if p.keys is not None else None
         if p.keys is not None:  # bound to this directory, so no other run's step passes for one of it
             m["root"] = rollback.root_id(state)
+            m["data_mac"] = chunkmac.header(p.attrs["save_id"])
         finish_manifest(p.tmp, m, files, p.keys)
         commit(p.root, p.tmp, p.final, p.keep)
         if p.keys is not None:

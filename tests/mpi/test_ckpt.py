@@ -224,6 +224,15 @@ def test_collective_single_file_mode(comm, shared_dir):
             local, _, offset = ckpt.state.local_piece(t)
             box = tuple(slice(o, o + s) for o, s in zip(offset, local.shape)) if local.dim() else (slice(0, 1),)
             assert torch.equal(torch.from_numpy(f[name][box]).reshape(local.shape), local), name
+    # signed: rank 0 tags every chunk of shared.h5 as it describes it; a keyed reader checks them
+    key = b"s" * 32
+    signed = ckpt.save(shared_dir / "single-signed", 1, tensors, comm=comm, single_file=True, key=key)
+    with ckpt.Checkpoint(signed.path, key=key) as ck:
+        pieces = [p for t in ck.tensors.values() for p in t["pieces"]]
+        assert all(len(p["mac"]) == 32 * len(p["at"]) for p in pieces) and ck.manifest["data_mac"]["salt"]
+        assert ck.verify() == []
+        name = "model/output.weight"
+        assert torch.equal(ckpt.read_tensor(ck, name), ckpt.read_tensor(ckpt.Checkpoint(result.path), name))
 
 
 # --- fused sub-parameters: a GQA QKV projection, q = 8 heads, k = v = 2 heads of hd = 32 ---

@@ -169,3 +169,39 @@ def test_async_save_logs_the_write_apart_from_the_wait(tmp_path):
     assert result.seconds >= 1.5 and 0 < result.write_seconds < 1.0, result
     assert records.lines == [f"saved {result.path} (0.5 MB from this rank, written in {result.write_seconds:.2f} s; "
                              f"committed {result.seconds:.2f} s after the save began)"]
+
+
+def test_a_signed_async_save_tags_every_chunk_in_the_writer_process(tmp_path, monkeypatch):
+    """Under a key the writer process takes each chunk's keyed digest (it gets its file's key
+    over the socket, never the signing key); a keyed reader checks them, a forged chunk fails."""
+    import json
+
+    import torch
+
+    from hpcml import ckpt
+    from hpcml.ckpt import keys
+    from hpcml.errors import CheckpointError
+
+    monkeypatch.delenv(keys.ENV_KEY, raising=False)
+    monkeypatch.delenv(keys.ENV_KEY_FILE, raising=False)
+    key = b"a" * 32
+    w = torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
+    saver = ckpt.AsyncSaver()
+    try:
+        saver.save(tmp_path, 1, {"model/w": w}, key=key)
+        result = saver.wait()
+    finally:
+        saver.close()
+    m = json.loads((result.path / "manifest.json").read_text())
+    piece = m["tensors"]["model/w"]["pieces"][0]
+    assert len(piece["at"]) == 64 and len(piece["mac"]) == 64 * 32 and m["data_mac"]["salt"] == m["save_id"]
+    back = {"model/w": torch.zeros_like(w)}
+    ckpt.load(tmp_path, back, key=key)
+    assert torch.equal(back["model/w"], w)
+    with open(result.path / piece["file"], "r+b") as f:  # one byte of the last chunk
+        f.seek(piece["at"][-1] + 5)
+        b = f.read(1)
+        f.seek(piece["at"][-1] + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CheckpointError, match="chunk 63 at byte .* fails its keyed digest"):
+        ckpt.load(tmp_path, back, key=key)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from hpcml import ckpt, stop
 from hpcml.ckpt import keys, lock, manifest, tools
-from hpcml.ckpt.manifest import coverage
+from hpcml.ckpt.tiling import coverage
 from hpcml.errors import CheckpointError, ConfigError
 
 KEY = b"k" * 32
@@ -164,6 +164,86 @@ def test_a_signed_step_rolled_back_or_of_another_run_is_refused(tmp_path):
         ckpt.Checkpoint(root / "step_00000005", key=KEY)
     _save(root, step=11, key=KEY)  # a save goes on: a new signed state, with a warning
     assert json.loads((root / rollback.STATE).read_text())["step"] == 11 and ckpt.Checkpoint(root, key=KEY).step == 11
+
+
+def _forge_first_chunk(step: Path, name: str) -> None:
+    """The first chunk of ``name``: its first value 1000.0, its CRC-32 kept (benchmarks/ckpt_corpus.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckpt_corpus", Path(__file__).parents[2] / "benchmarks" /
+                                                  "ckpt_corpus.py")
+    corpus = sys.modules.get("ckpt_corpus") or importlib.util.module_from_spec(spec)
+    if "ckpt_corpus" not in sys.modules:
+        sys.modules["ckpt_corpus"] = corpus
+        spec.loader.exec_module(corpus)
+    corpus.forge_chunk(step, name)
+
+
+def test_data_forged_under_its_crc_is_refused_with_a_key(tmp_path):
+    """Issue 40: a signed checkpoint's chunks had only CRC-32s, which anyone who can write a
+    shard can fit -- the forgery verified and loaded wrong values. Under a key each chunk has a
+    keyed digest (AES-GMAC) too."""
+    plain, signed = _save(tmp_path / "plain"), _save(tmp_path / "signed", key=KEY)
+    m = json.loads((signed / "manifest.json").read_text())
+    assert m["data_mac"]["alg"] == "aes256-gmac/v1" and len(m["data_mac"]["salt"]) == 32
+    assert all(len(p["mac"]) == 32 * len(p["at"]) for t in m["tensors"].values() for p in t["pieces"])
+    assert "data_mac" not in json.loads((plain / "manifest.json").read_text())
+    for step in (plain, signed):
+        _forge_first_chunk(step, "model/a")
+    got = _load(plain)["model/a"]  # documented: without a key a CRC-32 is no defence against a writer
+    assert got[0, 0].item() == 1000.0 and tools.verify(plain) == []
+    with pytest.raises(CheckpointError, match=r"rank_00000\.h5 model/a\S*: chunk 0 at byte \d+ fails its keyed digest "
+                                              r"\(aes256-gmac/v1\): changed after the save"):
+        _load(signed, key=KEY)
+    problems = tools.verify(signed, key=KEY)
+    assert len(problems) == 1 and "model/a piece 0: chunk 0" in problems[0] and "keyed digest" in problems[0]
+    assert tools.verify(signed, key=False) == []  # the CRCs still pass: the forgery is one they cannot see
+    with ckpt.Checkpoint(signed, key=KEY) as ck:  # what was not touched still reads, checked
+        assert np.array_equal(ck.read("model/b")[0], _tensors()["model/b"].numpy())
+
+
+def test_a_keyed_reader_needs_chunk_digests_and_sign_adds_them(tmp_path):
+    """A signed manifest without chunk MACs (an older hpcml's) is refused under a key, with the
+    command that fixes it; `hpcml ckpt sign` tags every chunk (checking its CRC first) under a new salt."""
+    step = _save(tmp_path / "ck", key=KEY)
+    salt = json.loads((step / "manifest.json").read_text())["data_mac"]["salt"]
+
+    def strip(m):
+        m.pop("data_mac")
+        for t in m["tensors"].values():
+            for p in t["pieces"]:
+                p.pop("mac")
+        m["signature"] = keys.Keyring((keys.derive(KEY, "t"),), "t").sign(manifest._body(m))
+    _rewrite(step, strip)
+    with pytest.raises(CheckpointError, match=r"is signed, but its data chunks carry only CRC-32s.*"
+                                              r"re-sign it: hpcml ckpt sign .*step_00000003"):
+        _load(step, key=KEY)
+    assert torch.equal(_load(step, key=False)["model/a"], _tensors()["model/a"])
+    os.environ[keys.ENV_KEY] = KEY.decode()
+    try:
+        tools.sign(step)
+    finally:
+        del os.environ[keys.ENV_KEY]
+    m = json.loads((step / "manifest.json").read_text())
+    assert m["data_mac"]["salt"] != salt and len(m["data_mac"]["salt"]) == 32
+    assert torch.equal(_load(step, key=KEY)["model/a"], _tensors()["model/a"])
+    _forge_first_chunk(step, "optim/c")
+    with pytest.raises(CheckpointError, match="fails its keyed digest"):
+        _load(step, key=KEY)
+
+
+def test_malformed_chunk_macs_refused_in_one_line(tmp_path):
+    import shutil
+
+    step = _save(tmp_path / "ck", key=KEY)
+    for k, (edit, msg) in enumerate([(lambda m: m["tensors"]["model/a"]["pieces"][0].update(mac="zz"), "mac is 'zz': expected 32"),
+                      (lambda m: m["data_mac"].update(alg="crc32"), "data_mac is .*: expected"),
+                      (lambda m: m.pop("data_mac"), "a piece has chunk MACs, but the manifest names no data_mac")]):
+        copy = tmp_path / f"c{k}" / step.name
+        shutil.copytree(step, copy)
+        _rewrite(copy, edit)
+        with pytest.raises(CheckpointError, match=msg):
+            ckpt.Checkpoint(copy, key=False)
 
 
 def test_the_stream_secret_never_signs_checkpoints(tmp_path, monkeypatch):
