@@ -68,6 +68,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submit", action="store_true", help="submit it and print the job id")
     p.add_argument("--explain", action="store_true",
                    help="print every line of the script with the reason and the source for it")
+    p.add_argument("--campaign-jobs", action="store_true",
+                   help="print what a campaign of --nodes (trainer and simulations) submits -- which jobs, in which "
+                        "queues, how many at once -- checked against the queues' per-user limits")
+    p.add_argument("--train-nodes", type=int, default=1, help="with --campaign-jobs: the trainer's nodes (default 1)")
+    p.add_argument("--mode", choices=("auto", "pilot", "one-allocation"), default="auto",
+                   help="with --campaign-jobs: how the campaign runs (default: a pilot when its jobs fit the limits, "
+                        "else one allocation, else the trainer in another queue)")
+    p.add_argument("--json", action="store_true", help="with --campaign-jobs: one JSON object")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     ck = sub.add_parser("ckpt", help="list, inspect, verify, export, consolidate or convert checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
@@ -180,6 +188,20 @@ def _ckpt_convert(args: argparse.Namespace) -> None:
           f"{done.tensors} tensors, {done.nbytes / 1e6:.1f} MB in {done.seconds:.1f} s")
 
 
+def _campaign_jobs(args: argparse.Namespace) -> int:
+    """``hpcml job --campaign-jobs``: the campaign's jobs and queues, or exit 2 when none fit."""
+    from hpcml.ensemble import campaign_jobs, load_site
+    from hpcml.ensemble.jobscript import parse_nodes
+
+    lo, hi = parse_nodes(args.nodes)
+    if lo != hi:
+        raise ConfigError(f"--nodes {args.nodes}: --campaign-jobs plans a fixed node count (expected N)")
+    got = campaign_jobs.plan(load_site(args.site), nodes=lo, walltime=args.walltime, train_nodes=args.train_nodes,
+                             queue=args.queue, mode=args.mode, requeue=not args.no_requeue)
+    print(json.dumps(got.to_dict()) if args.json else got.explain())
+    return 0
+
+
 def _cmd_job(args: argparse.Namespace) -> int:
     from hpcml.ensemble import jobscript
     from hpcml.ensemble.schedulers import SubmitError
@@ -189,6 +211,8 @@ def _cmd_job(args: argparse.Namespace) -> int:
         raise ConfigError("hpcml job needs the command after --, e.g. hpcml job ... -- python train.py")
     if args.script is not None:
         _check_out_file("--script", args.script)
+    if args.campaign_jobs:
+        return _campaign_jobs(args)
     spec = jobscript.job_spec(site=args.site, command=cmd, nodes=args.nodes, walltime=args.walltime,
                               account=args.account, queue=args.queue, ranks=args.ranks, driver=args.driver,
                               name=args.name, warn_s=args.warn_s, requeue=not args.no_requeue,

@@ -6,12 +6,15 @@
 The section between ``<!-- hpcml-job:begin -->`` and ``<!-- hpcml-job:end -->`` of each batch
 site's page holds, for that site: the one-allocation campaign job, the pilot campaign (the
 command on a login node, the trainer's allocation, the block Parsl submits) and a training
-job that survives the walltime and a lost node.
+job that survives the walltime and a lost node. docs/jobs.md's section between
+``<!-- hpcml-campaign-jobs:begin -->`` and its end marker holds what a campaign submits on
+each site (``hpcml job --campaign-jobs``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -142,11 +145,13 @@ def rules_section(site) -> str:
         out += [f"Account: **{need}** -- {_cell(site.account.why)} ({_src(site.account.source)}). `hpcml job` takes "
                 "`--account` or `$HPCML_ACCOUNT`.", ""]
     if site.queues:
-        out += ["| queue | kind | nodes | max walltime | jobs per user | self-requeue | picked | note | source |",
+        out += ["| queue | kind | nodes | walltime | per user: running / queued | self-requeue | picked | note | source |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for q in site.queues:
             nodes = f"{q.min_nodes}-{q.max_nodes}" if q.max_nodes else f"{q.min_nodes}+"
-            out.append(f"| `{q.name}` | {q.kind} | {nodes} | {q.max_walltime} | {q.max_jobs or '-'} | "
+            time = f"{q.min_walltime}-{q.max_walltime}" if q.min_walltime_s else f"<= {q.max_walltime}"
+            per = f"{q.max_running or '-'} / {q.max_queued or '-'}"
+            out.append(f"| `{q.name}` | {q.kind} | {nodes} | {time} | {per} | "
                        f"{'yes' if q.requeue else '**no**'} | {'auto' if q.auto else '`--queue` only'} | "
                        f"{_cell(q.note) or '-'} | {_src(q.source)} |")
         out += ["", "`hpcml job` takes the first `auto` row that holds the nodes and the walltime; a `--queue` is "
@@ -158,6 +163,110 @@ def rules_section(site) -> str:
         out += ["| line | why | source |", "|---|---|---|"]
         out += [f"| {_cell(a)} | {_cell(b)} | {_src(c)} |" for a, b, c in rows]
     return "\n".join(out).rstrip()
+
+
+CJ_BEGIN, CJ_END = "<!-- hpcml-campaign-jobs:begin -->", "<!-- hpcml-campaign-jobs:end -->"
+CAMPAIGNS = ((2, "02:00:00"), (64, "06:00:00"))
+
+
+def campaign_jobs_section() -> str:
+    """Per batch site, what a 2-node/2-hour and a 64-node/6-hour campaign (1 trainer node) submits."""
+    from hpcml.ensemble import campaign_jobs, list_sites, load_site
+    from hpcml.errors import ConfigError
+
+    out = [CJ_BEGIN, "", "| site | campaign | mode | jobs (role: queue, nodes) | at once: running / queued | why |",
+           "|---|---|---|---|---|---|"]
+    for name in list_sites():
+        site = load_site(name)
+        if site.scheduler == "local":
+            continue
+        for nodes, walltime in CAMPAIGNS:
+            what = f"{nodes} nodes x {walltime[:2].lstrip('0')} h"
+            try:
+                got = campaign_jobs.plan(site, nodes=nodes, walltime=walltime)
+            except ConfigError as e:
+                why = str(e).split("one-allocation: ", 1)[-1].split(";")[0]  # the one job's reason says it all
+                out.append(f"| `{name}` | {what} | **none fits** (exit 2) | - | - | {_cell(why)} |")
+                continue
+            jobs = ", ".join(f"{j.role}: `{j.queue}` {j.nodes}" for j in got.jobs)
+            out.append(f"| `{name}` | {what} | {got.mode} | {jobs} | {got.max_running_at_once} / "
+                       f"{got.max_queued_at_once} | {_cell(got.why)} |")
+    return "\n".join(out + ["", CJ_END])
+
+
+def update_jobs_page(check: bool) -> bool:
+    page = ROOT / "docs" / "jobs.md"
+    text = page.read_text()
+    head, rest = text.split(CJ_BEGIN, 1)
+    new = head + campaign_jobs_section() + rest.split(CJ_END, 1)[1]
+    if new == text:
+        return True
+    if not check:
+        page.write_text(new)
+    return False
+
+
+def _module_lines(site) -> set[str]:
+    return {ln.strip() for f in site.modules for ln in f.text.splitlines() if ln.strip()}
+
+
+def _check_modules(site, text: str, where: str) -> list[str]:
+    """Every ``module load`` a page tells the user to run for ``site`` is one the site's jobs run."""
+    out = []
+    known = _module_lines(site)
+    for line in text.splitlines():
+        for part in line.split("#", 1)[0].split(";"):
+            part = " ".join(part.split())
+            if part.startswith("module load ") and part not in known:
+                out.append(f"{where}: `{part}` is not a module line of site {site.name} ({sorted(known)})")
+    return out
+
+
+def prose_problems(name: str, text: str) -> list[str]:
+    """What a site page states by hand, outside its generated section, checked against the
+    site's data: the simulations' prefix, the training launch line, the modules, the GPU
+    binding and the queues picked by default. A statement the code no longer makes fails."""
+    from hpcml.ensemble import load_site
+
+    site = load_site(name)
+    outside = text.split(BEGIN, 1)[0] + (text.split(END, 1)[1] if END in text else "")
+    where = f"docs/sites/{name}.md"
+    out = []
+    for m in re.finditer(r'`site\.sim_prefix\(R\) == f?"([^"]*)"`', outside):
+        claimed = re.sub(r"\bR\b", "7", m[1].replace("{R}", "7"))
+        if claimed != site.sim_prefix(7):
+            out.append(f"{where}: says site.sim_prefix(R) == {m[1]!r}; the site's is {site.sim_prefix(7)!r} (R=7)")
+    launch = site.train_line(["python", "workflows/llm_pretrain.py", "..."], nodes=2)
+    for line in outside.splitlines():
+        if re.match(r"(srun|mpiexec|jsrun) .*python workflows/llm_pretrain\.py \.\.\.$", line) and line != launch:
+            out.append(f"{where}: training launch {line!r}; the site's is {launch!r}")
+    out += _check_modules(site, outside, where)
+    if "HPCML_GPU_MAP" in site.env and re.search(r"local_rank % \d", outside):
+        out.append(f"{where}: says ranks bind `local_rank % N`; the site binds HPCML_GPU_MAP="
+                   f"{site.env['HPCML_GPU_MAP']}")
+    m = re.search(r"Default queue[^.]*\.", outside, re.S)
+    if m and site.queues:
+        auto = list(dict.fromkeys(q.name for q in site.queues if q.auto))
+        named = re.findall(r"`([\w.-]+)`", m[0])
+        missing = [q for q in auto if q not in named]
+        wrong = [q for q in named if q not in {r.name for r in site.queues} or q in
+                 {r.name for r in site.queues if not r.auto} - set(auto)]
+        if missing or wrong:
+            out.append(f"{where}: the default-queue sentence names {named}; the site picks from {auto}")
+    return out
+
+
+def install_problems() -> list[str]:
+    """docs/install.md's module lines, per site section, against the site's modules."""
+    from hpcml.ensemble import list_sites, load_site
+
+    text = (ROOT / "docs" / "install.md").read_text()
+    out = []
+    for m in re.finditer(r"^### (\w+) \(.*?(?=^### |\Z)", text, re.S | re.M):
+        name = m[1].lower()
+        if name in list_sites():
+            out += _check_modules(load_site(name), m[0], f"docs/install.md ({m[1]})")
+    return out
 
 
 def update(page: Path, name: str, check: bool) -> bool:
@@ -184,6 +293,14 @@ def main() -> int:
 
     stale = [n for n in list_sites() if load_site(n).scheduler != "local"
              and not update(ROOT / "docs" / "sites" / f"{n}.md", n, args.check)]
+    if not update_jobs_page(args.check):
+        stale.append("jobs.md (campaign jobs)")
+    prose = [p for n in list_sites() if load_site(n).scheduler != "local"
+             for p in prose_problems(n, (ROOT / "docs" / "sites" / f"{n}.md").read_text())] + install_problems()
+    for p in prose:
+        print(f"stale statement: {p}", file=sys.stderr)
+    if prose:
+        return 1
     if stale and args.check:
         print(f"stale job scripts in docs/sites: {', '.join(stale)} (run python scripts/site_docs.py)",
               file=sys.stderr)

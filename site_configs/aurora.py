@@ -11,6 +11,7 @@ QSUB = Source(url="https://docs.alcf.anl.gov/running-jobs/", read="2026-02-18")
 CCL = Source(url="https://docs.alcf.anl.gov/aurora/data-science/frameworks/oneCCL/", read="2026-03-17")
 PYTORCH = Source(url="https://docs.alcf.anl.gov/aurora/data-science/frameworks/pytorch/", read="2026-03-17")
 KNOWN = Source(url="https://docs.alcf.anl.gov/aurora/known-issues/", read="2025-12-16")
+PE = Source(url="https://docs.alcf.anl.gov/aurora/aurora-pe/", read="2026-11-28")
 _CHAIN = "1 job running/accruing/queued per user: a running job cannot submit its successor"
 
 #: Cores of the 12 ranks of a node, 8 each, skipping cores 0 and 52 (ALCF's binding).
@@ -34,26 +35,29 @@ SITE = Site(
     account=Account(required=True, why="ALCF: '-A is a mandatory option ... qsub: Account_Name is required to be "
                                         "set'", source=QSUB),
     queues=(
-        Queue(name="debug", min_nodes=1, max_nodes=2, max_walltime="01:00:00", max_jobs=1, requeue=False,
-              note=_CHAIN, source=QUEUES),
-        Queue(name="debug-scaling", min_nodes=2, max_nodes=256, max_walltime="01:00:00", max_jobs=1, requeue=False,
-              note=_CHAIN, source=QUEUES),
-        Queue(name="capacity", min_nodes=1, max_nodes=16, max_walltime="168:00:00", max_jobs=5,
+        Queue(name="debug", min_nodes=1, max_nodes=2, max_walltime="01:00:00", min_walltime="00:05:00", max_running=1,
+              max_queued=1, requeue=False, note=_CHAIN, source=QUEUES),
+        Queue(name="debug-scaling", min_nodes=2, max_nodes=256, max_walltime="01:00:00", min_walltime="00:05:00",
+              max_running=1, max_queued=1, requeue=False, note=_CHAIN, source=QUEUES),
+        Queue(name="capacity", min_nodes=1, max_nodes=16, max_walltime="168:00:00", min_walltime="00:05:00",
+              max_running=2, max_queued=5,
               note="5 jobs queued or running, 2 running, per user; 512 nodes across all jobs", source=QUEUES),
         # prod routes by size to small, medium and large; jobs are submitted to prod
-        Queue(name="prod", min_nodes=256, max_nodes=1024, max_walltime="12:00:00", note="routed to small",
+        Queue(name="prod", min_nodes=256, max_nodes=1024, max_walltime="12:00:00", min_walltime="00:05:00", note="routed to small",
               source=QUEUES),
-        Queue(name="prod", min_nodes=1025, max_nodes=1999, max_walltime="18:00:00", note="routed to medium",
+        Queue(name="prod", min_nodes=1025, max_nodes=1999, max_walltime="18:00:00", min_walltime="00:05:00", note="routed to medium",
               source=QUEUES),
-        Queue(name="prod", min_nodes=2000, max_nodes=10624, max_walltime="24:00:00", note="routed to large",
+        Queue(name="prod", min_nodes=2000, max_nodes=10624, max_walltime="24:00:00", min_walltime="00:05:00", note="routed to large",
               source=QUEUES),
-        Queue(name="visualization", min_nodes=1, max_nodes=32, max_walltime="08:00:00", auto=False,
+        Queue(name="visualization", min_nodes=1, max_nodes=32, max_walltime="08:00:00", min_walltime="00:05:00", auto=False,
               note="by request only; nodes not exclusive", source=QUEUES),
     ),
     modules=(
-        Fact(text="module load frameworks cray-hdf5-parallel",
-             why="ALCF's PyTorch with oneCCL (torch.distributed backend xccl), and the parallel HDF5 h5py was "
-                 "built against", source=PYTORCH),
+        # no cray-hdf5-parallel: Aurora has no Cray PE; its default environment (oneAPI, MPICH and
+        # the Spack PE, loaded by default) carries the HDF5 h5py is built against (docs/install.md)
+        Fact(text="module load frameworks", why="ALCF's PyTorch with oneCCL (torch.distributed backend xccl); HDF5 "
+                                                "comes with the default Aurora PE (oneAPI, MPICH, Spack PE)",
+             source=PYTORCH),
     ),
     environment=(
         EnvVar(name="CCL_PROCESS_LAUNCHER", value="pmix", why="oneCCL's minimal set for training: ranks come "

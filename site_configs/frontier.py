@@ -32,9 +32,10 @@ SITE = Site(
               source=GUIDE),
         Queue(name="batch", kind="partition", min_nodes=184, max_nodes=9472, max_walltime="12:00:00", note=_BIN,
               source=GUIDE),
-        Queue(name="extended", kind="partition", min_nodes=1, max_nodes=64, max_walltime="24:00:00",
-              note="1 running and 1 eligible job per user; more are held", source=GUIDE),
-        Queue(name="debug", kind="qos", min_nodes=1, max_walltime="02:00:00", max_jobs=1, requeue=False, auto=False,
+        Queue(name="extended", kind="partition", min_nodes=1, max_nodes=64, max_walltime="24:00:00", max_running=1,
+              max_queued=2, note="1 running and 1 eligible job per user; more are held", source=GUIDE),
+        Queue(name="debug", kind="qos", min_nodes=1, max_walltime="02:00:00", max_running=1, max_queued=1, requeue=False,
+              auto=False,
               note="one job in any state per user; 'job chaining using the debug QOS is prohibited'", source=GUIDE),
     ),
     modules=(
@@ -59,15 +60,18 @@ SITE = Site(
         EnvVar(name="HPCML_SOCKET_IFNAME", value="hsn0", why="stream and rendezvous on the Slingshot network"),
     ),
     train_ranks_per_node=8,
-    # one rank per GCD, 7 cores each, each rank sees the GCD closest to its cores
-    train_launch="srun -N{nodes} -n{ranks} -c7 --gpus-per-task=1 --gpu-bind=closest",
-    train_launch_why="one rank per GCD on 7 cores (low-noise mode keeps 8), each seeing the GCD on its L3 region",
+    # one rank per GCD, 7 cores each, each rank sees the GCD closest to its cores; the RCCL
+    # plugin's rendezvous protocol (FI_CXI_RDZV_PROTO=alt_read) needs --network=disable_rdzv_get,
+    # which OLCF says "may negatively impact MPI performance": on the training step only
+    train_launch="srun -N{nodes} -n{ranks} -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get",
+    train_launch_why="one rank per GCD on 7 cores (low-noise mode keeps 8), each seeing the GCD on its L3 region; "
+                     "--network=disable_rdzv_get for the RCCL plugin's alt_read rendezvous, on this step alone "
+                     "(OLCF shows it on #SBATCH; as an srun step option it is unverified on OLCF's pages, seen in "
+                     "users' Frontier scripts: check on the first run)",
     train_launch_source=GUIDE,
-    sim_launch="$PARSL_MPI_PREFIX",  # srun --ntasks ... --nodelist ..., composed by MPIExecutor
+    # srun --ntasks ... --nodelist ..., composed by MPIExecutor; an MPI simulation keeps Cray
+    # MPICH's own rendezvous: the RCCL plugin's setting is training's alone
+    sim_launch="env -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX",
     mpi_launcher="srun",
-    job_directives=(
-        Fact(text="#SBATCH --network=disable_rdzv_get",
-             why="rccl-net-plugin sets FI_CXI_RDZV_PROTO=alt_read, which needs this allocation flag", source=PYTORCH),
-    ),
     stream_interface="hsn0",
 )

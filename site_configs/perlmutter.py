@@ -34,8 +34,12 @@ SITE = Site(
                                          "non-default project, use the -A projectname flag'); GPU jobs need a GPU "
                                          "allocation (name ending in _g)", source=POLICY),
     queues=(  # NERSC selects GPU nodes by --constraint gpu and limits by QOS; "debug" is the default QOS
-        Queue(name="debug", kind="qos", min_nodes=1, max_nodes=8, max_walltime="00:30:00",
-              note=f"5 jobs submitted, 2 running per user; {_UNCHECKED}", source=POLICY),
+        # not chosen for a job that names no QOS, and never a requeue chain: NERSC keeps debug
+        # for debugging, not production runs or job chaining (the rule Frontier's debug QOS has)
+        Queue(name="debug", kind="qos", min_nodes=1, max_nodes=8, max_walltime="00:30:00", max_running=2,
+              max_queued=5, requeue=False, auto=False,
+              note=f"5 jobs submitted, 2 running per user; for debugging, not production runs or job chaining; "
+                   f"{_UNCHECKED}", source=POLICY),
         Queue(name="regular", kind="qos", min_nodes=1, max_walltime="48:00:00", note=_UNCHECKED, source=POLICY),
         Queue(name="preempt", kind="qos", min_nodes=1, max_nodes=128, max_walltime="48:00:00", auto=False,
               note=f"preemptible after 2 h; made for --requeue with checkpoints; {_UNCHECKED}", source=POLICY),

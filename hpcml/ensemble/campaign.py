@@ -118,6 +118,7 @@ class Campaign:
     stream interface (``hsn0``) on the trainer's node, else loopback."""
 
     def __post_init__(self) -> None:
+        self._trainer_queue: str | None = None
         self.run_dir = Path(self.run_dir).resolve()
         if not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be an int >= 1, got {self.max_concurrent!r}")
@@ -170,8 +171,30 @@ class Campaign:
 
         opts = self.site_options
         return allocate_line(self.site, line, walltime=opts.get("walltime") or "01:00:00", account=opts.get("account"),
-                             queue=opts.get("queue"), nodes=job.nodes, run_dir=self.run_dir, argv=job.argv,
-                             ranks=job.ranks)
+                             queue=self._trainer_queue or opts.get("queue"), nodes=job.nodes, run_dir=self.run_dir,
+                             argv=job.argv, ranks=job.ranks)
+
+    def plan_pilot(self, training: TrainingJob | None) -> None:
+        """Pilot mode, before anything is submitted: the simulations' block and the trainer's
+        allocation checked against the queues' per-user limits (:mod:`hpcml.ensemble.campaign_jobs`);
+        the trainer goes to another queue with room when its own has none, and a campaign whose
+        two jobs fit nowhere is refused in one line that says how to run it as one allocation."""
+        if self.site is None or self.config is not None or training is None or self.site.scheduler == "local" \
+                or self.train_launch is not None:
+            return
+        from hpcml.ensemble import campaign_jobs
+
+        opts = self.site_options
+        nodes, walltime = int(opts.get("nodes") or 1), opts.get("walltime") or "01:00:00"
+        total = nodes + training.nodes
+        try:
+            got = campaign_jobs.plan(self.site, nodes=total, walltime=walltime, train_nodes=training.nodes,
+                                     queue=opts.get("queue"), mode="pilot")
+        except ConfigError as e:
+            raise ConfigError(f"{e} -- run it as one allocation instead: hpcml job --site {self.site.name} --nodes "
+                              f"{total} --walltime {walltime} --driver -- python <this driver>") from None
+        self._trainer_queue = got.jobs[1].queue if got.jobs[1].queue != got.jobs[0].queue else None
+        logger.info("%s", got.explain())
 
     def train_ranks(self, job: TrainingJob) -> int:
         """The ranks the training job's launch line asks for."""

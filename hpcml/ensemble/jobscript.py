@@ -134,7 +134,7 @@ class JobSpec:
     def no_requeue_reason(self) -> str:
         """Why the queue cannot take this job back (its row's note)."""
         row = self.queue_row
-        return (row.note or f"it allows {row.max_jobs} job(s) per user") if row is not None else ""
+        return (row.note or f"it allows {row.per_user()}") if row is not None else ""
 
     def launch_line(self, nodes_var: str) -> str:
         """The command under the site's launch line; node count from ``nodes_var`` when it varies."""

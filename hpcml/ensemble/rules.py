@@ -103,10 +103,15 @@ class Queue:
     """None: no limit below the machine's size."""
     max_walltime: str
     """HH:MM:SS."""
-    max_jobs: int | None = None
-    """Jobs one user may have queued or running in it (None: no such limit)."""
+    min_walltime: str = "00:00:00"
+    """The shortest job the queue takes (ALCF's queues: 5 minutes)."""
+    max_running: int | None = None
+    """Jobs one user may have running in it at once (None: no such limit)."""
+    max_queued: int | None = None
+    """Jobs one user may have in it at once, running ones included (ALCF's "running/accruing/
+    queued", NERSC's "submitted"; Frontier's "1 running and 1 eligible" is 2). None: no limit."""
     requeue: bool = True
-    """A job may requeue or resubmit itself from inside (False where ``max_jobs`` is 1: the
+    """A job may requeue or resubmit itself from inside (False where ``max_queued`` is 1: the
     running job holds the one place, so its successor is refused)."""
     auto: bool = True
     """Chosen by :func:`pick_queue` when no queue is named; False: only on request (``--queue``)."""
@@ -128,11 +133,22 @@ class Queue:
             walltime_seconds(self.max_walltime)
         except ConfigError as e:
             raise ConfigError(f"queue {self.name}: max_{e}") from None
-        if self.max_jobs is not None and (isinstance(self.max_jobs, bool) or not isinstance(self.max_jobs, int)
-                                          or self.max_jobs < 1):
-            raise ConfigError(f"queue {self.name}: max_jobs={self.max_jobs!r} must be an integer >= 1 or None")
-        if self.max_jobs == 1 and self.requeue:
-            raise ConfigError(f"queue {self.name}: max_jobs=1 leaves no place for a resubmitted job: requeue=False")
+        try:
+            low = walltime_seconds(self.min_walltime) if self.min_walltime != "00:00:00" else 0
+        except ConfigError as e:
+            raise ConfigError(f"queue {self.name}: min_{e}") from None
+        if low > self.max_walltime_s:
+            raise ConfigError(f"queue {self.name}: min_walltime={self.min_walltime} is over max_walltime="
+                              f"{self.max_walltime}")
+        for key in ("max_running", "max_queued"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"queue {self.name}: {key}={v!r} must be an integer >= 1 or None")
+        if self.max_running is not None and self.max_queued is not None and self.max_running > self.max_queued:
+            raise ConfigError(f"queue {self.name}: max_running={self.max_running} is over max_queued="
+                              f"{self.max_queued} (queued counts the running jobs too)")
+        if self.max_queued == 1 and self.requeue:
+            raise ConfigError(f"queue {self.name}: max_queued=1 leaves no place for a resubmitted job: requeue=False")
         if not isinstance(self.source, Source):
             raise ConfigError(f"queue {self.name}: source={self.source!r} must be a Source")
 
@@ -140,15 +156,26 @@ class Queue:
     def max_walltime_s(self) -> int:
         return walltime_seconds(self.max_walltime)
 
+    @property
+    def min_walltime_s(self) -> int:
+        return 0 if self.min_walltime == "00:00:00" else walltime_seconds(self.min_walltime)
+
     def fits(self, nodes: int, walltime_s: int) -> bool:
         return (self.min_nodes <= nodes and (self.max_nodes is None or nodes <= self.max_nodes)
-                and walltime_s <= self.max_walltime_s)
+                and self.min_walltime_s <= walltime_s <= self.max_walltime_s)
+
+    def per_user(self) -> str:
+        """``1 running, 2 queued or running per user`` (empty: no per-user limit)."""
+        parts = ([f"{self.max_running} running"] if self.max_running else []) + \
+            ([f"{self.max_queued} queued or running"] if self.max_queued else [])
+        return ", ".join(parts) + " per user" if parts else ""
 
     def limits(self) -> str:
-        """``debug: 1-2 nodes, <= 01:00:00, 1 job per user``: the row in words."""
+        """``debug: 1-2 nodes, 00:05:00-01:00:00, 1 queued or running per user``: the row in words."""
         top = "" if self.max_nodes == self.min_nodes else f"-{self.max_nodes}" if self.max_nodes else "+"
-        jobs = f", {self.max_jobs} job(s) per user" if self.max_jobs else ""
-        return f"{self.name}: {self.min_nodes}{top} nodes, <= {self.max_walltime}{jobs}"
+        time = f"{self.min_walltime}-{self.max_walltime}" if self.min_walltime_s else f"<= {self.max_walltime}"
+        jobs = f", {self.per_user()}" if self.per_user() else ""
+        return f"{self.name}: {self.min_nodes}{top} nodes, {time}{jobs}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,9 +207,13 @@ def pick_queue(site: str, queues: Sequence[Queue], nodes: int, walltime: str, qu
         if row.fits(nodes, seconds):
             return row
     table = "; ".join(q.limits() for q in rows)
-    holding = [q.max_walltime_s for q in rows if q.fits(nodes, 0)]
-    hint = (f"at most {_clock(max(holding))} for {nodes} node(s)" if holding
-            else f"no row holds {nodes} node(s)")
+    holding = [q for q in rows if q.fits(nodes, q.min_walltime_s)]
+    if holding and seconds < min(q.min_walltime_s for q in holding):
+        hint = f"at least {_clock(min(q.min_walltime_s for q in holding))} for {nodes} node(s)"
+    elif holding:
+        hint = f"at most {_clock(max(q.max_walltime_s for q in holding))} for {nodes} node(s)"
+    else:
+        hint = f"no row holds {nodes} node(s)"
     asked = f"queue {queue} of {site} does not take" if queue else f"no queue of {site} takes"
     raise ConfigError(f"{asked} {nodes} node(s) for {walltime}: {hint} ({table}; source {rows[0].source.url})")
 

@@ -115,7 +115,9 @@ class Run:
             self.deadline = alloc.deadline
         train_hosts: tuple[str, ...] = ()
         sim_hosts: tuple[str, ...] = ()
-        if alloc is not None:
+        if alloc is None:
+            self.c.plan_pilot(self.training)  # two jobs within the queues' per-user limits, or refused now
+        else:
             train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0,
                                                  sims=bool(self.sims) or self.waves is not None)
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,

@@ -174,8 +174,8 @@ class Site:
         if self.mpi_launcher not in (None, *MPI_LAUNCHERS):
             raise ConfigError(f"site {hw.name}: mpi_launcher={self.mpi_launcher!r} must be one of "
                               f"{', '.join(MPI_LAUNCHERS)} or None")
-        if (self.mpi_launcher is not None) != (self.sim_launch == "$PARSL_MPI_PREFIX"):
-            raise ConfigError(f"site {hw.name}: sim_launch='$PARSL_MPI_PREFIX' goes with an mpi_launcher "
+        if (self.mpi_launcher is not None) != self.sim_launch.endswith("$PARSL_MPI_PREFIX"):
+            raise ConfigError(f"site {hw.name}: sim_launch='[env ...] $PARSL_MPI_PREFIX' goes with an mpi_launcher "
                               f"(MPIExecutor composes it), got mpi_launcher={self.mpi_launcher!r} and "
                               f"sim_launch={self.sim_launch!r}")
         for name, items, kind in (("modules", self.modules, Fact), ("environment", self.environment, EnvVar),

@@ -74,7 +74,8 @@ def test_scripts_are_valid_bash_with_the_protocol(name, tmp_path):
 def test_slurm_node_range_follows_the_nodes_it_gets():
     text = render(job_spec(site="frontier", command=["python", "t.py"], nodes="1-4", walltime="01:00:00"))
     assert "#SBATCH --nodes=1-4" in text.splitlines() and "#SBATCH --requeue" in text.splitlines()
-    assert "srun -N$SLURM_NNODES -n$((8 * SLURM_NNODES)) -c7 --gpus-per-task=1 --gpu-bind=closest python t.py &" \
+    assert "srun -N$SLURM_NNODES -n$((8 * SLURM_NNODES)) -c7 --gpus-per-task=1 --gpu-bind=closest " \
+           "--network=disable_rdzv_get python t.py &" \
         in text.splitlines()
 
 
@@ -101,7 +102,7 @@ def test_cli_prints_or_writes_the_script(tmp_path, capsys):
     assert main(["job", "--site", "perlmutter", "--nodes", "2", "--walltime", "00:30:00", "--account", "m123_g",
                  "--", "python", "t.py"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("#!/bin/bash\n") and "#SBATCH --account=m123_g" in out and "#SBATCH --qos=debug" in out
+    assert out.startswith("#!/bin/bash\n") and "#SBATCH --account=m123_g" in out and "#SBATCH --qos=regular" in out
     path = tmp_path / "job.sbatch"
     assert main(["job", "--site", "frontier", "--nodes", "1", "--walltime", "00:30:00", "--script", str(path),
                  "--", "python", "t.py"]) == 0
@@ -126,8 +127,9 @@ def test_pbs_protocol_timer_warns_and_resubmits(tmp_path):
     job.write_text("import signal, sys, time\n"
                    "signal.signal(signal.SIGUSR1, lambda *a: (print('saved', flush=True), sys.exit(75)))\n"
                    "time.sleep(60)\nsys.exit(0)\n")
+    # a queue not in the table: ALCF's are 5 minutes at least, and this job lasts one
     spec = JobSpec(site=load_site("polaris"), command=(sys.executable, str(job)), nodes=(1, 1), walltime="00:01:00",
-                   warn_s=58, driver=True, script_path=str(tmp_path / "job.pbs"))
+                   warn_s=58, driver=True, script_path=str(tmp_path / "job.pbs"), queue="testq")
     script = tmp_path / "job.pbs"
     script.write_text(render(spec).replace("module ", ": module "))  # no modules on this machine
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PBS_O_WORKDIR": str(tmp_path),

@@ -52,7 +52,7 @@ def test_every_site_is_one_literal_value(name):
 @pytest.mark.parametrize("overrides, words", [
     ({"train_launch": "srun -n{tasks}"}, "uses ['tasks']"),
     ({"mpi_launcher": "aprun"}, "mpi_launcher='aprun' must be one of srun, mpiexec"),
-    ({"sim_launch": "mpiexec -n {ranks}"}, "sim_launch='$PARSL_MPI_PREFIX' goes with an mpi_launcher"),
+    ({"sim_launch": "mpiexec -n {ranks}"}, "sim_launch='[env ...] $PARSL_MPI_PREFIX' goes with an mpi_launcher"),
     ({"train_ranks_per_node": 3}, "train_ranks_per_node=3 must equal gpus_per_node=8"),
     ({"queues": (Queue(name="q", max_walltime="01:00:00", source=Source(url="https://x.org/q", read="2026-01-01")),)},
      "queues ['q'] must be of kind partition or qos on slurm"),
