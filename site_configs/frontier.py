@@ -6,6 +6,9 @@ from hpcml.ensemble.site import Account, EnvVar, Fact, Queue, Site, SiteHardware
 
 GUIDE = Source(url="https://docs.olcf.ornl.gov/systems/frontier_user_guide.html", read="2026-07-07")
 PYTORCH = Source(url="https://docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html", read="2026-07-07")
+# the same page as of this date (its source, olcf/olcf-user-docs): the module versions OLCF pins
+# for torch 2.10 + ROCm 7.1.1 ("the current recommendation on Frontier")
+PYTORCH_PIN = Source(url="https://docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html", read="2026-11-28")
 _BIN = "batch partition bin; 4 eligible-to-run jobs per user"
 
 SITE = Site(
@@ -39,9 +42,10 @@ SITE = Site(
               note="one job in any state per user; 'job chaining using the debug QOS is prohibited'", source=GUIDE),
     ),
     modules=(
-        Fact(text="module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python rocm",
+        Fact(text="module load PrgEnv-gnu/8.7.0 cpe/26.03 cray-mpich cray-hdf5-parallel cray-python rocm/7.1.1",
              why="the compilers, MPI, parallel HDF5 and ROCm hpcml's h5py and torch were built against "
-                 "(docs/install.md)", source=PYTORCH),
+                 "(docs/install.md): OLCF's pinned pair for its torch wheels (cpe/26.03 with rocm/7.1.1), not "
+                 "whatever is default on the day", source=PYTORCH_PIN),
         Fact(text="module load rccl-net-plugin craype-accel-amd-gfx90a",
              why="RCCL's Slingshot plugin ('RCCL defaults to ... TCP/IP Sockets, which does not scale') and "
                  "GPU-aware MPI for the MI250X", source=PYTORCH),

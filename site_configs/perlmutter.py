@@ -49,8 +49,11 @@ SITE = Site(
     modules=(
         Fact(text="module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python",
              why="the compilers, MPI and parallel HDF5 hpcml's h5py was built against (docs/install.md)"),
+        # NERSC documents nccl-plugin as a Shifter container module (#SBATCH --module=gpu,nccl-plugin);
+        # an ordinary module of that name is not on its pages: tried, with a warning, not stated
         Fact(text="module load nccl-plugin", why="NCCL's Slingshot plugin (aws-ofi-nccl): without it NCCL talks TCP "
-                                                 "sockets between nodes", source=ML),
+                                                 "sockets between nodes", source=ML,
+             unverified="module avail nccl; without a plugin module NCCL falls back to TCP sockets between nodes"),
     ),
     environment=(
         EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="NCCL's bootstrap on the Slingshot NICs"),

@@ -199,15 +199,16 @@ def facts(spec: JobSpec) -> list[Fact]:
 
 def render(spec: JobSpec) -> str:
     """The whole batch script of ``spec``."""
-    return "\n".join(f.text for f in facts(spec)) + "\n"
+    return "\n".join(f.script for f in facts(spec)) + "\n"
 
 
 def explain(spec: JobSpec) -> str:
     """The script with, after each part, why it is there and where that rule comes from."""
     parts = []
     for f in facts(spec):
-        lines = [f.text, f"    ^ why: {f.why}"]
+        lines = [f.script, f"    ^ why: {f.why}"]
         lines += [f"    ^ source: {f.source}"] if f.source is not None else []
+        lines += [f"    ^ unverified: check on the first login: {f.unverified}"] if f.unverified else []
         parts.append("\n".join(lines))
     return "\n".join(parts) + "\n" + "".join(f"note: {n}\n" for n in spec.notes)
 

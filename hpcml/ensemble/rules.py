@@ -59,11 +59,27 @@ class Fact:
     text: str
     why: str
     source: Source | None = None
+    unverified: str = ""
+    """Not on the facility's pages where it was looked for: how to check it on the first login
+    (``module avail nccl``). The script then runs the line as a try that warns in one line
+    when it fails, and ``hpcml job --explain`` says what to check -- never a guess stated as fact."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text.strip():
             raise ConfigError(f"script line={self.text!r} must be non-empty")
         _check_reason(f"script line {self.text.splitlines()[0]!r}", self.why, self.source)
+        if not isinstance(self.unverified, str) or "\n" in self.unverified or \
+                (self.unverified and "\n" in self.text.strip()):
+            raise ConfigError(f"script line {self.text!r}: unverified={self.unverified!r} must be one line saying "
+                              f"how to check it, on a one-line fact")
+
+    @property
+    def script(self) -> str:
+        """The line as the script runs it: an unverified one tried, with a warning when it fails."""
+        if not self.unverified:
+            return self.text
+        note = f"hpcml-job: {self.text} failed, a line not on the facility pages: {self.unverified}"
+        return f"{self.text} || echo {shlex.quote(note)} >&2"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -288,7 +288,7 @@ def python_env_line() -> str:
 
 def environment_lines(site: Site, extra: str = "") -> list[str]:
     """The site's module lines, its environment, this Python environment, then ``extra``."""
-    lines = [*(m.text for m in site.modules), *(v.line for v in site.environment), python_env_line()]
+    lines = [*(m.script for m in site.modules), *(v.line for v in site.environment), python_env_line()]
     if extra.strip():
         lines.append(extra.strip())
     return lines

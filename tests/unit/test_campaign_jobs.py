@@ -239,3 +239,23 @@ def test_stale_site_prose_fails_the_docs_check():
                                    for p in docs.prose_problems("aurora", stale))
     stale = aurora.replace("`capacity`, then `prod`", "then `prod`")
     assert any("default-queue sentence" in p for p in docs.prose_problems("aurora", stale))
+
+
+def test_an_unverified_site_line_is_tried_with_a_warning_and_explained():
+    """Issue 41: NERSC documents nccl-plugin only as a Shifter module; the script tries the
+    ordinary module and warns in one line, and --explain says what to check on the first login."""
+    from hpcml.ensemble.jobscript import explain, job_spec, render
+    from hpcml.ensemble.rules import Fact
+
+    spec = job_spec(site="perlmutter", command=["python", "t.py"], nodes=2, walltime="01:00:00")
+    line = next(ln for ln in render(spec).splitlines() if "nccl-plugin" in ln)
+    assert line.startswith("module load nccl-plugin || echo ") and line.endswith(">&2")
+    out = subprocess.run(["bash", "-c", line.replace("module load nccl-plugin", "false", 1)], capture_output=True,
+                         text=True, timeout=10)
+    assert out.stderr.strip() == ("hpcml-job: module load nccl-plugin failed, a line not on the facility pages: "
+                                  "module avail nccl; without a plugin module NCCL falls back to TCP sockets between "
+                                  "nodes")
+    assert "    ^ unverified: check on the first login: module avail nccl" in explain(spec)
+    assert Fact(text="module load x", why="y").script == "module load x"
+    with pytest.raises(ConfigError, match="must be one line saying how to check it"):
+        Fact(text="a\nb", why="y", unverified="check it")

@@ -45,13 +45,16 @@ def _lines(text: str) -> list[str]:
 EXPECTED_SCRIPT = {
     "frontier": ["#SBATCH --nodes=2", "#SBATCH --time=60", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --exclusive", "#SBATCH --account=proj42", "#SBATCH --partition=batch",
-                 "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel cray-python rocm",
+                 "module load PrgEnv-gnu/8.7.0 cpe/26.03 cray-mpich cray-hdf5-parallel cray-python rocm/7.1.1",
                  "module load rccl-net-plugin craype-accel-amd-gfx90a",
                  "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "export MIOPEN_USER_DB_PATH=/tmp/hpcml-miopen",
                  "export HPCML_SOCKET_IFNAME=hsn0"],
     "perlmutter": ["#SBATCH --nodes=2", "#SBATCH --time=60", "#SBATCH --exclusive", "#SBATCH --account=proj42",
                    "#SBATCH --qos=regular", "#SBATCH --constraint=gpu", "#SBATCH --gpus-per-node=4",
-                   "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python", "module load nccl-plugin",
+                   "module load PrgEnv-gnu cray-mpich cray-hdf5-parallel python",
+                   "module load nccl-plugin || echo 'hpcml-job: module load nccl-plugin failed, a line not on the "
+                   "facility pages: module avail nccl; without a plugin module NCCL falls back to TCP sockets between "
+                   "nodes' >&2",
                    "export HPCML_GPU_MAP=3,2,1,0"],
     "summit": ["#BSUB -W 60", "#BSUB -P proj42", "#BSUB -q batch", "#BSUB -nnodes 2",
                "module load gcc spectrum-mpi hdf5 python", "export HPCML_SOCKET_IFNAME=ib0"],
