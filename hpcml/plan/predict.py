@@ -79,13 +79,14 @@ def resolve_device(lay: PlanLayout) -> Device:
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
-    return _rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, lay.sequence_parallel, lay.schedule,
-                  lay.stages_per_rank)
+    return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, lay.sequence_parallel,
+                      lay.schedule, lay.stages_per_rank)
 
 
 @lru_cache(maxsize=65536)
-def _rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep: int, fsdp: bool, sp: bool, schedule: str,
-           stages_per_rank: int | None) -> str | None:
+def plan_rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep: int, fsdp: bool, sp: bool,
+               schedule: str, stages_per_rank: int | None) -> str | None:
+    """:func:`model_rules` by the degrees alone (cached): what a search asks before it builds a layout."""
     try:
         grid = Layout(world_size=gpus, tp=tp, cp=cp, pp=pp, ep=ep)
         check_plan(cfg, grid, ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
