@@ -66,10 +66,14 @@ SITE = Site(
     # One rank per GPU, 16 cores (32 hardware threads) each; every rank sees all 4 GPUs
     # (--gpu-bind=none): with one visible GPU per rank NCCL cannot use CUDA IPC between the
     # ranks of a node and falls back from NVLink peer-to-peer; hpcml binds HPCML_GPU_MAP[r].
-    # -C gpu on the step itself: a pilot trainer gets its own allocation from srun.
-    train_launch="srun -C gpu -N{nodes} -n{ranks} -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none",
+    # -C gpu on the step itself: a pilot trainer gets its own allocation from srun. The GPUs
+    # are the node's (--gpus-per-node), not a task's: --gpus-per-task gives each task a device
+    # cgroup of its own GPU, which --gpu-bind=none does not undo, and CUDA IPC between the
+    # ranks of a node breaks (why WarpX's and E3SM's Perlmutter scripts avoid it; issue 41).
+    train_launch="srun -C gpu -N{nodes} -n{ranks} -c32 --cpu-bind=cores --gpus-per-node=4 --gpu-bind=none",
     train_launch_why="GPU nodes (-C gpu, also when srun allocates in pilot mode), one rank per GPU on 16 cores; "
-                     "every rank sees the 4 GPUs (CUDA IPC between them) and binds HPCML_GPU_MAP[r]",
+                     "the node's 4 GPUs visible to every rank (--gpus-per-node, not per task: CUDA IPC between "
+                     "them) and each binds HPCML_GPU_MAP[r]",
     train_launch_source=GPU_JOBS,
     sim_launch="$PARSL_MPI_PREFIX",
     mpi_launcher="srun",

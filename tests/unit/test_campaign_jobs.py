@@ -259,3 +259,26 @@ def test_an_unverified_site_line_is_tried_with_a_warning_and_explained():
     assert Fact(text="module load x", why="y").script == "module load x"
     with pytest.raises(ConfigError, match="must be one line saying how to check it"):
         Fact(text="a\nb", why="y", unverified="check it")
+
+
+def test_corrected_site_lines_are_pinned_with_their_sources():
+    """Issue 41: each corrected line, and the page it comes from."""
+    alcf_queues = {"polaris": "https://docs.alcf.anl.gov/polaris/running-jobs/",
+                   "aurora": "https://docs.alcf.anl.gov/aurora/running-jobs-aurora/"}
+    for name, url in alcf_queues.items():
+        assert {q.source.url for q in load_site(name).queues} == {url}
+    aurora = load_site("aurora")
+    assert [m.text for m in aurora.modules] == ["module load frameworks"]
+    assert aurora.modules[0].source.url == "https://docs.alcf.anl.gov/aurora/data-science/frameworks/pytorch/"
+    frontier = load_site("frontier")
+    pin = frontier.modules[0]
+    assert pin.text == "module load PrgEnv-gnu/8.7.0 cpe/26.03 cray-mpich cray-hdf5-parallel cray-python rocm/7.1.1"
+    assert (pin.source.url, pin.source.read) == ("https://docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html",
+                                                 "2026-11-28")
+    assert frontier.job_directives == () and "--network=disable_rdzv_get" in frontier.train_launch
+    ext = next(q for q in frontier.queues if q.name == "extended")
+    assert ext.source.url == "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html"
+    perl = load_site("perlmutter")
+    assert "--gpus-per-node=4 --gpu-bind=none" in perl.train_launch and "--gpus-per-task" not in perl.train_launch
+    nccl = next(m for m in perl.modules if "nccl" in m.text)
+    assert nccl.unverified.startswith("module avail nccl")

@@ -224,12 +224,12 @@ def test_perlmutter_steps_ask_for_gpu_nodes_in_batch_and_pilot(tmp_path, monkeyp
     s = load_site("perlmutter")
     batch = jobscript.render(jobscript.job_spec(site=s, command=["python", "t.py"], nodes=2, walltime="01:00:00"))
     assert "#SBATCH --constraint=gpu" in batch.splitlines()
-    assert "srun -C gpu -N2 -n8 -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python t.py &" in batch
+    assert "srun -C gpu -N2 -n8 -c32 --cpu-bind=cores --gpus-per-node=4 --gpu-bind=none python t.py &" in batch
     line = s.train_line(["python", "t.py"], nodes=1)
     pilot = jobscript.allocate_line(s, line, walltime="01:00:00", account=None, queue=None, nodes=1,
                                     run_dir=tmp_path, argv=["python", "t.py"], ranks=None)
     assert pilot == ("srun --time=01:00:00 --signal=USR1@360 --account=m1_g --qos=regular -C gpu -N1 -n4 -c32 "
-                     "--cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python t.py")
+                     "--cpu-bind=cores --gpus-per-node=4 --gpu-bind=none python t.py")
 
 
 def test_retired_summit_says_so(monkeypatch, capsys):

@@ -245,7 +245,7 @@ TRAIN = {
     "frontier": "srun -N2 -n16 -c7 --gpus-per-task=1 --gpu-bind=closest --network=disable_rdzv_get python x.py",
     "summit": "jsrun -n12 -r6 -a1 -g1 -c7 -b packed:7 python x.py",
     "polaris": "mpiexec -n 8 --ppn 4 --depth=8 --cpu-bind depth python x.py",
-    "perlmutter": "srun -C gpu -N2 -n8 -c32 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=none python x.py",
+    "perlmutter": "srun -C gpu -N2 -n8 -c32 --cpu-bind=cores --gpus-per-node=4 --gpu-bind=none python x.py",
     "aurora": "mpiexec -n 24 --ppn 12 --cpu-bind "
               "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100 python x.py",
     "slurm-local": "srun -N2 -n4 --ntasks-per-node=2 --mpi=pmi2 python x.py",
