@@ -221,6 +221,11 @@ def _cmd_job(args: argparse.Namespace) -> int:
         print(f"hpcml job: note: {note}", file=sys.stderr)
     if args.explain:
         print(jobscript.explain(spec), end="")
+        if args.driver and spec.nodes[0] == spec.nodes[1] > 1:  # a campaign in one allocation: against the limits
+            from hpcml.ensemble import campaign_jobs
+
+            print(campaign_jobs.plan(spec.site, nodes=spec.nodes[0], walltime=spec.walltime, queue=args.queue,
+                                     mode="one-allocation", requeue=not args.no_requeue).explain())
         return 0
     if args.submit:
         path = args.script or f"{args.name}{spec.site.batch.suffix}"

@@ -158,7 +158,8 @@ def rules_section(site) -> str:
                 "checked against its rows; nothing fits: a one-line error with the limits.", ""]
     rows = [(f"`{m.text}`", m.why + (f"; **unverified** at the facility's pages, tried with a warning -- check: "
                                      f"{m.unverified}" if m.unverified else ""), m.source) for m in site.modules]
-    rows += [(f"`{v.name}={v.value}`", v.why, v.source) for v in site.environment]
+    rows += [(f"`{v.name}={v.value}`", v.why + ("; training only: MPI simulations run without it (`env -u`)"
+                                                if v.training_only else ""), v.source) for v in site.environment]
     rows += [(f"`{d.text}`", d.why, d.source) for d in site.job_directives]
     if rows:
         out += ["| line | why | source |", "|---|---|---|"]

@@ -61,14 +61,14 @@ SITE = Site(
     ),
     environment=(
         EnvVar(name="CCL_PROCESS_LAUNCHER", value="pmix", why="oneCCL's minimal set for training: ranks come "
-                                                              "from PALS' PMIx", source=CCL),
+                                                              "from PALS' PMIx", source=CCL, training_only=True),
         EnvVar(name="CCL_ATL_TRANSPORT", value="mpi", why="oneCCL's minimal set: MPI transport over Slingshot",
-               source=CCL),
+               source=CCL, training_only=True),
         EnvVar(name="CCL_KVS_MODE", value="mpi", why="oneCCL's minimal set: its key-value store over MPI",
-               source=CCL),
+               source=CCL, training_only=True),
         EnvVar(name="FI_MR_CACHE_MONITOR", value="userfaultfd", why="oneCCL's minimal set: a memory-registration "
                                                                     "cache monitor that is safe with GPU memory",
-               source=CCL),
+               source=CCL, training_only=True),
         EnvVar(name="ZE_FLAT_DEVICE_HIERARCHY", value="FLAT", why="each of the 12 tiles is a device, one rank each "
                                                                   "(the frameworks module's default, stated)",
                source=PYTORCH),

@@ -55,7 +55,7 @@ SITE = Site(
     environment=(
         EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="RCCL's bootstrap on the Slingshot NICs "
                                                                           "(OLCF: 'highly recommend')",
-               source=PYTORCH),
+               source=PYTORCH, training_only=True),
         EnvVar(name="MIOPEN_USER_DB_PATH", value="/tmp/hpcml-miopen",
                why="MIOpen's database in node-local /tmp: on shared file systems it fails with disk I/O errors",
                source=PYTORCH),

@@ -56,7 +56,8 @@ SITE = Site(
              unverified="module avail nccl; without a plugin module NCCL falls back to TCP sockets between nodes"),
     ),
     environment=(
-        EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="NCCL's bootstrap on the Slingshot NICs"),
+        EnvVar(name="NCCL_SOCKET_IFNAME", value="hsn0,hsn1,hsn2,hsn3", why="NCCL's bootstrap on the Slingshot NICs",
+               training_only=True),
         EnvVar(name="HPCML_GPU_MAP", value="3,2,1,0",
                why="the node is Polaris' design (one EPYC, 4 NUMA domains, A100 i on domain 3-i): local rank r "
                    "(cores 16r..16r+15) drives GPU 3-r", source=ARCH),

@@ -62,16 +62,16 @@ SITE = Site(
     ),
     environment=(
         EnvVar(name="NCCL_NET", value="AWS Libfabric", why="use the aws-ofi-nccl plugin (ALCF: 2-3x for some "
-                                                             "communication workloads)", source=NCCL),
-        EnvVar(name="NCCL_NET_GDR_LEVEL", value="PHB", why="GPUDirect RDMA through the PCIe host bridge", source=NCCL),
-        EnvVar(name="NCCL_CROSS_NIC", value="1", why="rings may use both NICs of a node", source=NCCL),
-        EnvVar(name="NCCL_COLLNET_ENABLE", value="1", why="ALCF's measured best setting", source=NCCL),
+                                                             "communication workloads)", source=NCCL, training_only=True),
+        EnvVar(name="NCCL_NET_GDR_LEVEL", value="PHB", why="GPUDirect RDMA through the PCIe host bridge", source=NCCL, training_only=True),
+        EnvVar(name="NCCL_CROSS_NIC", value="1", why="rings may use both NICs of a node", source=NCCL, training_only=True),
+        EnvVar(name="NCCL_COLLNET_ENABLE", value="1", why="ALCF's measured best setting", source=NCCL, training_only=True),
         EnvVar(name="FI_CXI_DISABLE_HOST_REGISTER", value="1", why="libfabric CXI setting ALCF pairs with the plugin",
-               source=NCCL),
+               source=NCCL, training_only=True),
         EnvVar(name="FI_MR_CACHE_MONITOR", value="userfaultfd", why="libfabric's memory-registration cache monitor "
-                                                                    "that is safe with CUDA", source=NCCL),
+                                                                    "that is safe with CUDA", source=NCCL, training_only=True),
         EnvVar(name="FI_CXI_DEFAULT_CQ_SIZE", value="131072", why="a larger completion queue for collectives",
-               source=NCCL),
+               source=NCCL, training_only=True),
         EnvVar(name="HPCML_GPU_MAP", value="3,2,1,0",
                why="GPU i sits on NUMA domain 3-i: local rank r (cores 8r..8r+7) drives GPU 3-r, as ALCF's "
                    "set_affinity_gpu_polaris.sh does", source=AFFINITY),

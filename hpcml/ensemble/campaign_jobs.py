@@ -134,7 +134,9 @@ def plan(site, *, nodes: int, walltime: str, train_nodes: int = 1, queue: str | 
             considered.append(f"{how}: {got}")
             continue
         why = {"pilot": "the simulations' block and the trainer's allocation fit the queues' per-user limits",
-               "one-allocation": "the trainer and the simulations share one job: a pilot's two jobs would not fit",
+               "one-allocation": "the trainer and the simulations share one job" +
+                                 (": a pilot's two jobs would not fit" if considered else
+                                  f", within {got[0][0].queue or 'the default queue'}'s per-user limits"),
                "pilot-elsewhere": "the trainer goes to another queue with room: neither one job nor two in the "
                                   "first queue fit"}[how]
         return CampaignJobs(mode="one-allocation" if how == "one-allocation" else "pilot", jobs=tuple(got[0]),

@@ -90,6 +90,9 @@ class EnvVar:
     value: str
     why: str
     source: Source | None = None
+    training_only: bool = False
+    """Set for the collective library (NCCL, RCCL, oneCCL and their libfabric plugin): an MPI
+    simulation is launched without it (``env -u NAME``), so its MPI keeps the site's defaults."""
 
     @property
     def line(self) -> str:

@@ -242,8 +242,13 @@ class Site:
         return shell_join(self.batch.pin_hosts(line, hosts), argv)
 
     def sim_prefix(self, ranks: int) -> str:
-        """The launch prefix of one simulation of ``ranks`` MPI ranks."""
-        return self.sim_launch.format(ranks=check_count("ranks", ranks), nodes=1, ranks_per_node=ranks)
+        """The launch prefix of one simulation of ``ranks`` MPI ranks, without the collective
+        library's variables (``EnvVar(training_only=True)``): those are training's alone."""
+        line = self.sim_launch.format(ranks=check_count("ranks", ranks), nodes=1, ranks_per_node=ranks)
+        unset = " ".join(f"-u {v.name}" for v in self.environment if v.training_only)
+        if not unset:
+            return line
+        return f"env {unset} {line[4:]}" if line.startswith("env ") else f"env {unset} {line}"
 
     def sim_resource_spec(self, ranks: int) -> dict[str, int]:
         """``parsl_resource_specification`` of one simulation: fewest whole nodes, ranks

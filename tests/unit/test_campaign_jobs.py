@@ -205,7 +205,7 @@ def test_frontier_mpi_simulations_carry_no_rccl_only_network_setting(tmp_path):
     from hpcml.ensemble.jobscript import job_spec, render
 
     site = load_site("frontier")
-    assert site.sim_prefix(112) == "env -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX"
+    assert site.sim_prefix(112) == "env -u NCCL_SOCKET_IFNAME -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX"
     block = render_batch_script(site.parsl_config(run_dir=str(tmp_path), nodes=2, walltime="02:00:00",
                                                   account="P")).text
     assert "disable_rdzv_get" not in block and "#SBATCH" in block
@@ -231,7 +231,8 @@ def test_stale_site_prose_fails_the_docs_check():
     stale = polaris.replace("binds GPU\n", "binds `local_rank % 4`, GPU\n")
     assert any("local_rank % N" in p for p in docs.prose_problems("polaris", stale))
     frontier = (root / "docs" / "sites" / "frontier.md").read_text()
-    stale = frontier.replace('"env -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX"', '"$PARSL_MPI_PREFIX"')
+    stale = frontier.replace('"env -u NCCL_SOCKET_IFNAME -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX"',
+                             '"$PARSL_MPI_PREFIX"')
     assert any("sim_prefix" in p for p in docs.prose_problems("frontier", stale))
     aurora = (root / "docs" / "sites" / "aurora.md").read_text()
     stale = aurora.replace("\nmodule load frameworks\n", "\nmodule load frameworks cray-hdf5-parallel\n", 1)
@@ -282,3 +283,32 @@ def test_corrected_site_lines_are_pinned_with_their_sources():
     assert "--gpus-per-node=4 --gpu-bind=none" in perl.train_launch and "--gpus-per-task" not in perl.train_launch
     nccl = next(m for m in perl.modules if "nccl" in m.text)
     assert nccl.unverified.startswith("module avail nccl")
+
+
+@pytest.mark.parametrize("name", SITES)
+def test_collective_library_settings_stay_off_mpi_simulations(name):
+    """Issue 41: NCCL/RCCL/oneCCL variables and their libfabric plugin's settings are training's;
+    an MPI simulation's launch unsets every one of them, the training launch keeps them."""
+    site = load_site(name)
+    coll = [v.name for v in site.environment if v.training_only]
+    assert coll, name
+    assert all(v.name.startswith(("NCCL_", "CCL_", "FI_")) for v in site.environment if v.training_only)
+    prefix = site.sim_prefix(16)
+    assert prefix.startswith("env ") and prefix.endswith("$PARSL_MPI_PREFIX")
+    assert all(f"-u {n}" in prefix.split(" $")[0] for n in coll)
+    assert "env -u" not in site.train_line(["python", "t.py"], nodes=2)
+    out = subprocess.run(["bash", "-c", prefix.replace("$PARSL_MPI_PREFIX", "") + " env"], capture_output=True,
+                         text=True, timeout=10, env={"PATH": "/usr/bin:/bin", **{n: "x" for n in coll}})
+    assert out.returncode == 0 and not any(line.split("=")[0] in coll for line in out.stdout.splitlines())
+
+
+def test_explain_of_a_campaign_job_says_what_it_holds_against_the_limits():
+    cmd = [sys.executable, "-m", "hpcml.cli", "job", "--site", "polaris", "--nodes", "2", "--walltime", "02:00:00",
+           "--account", "P", "--driver", "--explain", "--", "python", "drive.py"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    tail = out.stdout.strip().splitlines()[-2:]
+    assert tail == ["campaign jobs: one-allocation -- the trainer and the simulations share one job, within "
+                    "capacity's per-user limits",
+                    "  driver: 2 node(s) x 02:00:00 in capacity (capacity: 1-4 nodes, 00:05:00-168:00:00, 1 running, "
+                    "2 queued or running per user)"]

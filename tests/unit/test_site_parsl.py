@@ -215,8 +215,11 @@ def test_a_simulation_larger_than_the_block_is_an_error(tmp_path):
 ])
 def test_mpi_sites_sim_launch_is_parsls_prefix(name, ranks, spec, prefix, tmp_path):
     s = site.load_site(name)
-    # Frontier's simulations drop the RCCL plugin's rendezvous setting (issue 41)
-    assert s.sim_prefix(ranks) == ("env -u FI_CXI_RDZV_PROTO " if name == "frontier" else "") + "$PARSL_MPI_PREFIX"
+    # simulations run without the collective library's variables, and on Frontier without the
+    # RCCL plugin's rendezvous setting (issue 41)
+    unset = [f"-u {v.name}" for v in s.environment if v.training_only]
+    unset += ["-u FI_CXI_RDZV_PROTO"] if name == "frontier" else []
+    assert s.sim_prefix(ranks) == " ".join(["env", *unset, "$PARSL_MPI_PREFIX"])
     assert s.sim_resource_spec(ranks) == spec
     executor = _config(name, tmp_path, nodes=2).executors[0]
     executor.validate_resource_spec(dict(spec))  # the keys MPIExecutor accepts
