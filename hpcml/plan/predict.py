@@ -73,8 +73,11 @@ def _flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
 
 def resolve_device(lay: PlanLayout) -> Device:
-    """The layout's device (its site's, or ``gpu``), at the share of its peak calibrated for it."""
-    return calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
+    """The layout's device (its site's, or ``gpu``), at the share of its peak calibrated for it,
+    with ``lay.gpus_per_node`` of them a node when given."""
+    dev = calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
+    n = lay.gpus_per_node
+    return dev if n is None or n == dev.gpus_per_node else replace(dev, name=f"{dev.name}x{n}", gpus_per_node=n)
 
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:

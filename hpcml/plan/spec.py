@@ -47,6 +47,10 @@ class PlanLayout:
     global_batch: int
     gpu: str | None = None
     site: str | None = None
+    gpus_per_node: int | None = None
+    """Devices per node when the machine's differ from the device's default (a 4-GPU H100 node):
+    tensor parallelism stays within a node, and what crosses nodes takes the inter-node links
+    (each device keeps its own share of them). None: the device's (or site's) own."""
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -87,6 +91,9 @@ class PlanLayout:
             _int(name, getattr(self, name))
         if self.stages_per_rank is not None:
             _int("stages_per_rank", self.stages_per_rank)
+        n = self.gpus_per_node
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
+            raise ConfigError(f"gpus_per_node={repr(n)[:40]}: expected an integer in [1, 64]")
         for name in ("gpu", "site"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 64):

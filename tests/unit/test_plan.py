@@ -341,3 +341,27 @@ def test_cli_one_layout_a_file_and_bad_input(tmp_path, capsys):
     lines.write_text('{"tp": 2}\n' * 20_001)  # more lines than a run of the planner should take
     assert cli(base + ["--layouts", str(lines)]) == 2
     assert "20001 lines, at most 20000" in capsys.readouterr().err
+
+
+def test_gpus_per_node_other_than_the_devices_default():
+    """Issue 42, item 3: a 4-GPU H100 node. tp 8 then crosses nodes (slower: its traffic takes
+    the inter-node links), a search keeps tp within the node, and a --layouts line takes the key."""
+    from hpcml.plan.predict import resolve_device
+
+    base = dict(model="llama3-8b", gpus=16, gpu="h100-80gb", seq_len=8192, global_batch=32, zero=3)
+    steps = {n: predict(PlanLayout(**base, tp=8, gpus_per_node=n)).step_s for n in (None, 8, 4, 2)}
+    assert steps[None] == steps[8] < steps[4] < steps[2]
+    dev = resolve_device(PlanLayout(**base, gpus_per_node=4))
+    assert dev.gpus_per_node == 4 and dev.name.endswith("x4")
+    found = search(PlanLayout(**{k: v for k, v in base.items() if k != "zero"}, gpus_per_node=4,
+                              degrees_checked=False))
+    assert found.best and all(p.layout.tp <= 4 for p in found.best)
+    with pytest.raises(ConfigError, match=r"gpus_per_node=0: expected an integer in \[1, 64\]"):
+        PlanLayout(**base, gpus_per_node=0)
+    out = subprocess.run([sys.executable, "-m", "hpcml.cli", "plan", "--model", "llama3-8b", "--gpus", "16", "--gpu",
+                          "h100-80gb", "--seq-len", "8192", "--global-batch", "32", "--layouts", "-", "--json"],
+                         input='{"tp": 8, "zero": 3, "gpus_per_node": 4}\n{"tp": 8, "zero": 3}\n', capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    four, eight = (json.loads(line) for line in out.stdout.splitlines())
+    assert four["step_s"] > eight["step_s"]
