@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     dev.add_argument("--site", help="a site of site_configs (its device and node facts)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node, when not the device's default (e.g. 4 for a "
                    "4-GPU H100 node): tp stays within a node")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="the data-parallel gradient reduction's dtype "
+                   "(default fp32; bf16 halves its bytes)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch", type=int, help="sequences per step")
     p.add_argument("--tp", type=int)
@@ -58,7 +60,7 @@ def add_parser(sub) -> None:
 
 def _given(args: argparse.Namespace) -> dict:
     d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "seq_len", "global_batch",
-                                       "tp", "pp", "cp",
+                                       "reduce_dtype", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk")}
     if args.fsdp:

@@ -13,6 +13,7 @@ from hpcml.parallel.config import PP_SCHEDULES
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "eager")
 PRECISIONS = ("bf16", "fp32")
+REDUCE_DTYPES = ("fp32", "bf16")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
 hpcml: fp32 weights and Adam, bf16 by autocast (``--bf16``), torch's sequence parallelism
@@ -66,6 +67,10 @@ class PlanLayout:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     precision: str = "bf16"
+    reduce_dtype: str = "fp32"
+    """The data-parallel gradient reduction's dtype: fp32 (hpcml's, and Megatron's and torchtitan's
+    defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
+    ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire."""
     framework: str = "hpcml"
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
@@ -106,7 +111,7 @@ class PlanLayout:
         if self.zero > 3:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
-                              ("framework", FRAMEWORKS),
+                              ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")

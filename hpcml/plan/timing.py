@@ -210,7 +210,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     ws = lay.dp * lay.cp
     dp_bw = _link(dev, ws, lay.tp)
     p_bytes, g_bytes, _ = state_bytes(lay, st)
-    grad_full = 4.0 * st.compute_params
+    grad_full = (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.compute_params  # what the reduction sends
     backward_mb = compute_mb * 2 / 3
     if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
         gathered = weight_bytes(lay) * st.compute_params

@@ -365,3 +365,15 @@ def test_gpus_per_node_other_than_the_devices_default():
     assert out.returncode == 0, out.stderr
     four, eight = (json.loads(line) for line in out.stdout.splitlines())
     assert four["step_s"] > eight["step_s"]
+
+
+def test_reduce_dtype_bf16_halves_the_gradient_reduction():
+    """Issue 42, item 3: a bf16 gradient reduction sends half the bytes of fp32 (the default)."""
+    base = dict(model="llama3-8b", gpus=64, gpu="h100-80gb", seq_len=8192, global_batch=64, tp=8, zero=0,
+                recompute="full")
+    fp32, bf16 = (predict(PlanLayout(**base, reduce_dtype=r)) for r in ("fp32", "bf16"))
+    assert fp32.parts_s["dp"] > 0 and math.isclose(bf16.parts_s["dp"], fp32.parts_s["dp"] / 2, rel_tol=0.05)
+    assert bf16.memory_gib == fp32.memory_gib  # gradients are kept as before; only the wire carries bf16
+    assert predict(PlanLayout(**base)).step_s == fp32.step_s
+    with pytest.raises(ConfigError, match="reduce_dtype='fp16': expected one of fp32, bf16"):
+        PlanLayout(**base, reduce_dtype="fp16")
