@@ -75,7 +75,8 @@ SITE = Site(
     train_launch_source=GUIDE,
     # srun --ntasks ... --nodelist ..., composed by MPIExecutor; an MPI simulation keeps Cray
     # MPICH's own rendezvous: the RCCL plugin's setting is training's alone
-    sim_launch="env -u FI_CXI_RDZV_PROTO $PARSL_MPI_PREFIX",
+    sim_launch="$PARSL_MPI_PREFIX",
+    module_training_vars=("FI_CXI_RDZV_PROTO",),
     mpi_launcher="srun",
     stream_interface="hsn0",
 )

@@ -75,7 +75,7 @@ class Checkpoint:
         if self._mac_key is None:
             return None
         if file not in self._macs:
-            self._macs[file] = chunkmac.ChunkMac(chunkmac.file_key(*self._mac_key, file))
+            self._macs[file] = chunkmac.for_file(*self._mac_key, file)
         return self._macs[file]
 
     def _open(self, file: str, check_meta: bool = True) -> int:

@@ -128,7 +128,7 @@ def _tagged(ck: Checkpoint, key: bytes) -> dict:
     for name, t in ck.tensors.items():
         pieces = []
         for p in t["pieces"]:
-            mac, tags = chunkmac.ChunkMac(chunkmac.file_key(key, salt, p["file"])), [b""] * len(p["at"])
+            mac, tags = chunkmac.for_file(key, salt, p["file"]), [b""] * len(p["at"])
             for i, data in read_chunks(ck._open(p["file"]), p, ck.dtype(name).itemsize, list(range(len(tags))),
                                        f"{ck.path / p['file']} {p['dataset']}"):
                 tags[i] = mac.tag(p["at"][i], data)

@@ -85,24 +85,22 @@ class CampaignJobs:
         return "\n".join(lines)
 
 
-def _over(jobs: list[PlannedJob]) -> str | None:
-    """Why ``jobs`` (all running at once) do not fit their queues' per-user limits, or None."""
-    count = Counter(j.queue for j in jobs if j.row is not None)
-    for j in jobs:
-        r, n = j.row, count.get(j.queue, 0)
-        if r is None:
-            continue
-        for limit, what in ((r.max_running, "running"), (r.max_queued, "queued or running")):
+def _counts(jobs: list[PlannedJob], chain: bool = False) -> tuple[dict[str, int], dict[str, int]]:
+    """Jobs running, and in the queue (running included), at once per queue name; ``chain``: the
+    one job's successor waits in its queue while it runs (a PBS/LSF job resubmitting itself)."""
+    running = dict(Counter(j.queue or "default" for j in jobs))
+    return running, {q: n + int(chain) for q, n in running.items()}
+
+
+def _over(jobs: list[PlannedJob], running: dict[str, int], queued: dict[str, int]) -> str | None:
+    """Why ``jobs`` do not fit their queues' per-user limits (``running``/``queued``: :func:`_counts`), or None."""
+    for r in {j.row.name: j.row for j in jobs if j.row is not None}.values():
+        for limit, n, what in ((r.max_running, running[r.name], "running"),
+                               (r.max_queued, queued[r.name], "queued or running")):
             if limit is not None and n > limit:
                 return (f"{n} jobs at once in {r.name}, which allows {limit} {what} per user ({r.note or r.limits()}; "
                         f"source {r.source})")
     return None
-
-
-def _counts(jobs: list[PlannedJob], extra_queued: Counter | None = None) -> tuple[dict[str, int], dict[str, int]]:
-    running = Counter(j.queue or "default" for j in jobs)
-    queued = running + (extra_queued or Counter())
-    return dict(running), dict(queued)
 
 
 def plan(site, *, nodes: int, walltime: str, train_nodes: int = 1, queue: str | None = None, mode: str = "auto",
@@ -153,25 +151,19 @@ def _job(site, role: str, nodes: int, walltime: str, queue: str | None, row: Que
 def _try(site, how: str, nodes: int, walltime: str, train_nodes: int, queue: str | None, requeue: bool):
     """``(jobs, running, queued)`` of one way to run the campaign, or why it does not fit."""
     if how == "one-allocation":
-        job = _job(site, "driver", nodes, walltime, queue)
-        chain = Counter()
-        if requeue and site.batch.resubmits and (job.row is None or job.row.requeue):
-            chain[job.queue or "default"] = 1  # the successor waits in the queue while the job runs
-        running, queued = _counts([job], chain)
-        r = job.row
-        if r is not None and r.max_queued is not None and queued[job.queue] > r.max_queued:
-            return f"its requeue chain holds 2 jobs in {r.name}, which allows {r.max_queued} ({r.source})"
-        return [job], running, queued
-    sims = _job(site, "sims", nodes - train_nodes, walltime, queue)
-    if how == "pilot":
-        jobs = [sims, _job(site, "trainer", train_nodes, walltime, queue)]
-        why = _over(jobs)
-        return why if why else (jobs, *_counts(jobs))
-    seconds = walltime_seconds(walltime)  # pilot-elsewhere: the trainer in another automatic row with room
-    for row in site.queues:
-        if queue is not None or not row.auto or row.name == sims.queue or not row.fits(train_nodes, seconds):
-            continue
-        jobs = [sims, _job(site, "trainer", train_nodes, walltime, None, row)]
-        if _over(jobs) is None:
-            return jobs, *_counts(jobs)
-    return "no other queue takes the trainer's " f"{train_nodes} node(s) for {walltime} with room"
+        jobs = [_job(site, "driver", nodes, walltime, queue)]
+        row = jobs[0].row
+        counts = _counts(jobs, chain=requeue and site.batch.resubmits and (row is None or row.requeue))
+    else:
+        sims = _job(site, "sims", nodes - train_nodes, walltime, queue)
+        rows = [None] if how == "pilot" else [r for r in site.queues if queue is None and r.auto and r.name != sims.queue
+                                              and r.fits(train_nodes, walltime_seconds(walltime))]
+        for row in rows:  # pilot: the trainer beside the simulations; pilot-elsewhere: in another automatic row
+            jobs = [sims, _job(site, "trainer", train_nodes, walltime, queue, row)]
+            counts = _counts(jobs)
+            if how == "pilot" or _over(jobs, *counts) is None:
+                break
+        else:
+            return f"no other queue takes the trainer's {train_nodes} node(s) for {walltime} with room"
+    why = _over(jobs, *counts)
+    return why if why else (jobs, *counts)

@@ -129,6 +129,9 @@ class Site:
     """Shell lines that load the modules hpcml was built against and its jobs need, each with why."""
     environment: tuple[EnvVar, ...] = ()
     """Environment of every job and worker (collective-network plugins, interfaces), each with why."""
+    module_training_vars: tuple[str, ...] = ()
+    """Variables a module of ``modules`` sets for the collective library alone (rccl-net-plugin's
+    ``FI_CXI_RDZV_PROTO``): like ``EnvVar(training_only=True)``, MPI simulations run without them."""
     queues: tuple[Queue, ...] = ()
     """The facility's queue table (:func:`hpcml.ensemble.rules.pick_queue`); empty: the scheduler's default."""
     account: Account | None = None
@@ -171,6 +174,10 @@ class Site:
                               f"gpus_per_node={hw.gpus_per_node} (one training rank per device)")
         _check_template(hw.name, "train_launch", self.train_launch)
         _check_template(hw.name, "sim_launch", self.sim_launch)
+        if not isinstance(self.module_training_vars, tuple) or not all(
+                isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in self.module_training_vars):
+            raise ConfigError(f"site {hw.name}: module_training_vars={self.module_training_vars!r} must be a tuple of "
+                              f"variable names")
         if self.mpi_launcher not in (None, *MPI_LAUNCHERS):
             raise ConfigError(f"site {hw.name}: mpi_launcher={self.mpi_launcher!r} must be one of "
                               f"{', '.join(MPI_LAUNCHERS)} or None")
@@ -245,10 +252,8 @@ class Site:
         """The launch prefix of one simulation of ``ranks`` MPI ranks, without the collective
         library's variables (``EnvVar(training_only=True)``): those are training's alone."""
         line = self.sim_launch.format(ranks=check_count("ranks", ranks), nodes=1, ranks_per_node=ranks)
-        unset = " ".join(f"-u {v.name}" for v in self.environment if v.training_only)
-        if not unset:
-            return line
-        return f"env {unset} {line[4:]}" if line.startswith("env ") else f"env {unset} {line}"
+        names = [*(v.name for v in self.environment if v.training_only), *self.module_training_vars]
+        return " ".join(["env", *(f"-u {n}" for n in names), line]) if names else line
 
     def sim_resource_spec(self, ranks: int) -> dict[str, int]:
         """``parsl_resource_specification`` of one simulation: fewest whole nodes, ranks
