@@ -17,13 +17,12 @@ import os
 import socket
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict
 from pathlib import Path
 
 from hpcml import stop
 from hpcml.contract import (DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done,
                             write_json)
-from hpcml.ensemble import attempts, ledger, provenance, rundir
+from hpcml.ensemble import attempts, ledger, provenance, run_report, rundir
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.campaign import Campaign, executor_label, streaming
 from hpcml.ensemble.progress import ProgressLine, last_json_line
@@ -169,9 +168,9 @@ class Run:
                     self.waves.report(self.run_dir, self.contract)
                 except Exception as e:  # noqa: BLE001 -- a figure never fails a campaign
                     logger.warning("no waves.png: %s: %s", type(e).__name__, e)
-            result = self._result(time.monotonic() - t0)
+            result = run_report.result(self, time.monotonic() - t0)
             # a training-only run (offline) keeps the simulations' record
-            write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"), self._summary(result))
+            write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"), run_report.summary(self, result))
             if failure is not None:
                 failure.result = result  # what was done before it failed, for the caller's own report
         return result
@@ -364,38 +363,6 @@ class Run:
         n = self.pool.counts()
         self.progress.update(force=force, done=n["completed"], running=n["running"], failed=n["failed"],
                              cancelled=n["cancelled"], retried=n["retried"], train=train)
-
-    def _result(self, wall_s: float) -> CampaignResult:
-        overheads = self.pool.overheads()
-        by = lambda o: [s.spec.sim_id for s in self.sims if s.outcome == o]  # noqa: E731
-        complete = all(s.outcome == "completed" for s in self.sims) and (
-            self.trainer is None or self.trainer.returncode == 0)
-        interrupted = self.stop_reason is not None and not complete  # a late warning changes nothing done
-        return CampaignResult(
-            run_dir=str(self.run_dir), total=len(self.sims), completed=by("completed"), failed=by("failed"),
-            cancelled=[s.spec.sim_id for s in self.sims if s.outcome in ("cancelled", "pending", "running")],
-            attempts={s.spec.sim_id: len(s.recorded) for s in self.sims},
-            retried=[s.spec.sim_id for s in self.sims if len(s.recorded) > 1],
-            samples_sent=sum(r["samples_sent"] or 0 for s in self.sims for r in s.recorded.values()
-                             if r["status"] == "ok" and isinstance(r["samples_sent"], int)),
-            wall_s=round(wall_s, 3), parsl_load_s=round(self.parsl_load_s, 3),
-            task_overhead_s=round(overheads[len(overheads) // 2], 4) if overheads else None,
-            training_returncode=self.trainer.returncode if self.trainer else None, error=self.error,
-            skipped=[s.spec.sim_id for s in self.sims if s.skipped], interrupted=interrupted,
-            campaign_id=getattr(self, "claim", None) and self.claim.campaign,
-            run_id=getattr(self, "claim", None) and self.claim.run, samples=self.samples)
-
-    def _summary(self, r: CampaignResult) -> dict:
-        d = asdict(r)
-        d["attempts"] = {str(k): v for k, v in r.attempts.items()}
-        d.update(version=2, status=r.status, started=attempts.iso(self.started_at), ended=attempts.iso(time.time()),
-                 host=socket.gethostname(), max_concurrent=self.c.max_concurrent, retries=self.retries,
-                 sim_timeout_s=self.c.sim_timeout_s, provenance=self.prov_path.name, ok=r.ok,
-                 stop_reason=self.stop_reason, deadline=self.deadline, pid=os.getpid(),
-                 training=None if self.trainer is None else self.trainer.summary(),
-                 cumulative={"sims_completed": sorted(provenance.completed_sims(self.run_dir)),
-                             "samples": self.samples})  # every run of the campaign, not only this one
-        return d
 
 
 def _refuse_loaded_parsl() -> None:
