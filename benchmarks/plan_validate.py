@@ -16,7 +16,8 @@
    16,384 H100s at 8K tokens, for each framework's option set (bar: < 2 s wall).
 
 Reproduce: ``python benchmarks/plan_validate.py --json`` (~25 minutes; ``--quick``: 8 layouts;
-``--search``: the searches alone, ~15 s).
+``--search``: the searches alone, ~15 s; ``--calibrate``: ``hpcml plan calibrate`` on 5 measured
+layouts, checked on 10 others, ~12 minutes).
 """
 
 from __future__ import annotations
@@ -142,6 +143,31 @@ def _plan_layout(ranks: int, args: list[str]):
                       recompute="full" if "--activation-checkpointing" in args else "none", precision="fp32")
 
 
+def measure_layouts(indices: list[int], rounds: int = ROUNDS, keep: Path | None = None) -> dict[int, list[float]]:
+    """Step times of ``LAYOUTS[indices]`` (median of the steps after two), ``rounds`` times,
+    every other round backwards (a slow spell of the VM hits both ends); with ``keep``, the run
+    directory of each layout's fastest round is left there as ``keep/<index>``."""
+    import shutil
+
+    measured: dict[int, list[float]] = {i: [] for i in indices}
+    for r in range(rounds):
+        for i in (indices if r % 2 == 0 else indices[::-1]):
+            ranks, args = LAYOUTS[i]
+            with tempfile.TemporaryDirectory() as run_dir:
+                out = _mpi(ranks, ["workflows/llm_pretrain.py", "--model", "mini", "--seq-len", str(SEQ),
+                                   "--global-batch", str(BATCH), "--steps", str(STEPS), "--run-dir", run_dir,
+                                   "--no-progress", *args])
+                if out.returncode:
+                    raise SystemExit(f"llm_pretrain {ranks} ranks {args} failed:\n{out.stderr[-3000:]}")
+                steps = [json.loads(x)["step_s"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+                measured[i].append(statistics.median(steps[2:]))
+                if keep is not None and measured[i][-1] == min(measured[i]):
+                    shutil.rmtree(keep / str(i), ignore_errors=True)
+                    shutil.copytree(run_dir, keep / str(i))
+        print(f"round {r + 1} of {rounds} measured", file=sys.stderr)
+    return measured
+
+
 def cpu_runs(indices: list[int]) -> dict:
     from hpcml.plan.cpu import cpu_device, measure
     from hpcml.plan.predict import evaluate, load_model
@@ -154,18 +180,7 @@ def cpu_runs(indices: list[int]) -> dict:
             raise SystemExit(f"probe at {n} ranks failed:\n{out.stderr[-2000:]}")
         comm[n] = json.loads(out.stdout.strip().splitlines()[-1])
     cfg = load_model("mini")
-    measured: dict[int, list[float]] = {i: [] for i in indices}
-    for r in range(ROUNDS):  # every other round backwards: a slow spell of the VM hits both ends
-        for i in (indices if r % 2 == 0 else indices[::-1]):
-            ranks, args = LAYOUTS[i]
-            with tempfile.TemporaryDirectory() as run_dir:
-                out = _mpi(ranks, ["workflows/llm_pretrain.py", "--model", "mini", "--seq-len", str(SEQ),
-                                   "--global-batch", str(BATCH), "--steps", str(STEPS), "--run-dir", run_dir,
-                                   "--no-progress", *args])
-                if out.returncode:
-                    raise SystemExit(f"llm_pretrain {ranks} ranks {args} failed:\n{out.stderr[-3000:]}")
-                steps = [json.loads(x)["step_s"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-            measured[i].append(statistics.median(steps[2:]))
+    measured = measure_layouts(indices)
     rows = []
     for i in indices:
         ranks, args = LAYOUTS[i]
@@ -186,6 +201,45 @@ def cpu_runs(indices: list[int]) -> dict:
     return {"cpu": facts.__dict__, "comm": comm, "layouts": rows, "spearman": round(rho, 3),
             "rounds_spearman": repeat,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+#: issue 42 item 4: five layouts to calibrate on, one per axis over 1, 2 and 4 ranks (many micro-
+#: batches on one rank, tp, FSDP, cp, pp), and ten others to predict
+CAL_FIT = [2, 8, 6, 20, 18]
+CAL_CHECK = [0, 3, 4, 7, 9, 10, 12, 15, 16, 21]
+
+
+def calibrate_runs(rounds: int = 2) -> dict:
+    """Measure the 15 layouts; ``hpcml plan calibrate`` on the run directories of ``CAL_FIT``
+    (as a user runs it, this machine's CPU measured by it); ``hpcml plan --device-file`` on the
+    others' layouts with their measured step times: median |error| and Spearman."""
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = Path(tmp)
+        measured = measure_layouts(CAL_FIT + CAL_CHECK, rounds, keep=keep)
+        dev = keep / "this-cpu.json"
+        cal = subprocess.run([PY, "-m", "hpcml.cli", "plan", "calibrate", *(str(keep / str(i)) for i in CAL_FIT),
+                              "--cpu", "--model", "mini", "--out", str(dev), "--json"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        if cal.returncode:
+            raise SystemExit(f"hpcml plan calibrate failed:\n{cal.stderr[-3000:]}")
+        lines = keep / "check.jsonl"
+        lines.write_text("".join(json.dumps({**{k: v for k, v in _plan_layout(*LAYOUTS[i]).to_dict().items() if k != "gpu"},
+                                             "step_s": min(measured[i])}) + "\n" for i in CAL_CHECK))
+        pred = subprocess.run([PY, "-m", "hpcml.cli", "plan", "--device-file", str(dev), "--layouts", str(lines),
+                               "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        if pred.returncode:
+            raise SystemExit(f"hpcml plan --device-file failed:\n{pred.stdout[-2000:]}{pred.stderr[-2000:]}")
+        got = [json.loads(x) for x in pred.stdout.splitlines()]
+        device_file = json.loads(dev.read_text())
+    report = json.loads(cal.stdout)
+    rows = [{"ranks": LAYOUTS[i][0], "args": " ".join(LAYOUTS[i][1]), "measured_step_s": r["measured_step_s"],
+             "measured_rounds_s": [round(x, 4) for x in measured[i]], "predicted_step_s": r["step_s"],
+             "error": r["step_error"]} for i, r in zip(CAL_CHECK, got)]
+    errs = [abs(r["error"]) for r in rows]
+    return {"fitted_on": [" ".join(map(str, (LAYOUTS[i][0], "ranks", *LAYOUTS[i][1]))) for i in CAL_FIT],
+            "calibration": report, "device_file": device_file, "checked": rows, "median_abs_error": round(statistics.median(errs), 4),
+            "p90_abs_error": round(sorted(errs)[int(0.9 * (len(errs) - 1))], 4),
+            "spearman": round(_spearman([r["measured_step_s"] for r in rows], [r["predicted_step_s"] for r in rows]), 3)}
 
 
 def published_tables() -> dict:
@@ -248,7 +302,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--search", action="store_true", help="the timed searches alone")
+    ap.add_argument("--calibrate", action="store_true", help="hpcml plan calibrate on 5 measured layouts, checked "
+                    "on 10 others (~12 minutes)")
     args = ap.parse_args()
+    if args.calibrate:
+        r = calibrate_runs()
+        print(json.dumps(r, indent=1) if args.json else
+              f"calibrated on {len(CAL_FIT)} layouts, checked on {len(CAL_CHECK)}: median |error| "
+              f"{r['median_abs_error']:.1%}, p90 {r['p90_abs_error']:.1%}, Spearman {r['spearman']}")
+        return 0 if r["median_abs_error"] <= 0.15 and r["spearman"] >= 0.8 else 1
     if args.probe:
         probe()
         return 0

@@ -24,7 +24,13 @@ def _table() -> dict:
 
 
 def constants(dev: Device) -> Constants:
-    """The fitted constants of ``dev``'s family (the defaults where none were fitted)."""
+    """The fitted constants of ``dev``'s family (the defaults where none were fitted; a device
+    file's own, :mod:`hpcml.plan.devfile`)."""
+    from hpcml.plan.devfile import constants_of
+
+    own = constants_of(dev.family)
+    if own is not None:
+        return own
     fam = _table().get("families", {}).get(dev.family, {})
     known = {f.name for f in fields(Constants)}
     bad = sorted(set(fam.get("constants", {})) - known)

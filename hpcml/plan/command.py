@@ -22,9 +22,18 @@ def add_parser(sub) -> None:
                                     "for the best (docs/plan.md)")
     p.add_argument("--model", help="preset name, or a Hugging Face config.json (or its directory), or hpcml's")
     p.add_argument("--gpus", type=int, help="devices (training ranks)")
+    p.add_argument("action", nargs="?", choices=("calibrate",), help="calibrate RUNS...: fit the time model on "
+                   "runs measured on your machine and write a device file (--out) for --device-file")
+    p.add_argument("runs", nargs="*", metavar="RUNS", help="calibrate: JSON-lines files (a layout and its step_s or "
+                   "tokens_per_s a line) or llm_pretrain.py run directories")
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpu", choices=sorted(DEVICES), help="device kind")
     dev.add_argument("--site", help="a site of site_configs (its device and node facts)")
+    dev.add_argument("--device-file", metavar="FILE", help="a device file written by 'hpcml plan calibrate'")
+    dev.add_argument("--cpu", action="store_true", help="calibrate: the runs ran on this machine's CPU (measured "
+                     "first, ~15 s)")
+    p.add_argument("--out", metavar="FILE", help="calibrate: where to write the device file")
+    p.add_argument("--name", help="calibrate: the device's name (default: the --out file's stem)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node, when not the device's default (e.g. 4 for a "
                    "4-GPU H100 node): tp stays within a node")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="the data-parallel gradient reduction's dtype "
@@ -70,6 +79,14 @@ def _given(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     given = _given(args)
+    if args.action == "calibrate":
+        return _run_calibrate(args, given)
+    if args.runs or args.out or args.name or args.cpu:
+        raise ConfigError("RUNS, --out, --name and --cpu belong to 'hpcml plan calibrate'")
+    if args.device_file:
+        from hpcml.plan import devfile
+
+        given["gpu"] = devfile.load(args.device_file).name
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top}: expected at least 1")
     if args.layouts:
@@ -77,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--layouts predicts every line: --emit and --top apply to one layout or a search")
         return _run_file(args, given)
     missing = [f"--{k.replace('_', '-')}" for k in ("model", "gpus", "seq_len", "global_batch") if k not in given]
-    missing += [] if "gpu" in given or "site" in given else ["--gpu or --site"]
+    missing += [] if "gpu" in given or "site" in given else ["--gpu, --site or --device-file"]
     if missing:
         raise ConfigError(f"hpcml plan needs {', '.join(missing)}")
     searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
@@ -94,6 +111,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_line(p))
     return 0 if p.fits else 1
+
+
+def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
+    import re
+
+    from hpcml.plan import calibrate, devfile
+
+    if not args.runs:
+        raise ConfigError("hpcml plan calibrate needs RUNS: JSON-lines files of measured layouts or run directories")
+    if not args.out:
+        raise ConfigError("hpcml plan calibrate needs --out FILE: where to write the calibrated device file")
+    name = args.name or re.sub(r"[^A-Za-z0-9._-]", "-", Path(args.out).stem).lstrip("._-")[:64] or "calibrated"
+    if not devfile._NAME.fullmatch(name):
+        raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+    base = calibrate.base_of(given.pop("gpu", None), given.pop("site", None), args.device_file, args.cpu)
+    runs = calibrate.read_runs(args.runs, given)
+    df, report = calibrate.calibrate(runs, base, name)
+    devfile.write(df, args.out)
+    print(json.dumps({"device_file": args.out, **report}) if args.json
+          else calibrate.summary(report) + f"\nwrote {args.out}: hpcml plan --device-file {args.out} ...")
+    return 0
 
 
 def _run_file(args: argparse.Namespace, given: dict) -> int:
@@ -121,8 +159,10 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
         elif "error" in r:
             print(f"line {r['line']}: {r['error']}")
         else:
+            vs = f" (measured {r['measured_step_s']:.4g} s: {r['step_error']:+.1%})" if r.get("step_error") is not None \
+                else ""
             print(f"{r['fits']!s:5} {r['tokens_per_s']:>12.5g} tok/s mfu {r['mfu']:.3f} "
-                  f"{r['memory_gib'].get('total', 0):7.1f} GiB {r['why']}")
+                  f"{r['memory_gib'].get('total', 0):7.1f} GiB {r['why']}{vs}")
     return 1 if any("error" in r for r in results) else 0
 
 

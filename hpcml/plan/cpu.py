@@ -123,7 +123,8 @@ def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Consta
     price it: one rank alone uses every core (its matmuls and its elementwise kernels); ranks
     beyond the cores share them evenly (hpcml pins them round-robin); the links are gloo over
     loopback, and the fixed costs per block of each parallelism come from ``probe`` (measured
-    with the ranks in place on a model too small to compute: ``benchmarks/plan_validate.py --probe``)."""
+    with the ranks in place on a model too small to compute: ``benchmarks/plan_validate.py --probe``;
+    without them 0, as ``hpcml plan calibrate`` starts before it fits them on measured runs)."""
     share = min(1.0, facts.cores / ranks)
     flops = facts.flops_all if ranks == 1 else facts.flops_core * share
     elementwise = facts.copy_gbps * (facts.elementwise_speedup if ranks == 1 else share)
@@ -132,7 +133,7 @@ def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Consta
                  hbm_gbps=elementwise, gpus_per_node=ranks, intra_gbps=bw, inter_gbps=bw,
                  source="measured on this machine (hpcml.plan.cpu.measure)", family="cpu",
                  shared_cores=facts.cores if ranks > facts.cores else 0)
-    base = probe["dp"]["block_s"]
+    base = probe["dp"]["block_s"] if "dp" in probe else 0.0
 
     def extra(name: str) -> float:
         return max(0.0, probe[name]["block_s"] - base) if name in probe else 0.0
@@ -140,5 +141,5 @@ def cpu_device(facts: CpuFacts, ranks: int, probe: dict) -> tuple[Device, Consta
                   elementwise_passes=facts.elementwise_passes,
                   dp_overlap=0.0, reserved_gib=0.0, block_s=base, tp_block_s=extra("tp"), sp_block_s=extra("sp"),
                   cp_block_s=extra("cp"), fsdp_unit_s=extra("fsdp"),
-                  step_overhead_s=max(0.0, probe["dp"]["step_1block_s"] - base))
+                  step_overhead_s=max(0.0, probe["dp"]["step_1block_s"] - base) if "dp" in probe else 0.0)
     return dev, c

@@ -40,14 +40,15 @@ def score(cases, c: Constants, dev: Device | None = None) -> float:
     return sum(errs) / max(1, len(errs))
 
 
-def fit(cases, start: Constants | None = None, rounds: int = 4) -> tuple[Constants, float]:
-    """Constants minimising :func:`score` on ``cases``, by coordinate descent over ``GRID``
-    (deterministic: the same cases give the same constants)."""
+def fit(cases, start: Constants | None = None, rounds: int = 4,
+        grid: dict[str, list[float]] | None = None) -> tuple[Constants, float]:
+    """Constants minimising :func:`score` on ``cases``, by coordinate descent over ``grid``
+    (default :data:`GRID`; deterministic: the same cases give the same constants)."""
     c = start or Constants()
     best = score(cases, c)
     for _ in range(rounds):
         moved = False
-        for name, values in GRID.items():
+        for name, values in (GRID if grid is None else grid).items():
             for v in values:
                 trial = replace(c, **{name: v})
                 s = score(cases, trial)

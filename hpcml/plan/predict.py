@@ -14,7 +14,7 @@ from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rules import check_plan
 from hpcml.parallel.config import ParallelConfig
-from hpcml.plan import calibration
+from hpcml.plan import calibration, devfile
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
 from hpcml.plan.spec import MAX_LAYERS, PlanLayout
@@ -74,8 +74,13 @@ def _flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
 def resolve_device(lay: PlanLayout) -> Device:
     """The layout's device (its site's, or ``gpu``), at the share of its peak calibrated for it,
-    with ``lay.gpus_per_node`` of them a node when given."""
-    dev = calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
+    with ``lay.gpus_per_node`` of them a node when given; a device file's (``--device-file``) as
+    one of ``lay.gpus`` ranks."""
+    df = devfile.registered(lay.gpu)
+    if df is not None:
+        dev = df.resolve(lay.gpus)
+    else:
+        dev = calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
     n = lay.gpus_per_node
     return dev if n is None or n == dev.gpus_per_node else replace(dev, name=f"{dev.name}x{n}", gpus_per_node=n)
 
@@ -165,9 +170,22 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts)
 
 
+def _against(r: dict, lay: PlanLayout, measured: dict) -> dict:
+    """``measured_step_s`` and the prediction's relative ``step_error`` against it."""
+    if len(measured) != 1:
+        raise ConfigError("give step_s or tokens_per_s, not both")
+    (k, v), = measured.items()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+        raise ConfigError(f"{k}={repr(v)[:40]}: expected a positive number")
+    step = v if k == "step_s" else lay.global_batch * lay.seq_len / v
+    got = r["step_s"]
+    return {"measured_step_s": _sig(step), "step_error": None if got is None else round(got / step - 1, 4)}
+
+
 def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
     """One prediction per JSON line, in order; a line that is not a valid layout gets
-    ``{"error": "..."}`` in its place (the rest still run)."""
+    ``{"error": "..."}`` in its place (the rest still run). A line with a measured ``step_s``
+    or ``tokens_per_s`` also gets the prediction's error against it."""
     out = []
     for n, line in enumerate(lines, 1):
         line = line.strip()
@@ -177,8 +195,13 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
             out.append({"line": n, "error": f"line of {len(line)} characters: expected at most {MAX_LINE}"})
             continue
         try:
-            lay = PlanLayout.from_dict(json.loads(line), **(defaults or {}))
-            out.append(predict(lay).to_dict())
+            d = json.loads(line)
+            measured = {k: d.pop(k) for k in ("step_s", "tokens_per_s") if isinstance(d, dict) and k in d}
+            lay = PlanLayout.from_dict(d, **(defaults or {}))
+            r = predict(lay).to_dict()
+            if measured:  # a measured run (as `hpcml plan calibrate` reads them): the prediction's error
+                r |= _against(r, lay, measured)
+            out.append(r)
         except (HpcmlError, ValueError, TypeError, RecursionError, OverflowError) as e:
             out.append({"line": n, "error": str(e).splitlines()[0]})
     return out

@@ -333,7 +333,7 @@ def test_cli_one_layout_a_file_and_bad_input(tmp_path, capsys):
     assert rows[0]["layout"]["tp"] == 2 and rows[2]["layout"]["micro_batch"] == 2
     assert cli(["plan", "--model", "llama3-8b", "--gpus", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--seq-len, --global-batch, --gpu or --site" in err
+    assert err.count("\n") == 1 and "--seq-len, --global-batch, --gpu, --site or --device-file" in err
     assert cli(base + ["--layouts", str(tmp_path)]) == 2  # a directory
     os.mkfifo(tmp_path / "fifo")  # issue 40: refused at once, named for what it is
     assert cli(base + ["--layouts", str(tmp_path / "fifo")]) == 2

@@ -1,0 +1,237 @@
+"""``hpcml plan calibrate`` and device files: the fit recovers a machine it did not start from,
+run directories and JSON lines read as the trainer and users write them, device files
+refused in one line when they are not what calibrate writes (the measured check on this
+machine is ``benchmarks/plan_validate.py --calibrate``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hpcml.cli import main as cli
+from hpcml.errors import ConfigError
+from hpcml.plan import devfile
+from hpcml.plan.calibrate import Measured, calibrate, read_runs
+from hpcml.plan.cpu import CpuFacts, cpu_device
+from hpcml.plan.predict import predict, predict_lines
+from hpcml.plan.spec import PlanLayout
+from hpcml.plan.timing import Constants
+
+FACTS = CpuFacts(cores=2, flops_core=1.3e11, flops_all=2.4e11, m_half=8.0, copy_gbps=40.0, memory_gib=24.0,
+                 elementwise_passes=250.0, elementwise_speedup=1.9)
+#: a machine unlike the starting point: slower matmuls, dearer dispatch and links
+TRUTH = replace(cpu_device(FACTS, 1, {})[1], gemm_eff=0.55, elementwise_passes=400.0, comm_eff=0.35, block_s=3e-3,
+                tp_block_s=12e-3, sp_block_s=24e-3, cp_block_s=5e-3, fsdp_unit_s=6e-3, latency_s=2e-4)
+BASE = dict(model="mini", seq_len=128, global_batch=16, precision="fp32")
+#: (ranks, keys): the five to fit on cover one axis each, as plan_validate.py's CAL_FIT
+FIT = [(1, {"micro_batch": 1}), (2, {"tp": 2, "micro_batch": 8}), (2, {"zero": 3, "micro_batch": 8}),
+       (4, {"cp": 2, "micro_batch": 4}), (4, {"pp": 2, "micro_batch": 2})]
+CHECK = [(1, {"micro_batch": 16}), (1, {"micro_batch": 4, "recompute": "full"}), (2, {"micro_batch": 8}),
+         (2, {"zero": 2, "micro_batch": 4}), (2, {"tp": 2, "sequence_parallel": True, "micro_batch": 4}),
+         (2, {"pp": 2, "micro_batch": 2}), (2, {"cp": 2, "micro_batch": 8}), (4, {"zero": 3, "micro_batch": 2}),
+         (4, {"tp": 2, "micro_batch": 4}), (4, {"tp": 2, "pp": 2, "micro_batch": 2})]
+
+
+def _measured(name: str, rows) -> list[Measured]:
+    return [Measured(PlanLayout(gpus=n, gpu=name, **BASE, **k), predict(PlanLayout(gpus=n, gpu=name, **BASE, **k)).step_s,
+                     f"row {i}") for i, (n, k) in enumerate(rows)]
+
+
+def test_calibration_recovers_a_machine_from_five_layouts():
+    truth = devfile.register(devfile.DeviceFile(name="truth", constants=TRUTH, cpu=FACTS))
+    fit_runs, check_runs = _measured(truth, FIT), _measured(truth, CHECK)
+    start = devfile.DeviceFile(name="start", constants=cpu_device(FACTS, 1, {})[1], cpu=FACTS)
+    devfile.register(start)
+    before = [abs(predict(replace(r.layout, gpu="start")).step_s / r.step_s - 1) for r in check_runs]
+    df, report = calibrate(fit_runs, start, "fitted")
+    devfile.register(df)
+    after = [predict(replace(r.layout, gpu="fitted")).step_s / r.step_s - 1 for r in check_runs]
+    assert statistics.median(before) > 0.3  # the start is far off
+    assert statistics.median(abs(e) for e in after) < 0.08, after
+    assert max(abs(e) for e in after) < 0.25, after
+    assert report["rms_log_error"] < 0.05 < report["rms_log_error_before"]
+    # nothing in FIT uses sequence parallelism: tied to tp's cost, and said so
+    assert "sp_block_s" in report["unfitted"] and df.constants.sp_block_s == df.constants.tp_block_s
+    assert "dp_overlap" in report["fitted"] and df.calibration["runs"] == 5
+
+
+def test_a_constant_no_run_exercises_is_kept_and_named():
+    truth = devfile.register(devfile.DeviceFile(name="truth2", constants=TRUTH, cpu=FACTS))
+    runs = _measured(truth, [(1, {"micro_batch": 1}), (1, {"micro_batch": 16})])
+    start = devfile.DeviceFile(name="start2", constants=cpu_device(FACTS, 1, {})[1], cpu=FACTS)
+    df, report = calibrate(runs, start, "dp-only")
+    for k in ("tp_block_s", "cp_block_s", "fsdp_unit_s", "comm_eff"):
+        assert k in report["unfitted"] and getattr(df.constants, k) == getattr(start.constants, k)
+    with pytest.raises(ConfigError, match="at least 2"):
+        calibrate(runs[:1], start, "x")
+
+
+def _run_dir(path: Path, steps: list[float], **par) -> Path:
+    """A run directory as the trainer writes it (loop.py: config.json, metrics.jsonl)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(
+        {"train": {"steps": len(steps), "bf16": False, "global_batch": 16, "micro_batch": 4, "seq_len": 128},
+         "layout": {"pp": 1, "dp": 2, "cp": 1, "tp": 2},
+         "parallel": {"fsdp": False, "reshard_after_forward": True, "sequence_parallel": True,
+                      "pp_schedule": "1f1b", "stages_per_rank": None, "activation_checkpointing": True,
+                      "fpdt_chunk": 0, **par}}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": 1.0, "step_s": s}) + "\n"
+                                                for i, s in enumerate(steps)))
+    return path
+
+
+def test_run_directories_and_json_lines(tmp_path):
+    rd = _run_dir(tmp_path / "run", [9.0, 5.0, 1.0, 1.2, 1.1, 3.0])
+    (m,) = read_runs([str(rd)], {"model": "mini"})
+    lay = m.layout
+    assert (lay.gpus, lay.tp, lay.dp, lay.micro_batch, lay.seq_len) == (4, 2, 2, 4, 128)
+    assert (lay.sequence_parallel, lay.recompute, lay.precision, lay.zero) == (True, "full", "fp32", 0)
+    assert m.step_s == pytest.approx(1.15)  # the median past the two warm-up steps
+    (z2,) = read_runs([str(_run_dir(tmp_path / "z2", [1, 1, 1], fsdp=True, reshard_after_forward=False,
+                                    sequence_parallel=False))], {"model": "mini"})
+    assert z2.layout.zero == 2
+    lines = tmp_path / "runs.jsonl"
+    lines.write_text('{"gpus": 2, "tp": 2, "micro_batch": 8, "step_s": 0.5, "gpu": "a100-80gb"}\n\n'
+                     '{"gpus": 1, "micro_batch": 4, "tokens_per_s": 4096}\n')
+    a, b = read_runs([str(lines)], {**BASE})
+    assert (a.layout.tp, a.step_s, a.layout.gpu) == (2, 0.5, "measured")  # the calibration's device, not the line's
+    assert b.step_s == pytest.approx(16 * 128 / 4096)
+    for bad, match in (('{"gpus": 1, "step_s": 1, "tokens_per_s": 2}', "exactly one"),
+                       ('{"gpus": 1}', "exactly one"), ('{"gpus": 1, "step_s": -1}', "step_s=-1"),
+                       ('{"gpus": 3, "tp": 2, "step_s": 1}', "not divisible"), ('[1]', "JSON object"),
+                       ('{"gpus": 1, "step_s": NaN}', "NaN")):
+        lines.write_text(bad + "\n")
+        with pytest.raises(ConfigError, match=match) as e:
+            read_runs([str(lines)], dict(BASE))
+        assert "runs.jsonl" in str(e.value) and "\n" not in str(e.value)
+    few = _run_dir(tmp_path / "few", [1.0, 1.0])
+    with pytest.raises(ConfigError, match="2 timed steps"):
+        read_runs([str(few)], {"model": "mini"})
+    with pytest.raises(ConfigError, match="not a run directory"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text("{}")
+        read_runs([str(tmp_path / "empty")], {"model": "mini"})
+
+
+def test_cli_calibrate_then_plan_with_the_device_file(tmp_path, capsys):
+    truth = devfile.register(devfile.DeviceFile(
+        name="gpu-truth", device=replace(predict_device("a100-80gb"), name="gpu-truth", family="file:gpu-truth"),
+        constants=Constants(gemm_eff=0.5, comm_eff=0.4, elementwise_passes=60.0)))
+    rows = [(8, {"tp": 8}), (8, {"zero": 3}), (16, {"tp": 2, "pp": 2, "micro_batch": 1}), (8, {"cp": 2, "tp": 4}),
+            (16, {"tp": 4, "micro_batch": 2})]
+    runs = tmp_path / "runs.jsonl"
+    base = dict(model="llama3-8b", seq_len=4096, global_batch=64, precision="bf16")
+    runs.write_text("".join(json.dumps({"gpus": n, **k, "step_s": predict(PlanLayout(gpus=n, gpu=truth, **base, **k))
+                                        .step_s}) + "\n" for n, k in rows))
+    out = tmp_path / "my cluster.json"
+    assert cli(["plan", "calibrate", str(runs), "--gpu", "a100-80gb", "--model", "llama3-8b", "--seq-len", "4096",
+                "--global-batch", "64", "--out", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["rms_log_error"] < 0.05 < rep["rms_log_error_before"] and rep["device_file"] == str(out)
+    d = json.loads(out.read_text())
+    assert d["name"] == "my-cluster" and d["format"] == devfile.FORMAT and d["device"]["peak_tflops"] == 312.0
+    # the planner prices with the file: within the fit's error of the machine it was fitted on
+    lay = dict(gpus=16, tp=4, micro_batch=1, recompute="full", **base)
+    assert cli(["plan", "--device-file", str(out), "--model", "llama3-8b", "--gpus", "16", "--tp", "4",
+                "--micro-batch", "1", "--recompute", "full", "--seq-len", "4096", "--global-batch", "64",
+                "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["step_s"]
+    want = predict(PlanLayout(gpu=truth, **lay)).step_s
+    assert abs(got / want - 1) < 0.1
+    # and --layouts with measured lines says how far each is
+    r = predict_lines([json.dumps({**lay, "step_s": want})], {"gpu": "my-cluster"})[0]
+    assert r["measured_step_s"] == pytest.approx(want, rel=1e-4) and abs(r["step_error"]) < 0.1
+    for argv, match in ((["plan", "calibrate", str(runs), "--gpu", "a100-80gb"], "--out"),
+                        (["plan", "calibrate", "--gpu", "a100-80gb", "--out", str(out)], "needs RUNS"),
+                        (["plan", "calibrate", str(runs), "--out", str(out)], "exactly one of"),
+                        (["plan", str(runs), "--gpu", "a100-80gb"], "invalid choice"),
+                        (["plan", "--model", "mini", "--out", str(out), "--gpu", "a100-80gb"], "belong to")):
+        if match == "invalid choice":  # argparse's own
+            with pytest.raises(SystemExit):
+                cli(argv)
+        else:
+            assert cli(argv) == 2
+        assert match in capsys.readouterr().err
+
+
+def predict_device(name):
+    from hpcml.plan.devices import device
+
+    return device(name)
+
+
+def _file(tmp_path, d, name="dev.json") -> Path:
+    p = tmp_path / name
+    p.write_text(d if isinstance(d, str) else json.dumps(d))
+    return p
+
+
+GOOD = {"format": devfile.FORMAT, "name": "ok", "device": {
+    "memory_gib": 80, "peak_tflops": 300, "hbm_gbps": 2000, "gpus_per_node": 4, "intra_gbps": 100,
+    "inter_gbps": 25, "source": "measured"}, "constants": {"gemm_eff": 0.6}}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"format": "hpcml-device/9"}, "format"),
+    ({"name": "../etc"}, "name"),
+    ({"extra": 1}, "unknown keys"),
+    ({"constants": {"gemm_eff": -1}}, "constants.gemm_eff=-1"),
+    ({"constants": {"gemm_eff": True}}, "constants.gemm_eff=True"),
+    ({"constants": {"nope": 1}}, "unknown keys"),
+    ({"constants": {"latency_s": 1e300}}, "latency_s"),
+    ({"constants": [1]}, "expected an object"),
+    ({"device": {**GOOD["device"], "peak_tflops": 0}}, "peak_tflops"),
+    ({"device": {**GOOD["device"], "gpus_per_node": 1.5}}, "gpus_per_node"),
+    ({"device": {**GOOD["device"], "source": "x" * 5000}}, "source"),
+    ({"cpu": {"cores": 2}}, "exactly one of"),
+    ({"device": None, "cpu": {"cores": 2.5, "flops_core": 1, "flops_all": 1, "m_half": 0, "copy_gbps": 1,
+                              "memory_gib": 1}}, "cpu.cores"),
+])
+def test_bad_device_files_are_refused_in_one_line(tmp_path, change, match):
+    d = {**GOOD, **change}
+    if d.get("device") is None:
+        d.pop("device")
+    p = _file(tmp_path, d)
+    with pytest.raises(ConfigError, match=match) as e:
+        devfile.load(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_device_file_text_attacks(tmp_path):
+    assert devfile.load(_file(tmp_path, GOOD)).constants.gemm_eff == 0.6
+    for text, match in (('{"format": "hpcml-device/1", "name": "a", "constants": {"gemm_eff": NaN}}', "NaN"),
+                        ("[" * 100 + "]" * 100, "nested"), ("\xff\xfe", "not JSON"), ("", "not JSON")):
+        with pytest.raises(ConfigError, match=match):
+            devfile.load(_file(tmp_path, text, "t.json"))
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(devfile.MAX_BYTES + 1)  # sparse: refused before a byte is read
+    with pytest.raises(ConfigError, match="larger than"):
+        devfile.load(big)
+    os.symlink(_file(tmp_path, GOOD, "real.json"), tmp_path / "link.json")
+    with pytest.raises(ConfigError, match="link"):
+        devfile.load(tmp_path / "link.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(ConfigError, match="fifo|FIFO|not a regular"):
+        devfile.load(tmp_path / "fifo.json")
+    with pytest.raises(ConfigError, match="no such file"):
+        devfile.load(tmp_path / "absent.json")
+
+
+def test_a_written_file_reads_back_the_same(tmp_path):
+    df = devfile.DeviceFile(name="rt", constants=replace(TRUTH, reserved_gib=1.5), cpu=FACTS, busbw_gbps=0.9,
+                            calibration={"runs": 5})
+    devfile.write(df, tmp_path / "rt.json")
+    back = devfile.load(tmp_path / "rt.json")
+    assert back == df
+    from hpcml.plan.predict import evaluate, load_model
+
+    lay = PlanLayout(gpus=4, gpu="rt", tp=2, **BASE)
+    assert predict(lay).step_s == evaluate(load_model("mini"), df.resolve(4), TRUTH, lay).step_s != \
+        evaluate(load_model("mini"), df.resolve(4), Constants(), lay).step_s
+    assert back.resolve(4).shared_cores == 2 and back.resolve(1).peak_tflops == pytest.approx(0.24)
