@@ -118,16 +118,9 @@ def _mpi(n: int, args: list[str], timeout: int = 600) -> subprocess.CompletedPro
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = pos
-        return r
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    from hpcml.plan.fit import spearman
+
+    return spearman(a, b)
 
 
 def _plan_layout(ranks: int, args: list[str]):

@@ -18,6 +18,7 @@ GRID: dict[str, list[float]] = {
     "gemm_eff": [x / 100 for x in range(40, 96, 2)],
     "elementwise_passes": [float(x) for x in range(0, 161, 8)],
     "softmax_passes": [float(x) for x in range(0, 25, 2)],
+    "attn_eff": [0.0, *(x / 100 for x in range(8, 92, 2))],
     "comm_eff": [x / 100 for x in range(30, 96, 5)],
     "dp_overlap": [x / 10 for x in range(0, 11)],
     "tp_overlap": [x / 10 for x in range(0, 11)],
@@ -27,17 +28,33 @@ GRID: dict[str, list[float]] = {
 
 def score(cases, c: Constants, dev: Device | None = None) -> float:
     """Mean squared log error of predicted against published tokens/s per GPU (on ``dev`` when
-    given, instead of each layout's own device)."""
+    given, instead of each layout's own device), each table weighing the same: a 52-row table
+    does not outvote a 9-row one measured with another framework."""
     from hpcml.plan.predict import evaluate, load_model, resolve_device
 
-    errs = []
+    errs: dict[str, list[float]] = {}
     for case in cases:
         if case.tokens_per_gpu is None:
             continue
         p = evaluate(load_model(case.layout.model), dev or resolve_device(case.layout), c, case.layout)
         got = p.tokens_per_s / case.layout.gpus
-        errs.append(math.log(got / case.tokens_per_gpu) ** 2 if got > 0 else 100.0)
-    return sum(errs) / max(1, len(errs))
+        errs.setdefault(case.table, []).append(math.log(got / case.tokens_per_gpu) ** 2 if got > 0 else 100.0)
+    return sum(sum(e) / len(e) for e in errs.values()) / max(1, len(errs))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of ``a`` and ``b`` (ties ranked in order): how a prediction
+    orders layouts against how they measured."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
 def fit(cases, start: Constants | None = None, rounds: int = 4,

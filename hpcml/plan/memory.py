@@ -181,7 +181,7 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1)
+                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, activation=lay.activation)
 
 
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
@@ -203,7 +203,8 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         saved += 2 * state.compute_params
     # transients: the logits' gradient on the last stage, one block recomputed in backward
     buffers = 0.0
-    if n_stages - 1 in mine:  # (FPDT's chunked loss: one chunk's logits at a time)
+    if n_stages - 1 in mine and how.loss != "fused":  # (FPDT's chunked loss: one chunk's logits at a time;
+        # a fused loss writes the gradient over the logits it kept)
         logit_rows = min(tokens / lay.cp, lay.micro_batch * lay.fpdt_chunk) if how.chunked_loss else tokens / lay.cp
         buffers += 2 * 4 * cfg.padded_vocab / lay.tp * logit_rows
     moe = [i for s in mine for i in fp.layer_kinds(cfg, stages[s]) if cfg.is_moe(i)]

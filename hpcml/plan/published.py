@@ -11,7 +11,7 @@ to its rows here and in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
@@ -136,11 +136,44 @@ def torchtitan_h100() -> list[Case]:
     return out
 
 
+#: MPT shapes of llm-foundry's yamls (d_model, n_heads, n_layers)
+MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+       "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+       "70b": (8192, 64, 80)}
+FOUNDRY = {"foundry-h100-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", "h100-80gb"),
+           "foundry-h100": ("H100 80GB BF16", "h100-80gb"),
+           "foundry-a100-80gb": ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "a100-80gb"),
+           "foundry-a100-40gb": ("A100 40GB with 1600 Gbps node-node interconnect (RoCE)", "a100-40gb")}
+
+
+def llm_foundry(name: str) -> list[Case]:
+    """llm-foundry's MPT benchmarks (Composer FSDP FULL_SHARD, bf16, flash attention, 125M-70B,
+    512-65,536 tokens, 8-512 GPUs): one section of its README. MPT's GeLU/LayerNorm blocks are
+    planned as SwiGLU/RMSNorm blocks of the same parameter and FLOP count, its tied embedding
+    kept; FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP."""
+    section, gpu = FOUNDRY[name]
+    data = published("llm_foundry_mpt_benchmarks_2024-04")["sections"][section]
+    cols = data["columns"]
+    out = []
+    for values in data["rows"]:
+        r = dict(zip(cols, values))
+        h, heads, layers = MPT[r["model"]]
+        cfg = replace(gpt(h, heads, layers, 50368, r["seq_len"]), tie_embeddings=True)
+        layout = PlanLayout(model=cfg, gpus=r["gpus"], gpu=gpu, seq_len=r["seq_len"], global_batch=r["global_batch"],
+                            micro_batch=r["micro_batch"], zero=3, framework="torchtitan", activation="gelu",
+                            loss="fused", recompute="full" if r["activation_checkpointing"] else "none")
+        out.append(Case(name, f"{r['model']} seq {r['seq_len']} x{r['gpus']} mb {r['micro_batch']}"
+                        + (" AC" if r["activation_checkpointing"] else ""), layout,
+                        tokens_per_gpu=float(r["tokens_per_gpu"]), notes={"mfu": r["mfu"]}))
+    return out
+
+
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
-          "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100}
+          "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100,
+          **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 
-CALIBRATION = {"nvidia-a100": ["sc21-table1"], "nvidia-h100": ["megatron-core-h100"]}
+CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"], "nvidia-h100": ["megatron-core-h100", "foundry-h100"]}
 """The tables each device family's constants are fitted on; the others are held out."""
 
 DEVICE_CALIBRATION = {"h100-96gb-500w": ["torchtitan-h100"]}

@@ -111,6 +111,8 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")
+    if lay.activation != "swiglu" or lay.loss != "eager":
+        bad.append(f"activation {lay.activation}, loss {lay.loss} (hpcml's trainer: swiglu, eager)")
     if lay.schedule == "interleaved1f1b" and lay.v != 2:
         bad.append(f"{lay.v} stages per rank (llm_pretrain.py runs 2 with interleaved1f1b)")
     model = _model_args(lay.model)

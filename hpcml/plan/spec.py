@@ -14,6 +14,8 @@ RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "eager")
 PRECISIONS = ("bf16", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
+ACTIVATIONS = ("swiglu", "gelu")
+LOSSES = ("eager", "fused")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
 hpcml: fp32 weights and Adam, bf16 by autocast (``--bf16``), torch's sequence parallelism
@@ -72,6 +74,15 @@ class PlanLayout:
     defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
     ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire."""
     framework: str = "hpcml"
+    activation: str = "swiglu"
+    """The model's MLP as its trainer runs it: swiglu (hpcml's, Llama's), or gelu -- a GPT/MPT
+    block, planned as a SwiGLU block of the same parameter and FLOP count (``published.gpt``),
+    whose activations are the 4h GeLU MLP's."""
+    loss: str = "eager"
+    """eager: the fp32 log-softmax of every logit kept and its gradient made whole (torch's
+    ``cross_entropy``, hpcml's trainer without FPDT); fused: a loss kernel that keeps the
+    logits and writes their gradient over them (flash-attn's or Liger's cross-entropy,
+    llm-foundry's default). FPDT's chunked loss is ``fpdt_chunk``'s."""
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
     loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
@@ -112,6 +123,7 @@ class PlanLayout:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
                               ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
+                              ("activation", ACTIVATIONS), ("loss", LOSSES),
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")

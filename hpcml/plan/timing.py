@@ -29,6 +29,9 @@ class Constants:
     elementwise_passes: float = 40.0
     """Hidden-state-sized reads and writes per token of a block's forward outside the matmuls
     (norms, activation, rotary, residuals, casts): memory-bound, at the device's bandwidth."""
+    attn_eff: float = 0.0
+    """Share of peak the fused attention kernel reaches on its scores and values (flash attention
+    does not run at GEMM efficiency, least so causal and at small head sizes); 0: the matmuls'."""
     softmax_passes: float = 6.0
     """Reads and writes of each attention score per forward with eager (unfused) attention."""
     comm_eff: float = 0.75
@@ -157,12 +160,18 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
     eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
     kinds = layer_kinds(cfg, layers)
+    flash = lay.attention == "flash"
+    a_eff = c.attn_eff if flash and c.attn_eff > 0 else eff
+    flash_bwd = 0.0  # flash attention's backward recomputes the scores: half a forward of the core more
     for i, count in kinds.items():
-        mm = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) / (peak * eff)
+        core_mm = tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp / (peak * a_eff)
+        mm = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) / (peak * eff) \
+            - tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp / (peak * eff) + core_mm
         ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
         sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if lay.attention == "eager" \
             else 0.0
-        core = tokens * 2 * lay.seq_len * cfg.dim / lay.tp / (peak * eff) + sm  # attention scores and values
+        core = core_mm + sm  # attention scores and values
+        flash_bwd += count * core_mm / 2 if flash else 0.0
         fwd += count * (mm + ew + sm)
         mode = block_recompute(lay.recompute, i)
         mlp = _fpdt_mlp(cfg, lay, i)  # FPDT recomputes a dense block's MLP: its matmuls and half the elementwise
@@ -170,7 +179,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
                           "full": mm + ew + sm, "selective": core, "selective-op": (mm - core) / 2 + ew + core}[mode]
     head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff) if n_stages - 1 in mine else 0.0
     full_layers = sum(n for i, n in kinds.items() if block_recompute(lay.recompute, i) == "full")
-    compute_mb = 3 * (fwd + head) + refwd + c.block_s * (len(layers) + full_layers / 3)
+    compute_mb = 3 * (fwd + head) + refwd + flash_bwd + c.block_s * (len(layers) + full_layers / 3)
     head_flops = 2 * cfg.dim * cfg.padded_vocab / lay.tp if n_stages - 1 in mine else 0.0
     flops_mb = 3 * tokens * (sum(n * layer_flops(cfg, i, lay.seq_len, lay.tp) for i, n in kinds.items()) + head_flops) \
         + _recompute_flops(cfg, lay, kinds, tokens)  # hardware FLOPs, recomputation included

@@ -124,6 +124,14 @@ class Saved:
     stream_bytes: int = 4
     """Bytes of the residual stream and the norms' tensors: 4 while parameters are fp32 (this
     model under autocast too), 2 where the parameters themselves are bf16 (Megatron, FSDP mixed precision)."""
+    loss: str = "eager"
+    """eager: the log-softmax of every logit kept (fp32), its gradient made whole in backward;
+    fused: the logits kept in ``act_bytes``, the gradient written over them (flash-attn's
+    cross-entropy, Liger's, Megatron's in-place kernel); chunked: see ``chunked_loss``."""
+    activation: str = "swiglu"
+    """The MLP: swiglu keeps gate, up, silu(gate) and their product (``ffn_hidden`` wide);
+    gelu keeps the up projection and its GeLU, each 1.5 x ``ffn_hidden`` wide (the 4h MLP of
+    a GPT block planned as a SwiGLU block of the same parameter count, ``ffn_hidden`` = 8h/3)."""
 
 
 def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) -> float:
@@ -163,7 +171,7 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
         attn, lse = (kvd + kvd + 2 * cfg.n_heads * hd) / tp, 0.0  # q, k, v and output kept; the core recomputed
     if how.fpdt and not cfg.is_moe(layer):  # the MLP sub-block chunked and recomputed: its input h alone
         return (norm_side / 2 + a * (shared_in / 2 + attn + lse) + r * cfg.dim) / cp
-    ffn = 4 * _ffn_width(cfg, layer) / tp
+    ffn = (3.0 if how.activation == "gelu" else 4.0) * _ffn_width(cfg, layer) / tp
     if cfg.is_moe(layer):  # the router's fp32 scores, each assignment's permuted input and expert output
         ffn += 4 * cfg.n_experts / a + 2 * cfg.moe_top_k * cfg.dim
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
@@ -214,6 +222,7 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
     if last and how.chunked_loss:
         out += how.stream_bytes * cfg.dim
     elif last:
+        logit = how.act_bytes if how.loss == "fused" else 4  # the logits kept, or their fp32 log-softmax
         out += (2 * how.stream_bytes * cfg.dim + 4) / (how.tp if how.sequence_parallel else 1) \
-            + how.act_bytes * cfg.dim + 4 * cfg.padded_vocab / how.tp
+            + how.act_bytes * cfg.dim + logit * cfg.padded_vocab / how.tp
     return out / how.cp
