@@ -71,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp", action="store_true", help="shard parameters over dp (FSDP2); default replicates (DDP)")
     p.add_argument("--zero2", action="store_true", help="with --fsdp: keep parameters gathered after forward")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
+    p.add_argument("--activation", choices=("swiglu", "gelu"), default=None,
+                   help="the blocks' MLP, where not the preset's (its width kept): gelu for GPT/MPT blocks")
+    p.add_argument("--norm", choices=("rmsnorm", "layernorm"), default=None, help="the blocks' norm")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--fused-qkv", action="store_true", help="one wqkv weight per layer (checkpointed in logical order)")
     p.add_argument("--fused-mlp", action="store_true", help="one w13 (gate/up) weight per layer")
     p.add_argument("--tie-embeddings", action="store_true",
@@ -134,6 +139,11 @@ def main(argv=None) -> int:
             model_cfg = replace(model_cfg, tie_embeddings=True)
         if args.fused_qkv or args.fused_mlp:
             model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
+        if args.activation or args.norm or args.bias is not None:
+            if args.init_from:
+                raise ConfigError("--activation, --norm and --bias change the blocks, and --init-from's weights are a "
+                                  "Llama's: give a --model preset to train other blocks")
+            model_cfg = model_cfg.with_blocks(args.activation, args.norm, args.bias)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk)

@@ -102,7 +102,7 @@ class ParallelModel:
             with self.loss_context(), autocast:
                 self.schedule.step(*args, target=targets if self.has_last else None,
                                    losses=losses if self.has_last else None)
-            return float(torch.stack([loss.detach().float() for loss in losses]).mean()) if self.has_last else None
+            return float(torch.stack([loss.detach().double() for loss in losses]).mean()) if self.has_last else None
         model = self.parts[0]
         self.plan.set_grad_scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
         total = 0.0

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,12 @@ def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch
         if g is None:
             continue
         distinct = 1
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            # a replicated parameter used on sequence-sharded inputs (a norm under sequence
+            # parallelism) gets per-rank partial sums: summed here, once, on every rank of the
+            # mesh alike -- the norm of the parts is not the norm of their sum (the optimizer
+            # would have summed them anyway)
+            g = p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         if isinstance(g, DTensor):
             # any non-replicated placement splits the tensor (_StridedShard of FSDP over tp is no Shard subclass)
             distinct = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())

@@ -10,7 +10,7 @@ from pathlib import Path
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import predict, predict_lines
-from hpcml.plan.spec import ACTIVATIONS, ATTENTION, FRAMEWORKS, LOSSES, PRECISIONS, RECOMPUTE, PlanLayout
+from hpcml.plan.spec import ACTIVATIONS, ATTENTION, FRAMEWORKS, LOSSES, NORMS, PRECISIONS, RECOMPUTE, PlanLayout
 
 MAX_LAYOUT_FILE = 64 << 20
 MAX_LAYOUT_LINES = 20_000
@@ -56,8 +56,11 @@ def add_parser(sub) -> None:
                    help="FPDT on cp: chunks of N positions per rank (kept by a search, which then tries only the "
                         "cp degrees N divides)")
     p.add_argument("--precision", choices=PRECISIONS, default=None)
-    p.add_argument("--activation", choices=ACTIVATIONS, default=None, help="the MLP: swiglu (default) or gelu (a "
-                   "GPT/MPT block, planned at the same parameter count)")
+    p.add_argument("--activation", choices=ACTIVATIONS, default=None, help="the blocks' MLP, where it differs from "
+                   "the model's config: swiglu or gelu (its width kept)")
+    p.add_argument("--norm", choices=NORMS, default=None, help="the blocks' norm: rmsnorm or layernorm")
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--loss", choices=LOSSES, default=None, help="eager (default: the fp32 log-softmax kept) or fused "
                    "(a kernel that writes the gradient over the logits: flash-attn's, Liger's, llm-foundry's)")
     p.add_argument("--framework", choices=FRAMEWORKS, default=None,
@@ -75,7 +78,7 @@ def _given(args: argparse.Namespace) -> dict:
     d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "seq_len", "global_batch",
                                        "reduce_dtype", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
-                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "loss")}
+                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm", "bias", "loss")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

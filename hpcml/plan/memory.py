@@ -144,7 +144,7 @@ def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: i
     if pp_rank == 0:
         holders.append("tok_embeddings.weight")
     if (n_stages - 1) % pp == pp_rank:
-        holders += [h for h in ("norm.weight", "output.weight") if h in parts]
+        holders += [h for h in ("norm.weight", "norm.bias", "output.weight") if h in parts]
     tot = [sum(parts[h][j] for h in holders) for j in range(6)]
     n, chunked, tn, tchunked, tensors, gn = tot
     return RankState(params=chunked if zero >= 2 else n, compute_params=n, grads=tchunked if zero >= 2 else gn,
@@ -181,7 +181,7 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, activation=lay.activation)
+                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss)
 
 
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:

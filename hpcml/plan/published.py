@@ -11,7 +11,7 @@ to its rows here and in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
@@ -148,9 +148,10 @@ FOUNDRY = {"foundry-h100-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", "
 
 def llm_foundry(name: str) -> list[Case]:
     """llm-foundry's MPT benchmarks (Composer FSDP FULL_SHARD, bf16, flash attention, 125M-70B,
-    512-65,536 tokens, 8-512 GPUs): one section of its README. MPT's GeLU/LayerNorm blocks are
-    planned as SwiGLU/RMSNorm blocks of the same parameter and FLOP count, its tied embedding
-    kept; FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP."""
+    512-65,536 tokens, 8-512 GPUs): one section of its README. MPT's blocks as they are (GeLU MLP
+    of 4h, LayerNorm, biases, tied embedding) but its learned positions (seq x h parameters, not
+    counted); FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP,
+    with llm-foundry's fused cross-entropy."""
     section, gpu = FOUNDRY[name]
     data = published("llm_foundry_mpt_benchmarks_2024-04")["sections"][section]
     cols = data["columns"]
@@ -158,10 +159,11 @@ def llm_foundry(name: str) -> list[Case]:
     for values in data["rows"]:
         r = dict(zip(cols, values))
         h, heads, layers = MPT[r["model"]]
-        cfg = replace(gpt(h, heads, layers, 50368, r["seq_len"]), tie_embeddings=True)
+        cfg = TransformerConfig(vocab_size=50368, dim=h, n_heads=heads, n_layers=layers, max_seq_len=r["seq_len"],
+                                ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=True, tie_embeddings=True)
         layout = PlanLayout(model=cfg, gpus=r["gpus"], gpu=gpu, seq_len=r["seq_len"], global_batch=r["global_batch"],
-                            micro_batch=r["micro_batch"], zero=3, framework="torchtitan", activation="gelu",
-                            loss="fused", recompute="full" if r["activation_checkpointing"] else "none")
+                            micro_batch=r["micro_batch"], zero=3, framework="torchtitan", loss="fused",
+                            recompute="full" if r["activation_checkpointing"] else "none")
         out.append(Case(name, f"{r['model']} seq {r['seq_len']} x{r['gpus']} mb {r['micro_batch']}"
                         + (" AC" if r["activation_checkpointing"] else ""), layout,
                         tokens_per_gpu=float(r["tokens_per_gpu"]), notes={"mfu": r["mfu"]}))

@@ -111,8 +111,8 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")
-    if lay.activation != "swiglu" or lay.loss != "eager":
-        bad.append(f"activation {lay.activation}, loss {lay.loss} (hpcml's trainer: swiglu, eager)")
+    if lay.loss != "eager":
+        bad.append(f"loss {lay.loss} (hpcml's trainer: eager, or FPDT's chunked loss)")
     if lay.schedule == "interleaved1f1b" and lay.v != 2:
         bad.append(f"{lay.v} stages per rank (llm_pretrain.py runs 2 with interleaved1f1b)")
     model = _model_args(lay.model)
@@ -121,6 +121,8 @@ def emit(lay: PlanLayout) -> list[str]:
     if bad:
         raise ConfigError(f"cannot emit this layout for llm_pretrain.py: {'; '.join(bad)}")
     args = [*model, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp)]
+    args += [f"--{k}={v}" for k, v in (("activation", lay.activation), ("norm", lay.norm)) if v is not None]
+    args += [] if lay.bias is None else ["--bias" if lay.bias else "--no-bias"]
     if lay.ep > 1:
         args += ["--ep", str(lay.ep)]
     if lay.zero >= 2:

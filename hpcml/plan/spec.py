@@ -15,6 +15,7 @@ ATTENTION = ("flash", "eager")
 PRECISIONS = ("bf16", "fp32")
 REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
 LOSSES = ("eager", "fused")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
@@ -74,10 +75,12 @@ class PlanLayout:
     defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
     ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire."""
     framework: str = "hpcml"
-    activation: str = "swiglu"
-    """The model's MLP as its trainer runs it: swiglu (hpcml's, Llama's), or gelu -- a GPT/MPT
-    block, planned as a SwiGLU block of the same parameter and FLOP count (``published.gpt``),
-    whose activations are the 4h GeLU MLP's."""
+    activation: str | None = None
+    norm: str | None = None
+    bias: bool | None = None
+    """The model's blocks, where they differ from its config: activation swiglu or gelu (the
+    MLP's width kept), norm rmsnorm or layernorm, bias (every projection's and norm's). None:
+    the model's own (``TransformerConfig.activation``, ``norm``, ``bias``)."""
     loss: str = "eager"
     """eager: the fp32 log-softmax of every logit kept and its gradient made whole (torch's
     ``cross_entropy``, hpcml's trainer without FPDT); fused: a loss kernel that keeps the
@@ -123,10 +126,15 @@ class PlanLayout:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
                               ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
-                              ("activation", ACTIVATIONS), ("loss", LOSSES),
+                              ("loss", LOSSES),
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if self.bias is not None and not isinstance(self.bias, bool):
+            raise ConfigError(f"bias={self.bias!r}: expected true or false")
         for name in ("sequence_parallel", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")

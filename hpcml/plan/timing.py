@@ -103,7 +103,7 @@ def layer_flops(cfg: TransformerConfig, layer: int, seq_len: int, tp: int) -> fl
     if cfg.is_moe(layer):
         ffn = 3 * cfg.dim * (cfg.moe_top_k * cfg.expert_hidden + cfg.moe_shared_hidden) + cfg.dim * cfg.n_experts
     else:
-        ffn = 3 * cfg.dim * cfg.hidden
+        ffn = cfg.mlp_matrices * cfg.dim * cfg.hidden
     return (2 * (attn + ffn) + 2 * seq_len * cfg.n_heads * hd) / tp
 
 
@@ -121,7 +121,7 @@ def _recompute_flops(cfg: TransformerConfig, lay: PlanLayout, kinds: dict[int, i
 
 def _fpdt_mlp(cfg: TransformerConfig, lay: PlanLayout, layer: int) -> float:
     """Forward FLOPs per token FPDT recomputes in a block: a dense block's MLP (chunked, checkpointed)."""
-    return 0.0 if not lay.fpdt_chunk or cfg.is_moe(layer) else 2 * 3 * cfg.dim * cfg.hidden / lay.tp
+    return 0.0 if not lay.fpdt_chunk or cfg.is_moe(layer) else 2 * cfg.mlp_matrices * cfg.dim * cfg.hidden / lay.tp
 
 
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:

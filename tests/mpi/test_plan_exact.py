@@ -26,6 +26,8 @@ WORLD = MPI.COMM_WORLD.Get_size()
 MODEL = TransformerConfig(vocab_size=250, dim=64, n_layers=5, n_heads=8, n_kv_heads=4, ffn_hidden=96, max_seq_len=64)
 MOE = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=96, max_seq_len=64,
                         n_experts=4, moe_top_k=2, moe_hidden=48, moe_every=2)
+GPT = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, ffn_hidden=96, max_seq_len=64,
+                        activation="gelu", norm="layernorm", bias=True)
 TRAIN = TrainConfig(steps=1, global_batch=8, micro_batch=1, seq_len=32, progress=False)
 
 LAYOUTS = {
@@ -36,10 +38,12 @@ LAYOUTS = {
         ("pp2-interleaved", {"pp": 2}, {"pp_schedule": "interleaved1f1b"}), ("tp4", {"tp": 4}, {}),
         ("pp4", {"pp": 4}, {}), ("cp2xtp2", {"cp": 2, "tp": 2}, {"fsdp": True}),
         ("moe-ep2xdp2", {"ep": 2}, {}), ("moe-ep2-fsdp", {"ep": 2}, {"fsdp": True}),
-        ("moe-ep4-fsdp", {"ep": 4}, {"fsdp": True}), ("moe-tp2xep2", {"tp": 2, "ep": 2}, {})],
+        ("moe-ep4-fsdp", {"ep": 4}, {"fsdp": True}), ("moe-tp2xep2", {"tp": 2, "ep": 2}, {}),
+        ("gpt-tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("gpt-pp2xdp2", {"pp": 2}, {}), ("gpt-tp4", {"tp": 4}, {})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
         ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("zero2-2", {"dp": 2}, {"fsdp": True,
-        "reshard_after_forward": False}), ("moe-ep2", {"ep": 2}, {"fsdp": True})],
+        "reshard_after_forward": False}), ("moe-ep2", {"ep": 2}, {"fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
+        ("gpt-fsdp2", {"dp": 2}, {"fsdp": True})],
 }
 
 
@@ -66,7 +70,7 @@ def _quiet_dtensor():
 @pytest.mark.parametrize("name,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])
 def test_states_equal_the_plan_exactly(comm, name, degrees, pkw):
     pcfg = ParallelConfig(**pkw)
-    model = MOE if name.startswith("moe") else MODEL
+    model = MOE if name.startswith("moe") else GPT if name.startswith("gpt") else MODEL
     trainer = build_llm_trainer(model, TRAIN, pcfg, **degrees)
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep this step's gradients to count them
     trainer.fit()
@@ -89,9 +93,10 @@ def test_states_equal_the_plan_exactly(comm, name, degrees, pkw):
 SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2xdp2", {"cp": 2}, {}),
              ("tp2xdp2", {"tp": 2}, {}), ("tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}),
              ("full-ac", {"dp": 4}, {"activation_checkpointing": True}),
-             ("cp2xtp2-fpdt", {"cp": 2, "tp": 2}, {"fpdt_chunk": 4}), ("cp4-fpdt", {"cp": 4}, {"fpdt_chunk": 2})],
+             ("cp2xtp2-fpdt", {"cp": 2, "tp": 2}, {"fpdt_chunk": 4}), ("cp4-fpdt", {"cp": 4}, {"fpdt_chunk": 2}),
+             ("gpt-tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("gpt-cp2xdp2", {"cp": 2}, {})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
-             ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True})]}
+             ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", SAVED.get(WORLD, []), ids=[x[0] for x in SAVED.get(WORLD, [])])
@@ -101,7 +106,8 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
     and DTensor's included as parameters), summed, against :func:`activation_bytes` for one
     micro-batch in flight."""
     pcfg = ParallelConfig(**pkw)
-    trainer = build_llm_trainer(MODEL, TRAIN, pcfg, **degrees)
+    cfg = GPT if name.startswith("gpt") else MODEL
+    trainer = build_llm_trainer(cfg, TRAIN, pcfg, **degrees)
     model = trainer.model.parts[0]
     account = SavedBytes({}, [model])  # the training loop's memory account
     x, y = trainer.local_batch(0)
@@ -110,9 +116,9 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
         with account:
             loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
         loss.backward()
-    lay = _plan_layout(degrees, pcfg, recompute="full" if pcfg.activation_checkpointing else "none",
+    lay = _plan_layout(degrees, pcfg, cfg, recompute="full" if pcfg.activation_checkpointing else "none",
                        fpdt_chunk=pcfg.fpdt_chunk)
-    want, _ = activation_bytes(MODEL, lay, 0, rank_state(MODEL, lay, 0))
+    want, _ = activation_bytes(cfg, lay, 0, rank_state(cfg, lay, 0))
     got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"
     trainer.close()

@@ -36,6 +36,8 @@ def _variants() -> dict[str, TransformerConfig]:
            for n, c in PRESETS.items()}
     out["fused+bias"] = dataclasses.replace(TINY, fused_qkv=True, fused_mlp=True, qkv_bias=True)
     out["tied"] = dataclasses.replace(TINY, tie_embeddings=True)
+    out["gpt"] = dataclasses.replace(TINY, activation="gelu", norm="layernorm", bias=True, ffn_hidden=None)
+    out["gpt-fused-qkv"] = dataclasses.replace(TINY, activation="gelu", bias=True, fused_qkv=True)
     out["moe-bias-shared"] = dataclasses.replace(PRESETS["tiny-moe"], moe_balance="bias", moe_shared_hidden=32,
                                                  moe_every=2, fused_mlp=True)
     return out
@@ -69,12 +71,14 @@ def _saved_bytes(cfg: TransformerConfig, b: int, s: int, checkpointing: bool, fp
     return sum(account.take()[0].values())
 
 
+@pytest.mark.parametrize("blocks", [{}, {"activation": "gelu", "norm": "layernorm", "bias": True}],
+                         ids=["llama", "gpt"])
 @pytest.mark.parametrize("shape", [(64, 4, 4, 128, 2, 256), (96, 6, 2, 200, 3, 1000)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mode", ["none", "full", "fpdt"])
-def test_layer_saved_is_what_autograd_keeps(shape, mode):
+def test_layer_saved_is_what_autograd_keeps(shape, mode, blocks):
     dim, heads, kv, hidden, layers, vocab = shape
     cfg = TransformerConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                            ffn_hidden=hidden, max_seq_len=64)
+                            ffn_hidden=hidden, max_seq_len=64, **blocks)
     b, s = 3, 32
     fpdt = mode == "fpdt"
     how = fp.Saved(recompute="full" if mode == "full" else "none", fpdt=fpdt, chunked_loss=fpdt)

@@ -47,8 +47,8 @@ def test_two_sections_are_held_out():
     assert set(FOUNDRY) - fitted == {"foundry-h100-large", "foundry-a100-40gb"}
 
 
-def _lay(**kw):
-    cfg = replace(load_model("llama3-8b"), n_layers=2)
+def _lay(model="llama3-8b", **kw):
+    cfg = replace(load_model(model), n_layers=2)
     base = dict(model=cfg, gpus=8, gpu="h100-80gb", seq_len=8192, global_batch=8, zero=3, framework="torchtitan")
     return cfg, PlanLayout(**{**base, **kw})
 
@@ -61,16 +61,27 @@ def test_a_fused_loss_keeps_the_logits_once():
     assert diff == pytest.approx((4 + 8 - 2) * cfg.padded_vocab * 8192, rel=1e-9)
 
 
-def test_gelu_blocks_keep_two_wide_tensors():
+def test_gelu_and_layernorm_blocks():
+    """A GeLU MLP keeps two tensors of its width (SwiGLU four); LayerNorm keeps its input and
+    two fp32 statistics (RMSNorm its input, the normalised fp32 tensor and one); a layout's
+    ``activation`` / ``norm`` / ``bias`` keys plan the model with those blocks."""
     cfg, swiglu = _lay()
-    _, gelu = _lay(activation="gelu")
-    diff = memory(cfg, swiglu).activations - memory(cfg, gelu).activations
-    # 4 x ffn_hidden against 2 x 1.5 x ffn_hidden, bf16, per token and block
-    assert diff == pytest.approx(2 * cfg.hidden * 8192 * cfg.n_layers, rel=1e-9)
+    gcfg = replace(cfg, activation="gelu", ffn_hidden=cfg.hidden, norm="layernorm", bias=True)
+    gelu = replace(swiglu, model=gcfg)
+    tokens = 8192
+    diff = memory(cfg, swiglu).activations - memory(gcfg, gelu).activations
+    per_layer = 2 * 2 * cfg.hidden + 2 * (2 * 2 * cfg.dim + 4) - 2 * (2 * cfg.dim + 8)  # bf16, stream bf16
+    final_norm = (2 * 2 * cfg.dim + 4) - (2 * cfg.dim + 8)
+    assert diff == pytest.approx((per_layer * cfg.n_layers + final_norm) * tokens, rel=1e-9)
+    keyed = replace(swiglu, activation="gelu", norm="layernorm", bias=True)
+    assert predict(keyed).memory_gib == predict(gelu).memory_gib and predict(keyed).step_s == predict(gelu).step_s
+    assert predict(keyed).step_s < predict(swiglu).step_s  # two matrices of the same width, not three
     with pytest.raises(ConfigError, match="activation='relu'"):
         _lay(activation="relu")
     with pytest.raises(ConfigError, match="loss='chunky'"):
         _lay(loss="chunky")
+    with pytest.raises(ConfigError, match="fused MLP and the experts"):
+        predict(_lay(model="mixtral-8x7b", activation="gelu")[1])
 
 
 def test_flash_attention_is_priced_at_its_own_efficiency():

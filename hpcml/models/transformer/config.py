@@ -25,7 +25,14 @@ class TransformerConfig:
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None: as many as ``n_heads``."""
     ffn_hidden: int | None = None
-    """SwiGLU hidden width; None: 8/3 * dim rounded up to ``ffn_multiple``."""
+    """The MLP's hidden width; None: 8/3 * dim (SwiGLU) or 4 * dim (GeLU) rounded up to ``ffn_multiple``."""
+    activation: str = "swiglu"
+    """The MLP: swiglu (Llama's: ``w2(silu(w1 x) * w3 x)``) or gelu (GPT's and MPT's: ``w2(gelu(w1 x))``,
+    tanh-free)."""
+    norm: str = "rmsnorm"
+    """rmsnorm (Llama's, computed in fp32) or layernorm (GPT's and MPT's)."""
+    bias: bool = False
+    """Biases on every projection of the blocks and on their norms (GPT-2's, MPT's ``no_bias: false``)."""
     ffn_multiple: int = 64
     max_seq_len: int = 128
     rope_theta: float = 10000.0
@@ -98,10 +105,23 @@ class TransformerConfig:
                               f"for rotary")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.activation not in ("swiglu", "gelu") or self.norm not in ("rmsnorm", "layernorm"):
+            raise ConfigError(f"activation {self.activation!r}, norm {self.norm!r}: expected activation swiglu or "
+                              f"gelu, norm rmsnorm or layernorm")
+        if (self.activation == "gelu" or self.bias) and (self.fused_mlp or self.n_experts):
+            raise ConfigError(f"activation {self.activation}, bias {self.bias} with fused_mlp or experts: the fused "
+                              f"MLP and the experts are bias-free SwiGLU")
         if self.n_experts:
             from hpcml.models.transformer.moe_config import check_moe
 
             check_moe(self)
+
+    def with_blocks(self, activation: str | None = None, norm: str | None = None,
+                    bias: bool | None = None) -> TransformerConfig:
+        """This shape with other blocks (None: keep), the MLP's width kept: a GPT block of a
+        Llama preset's size, or the reverse (``llm_pretrain.py --activation``, ``hpcml plan``)."""
+        return replace(self, ffn_hidden=self.hidden, activation=activation or self.activation, norm=norm or self.norm,
+                       bias=self.bias if bias is None else bias)
 
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` has a MoE feed-forward."""
@@ -132,7 +152,13 @@ class TransformerConfig:
 
     @property
     def hidden(self) -> int:
-        return self.ffn_hidden or _round_up(int(8 * self.dim / 3), self.ffn_multiple)
+        return self.ffn_hidden or _round_up(4 * self.dim if self.activation == "gelu" else int(8 * self.dim / 3),
+                                            self.ffn_multiple)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of a dense MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU."""
+        return 3 if self.activation == "swiglu" else 2
 
     @property
     def fused_widths(self) -> dict[str, list[int]]:
@@ -140,7 +166,7 @@ class TransformerConfig:
         hd, out = self.head_dim, {}
         if self.fused_qkv:
             out["attention.wqkv.weight"] = [self.n_heads * hd, self.kv_heads * hd, self.kv_heads * hd]
-            if self.qkv_bias:
+            if self.qkv_bias or self.bias:
                 out["attention.wqkv.bias"] = out["attention.wqkv.weight"]
         if self.fused_mlp:
             out["feed_forward.w13.weight"] = [self.hidden, self.hidden]
@@ -156,17 +182,21 @@ class TransformerConfig:
         from hpcml.models.transformer.moe_config import moe_params
 
         hd = self.head_dim
-        attn = (self.dim + self.qkv_bias) * hd * (self.n_heads + 2 * self.kv_heads) + self.dim * hd * self.n_heads
-        mlp = 3 * self.dim * self.hidden
+        attn = (self.dim + (self.qkv_bias or self.bias)) * hd * (self.n_heads + 2 * self.kv_heads) \
+            + self.dim * hd * self.n_heads + self.bias * self.dim  # q, k, v (and biases), o (and its bias)
+        mlp = self.mlp_matrices * self.dim * self.hidden + self.bias * ((self.mlp_matrices - 1) * self.hidden + self.dim)
         total, used = moe_params(self) if self.n_experts else (0, 0)
         ffn = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * (used if active else total)
         emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + 2 * self.dim) + ffn + self.dim + (emb if embeddings else 0)
+        norms = (2 if self.norm == "layernorm" and self.bias else 1) * self.dim  # weight (and bias) of each norm
+        return self.n_layers * (attn + 2 * norms) + ffn + norms + (emb if embeddings else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x active matmul parameters + causal attention scores (PaLM's count)."""
-        matmul = self.num_params(embeddings=False, active=True) - self.n_layers * 2 * self.dim - self.dim \
-            - self.n_layers * self.qkv_bias * self.head_dim * (self.n_heads + 2 * self.kv_heads)  # norms, biases
+        norms = (2 if self.norm == "layernorm" and self.bias else 1) * self.dim
+        biases = (self.qkv_bias or self.bias) * self.head_dim * (self.n_heads + 2 * self.kv_heads) \
+            + self.bias * (2 * self.dim + (self.mlp_matrices - 1) * self.hidden)  # o's, the MLP's
+        matmul = self.num_params(embeddings=False, active=True) - self.n_layers * (2 * norms + biases) - norms
         matmul += self.padded_vocab * self.dim  # the output projection is a matmul, the embedding lookup is not
         return 6 * matmul + 6 * self.n_layers * self.dim * seq_len  # 12*l*h*s/2 for a causal mask
 
@@ -201,7 +231,9 @@ class TransformerConfig:
                              "original_max_seq": self.rope_original_max_seq} if self.rope_llama3 else {}),
                          "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
                                   "(x[i], x[i + head_dim/2])"},
-                "norm": {"type": "rmsnorm", "eps": self.norm_eps}, "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))",
+                "norm": {"type": self.norm, "eps": self.norm_eps, "bias": self.norm == "layernorm" and self.bias},
+                "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))" if self.activation == "swiglu"
+                else "gelu (w2(gelu(w1 x)), erf form)", "bias": self.bias,
                 "tie_embeddings": self.tie_embeddings, "qkv_bias": self.qkv_bias, "fused_widths": self.fused_widths,
                 **({"moe": {"layers": [i for i in range(self.n_layers) if self.is_moe(i)],
                             "experts": self.n_experts, "top_k": self.moe_top_k, "expert_hidden": self.expert_hidden,

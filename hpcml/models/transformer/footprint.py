@@ -21,20 +21,23 @@ def param_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     the embedding's, listed once, as ``named_parameters()`` does)."""
     hd, dim, kv = cfg.head_dim, cfg.dim, cfg.kv_heads
     out: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.padded_vocab, dim)}
+    qkv_bias = cfg.qkv_bias or cfg.bias
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        out[p + "attention_norm.weight"] = (dim,)
+        out.update(_norm(cfg, p + "attention_norm."))
         if cfg.fused_qkv:
             out[p + "attention.wqkv.weight"] = ((cfg.n_heads + 2 * kv) * hd, dim)
-            if cfg.qkv_bias:
+            if qkv_bias:
                 out[p + "attention.wqkv.bias"] = ((cfg.n_heads + 2 * kv) * hd,)
         else:
             for name, heads in (("wq", cfg.n_heads), ("wk", kv), ("wv", kv)):
                 out[p + f"attention.{name}.weight"] = (heads * hd, dim)
-                if cfg.qkv_bias:
+                if qkv_bias:
                     out[p + f"attention.{name}.bias"] = (heads * hd,)
         out[p + "attention.wo.weight"] = (dim, cfg.n_heads * hd)
-        out[p + "ffn_norm.weight"] = (dim,)
+        if cfg.bias:
+            out[p + "attention.wo.bias"] = (dim,)
+        out.update(_norm(cfg, p + "ffn_norm."))
         if cfg.is_moe(i):
             if cfg.moe_balance == "bias":
                 out[p + "feed_forward.router.expert_bias"] = (cfg.n_experts,)
@@ -46,17 +49,33 @@ def param_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
                 out.update(_mlp(cfg, p + "feed_forward.shared_expert.", cfg.moe_shared_hidden))
         else:
             out.update(_mlp(cfg, p + "feed_forward.", cfg.hidden))
-    out["norm.weight"] = (dim,)
+    out.update(_norm(cfg, "norm."))
     if not cfg.tie_embeddings:
         out["output.weight"] = (cfg.padded_vocab, dim)
+    return out
+
+
+def _norm(cfg: TransformerConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    out = {prefix + "weight": (cfg.dim,)}
+    if cfg.norm == "layernorm" and cfg.bias:
+        out[prefix + "bias"] = (cfg.dim,)
     return out
 
 
 def _mlp(cfg: TransformerConfig, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
     if cfg.fused_mlp:
         return {prefix + "w13.weight": (2 * hidden, cfg.dim), prefix + "w2.weight": (cfg.dim, hidden)}
-    return {prefix + "w1.weight": (hidden, cfg.dim), prefix + "w2.weight": (cfg.dim, hidden),
-            prefix + "w3.weight": (hidden, cfg.dim)}
+    out = {prefix + "w1.weight": (hidden, cfg.dim)}
+    if cfg.bias:
+        out[prefix + "w1.bias"] = (hidden,)
+    out[prefix + "w2.weight"] = (cfg.dim, hidden)
+    if cfg.bias:
+        out[prefix + "w2.bias"] = (cfg.dim,)
+    if cfg.activation == "swiglu":
+        out[prefix + "w3.weight"] = (hidden, cfg.dim)
+        if cfg.bias:
+            out[prefix + "w3.bias"] = (hidden,)
+    return out
 
 
 _COLWISE = ("attention.wq.", "attention.wk.", "attention.wv.", "attention.wqkv.", ".w1.", ".w3.", ".w13.")
@@ -73,10 +92,10 @@ def shard_dims(name: str) -> tuple[int | None, int | None]:
         return 2, 0
     if name in ("tok_embeddings.weight", "output.weight"):
         return 0, None
-    if ".router." in name or name.endswith("norm.weight"):
+    if ".router." in name or name.endswith(("norm.weight", "norm.bias")):
         return None, None
     if any(k in name for k in _ROWWISE):
-        return 1, None
+        return (None if name.endswith(".bias") else 1), None  # a row-wise projection's bias is whole on every rank
     if any(k in name for k in _COLWISE):
         return 0, None
     raise ValueError(f"no shard rule for parameter {name!r}")
@@ -128,10 +147,6 @@ class Saved:
     """eager: the log-softmax of every logit kept (fp32), its gradient made whole in backward;
     fused: the logits kept in ``act_bytes``, the gradient written over them (flash-attn's
     cross-entropy, Liger's, Megatron's in-place kernel); chunked: see ``chunked_loss``."""
-    activation: str = "swiglu"
-    """The MLP: swiglu keeps gate, up, silu(gate) and their product (``ffn_hidden`` wide);
-    gelu keeps the up projection and its GeLU, each 1.5 x ``ffn_hidden`` wide (the 4h MLP of
-    a GPT block planned as a SwiGLU block of the same parameter count, ``ffn_hidden`` = 8h/3)."""
 
 
 def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) -> float:
@@ -155,7 +170,9 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     if mode == "selective-op":  # the input, half the matmul outputs, attention's output and log-sum-exp
         mm = 3 * cfg.dim + 2 * kvd + 2 * _ffn_width(cfg, layer)
         return (r * cfg.dim / sp + a * (mm / 2 + cfg.dim) / tp + 4 * cfg.n_heads / tp) / cp
-    norm_side = 2 * (r * (cfg.dim + cfg.dim) + 4)  # two sub-blocks: input, normalised, 1/rms (fp32)
+    # two sub-blocks: RMSNorm keeps its input, the normalised fp32 tensor and 1/rms; LayerNorm its input,
+    # mean and 1/std (its output is the projections' input, counted there)
+    norm_side = 2 * (r * (cfg.dim + cfg.dim) + 4) if cfg.norm == "rmsnorm" else 2 * (r * cfg.dim + 8)
     shared_in = 2 * cfg.dim  # the projections' input of each sub-block
     if how.sequence_parallel:
         norm_side /= tp
@@ -171,7 +188,8 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
         attn, lse = (kvd + kvd + 2 * cfg.n_heads * hd) / tp, 0.0  # q, k, v and output kept; the core recomputed
     if how.fpdt and not cfg.is_moe(layer):  # the MLP sub-block chunked and recomputed: its input h alone
         return (norm_side / 2 + a * (shared_in / 2 + attn + lse) + r * cfg.dim) / cp
-    ffn = (3.0 if how.activation == "gelu" else 4.0) * _ffn_width(cfg, layer) / tp
+    # SwiGLU keeps gate, up, silu(gate) and their product; GeLU the up projection and its GeLU
+    ffn = (4.0 if cfg.activation == "swiglu" else 2.0) * _ffn_width(cfg, layer) / tp
     if cfg.is_moe(layer):  # the router's fp32 scores, each assignment's permuted input and expert output
         ffn += 4 * cfg.n_experts / a + 2 * cfg.moe_top_k * cfg.dim
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
@@ -223,6 +241,7 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
         out += how.stream_bytes * cfg.dim
     elif last:
         logit = how.act_bytes if how.loss == "fused" else 4  # the logits kept, or their fp32 log-softmax
-        out += (2 * how.stream_bytes * cfg.dim + 4) / (how.tp if how.sequence_parallel else 1) \
+        norm = 2 * how.stream_bytes * cfg.dim + 4 if cfg.norm == "rmsnorm" else how.stream_bytes * cfg.dim + 8
+        out += norm / (how.tp if how.sequence_parallel else 1) \
             + how.act_bytes * cfg.dim + logit * cfg.padded_vocab / how.tp
     return out / how.cp

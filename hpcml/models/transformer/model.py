@@ -29,6 +29,11 @@ from hpcml.models.transformer.rope import apply_rope, rope_tables
 from hpcml.parallel.fpdt import chunked, chunked_loss, local_positions
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least fp32 (the norm's statistics and the loss; fp64 stays fp64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -36,8 +41,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = _wide(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    """The block's norm: RMSNorm (Llama's), or LayerNorm (GPT's; with its bias when ``cfg.bias``)."""
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return RMSNorm(cfg.dim, cfg.norm_eps)
 
 
 class Attention(nn.Module):
@@ -46,13 +58,14 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.head_dim = hd
         self.n_heads, self.kv_heads = cfg.n_heads, cfg.kv_heads
+        qkv_bias = cfg.qkv_bias or cfg.bias
         if cfg.fused_qkv:  # tensor-parallel rank r holds [wq_r; wk_r; wv_r] (its plan)
-            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=cfg.qkv_bias)
+            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias=qkv_bias)
         else:
-            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
-            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=cfg.qkv_bias)
-            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=qkv_bias)
+            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=qkv_bias)
+            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.bias)
         self.core: nn.Module = CausalAttention()
         """q, k, v [B, S, H, D] -> out; a context-parallel plan wraps it (no parameters: names stay)."""
 
@@ -82,15 +95,19 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: TransformerConfig, hidden: int | None = None) -> None:
         super().__init__()
         hidden = hidden or cfg.hidden
+        self.gelu = cfg.activation == "gelu"
         if cfg.fused_mlp:  # tensor-parallel rank r holds [w1_r; w3_r] (its plan)
             self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)
             self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
         else:  # (registration order w1, w2, w3 fixes the initialisation's random draws)
-            self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
-            self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
-            self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+            self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
+            self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
+            if not self.gelu:
+                self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            return self.w2(F.gelu(self.w1(x)))
         if hasattr(self, "w13"):
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
@@ -100,9 +117,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig, moe: bool = False) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = make_norm(cfg)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg)
         if moe:
             from hpcml.models.transformer.moe import MoE
 
@@ -135,7 +152,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -208,10 +225,10 @@ IGNORE = -100
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the targets that count; works on vocabulary-sharded DTensor
     logits inside ``loss_parallel()``."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE)
+    return F.cross_entropy(_wide(logits.flatten(0, 1)), targets.flatten(0, 1), ignore_index=IGNORE)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed next-token loss, number of targets that count): a chunk's share of the mean."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(_wide(logits.flatten(0, 1)), targets.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
     return loss, (targets != IGNORE).sum()

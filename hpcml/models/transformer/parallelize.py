@@ -66,7 +66,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
         if has_ffn:
             block_plan.update({
                 **({f"{ffn}.w13": FusedColwiseParallel(w13)} if w13 else
-                   {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel()}),
+                   {f"{ffn}.w1": ColwiseParallel()}),
+                **({f"{ffn}.w3": ColwiseParallel()} if model.config.activation == "swiglu" and not w13 else {}),
                 f"{ffn}.w2": RowwiseParallel(output_layouts=seq),
                 # The sub-block input enters as one replicated DTensor, so the input gradients of
                 # q, k, v (and of w1, w3) add up as partial sums and are all-reduced once, not once
