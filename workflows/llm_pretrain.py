@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one weight for the embedding and the output (Llama 3.2 1B/3B); needs --tp 1 and --pp 1")
     p.add_argument("--schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--cp-kind", choices=("ulysses", "allgather"), default="ulysses",
+                   help="cp: Ulysses' all-to-all (heads divisible by cp) or keys/values all-gathered (any kv heads)")
     p.add_argument("--fpdt-chunk", type=int, default=0, metavar="N",
                    help="FPDT on cp: strided chunks of N positions per rank, attention/MLP/loss chunk by chunk "
                         "(docs/parallel.md; 0: plain Ulysses)")
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
             model_cfg = model_cfg.with_blocks(args.activation, args.norm, args.bias)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
-                                  activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk)
+                                  activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
+                                  cp_kind=args.cp_kind)
         train = TrainConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                             seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                             bf16=args.bf16, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,

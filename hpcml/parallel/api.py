@@ -186,6 +186,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         if config.fpdt_chunk:
             plan.apply_fpdt(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp,
                             config.fpdt_chunk)
+        elif lay.cp > 1 and config.cp_kind == "allgather":
+            plan.apply_cp_allgather(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         elif lay.cp > 1:
             plan.apply_cp(part, mesh.get_group("cp"), grid.coords["cp"], lay.cp)
         if config.activation_checkpointing:

@@ -27,6 +27,9 @@ class ParallelConfig:
     """Explicit split of the layers over all stages; None: the balanced rule of :func:`split_layers`."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""
+    cp_kind: str = "ulysses"
+    """cp: ulysses (an all-to-all trades sequence for heads: heads divisible by cp) or allgather
+    (keys and values all-gathered, the causal mask offset: any number of kv heads; Llama 3's)."""
     fpdt_chunk: int = 0
     """cp: FPDT (docs/parallel.md): each rank's sequence in strided chunks of this many positions,
     attention, MLP and logits + loss chunk by chunk, so activation memory follows the chunk, not
@@ -35,6 +38,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.fpdt_chunk, bool) or not isinstance(self.fpdt_chunk, int) or self.fpdt_chunk < 0:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk!r}: expected a whole number of positions >= 0 (0: off)")
+        if self.cp_kind not in ("ulysses", "allgather"):
+            raise ConfigError(f"cp_kind {self.cp_kind!r}: expected ulysses or allgather")
+        if self.fpdt_chunk and self.cp_kind != "ulysses":
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with cp_kind {self.cp_kind}: FPDT's chunks go through "
+                              f"Ulysses' all-to-alls; use cp_kind ulysses")
         if self.fpdt_chunk and self.sequence_parallel:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with sequence_parallel: FPDT chunks the sequence "
                               f"itself; use one of them")

@@ -51,6 +51,8 @@ class ParallelPlan:
             raise ConfigError(f"{name} does not implement apply_activation_checkpointing")
         if config.sequence_parallel and not self.supports("apply_tp"):
             raise ConfigError(f"{name} does not implement apply_tp: sequence_parallel is part of it")
+        if layout.cp > 1 and config.cp_kind == "allgather" and not self.supports("apply_cp_allgather"):
+            raise ConfigError(f"{name} does not implement apply_cp_allgather: it cannot run cp_kind allgather")
         if config.fpdt_chunk and not self.supports("apply_fpdt"):
             raise ConfigError(f"{name} does not implement apply_fpdt: it cannot run fpdt_chunk {config.fpdt_chunk}")
 
@@ -69,6 +71,10 @@ class ParallelPlan:
     def apply_cp(self, part: nn.Module, group, index: int, count: int) -> None:
         """Rank ``index`` of ``count`` on the cp ``group``, holding a contiguous slice of the sequence."""
         raise ConfigError(f"{type(self).__name__} has no context-parallel plan")
+
+    def apply_cp_allgather(self, part: nn.Module, group, index: int, count: int) -> None:
+        """:meth:`apply_cp` with keys and values all-gathered (``ParallelConfig.cp_kind`` allgather)."""
+        raise ConfigError(f"{type(self).__name__} has no all-gather context-parallel plan")
 
     def apply_fpdt(self, part: nn.Module, group, index: int, count: int, chunk: int) -> None:
         """FPDT instead of :meth:`apply_cp` (``ParallelConfig.fpdt_chunk``): rank ``index`` of

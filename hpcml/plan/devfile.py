@@ -30,7 +30,7 @@ MAX_BYTES = 1 << 20
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Constants a file may set, and their ranges (what a physical device can have).
 RANGES: dict[str, tuple[float, float]] = {
-    "gemm_eff": (1e-3, 2.0), "attn_eff": (0.0, 2.0), "m_half": (0.0, 1e6), "n_half": (0.0, 1e6), "elementwise_passes": (0.0, 1e4),
+    "gemm_eff": (1e-3, 2.0), "fp8_eff": (1e-3, 2.0), "attn_eff": (0.0, 2.0), "m_half": (0.0, 1e6), "n_half": (0.0, 1e6), "elementwise_passes": (0.0, 1e4),
     "softmax_passes": (0.0, 1e3), "comm_eff": (1e-3, 2.0), "latency_s": (0.0, 1.0), "dp_overlap": (0.0, 1.0),
     "tp_overlap": (0.0, 1.0), "step_overhead_s": (0.0, 3600.0), "block_s": (0.0, 10.0), "tp_block_s": (0.0, 10.0),
     "sp_block_s": (0.0, 10.0), "cp_block_s": (0.0, 10.0), "fsdp_unit_s": (0.0, 10.0), "reserved_gib": (0.0, 1e4)}
@@ -129,7 +129,9 @@ def from_dict(d, where: str) -> DeviceFile:
         names = {f.name for f in fields(CpuFacts)}
         c = _known(where, "cpu", d["cpu"], names, {"cores", "flops_core", "flops_all", "m_half", "copy_gbps",
                                                      "memory_gib"})
-        vals = {k: _number(where, f"cpu.{k}", v, 0.0 if k == "m_half" else 1e-9, 1e18) for k, v in c.items()}
+        # a measurement may find no cost beyond the matmuls (elementwise_passes 0) or no row effect (m_half 0)
+        vals = {k: _number(where, f"cpu.{k}", v, 0.0 if k in ("m_half", "elementwise_passes") else 1e-9, 1e18)
+                for k, v in c.items()}
         if vals["cores"] != int(vals["cores"]) or not 1 <= vals["cores"] <= 1 << 16:
             raise ConfigError(f"{where}: cpu.cores={c['cores']!r}: expected an integer in [1, 65536]")
         vals["cores"] = int(vals["cores"])
@@ -147,6 +149,8 @@ def from_dict(d, where: str) -> DeviceFile:
             if v is not None and (not isinstance(v, list) or len(v) != 2):
                 raise ConfigError(f"{where}: device.sustained_range={str(v)[:40]}: expected [low, high] or null")
             args[k] = None if v is None else tuple(_number(where, k, x, 1e-6, 1.0) for x in v)
+        elif k == "fp8_tflops":
+            args[k] = None if v is None else _number(where, f"device.{k}", v, 1e-6, 1e9)
         elif k in ("gpus_per_node", "shared_cores"):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 16:
                 raise ConfigError(f"{where}: device.{k}={repr(v)[:40]}: expected an integer in [0, 65536]")
@@ -173,5 +177,7 @@ def load(path: str | Path) -> DeviceFile:
 
 
 def write(df: DeviceFile, path: str | Path) -> None:
-    """Write ``df`` to ``path`` atomically (a reader never sees half a file)."""
+    """Write ``df`` to ``path`` atomically (a reader never sees half a file), checked first as
+    :func:`load` will check it: nothing is written that hpcml would refuse to read."""
+    from_dict(json.loads(json.dumps(df.to_dict())), f"device file {path}")
     safeio.replace(Path(path), json.dumps(df.to_dict(), indent=1) + "\n")

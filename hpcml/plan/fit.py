@@ -19,6 +19,7 @@ GRID: dict[str, list[float]] = {
     "elementwise_passes": [float(x) for x in range(0, 161, 8)],
     "softmax_passes": [float(x) for x in range(0, 25, 2)],
     "attn_eff": [0.0, *(x / 100 for x in range(8, 92, 2))],
+    "fp8_eff": [x / 100 for x in range(20, 102, 2)],
     "comm_eff": [x / 100 for x in range(30, 96, 5)],
     "dp_overlap": [x / 10 for x in range(0, 11)],
     "tp_overlap": [x / 10 for x in range(0, 11)],

@@ -171,7 +171,7 @@ def in_flight(lay: PlanLayout, pp_rank: int) -> float:
 def weight_bytes(lay: PlanLayout) -> int:
     """Bytes of a weight as compute sees it (what FSDP gathers): bf16 where the framework casts
     its weights (Megatron, torchtitan), fp32 in hpcml (autocast casts after the gather)."""
-    return 2 if lay.precision == "bf16" and lay.framework != "hpcml" else 4
+    return 2 if lay.precision != "fp32" and lay.framework != "hpcml" else 4
 
 
 def saved_how(lay: PlanLayout) -> fp.Saved:
@@ -181,7 +181,7 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss)
+                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind)
 
 
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
@@ -197,7 +197,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
     per_mb *= tokens
     saved = per_mb * in_flight(lay, pp_rank) + fp.head_constant(cfg, how, last=n_stages - 1 in mine)
-    if lay.framework == "hpcml" and lay.precision == "bf16":
+    if lay.framework == "hpcml" and lay.precision != "fp32":
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
         saved += 2 * state.compute_params
@@ -244,7 +244,7 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes: torch's fp32 Adam (two moments and a ``step``
     per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, fp32 main
     gradients and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1."""
-    if lay.framework == "megatron" and lay.precision == "bf16" and lay.zero < 2:
+    if lay.framework == "megatron" and lay.precision != "fp32" and lay.zero < 2:
         return 2.0 * st.params, 4.0 * st.grads, 12.0 * st.optimizer
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 

@@ -95,17 +95,17 @@ def resolve_device(lay: PlanLayout) -> Device:
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
     return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, lay.sequence_parallel,
-                      lay.schedule, lay.stages_per_rank)
+                      lay.schedule, lay.stages_per_rank, lay.cp_kind)
 
 
 @lru_cache(maxsize=65536)
 def plan_rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep: int, fsdp: bool, sp: bool,
-               schedule: str, stages_per_rank: int | None) -> str | None:
+               schedule: str, stages_per_rank: int | None, cp_kind: str = "ulysses") -> str | None:
     """:func:`model_rules` by the degrees alone (cached): what a search asks before it builds a layout."""
     try:
         grid = Layout(world_size=gpus, tp=tp, cp=cp, pp=pp, ep=ep)
         check_plan(cfg, grid, ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
-                                             stages_per_rank=stages_per_rank))
+                                             stages_per_rank=stages_per_rank, cp_kind=cp_kind))
     except (ConfigError, GridError) as e:
         return str(e)
     return None
@@ -153,6 +153,8 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
         cfg = blocks(cfg, lay.activation, lay.norm, lay.bias)
     if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_dir(lay.model) is not None:
         cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
+    if lay.precision == "fp8" and dev.fp8_tflops is None:
+        raise ConfigError(f"precision fp8 on {dev.name}: it has no FP8 tensor cores (an H100 or H200 has)")
     refused = model_rules(cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})

@@ -140,10 +140,13 @@ def torchtitan_h100() -> list[Case]:
 MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
        "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
        "70b": (8192, 64, 80)}
-FOUNDRY = {"foundry-h100-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", "h100-80gb"),
-           "foundry-h100": ("H100 80GB BF16", "h100-80gb"),
-           "foundry-a100-80gb": ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "a100-80gb"),
-           "foundry-a100-40gb": ("A100 40GB with 1600 Gbps node-node interconnect (RoCE)", "a100-40gb")}
+FOUNDRY = {"foundry-h100-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", "h100-80gb", None),
+           "foundry-h100": ("H100 80GB BF16", "h100-80gb", None),
+           "foundry-a100-80gb": ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "a100-80gb", None),
+           "foundry-a100-40gb": ("A100 40GB with 1600 Gbps node-node interconnect (RoCE)", "a100-40gb", None),
+           # the 7 FP8 rows: the four of the 3B model fit fp8_eff, the three of the 1B are held out
+           "foundry-h100-fp8": ("H100 80GB FP8", "h100-80gb", ("3b",)),
+           "foundry-h100-fp8-1b": ("H100 80GB FP8", "h100-80gb", ("1b",))}
 
 
 def llm_foundry(name: str) -> list[Case]:
@@ -152,17 +155,20 @@ def llm_foundry(name: str) -> list[Case]:
     of 4h, LayerNorm, biases, tied embedding) but its learned positions (seq x h parameters, not
     counted); FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP,
     with llm-foundry's fused cross-entropy."""
-    section, gpu = FOUNDRY[name]
+    section, gpu, models = FOUNDRY[name]
     data = published("llm_foundry_mpt_benchmarks_2024-04")["sections"][section]
     cols = data["columns"]
     out = []
     for values in data["rows"]:
         r = dict(zip(cols, values))
+        if models is not None and r["model"] not in models:
+            continue
         h, heads, layers = MPT[r["model"]]
         cfg = TransformerConfig(vocab_size=50368, dim=h, n_heads=heads, n_layers=layers, max_seq_len=r["seq_len"],
                                 ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=True, tie_embeddings=True)
         layout = PlanLayout(model=cfg, gpus=r["gpus"], gpu=gpu, seq_len=r["seq_len"], global_batch=r["global_batch"],
                             micro_batch=r["micro_batch"], zero=3, framework="torchtitan", loss="fused",
+                            precision="fp8" if r["precision"] == "amp_fp8" else "bf16",
                             recompute="full" if r["activation_checkpointing"] else "none")
         out.append(Case(name, f"{r['model']} seq {r['seq_len']} x{r['gpus']} mb {r['micro_batch']}"
                         + (" AC" if r["activation_checkpointing"] else ""), layout,
@@ -175,7 +181,8 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 
-CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"], "nvidia-h100": ["megatron-core-h100", "foundry-h100"]}
+CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"],
+               "nvidia-h100": ["megatron-core-h100", "foundry-h100", "foundry-h100-fp8"]}
 """The tables each device family's constants are fitted on; the others are held out."""
 
 DEVICE_CALIBRATION = {"h100-96gb-500w": ["torchtitan-h100"]}

@@ -65,7 +65,7 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                     continue
                                 for zero in ZERO[fw]:
                                     if refused is not None and plan_rules(cfg, gpus, tp, cp, pp, ep, zero >= 2, sp,
-                                                                      schedule, v):
+                                                                          schedule, v, base.cp_kind):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
                                     for rc in RECOMPUTE[fw]:
@@ -111,6 +111,8 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")
+    if lay.precision == "fp8":
+        bad.append("precision fp8 (hpcml's trainer: bf16 or fp32)")
     if lay.loss != "eager":
         bad.append(f"loss {lay.loss} (hpcml's trainer: eager, or FPDT's chunked loss)")
     if lay.schedule == "interleaved1f1b" and lay.v != 2:
@@ -121,6 +123,7 @@ def emit(lay: PlanLayout) -> list[str]:
     if bad:
         raise ConfigError(f"cannot emit this layout for llm_pretrain.py: {'; '.join(bad)}")
     args = [*model, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp)]
+    args += ["--cp-kind", lay.cp_kind] if lay.cp > 1 and lay.cp_kind != "ulysses" else []
     args += [f"--{k}={v}" for k, v in (("activation", lay.activation), ("norm", lay.norm)) if v is not None]
     args += [] if lay.bias is None else ["--bias" if lay.bias else "--no-bias"]
     if lay.ep > 1:

@@ -12,10 +12,11 @@ from hpcml.parallel.config import PP_SCHEDULES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "eager")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
 REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
+CP_KINDS = ("ulysses", "allgather")
 LOSSES = ("eager", "fused")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
@@ -70,6 +71,9 @@ class PlanLayout:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     precision: str = "bf16"
+    """bf16 (mixed precision), fp32, or fp8: bf16 training whose linear layers' matmuls run in FP8
+    (TransformerEngine, torchao's float8) at the device's FP8 peak; attention, the output layer
+    and the memory as bf16 (the FP8 copies of the weights and of the saved inputs are not counted)."""
     reduce_dtype: str = "fp32"
     """The data-parallel gradient reduction's dtype: fp32 (hpcml's, and Megatron's and torchtitan's
     defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
@@ -86,6 +90,9 @@ class PlanLayout:
     ``cross_entropy``, hpcml's trainer without FPDT); fused: a loss kernel that keeps the
     logits and writes their gradient over them (flash-attn's or Liger's cross-entropy,
     llm-foundry's default). FPDT's chunked loss is ``fpdt_chunk``'s."""
+    cp_kind: str = "ulysses"
+    """How cp splits attention: ulysses (an all-to-all of q, k, v and the output; heads divisible by
+    cp) or allgather (keys and values all-gathered, no heads split: Llama 3's form, any kv heads)."""
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
     loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
@@ -119,6 +126,8 @@ class PlanLayout:
                 raise ConfigError(f"{name}={repr(value)[:40]}: expected a name")
         _int("zero", self.zero, least=0)
         _int("fpdt_chunk", self.fpdt_chunk, least=0)
+        if self.fpdt_chunk and self.cp_kind != "ulysses":
+            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with cp_kind {self.cp_kind}: FPDT runs on Ulysses")
         if self.fpdt_chunk and self.framework != "hpcml":
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with framework {self.framework}: FPDT is planned for "
                               f"hpcml")
@@ -126,7 +135,7 @@ class PlanLayout:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
                               ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
-                              ("loss", LOSSES),
+                              ("loss", LOSSES), ("cp_kind", CP_KINDS),
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")

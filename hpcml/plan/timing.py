@@ -29,6 +29,9 @@ class Constants:
     elementwise_passes: float = 40.0
     """Hidden-state-sized reads and writes per token of a block's forward outside the matmuls
     (norms, activation, rotary, residuals, casts): memory-bound, at the device's bandwidth."""
+    fp8_eff: float = 1.0
+    """The FP8 matmuls' share of the FP8 peak relative to the bf16 matmuls' share of theirs
+    (``precision`` fp8: casts, scaling and smaller tiles keep FP8 GEMMs further from their peak)."""
     attn_eff: float = 0.0
     """Share of peak the fused attention kernel reaches on its scores and values (flash attention
     does not run at GEMM efficiency, least so causal and at small head sizes); 0: the matmuls'."""
@@ -163,10 +166,14 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     flash = lay.attention == "flash"
     a_eff = c.attn_eff if flash and c.attn_eff > 0 else eff
     flash_bwd = 0.0  # flash attention's backward recomputes the scores: half a forward of the core more
+    # the linear layers' matmuls: at the FP8 peak under precision fp8 (attention and the output layer stay bf16)
+    lin = dev.fp8_tflops * dev.sustained * 1e12 * c.fp8_eff if lay.precision == "fp8" else peak
     for i, count in kinds.items():
-        core_mm = tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp / (peak * a_eff)
-        mm = tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) / (peak * eff) \
-            - tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp / (peak * eff) + core_mm
+        core_flops = tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp
+        if lay.cp > 1 and lay.cp_kind == "allgather" and lay.framework == "hpcml":
+            core_flops *= 2  # hpcml's all-gather attention takes a dense mask: no causal half skipped
+        core_mm = core_flops / (peak * a_eff)
+        mm = (tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) - core_flops) / (lin * eff) + core_mm
         ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
         sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if lay.attention == "eager" \
             else 0.0
@@ -197,6 +204,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
     calls = 2 * lay.seq_len // (lay.cp * lay.fpdt_chunk) if lay.fpdt_chunk else 4
     # (a recomputed forward repeats its forward all-to-alls, as it repeats tp's all-reduces)
+    if lay.cp_kind == "allgather":  # keys and values of the whole sequence gathered; backward reduce-scatters them
+        a2a, calls = tokens * lay.cp * 2 * cfg.kv_heads * cfg.head_dim / lay.tp * act, 2
     cp_mb = 0.0 if lay.cp == 1 else (len(layers) + full_layers / 2) * (
         2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff) + calls * c.latency_s) + c.cp_block_s)
     # experts: the dispatch and the combine all-to-all of every MoE block, both ways

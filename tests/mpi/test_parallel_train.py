@@ -104,7 +104,8 @@ BAD = [
     ({"tp": WORLD}, TransformerConfig.preset("tiny", n_heads=WORLD * 2 + 1, dim=(WORLD * 2 + 1) * 8, n_kv_heads=None),
      {}, TRAIN, "n_heads {h} is not divisible by tp {w}"),
     ({"cp": WORLD}, TransformerConfig.preset("tiny", n_kv_heads=1), {}, TRAIN,
-     "n_kv_heads 1 / tp 1 = 1 heads per rank is not divisible by cp {w} (Ulysses splits heads over cp)"),
+     "n_kv_heads 1 / tp 1 = 1 heads per rank is not divisible by cp {w} (Ulysses splits heads over cp; cp_kind "
+     "allgather does not)"),
     ({"tp": WORLD}, TransformerConfig.preset("tiny", ffn_hidden=67), {}, TRAIN, "ffn hidden 67 is not divisible by tp {w}"),
     ({"pp": WORLD}, TransformerConfig.preset("tiny", n_layers=WORLD - 1), {}, TRAIN,
      "n_layers {l} < pipeline stages {w} (pp {w} x 1 stages per rank)"),

@@ -94,9 +94,12 @@ SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2
              ("tp2xdp2", {"tp": 2}, {}), ("tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}),
              ("full-ac", {"dp": 4}, {"activation_checkpointing": True}),
              ("cp2xtp2-fpdt", {"cp": 2, "tp": 2}, {"fpdt_chunk": 4}), ("cp4-fpdt", {"cp": 4}, {"fpdt_chunk": 2}),
-             ("gpt-tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("gpt-cp2xdp2", {"cp": 2}, {})],
+             ("gpt-tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("gpt-cp2xdp2", {"cp": 2}, {}),
+             ("cp4-allgather", {"cp": 4}, {"cp_kind": "allgather"}),
+             ("cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
-             ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {})]}
+             ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
+             ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", SAVED.get(WORLD, []), ids=[x[0] for x in SAVED.get(WORLD, [])])
@@ -117,7 +120,7 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
             loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
         loss.backward()
     lay = _plan_layout(degrees, pcfg, cfg, recompute="full" if pcfg.activation_checkpointing else "none",
-                       fpdt_chunk=pcfg.fpdt_chunk)
+                       fpdt_chunk=pcfg.fpdt_chunk, cp_kind=pcfg.cp_kind)
     want, _ = activation_bytes(cfg, lay, 0, rank_state(cfg, lay, 0))
     got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"

@@ -223,6 +223,17 @@ def test_device_file_text_attacks(tmp_path):
         devfile.load(tmp_path / "absent.json")
 
 
+def test_a_measurement_of_no_elementwise_cost_writes_a_readable_file(tmp_path):
+    """plan_validate.py --calibrate met this: on a loaded machine measure() found a block's cost
+    beyond its matmuls at 0, and the file calibrate wrote was refused by --device-file."""
+    df = devfile.DeviceFile(name="busy", constants=TRUTH, cpu=replace(FACTS, elementwise_passes=0.0, m_half=0.0))
+    devfile.write(df, tmp_path / "busy.json")
+    assert devfile.load(tmp_path / "busy.json").cpu.elementwise_passes == 0.0
+    with pytest.raises(ConfigError, match="cpu.copy_gbps=0.0"):
+        devfile.write(replace(df, cpu=replace(FACTS, copy_gbps=0.0)), tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_a_written_file_reads_back_the_same(tmp_path):
     df = devfile.DeviceFile(name="rt", constants=replace(TRUTH, reserved_gib=1.5), cpu=FACTS, busbw_gbps=0.9,
                             calibration={"runs": 5})

@@ -92,7 +92,7 @@ def test_split_layers_rule():
 @pytest.mark.parametrize("degrees,model,pcfg,message", [
     ({"tp": 3}, {"n_heads": 6, "dim": 48, "n_kv_heads": None, "ffn_hidden": 96}, {}, "padded vocab 256 is not divisible by tp 3"),
     ({"tp": 8}, {}, {}, "n_kv_heads 4 is not divisible by tp 8"),
-    ({"cp": 8}, {}, {}, "n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8 (Ulysses splits heads over cp)"
+    ({"cp": 8}, {}, {}, "n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8 (Ulysses splits heads over cp; cp_kind allgather does not)"
      .replace("n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8",
               "n_kv_heads 4 / tp 1 = 4 heads per rank is not divisible by cp 8")),
     ({"pp": 4}, {"n_layers": 6}, {"pp_schedule": "interleaved1f1b"},

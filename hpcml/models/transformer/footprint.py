@@ -143,6 +143,9 @@ class Saved:
     stream_bytes: int = 4
     """Bytes of the residual stream and the norms' tensors: 4 while parameters are fp32 (this
     model under autocast too), 2 where the parameters themselves are bf16 (Megatron, FSDP mixed precision)."""
+    cp_kind: str = "ulysses"
+    """ulysses, or allgather: the keys and values of the whole sequence kept (no heads split; hpcml's
+    one causal mask of the rank's slice, [S/cp, S] bytes shared by the layers, is not counted)."""
     loss: str = "eager"
     """eager: the log-softmax of every logit kept (fp32), its gradient made whole in backward;
     fused: the logits kept in ``act_bytes``, the gradient written over them (flash-attn's
@@ -179,7 +182,9 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
         if not how.sp_saves_gathered:
             shared_in /= tp
     attn = (cfg.n_heads * hd + kvd + kvd + cfg.n_heads * hd) / tp  # q, k (rotated), v, output
-    if cp > 1:  # Ulysses: the output comes back to the sequence layout in a tensor of its own (wo's input)
+    if cp > 1 and how.cp_kind == "allgather":  # the gathered keys and values of every slice, and the mask
+        attn += 2 * kvd * (cp - 1) / tp
+    elif cp > 1:  # Ulysses: the output comes back to the sequence layout in a tensor of its own (wo's input)
         attn += cfg.n_heads * hd / tp
     lse = 4 * cfg.n_heads / tp / a  # fp32 log-sum-exp, in units of act_bytes
     if how.attention == "eager":

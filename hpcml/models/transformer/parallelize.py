@@ -37,6 +37,7 @@ from hpcml.parallel.config import ParallelConfig
 from hpcml.parallel.fpdt import FPDTAttention
 from hpcml.parallel.plan import ParallelPlan
 from hpcml.parallel.tp import FusedColwiseParallel
+from hpcml.parallel.cp_allgather import AllGatherAttention
 from hpcml.parallel.ulysses import UlyssesAttention
 
 
@@ -114,6 +115,11 @@ class TransformerPlan(ParallelPlan):
         part.seq_shard = (index, count)
         for block in part.layers.values():
             block.attention.core = UlyssesAttention(block.attention.core, group)
+
+    def apply_cp_allgather(self, part: Transformer, group, index: int, count: int) -> None:
+        part.seq_shard = (index, count)
+        for block in part.layers.values():
+            block.attention.core = AllGatherAttention(group, index)
 
     def apply_fpdt(self, part: Transformer, group, index: int, count: int, chunk: int) -> None:
         """Strided chunks, chunked attention through per-chunk all-to-alls, chunked MLP (a MoE

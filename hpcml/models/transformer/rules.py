@@ -22,9 +22,9 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
         if value % tp:
             raise ConfigError(f"{name} {value} is not divisible by tp {tp}")
     for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads)):
-        if (value // tp) % cp:
+        if config.cp_kind == "ulysses" and (value // tp) % cp:
             raise ConfigError(f"{name} {value} / tp {tp} = {value // tp} heads per rank is not divisible by cp {cp} "
-                              f"(Ulysses splits heads over cp)")
+                              f"(Ulysses splits heads over cp; cp_kind allgather does not)")
     if model.dim % tp:
         raise ConfigError(f"dim {model.dim} is not divisible by tp {tp}")
     if model.tie_embeddings and (tp > 1 or pp > 1):
