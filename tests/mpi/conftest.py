@@ -63,3 +63,18 @@ def torch_bootstrap():
 
     grid = ProcessGrid()
     return grid.init_torch()
+
+
+@pytest.fixture(scope="module")
+def fp64_default():
+    """A module's tests in float64 (torch's default dtype), DTensor's redistribution notes quiet:
+    the equality-to-one-process tests that hold parallel layouts to 1e-10."""
+    import logging
+
+    import torch
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -5,8 +5,6 @@ tests/mpi/test_plan_exact.py."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from mpi4py import MPI
@@ -33,13 +31,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fp64():
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("fp64_default")
 
 
 @pytest.mark.parametrize("name,model,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])

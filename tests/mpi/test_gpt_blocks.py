@@ -5,8 +5,6 @@ parameter after the steps), at 2 and 4 ranks; the planner prices the same blocks
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from mpi4py import MPI
@@ -33,13 +31,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fp64():
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("fp64_default")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
