@@ -296,10 +296,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--search", action="store_true", help="the timed searches alone")
     ap.add_argument("--calibrate", action="store_true", help="hpcml plan calibrate on 5 measured layouts, checked "
-                    "on 10 others (~12 minutes)")
+                    "on 10 others (~4.5 minutes a round)")
+    ap.add_argument("--rounds", type=int, default=2, help="--calibrate: rounds of the 15 layouts (the fastest kept)")
     args = ap.parse_args()
     if args.calibrate:
-        r = calibrate_runs()
+        r = calibrate_runs(args.rounds)
         print(json.dumps(r, indent=1) if args.json else
               f"calibrated on {len(CAL_FIT)} layouts, checked on {len(CAL_CHECK)}: median |error| "
               f"{r['median_abs_error']:.1%}, p90 {r['p90_abs_error']:.1%}, Spearman {r['spearman']}")

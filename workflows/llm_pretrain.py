@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation", choices=("swiglu", "gelu"), default=None,
                    help="the blocks' MLP, where not the preset's (its width kept): gelu for GPT/MPT blocks")
     p.add_argument("--norm", choices=("rmsnorm", "layernorm"), default=None, help="the blocks' norm")
+    p.add_argument("--positions", choices=("rope", "learned"), default=None,
+                   help="rotary, or a learned table added to the embedding (GPT's, MPT's)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--fused-qkv", action="store_true", help="one wqkv weight per layer (checkpointed in logical order)")
@@ -141,11 +143,12 @@ def main(argv=None) -> int:
             model_cfg = replace(model_cfg, tie_embeddings=True)
         if args.fused_qkv or args.fused_mlp:
             model_cfg = replace(model_cfg, fused_qkv=args.fused_qkv, fused_mlp=args.fused_mlp)
-        if args.activation or args.norm or args.bias is not None:
+        if args.activation or args.norm or args.bias is not None or args.positions:
             if args.init_from:
-                raise ConfigError("--activation, --norm and --bias change the blocks, and --init-from's weights are a "
+                raise ConfigError("--activation, --norm, --bias and --positions change the blocks, and --init-from's "
+                                  "weights are a "
                                   "Llama's: give a --model preset to train other blocks")
-            model_cfg = model_cfg.with_blocks(args.activation, args.norm, args.bias)
+            model_cfg = model_cfg.with_blocks(args.activation, args.norm, args.bias, args.positions)
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,

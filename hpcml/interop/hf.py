@@ -124,9 +124,9 @@ def hf_rows(rows, head_dim: int):
 # -- configs --------------------------------------------------------------------------------
 def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the HF Llama model equal to ``cfg`` (Qwen2 with ``qkv_bias``)."""
-    if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.bias:
-        raise ConfigError(f"a model of {cfg.activation}, {cfg.norm}, bias {cfg.bias} blocks has no Hugging Face "
-                          f"Llama equivalent (export takes SwiGLU, RMSNorm, no biases beyond q/k/v)")
+    if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.bias or cfg.positions != "rope":
+        raise ConfigError(f"a model of {cfg.activation}, {cfg.norm}, bias {cfg.bias}, {cfg.positions} positions has no "
+                          f"Hugging Face Llama equivalent (export takes SwiGLU, RMSNorm, rotary, no biases beyond q/k/v)")
     kind = "qwen2" if cfg.qkv_bias else "llama"
     llama3 = {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}} \
         if cfg.rope_llama3 else None

@@ -10,7 +10,8 @@ from pathlib import Path
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import predict, predict_lines
-from hpcml.plan.spec import ACTIVATIONS, ATTENTION, FRAMEWORKS, LOSSES, NORMS, PRECISIONS, RECOMPUTE, PlanLayout
+from hpcml.plan.spec import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
+                              RECOMPUTE, PlanLayout)
 
 MAX_LAYOUT_FILE = 64 << 20
 MAX_LAYOUT_LINES = 20_000
@@ -52,6 +53,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true", default=None)
     p.add_argument("--attention", choices=ATTENTION, default=None)
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--cp-kind", choices=CP_KINDS, default=None, help="cp: ulysses (heads divisible by cp) or "
+                   "allgather (keys and values gathered: any number of kv heads)")
     p.add_argument("--fpdt-chunk", type=int, default=None, metavar="N",
                    help="FPDT on cp: chunks of N positions per rank (kept by a search, which then tries only the "
                         "cp degrees N divides)")
@@ -59,6 +62,8 @@ def add_parser(sub) -> None:
     p.add_argument("--activation", choices=ACTIVATIONS, default=None, help="the blocks' MLP, where it differs from "
                    "the model's config: swiglu or gelu (its width kept)")
     p.add_argument("--norm", choices=NORMS, default=None, help="the blocks' norm: rmsnorm or layernorm")
+    p.add_argument("--positions", choices=POSITIONS, default=None, help="rope, learned (a table added to the "
+                   "embedding) or alibi (planned only)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--loss", choices=LOSSES, default=None, help="eager (default: the fp32 log-softmax kept) or fused "
@@ -78,7 +83,7 @@ def _given(args: argparse.Namespace) -> dict:
     d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "seq_len", "global_batch",
                                        "reduce_dtype", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
-                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm", "bias", "loss")}
+                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm", "bias", "positions", "loss", "cp_kind")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

@@ -142,7 +142,7 @@ def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: i
     holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]
     units = [parts[h][0] for h in holders]
     if pp_rank == 0:
-        holders.append("tok_embeddings.weight")
+        holders += [h for h in ("tok_embeddings.weight", "pos_embeddings.weight") if h in parts]
     if (n_stages - 1) % pp == pp_rank:
         holders += [h for h in ("norm.weight", "norm.bias", "output.weight") if h in parts]
     tot = [sum(parts[h][j] for h in holders) for j in range(6)]

@@ -73,10 +73,11 @@ def _flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
 
 @lru_cache(maxsize=1024)
-def blocks(cfg: TransformerConfig, activation: str | None, norm: str | None, bias: bool | None) -> TransformerConfig:
+def blocks(cfg: TransformerConfig, activation: str | None, norm: str | None, bias: bool | None,
+           positions: str | None = None) -> TransformerConfig:
     """``cfg`` with the blocks a layout names (its MLP's width kept); ConfigError where the
     model cannot have them (a GeLU MLP with experts)."""
-    return cfg.with_blocks(activation, norm, bias)
+    return cfg.with_blocks(activation, norm, bias, positions)
 
 
 def resolve_device(lay: PlanLayout) -> Device:
@@ -149,8 +150,8 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     tables are the only thing it sizes)."""
     if cfg.n_layers > MAX_LAYERS:
         raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
-    if lay.activation is not None or lay.norm is not None or lay.bias is not None:
-        cfg = blocks(cfg, lay.activation, lay.norm, lay.bias)
+    if lay.activation is not None or lay.norm is not None or lay.bias is not None or lay.positions is not None:
+        cfg = blocks(cfg, lay.activation, lay.norm, lay.bias, lay.positions)
     if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_dir(lay.model) is not None:
         cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
     if lay.precision == "fp8" and dev.fp8_tflops is None:

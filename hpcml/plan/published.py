@@ -152,9 +152,9 @@ FOUNDRY = {"foundry-h100-large": ("H100 80GB BF16 (Large Scale, >= 128 GPUs)", "
 def llm_foundry(name: str) -> list[Case]:
     """llm-foundry's MPT benchmarks (Composer FSDP FULL_SHARD, bf16, flash attention, 125M-70B,
     512-65,536 tokens, 8-512 GPUs): one section of its README. MPT's blocks as they are (GeLU MLP
-    of 4h, LayerNorm, biases, tied embedding) but its learned positions (seq x h parameters, not
-    counted); FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP,
-    with llm-foundry's fused cross-entropy."""
+    of 4h, LayerNorm, biases, learned positions, tied embedding: the README's NumParams, exactly);
+    FSDP2 with bf16 compute over fp32 shards (``torchtitan``) stands for Composer's FSDP, with
+    llm-foundry's fused cross-entropy."""
     section, gpu, models = FOUNDRY[name]
     data = published("llm_foundry_mpt_benchmarks_2024-04")["sections"][section]
     cols = data["columns"]
@@ -165,7 +165,8 @@ def llm_foundry(name: str) -> list[Case]:
             continue
         h, heads, layers = MPT[r["model"]]
         cfg = TransformerConfig(vocab_size=50368, dim=h, n_heads=heads, n_layers=layers, max_seq_len=r["seq_len"],
-                                ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=True, tie_embeddings=True)
+                                ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=True, tie_embeddings=True,
+                                positions="learned")
         layout = PlanLayout(model=cfg, gpus=r["gpus"], gpu=gpu, seq_len=r["seq_len"], global_batch=r["global_batch"],
                             micro_batch=r["micro_batch"], zero=3, framework="torchtitan", loss="fused",
                             precision="fp8" if r["precision"] == "amp_fp8" else "bf16",

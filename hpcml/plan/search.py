@@ -111,6 +111,8 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")
+    if lay.positions == "alibi":
+        bad.append("positions alibi (hpcml's trainer: rope or learned)")
     if lay.precision == "fp8":
         bad.append("precision fp8 (hpcml's trainer: bf16 or fp32)")
     if lay.loss != "eager":
@@ -124,7 +126,8 @@ def emit(lay: PlanLayout) -> list[str]:
         raise ConfigError(f"cannot emit this layout for llm_pretrain.py: {'; '.join(bad)}")
     args = [*model, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp)]
     args += ["--cp-kind", lay.cp_kind] if lay.cp > 1 and lay.cp_kind != "ulysses" else []
-    args += [f"--{k}={v}" for k, v in (("activation", lay.activation), ("norm", lay.norm)) if v is not None]
+    args += [f"--{k}={v}" for k, v in (("activation", lay.activation), ("norm", lay.norm), ("positions", lay.positions))
+             if v is not None]
     args += [] if lay.bias is None else ["--bias" if lay.bias else "--no-bias"]
     if lay.ep > 1:
         args += ["--ep", str(lay.ep)]

@@ -17,6 +17,7 @@ REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 CP_KINDS = ("ulysses", "allgather")
+POSITIONS = ("rope", "learned", "alibi")
 LOSSES = ("eager", "fused")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
@@ -82,9 +83,10 @@ class PlanLayout:
     activation: str | None = None
     norm: str | None = None
     bias: bool | None = None
+    positions: str | None = None
     """The model's blocks, where they differ from its config: activation swiglu or gelu (the
-    MLP's width kept), norm rmsnorm or layernorm, bias (every projection's and norm's). None:
-    the model's own (``TransformerConfig.activation``, ``norm``, ``bias``)."""
+    MLP's width kept), norm rmsnorm or layernorm, bias (every projection's and norm's),
+    positions rope, learned or alibi. None: the model's own (``TransformerConfig``'s fields)."""
     loss: str = "eager"
     """eager: the fp32 log-softmax of every logit kept and its gradient made whole (torch's
     ``cross_entropy``, hpcml's trainer without FPDT); fused: a loss kernel that keeps the
@@ -139,7 +141,7 @@ class PlanLayout:
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS)):
+        for name, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("positions", POSITIONS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if self.bias is not None and not isinstance(self.bias, bool):

@@ -38,6 +38,8 @@ def _variants() -> dict[str, TransformerConfig]:
     out["tied"] = dataclasses.replace(TINY, tie_embeddings=True)
     out["gpt"] = dataclasses.replace(TINY, activation="gelu", norm="layernorm", bias=True, ffn_hidden=None)
     out["gpt-fused-qkv"] = dataclasses.replace(TINY, activation="gelu", bias=True, fused_qkv=True)
+    out["mpt"] = dataclasses.replace(TINY, activation="gelu", norm="layernorm", bias=True, positions="learned",
+                                     tie_embeddings=True)
     out["moe-bias-shared"] = dataclasses.replace(PRESETS["tiny-moe"], moe_balance="bias", moe_shared_hidden=32,
                                                  moe_every=2, fused_mlp=True)
     return out
@@ -71,8 +73,9 @@ def _saved_bytes(cfg: TransformerConfig, b: int, s: int, checkpointing: bool, fp
     return sum(account.take()[0].values())
 
 
-@pytest.mark.parametrize("blocks", [{}, {"activation": "gelu", "norm": "layernorm", "bias": True}],
-                         ids=["llama", "gpt"])
+@pytest.mark.parametrize("blocks", [{}, {"activation": "gelu", "norm": "layernorm", "bias": True},
+                                    {"activation": "gelu", "norm": "layernorm", "bias": True, "positions": "learned"}],
+                         ids=["llama", "gpt", "mpt"])
 @pytest.mark.parametrize("shape", [(64, 4, 4, 128, 2, 256), (96, 6, 2, 200, 3, 1000)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mode", ["none", "full", "fpdt"])
 def test_layer_saved_is_what_autograd_keeps(shape, mode, blocks):

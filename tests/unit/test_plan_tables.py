@@ -42,6 +42,28 @@ def test_foundry_sections_meet_the_bars(name, rows):
     assert fit >= 0.9 and median <= 0.10 and p90 <= 0.25 and rho >= spearman, (fit, median, p90, rho)
 
 
+def test_mpt_models_have_the_published_parameter_counts():
+    """Every row's model (MPT's GeLU/LayerNorm/bias blocks, learned positions, tied embedding)
+    has exactly the README's NumParams."""
+    from hpcml.plan.calibration import published
+
+    data = published("llm_foundry_mpt_benchmarks_2024-04")["sections"]
+    by_label = {}
+    for name in FOUNDRY:
+        for c in TABLES[name]():
+            by_label[(c.layout.model.dim, c.layout.model.n_layers, c.layout.seq_len)] = c.layout.model.num_params()
+    n = 0
+    for sec in data.values():
+        cols = sec["columns"]
+        for row in sec["rows"]:
+            r = dict(zip(cols, row))
+            from hpcml.plan.published import MPT
+            h, _, layers = MPT[r["model"]]
+            assert by_label[(h, layers, r["seq_len"])] == r["num_params"], r
+            n += 1
+    assert n == 216
+
+
 def test_sections_held_out():
     fitted = {t for ts in CALIBRATION.values() for t in ts}
     assert set(FOUNDRY) - fitted == {"foundry-h100-large", "foundry-a100-40gb", "foundry-h100-fp8-1b"}
@@ -137,3 +159,21 @@ def test_allgather_context_parallelism():
     assert args[args.index("--cp-kind") + 1] == "allgather"
     # the gathered keys and values kept for backward: cp - 1 more slices of k and v per block than Ulysses' own
     assert memory(cfg, replace(lay, recompute="none")).activations > memory(cfg, replace(u8, recompute="none")).activations
+
+
+def test_block_and_cp_flags_on_the_command_line(capsys):
+    import json
+
+    from hpcml.cli import main as cli
+
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-80gb", "--seq-len", "131072",
+                "--global-batch", "1", "--cp", "16", "--fsdp", "--recompute", "full", "--cp-kind", "allgather",
+                "--activation", "gelu", "--norm", "layernorm", "--bias", "--positions", "learned", "--loss", "fused",
+                "--precision", "fp8", "--json"]) == 0
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    assert (lay["cp_kind"], lay["activation"], lay["norm"], lay["bias"], lay["positions"], lay["loss"],
+            lay["precision"]) == ("allgather", "gelu", "layernorm", True, "learned", "fused", "fp8")
+    with pytest.raises(SystemExit):  # argparse's own refusal
+        cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "4096",
+             "--global-batch", "8", "--positions", "sinusoid"])
+    assert "invalid choice: 'sinusoid'" in capsys.readouterr().err

@@ -33,6 +33,9 @@ class TransformerConfig:
     """rmsnorm (Llama's, computed in fp32) or layernorm (GPT's and MPT's)."""
     bias: bool = False
     """Biases on every projection of the blocks and on their norms (GPT-2's, MPT's ``no_bias: false``)."""
+    positions: str = "rope"
+    """rope (rotary, Llama's), learned (a ``max_seq_len x dim`` table added to the token embedding:
+    GPT-2's, MPT's default) or alibi (linear biases of the scores: planned only, the model refuses it)."""
     ffn_multiple: int = 64
     max_seq_len: int = 128
     rope_theta: float = 10000.0
@@ -105,6 +108,8 @@ class TransformerConfig:
                               f"for rotary")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.positions not in ("rope", "learned", "alibi"):
+            raise ConfigError(f"positions {self.positions!r}: expected rope, learned or alibi")
         if self.activation not in ("swiglu", "gelu") or self.norm not in ("rmsnorm", "layernorm"):
             raise ConfigError(f"activation {self.activation!r}, norm {self.norm!r}: expected activation swiglu or "
                               f"gelu, norm rmsnorm or layernorm")
@@ -117,11 +122,11 @@ class TransformerConfig:
             check_moe(self)
 
     def with_blocks(self, activation: str | None = None, norm: str | None = None,
-                    bias: bool | None = None) -> TransformerConfig:
+                    bias: bool | None = None, positions: str | None = None) -> TransformerConfig:
         """This shape with other blocks (None: keep), the MLP's width kept: a GPT block of a
         Llama preset's size, or the reverse (``llm_pretrain.py --activation``, ``hpcml plan``)."""
         return replace(self, ffn_hidden=self.hidden, activation=activation or self.activation, norm=norm or self.norm,
-                       bias=self.bias if bias is None else bias)
+                       bias=self.bias if bias is None else bias, positions=positions or self.positions)
 
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` has a MoE feed-forward."""
@@ -187,7 +192,8 @@ class TransformerConfig:
         mlp = self.mlp_matrices * self.dim * self.hidden + self.bias * ((self.mlp_matrices - 1) * self.hidden + self.dim)
         total, used = moe_params(self) if self.n_experts else (0, 0)
         ffn = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * (used if active else total)
-        emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2)
+        emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2) \
+            + (self.max_seq_len * self.dim if self.positions == "learned" else 0)
         norms = (2 if self.norm == "layernorm" and self.bias else 1) * self.dim  # weight (and bias) of each norm
         return self.n_layers * (attn + 2 * norms) + ffn + norms + (emb if embeddings else 0)
 
@@ -232,6 +238,7 @@ class TransformerConfig:
                          "about": "rotates (x[2i], x[2i+1]) by pos * theta^(-2i/head_dim); HF Llama rotates "
                                   "(x[i], x[i + head_dim/2])"},
                 "norm": {"type": self.norm, "eps": self.norm_eps, "bias": self.norm == "layernorm" and self.bias},
+                "positions": self.positions,
                 "activation": "silu (SwiGLU: w2(silu(w1 x) * w3 x))" if self.activation == "swiglu"
                 else "gelu (w2(gelu(w1 x)), erf form)", "bias": self.bias,
                 "tie_embeddings": self.tie_embeddings, "qkv_bias": self.qkv_bias, "fused_widths": self.fused_widths,

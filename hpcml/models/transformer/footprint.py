@@ -21,6 +21,8 @@ def param_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     the embedding's, listed once, as ``named_parameters()`` does)."""
     hd, dim, kv = cfg.head_dim, cfg.dim, cfg.kv_heads
     out: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.padded_vocab, dim)}
+    if cfg.positions == "learned":
+        out["pos_embeddings.weight"] = (cfg.max_seq_len, dim)
     qkv_bias = cfg.qkv_bias or cfg.bias
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
@@ -92,7 +94,7 @@ def shard_dims(name: str) -> tuple[int | None, int | None]:
         return 2, 0
     if name in ("tok_embeddings.weight", "output.weight"):
         return 0, None
-    if ".router." in name or name.endswith(("norm.weight", "norm.bias")):
+    if ".router." in name or name.endswith(("norm.weight", "norm.bias")) or name == "pos_embeddings.weight":
         return None, None
     if any(k in name for k in _ROWWISE):
         return (None if name.endswith(".bias") else 1), None  # a row-wise projection's bias is whole on every rank
@@ -111,7 +113,7 @@ def stage_of(name: str, stages: list[list[int]]) -> list[int]:
     if name.startswith("layers."):
         layer = int(name.split(".", 2)[1])
         return [s for s, layers in enumerate(stages) if layer in layers]
-    if name == "tok_embeddings.weight":
+    if name in ("tok_embeddings.weight", "pos_embeddings.weight"):
         return [0]
     return [len(stages) - 1]  # norm, output
 
@@ -240,7 +242,7 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
     vocabulary-sharded over tp, as ``loss_parallel`` keeps it), or under FPDT's chunked loss
     d loss / d h; under FPDT the rotary angles, gathered per position."""
     out = 8.0 if first else 0.0
-    if how.fpdt:
+    if how.fpdt and cfg.positions == "rope":
         out += 2 * 4 * cfg.head_dim / 2  # cos and sin of each position (fp32), shared by the stage's blocks
     if last and how.chunked_loss:
         out += how.stream_bytes * cfg.dim

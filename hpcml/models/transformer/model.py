@@ -79,7 +79,8 @@ class Attention(nn.Module):
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # rotary positions (learned ones were added to the embedding)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(b, s, -1))
 
 
@@ -150,7 +151,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.config = cfg
+        if cfg.positions == "alibi":
+            raise ConfigError("positions alibi is planned (hpcml plan), not built: the model runs rope or learned")
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.padded_vocab, cfg.dim)
+        self.pos_embeddings: nn.Embedding | None = \
+            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
+        """Learned positions (GPT-2's, MPT's), added to the token embedding on the first stage."""
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.padded_vocab, bias=False)
@@ -199,7 +205,12 @@ class Transformer(nn.Module):
             pos = local_positions(s * count, index, count, self.fpdt_chunk).to(self.rope_cos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         else:  # Ulysses: this rank holds positions [index * s, (index + 1) * s), a view of the tables
+            pos = torch.arange(index * s, (index + 1) * s, device=self.rope_cos.device)
             cos, sin = self.rope_cos[index * s:(index + 1) * s], self.rope_sin[index * s:(index + 1) * s]
+        if self.config.positions == "learned":
+            if self.pos_embeddings is not None:  # the first stage (under sequence parallelism: refused by the plan)
+                h = h + self.pos_embeddings(pos)
+            cos = sin = None
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if targets is not None:

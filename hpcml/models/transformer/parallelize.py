@@ -103,7 +103,7 @@ class TransformerPlan(ParallelPlan):
             if name not in keep:
                 del part.layers[name]
         if stage != 0:
-            part.tok_embeddings = None
+            part.tok_embeddings = part.pos_embeddings = None
         if stage != n_stages - 1:
             part.norm, part.output = None, None
         return part

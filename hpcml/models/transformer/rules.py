@@ -29,6 +29,9 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
         raise ConfigError(f"dim {model.dim} is not divisible by tp {tp}")
     if model.tie_embeddings and (tp > 1 or pp > 1):
         raise ConfigError(f"tie_embeddings needs tp 1 and pp 1, got tp {tp}, pp {pp}")
+    if config.sequence_parallel and model.positions == "learned":
+        raise ConfigError("sequence_parallel with learned positions is not supported: the embedding's output is "
+                          "already split over tp there; use tp without it, or rotary positions")
     if config.sequence_parallel and cp > 1:
         raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
     if model.n_experts:
