@@ -11,8 +11,8 @@ its starting value and the report names it, so the user knows which layout to ad
 
 Runs come as JSON lines (a layout's keys, as ``hpcml plan --layouts`` takes them, plus the
 measured ``step_s`` or ``tokens_per_s``) or as run directories of ``llm_pretrain.py`` (its
-``config.json`` gives the layout, ``metrics.jsonl`` the step times; the model comes from
-``--model``).
+``config.json`` gives the layout and the model, ``metrics.jsonl`` the step times; ``--model``
+for a directory written before the trainer recorded its model).
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
     if len(steps) <= WARMUP_STEPS:
         raise ConfigError(f"{where}: {len(steps)} timed steps in metrics.jsonl: expected more than {WARMUP_STEPS} "
                           f"(the first {WARMUP_STEPS} warm up)")
+    if not isinstance(cfg.get("model"), dict) and "model" not in defaults:
+        raise ConfigError(f"{where}: config.json names no model (an hpcml before its trainer recorded it): "
+                          f"give --model, the preset or config it trained")
     try:
         degrees = {k: int(lay_d.get(k, 1)) for k in ("tp", "pp", "cp", "dp")}
         d = {**{k: degrees[k] for k in ("tp", "pp", "cp")}, "ep": int(lay_d.get("ep", 1)),
@@ -111,6 +114,10 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
              "fpdt_chunk": int(par.get("fpdt_chunk") or 0)}
         if par.get("stages_per_rank"):
             d["stages_per_rank"] = int(par["stages_per_rank"])
+        if isinstance(cfg.get("model"), dict) and "model" not in defaults:  # the trainer's own record of the model
+            from hpcml.models.transformer.config import TransformerConfig
+
+            d["model"] = TransformerConfig.from_dict(cfg["model"])
         lay = PlanLayout.from_dict(d, **defaults)
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: config.json: {str(e).splitlines()[0][:200]}") from None

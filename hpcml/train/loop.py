@@ -74,6 +74,10 @@ class LoopConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("lr", "min_lr_ratio", "grad_clip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ConfigError(f"{name}={v!r}: expected a number (grad_clip 0: no clipping)")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
             raise ConfigError(f"lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0; got {self.lr}, "
                               f"{self.min_lr_ratio}, {self.grad_clip}")
@@ -139,9 +143,11 @@ class TrainLoop:
         self._metrics_file = None
         if config.run_dir and self.grid.rank == 0:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+            shape = getattr(model.parts[0], "config", None) if getattr(model, "parts", None) else None
             safeio.replace(Path(config.run_dir) / "config.json", json.dumps(
-                {"train": asdict(config), "layout": self.grid.layout.degrees,
-                 "parallel": asdict(model.config)}, indent=1, default=str))
+                {"train": asdict(config), "layout": self.grid.layout.degrees, "parallel": asdict(model.config),
+                 # the model's own config where it has one (hpcml plan calibrate reads the blocks from it)
+                 **({"model": shape.to_dict()} if hasattr(shape, "to_dict") else {})}, indent=1, default=str))
         self.account = memory.account_of(model) if config.memory_account else None
         # dp ranks draw different randomness (e.g. dropout); tp / cp / pp ranks of one replica agree
         torch.manual_seed(config.seed + 1 + self.grid.coords["dp"])

@@ -109,6 +109,18 @@ def test_run_directories_and_json_lines(tmp_path):
         with pytest.raises(ConfigError, match=match) as e:
             read_runs([str(lines)], dict(BASE))
         assert "runs.jsonl" in str(e.value) and "\n" not in str(e.value)
+    # the trainer records its model: no --model needed, and its blocks are the model's own
+    from hpcml.models.transformer.config import TransformerConfig
+
+    mpt = TransformerConfig(dim=64, n_heads=4, n_layers=2, activation="gelu", norm="layernorm", bias=True,
+                            positions="learned")
+    own = _run_dir(tmp_path / "own", [1.0, 1.0, 2.0])
+    d = json.loads((own / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**d, "model": mpt.to_dict()}))
+    (m_own,) = read_runs([str(own)], {})
+    assert m_own.layout.model == mpt and m_own.step_s == 2.0
+    with pytest.raises(ConfigError, match="names no model .* give --model"):
+        read_runs([str(rd)], {})
     few = _run_dir(tmp_path / "few", [1.0, 1.0])
     with pytest.raises(ConfigError, match="2 timed steps"):
         read_runs([str(few)], {"model": "mini"})
