@@ -37,6 +37,11 @@ def test_tp2_pp2_matches_one_process(single, tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["mfu"] == "n/a" and r["peak_mem_mb"] > 0 for r in rows)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["layout"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 2}
+    # the model's own config, as hpcml plan calibrate reads it back
+    from hpcml.models.transformer import TransformerConfig
+    from hpcml.plan.calibrate import read_runs
+
+    assert TransformerConfig.from_dict(config["model"]) == read_runs([str(run_dir)], {})[0].layout.model
 
 
 def test_cp2_fsdp2_matches_one_process(single):
