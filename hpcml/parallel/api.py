@@ -118,8 +118,10 @@ class ParallelModel:
         return total / n_micro
 
     def sync_grads(self) -> None:
+        """Make this step's gradients final: the data-parallel reductions, and the tp partial sums."""
         for sync in self.grad_syncs:
             sync()
+        clip.reduce_partial_grads(self._params)
 
     def after_step(self) -> None:
         """After the optimizer step: the plan's per-step updates (MoE balancing biases)."""

@@ -15,6 +15,16 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 
 
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum the gradients that are still partial sums over a mesh (a replicated norm weight used on
+    sequence-sharded inputs under sequence parallelism), on every rank of it alike: the norm of
+    the parts is not the norm of their sum, and the optimizer would sum them anyway."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch.Tensor:
     """This rank's share of the global squared gradient norm.
 
@@ -22,7 +32,8 @@ def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch
     gradient: each local gradient block counts once, divided by the number of ranks that
     hold an identical copy of it -- ``world / pp`` for a plain (replicated) tensor, divided
     further by the number of distinct shards of a DTensor (FSDP and tp placements).
-    Pipeline stages hold disjoint parameters, so they simply add.
+    Pipeline stages hold disjoint parameters, so they simply add. Partial-sum gradients must
+    have been reduced first (:func:`reduce_partial_grads`, ``ParallelModel.sync_grads``).
     """
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
@@ -30,12 +41,6 @@ def local_sq_norm(params: list[nn.Parameter], world_size: int, pp: int) -> torch
         if g is None:
             continue
         distinct = 1
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            # a replicated parameter used on sequence-sharded inputs (a norm under sequence
-            # parallelism) gets per-rank partial sums: summed here, once, on every rank of the
-            # mesh alike -- the norm of the parts is not the norm of their sum (the optimizer
-            # would have summed them anyway)
-            g = p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         if isinstance(g, DTensor):
             # any non-replicated placement splits the tensor (_StridedShard of FSDP over tp is no Shard subclass)
             distinct = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())

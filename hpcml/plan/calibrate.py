@@ -26,6 +26,7 @@ from pathlib import Path
 from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.plan import devfile
+from hpcml.plan.predict import measured_step, pop_measured
 from hpcml.plan.published import Case
 from hpcml.plan.spec import PlanLayout
 from hpcml.plan.timing import Constants
@@ -58,29 +59,18 @@ class Measured:
     source: str
 
 
-def _step_of(d: dict, where: str) -> float:
-    """The measured step time of a run line: ``step_s``, or the global ``tokens_per_s``."""
-    if ("step_s" in d) == ("tokens_per_s" in d):
-        raise ConfigError(f"{where}: give exactly one of step_s (seconds a step) or tokens_per_s (all ranks)")
-    key = "step_s" if "step_s" in d else "tokens_per_s"
-    v = d.pop(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v < 1e12):
-        raise ConfigError(f"{where}: {key}={repr(v)[:40]}: expected a positive number")
-    return float(v)
-
-
 def _line_run(d, where: str, defaults: dict) -> Measured:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a JSON object (a layout with step_s or tokens_per_s)")
     d = {k: v for k, v in d.items() if k not in ("gpu", "site")}
-    tokens = "tokens_per_s" in d
-    v = _step_of(d, where)
+    measured = pop_measured(d, where)
+    if measured is None:
+        raise ConfigError(f"{where}: give exactly one of step_s (seconds a step) or tokens_per_s (all ranks)")
     try:
         lay = PlanLayout.from_dict(d, **defaults)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    step = lay.global_batch * lay.seq_len / v if tokens else v
-    return Measured(lay, step, where)
+    return Measured(lay, measured_step(lay, *measured), where)
 
 
 def _run_dir(path: Path, defaults: dict) -> Measured:
@@ -161,8 +151,12 @@ def exercised(cases: list[Case], c: Constants) -> list[str]:
     out = []
     for k in GRID:
         v = getattr(c, k)
-        probe = v * 2 if k in _RELATIVE else (0.5 if k == "dp_overlap" and v != 0.5 else 0.0 if k == "dp_overlap"
-                                                else max(2 * v, 0.05))
+        if k in _RELATIVE:
+            probe = 2 * v
+        elif k == "dp_overlap":
+            probe = 0.0 if v == 0.5 else 0.5
+        else:  # a fixed cost, perhaps 0
+            probe = max(2 * v, 0.05)
         if abs(score(cases, replace(c, **{k: probe})) - base) > 1e-9:
             out.append(k)
     return out
@@ -242,7 +236,7 @@ def calibrate(runs: list[Measured], base: devfile.DeviceFile, name: str) -> tupl
     report = {"runs": len(runs), "date": stamp, "rms_log_error_before": round(math.sqrt(before), 4),
               "rms_log_error": round(math.sqrt(after), 4), "fitted": {k: _sig(getattr(fitted, k)) for k in moving},
               "unfitted": unfitted, "notes": notes, "rows": rows}
-    devfile._REGISTERED.pop(trial, None)
+    devfile.unregister(trial)
     out = replace(base, name=name, constants=fitted, calibration={k: v for k, v in report.items() if k != "rows"})
     if out.device is not None:
         out = replace(out, device=replace(out.device, name=name, family=devfile.family(name),

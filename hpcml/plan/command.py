@@ -83,7 +83,8 @@ def _given(args: argparse.Namespace) -> dict:
     d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "seq_len", "global_batch",
                                        "reduce_dtype", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
-                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm", "bias", "positions", "loss", "cp_kind")}
+                                       "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
+                                       "bias", "positions", "loss", "cp_kind")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}
@@ -135,7 +136,7 @@ def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
     if not args.out:
         raise ConfigError("hpcml plan calibrate needs --out FILE: where to write the calibrated device file")
     name = args.name or re.sub(r"[^A-Za-z0-9._-]", "-", Path(args.out).stem).lstrip("._-")[:64] or "calibrated"
-    if not devfile._NAME.fullmatch(name):
+    if not devfile.valid_name(name):
         raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-'")
     base = calibrate.base_of(given.pop("gpu", None), given.pop("site", None), args.device_file, args.cpu)
     runs = calibrate.read_runs(args.runs, given)

@@ -82,6 +82,15 @@ def register(df: DeviceFile) -> str:
     return df.name
 
 
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` may name a device file's device (1-64 letters, digits, '.', '_', '-')."""
+    return bool(_NAME.fullmatch(name))
+
+
 def registered(name: str | None) -> DeviceFile | None:
     return _REGISTERED.get(name) if name else None
 
@@ -116,7 +125,7 @@ def from_dict(d, where: str) -> DeviceFile:
     if d["format"] != FORMAT:
         raise ConfigError(f"{where}: format {str(d['format'])[:40]!r}: expected {FORMAT!r}")
     name = d["name"]
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not valid_name(name):
         raise ConfigError(f"{where}: name {str(name)[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-'")
     if ("device" in d) == ("cpu" in d):
         raise ConfigError(f"{where}: expected exactly one of 'device' (an accelerator) or 'cpu' (a CPU host)")

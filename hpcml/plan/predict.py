@@ -182,16 +182,28 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts)
 
 
-def _against(r: dict, lay: PlanLayout, measured: dict) -> dict:
-    """``measured_step_s`` and the prediction's relative ``step_error`` against it."""
-    if len(measured) != 1:
-        raise ConfigError("give step_s or tokens_per_s, not both")
-    (k, v), = measured.items()
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-        raise ConfigError(f"{k}={repr(v)[:40]}: expected a positive number")
-    step = v if k == "step_s" else lay.global_batch * lay.seq_len / v
-    got = r["step_s"]
-    return {"measured_step_s": _sig(step), "step_error": None if got is None else round(got / step - 1, 4)}
+MEASURED = ("step_s", "tokens_per_s")
+
+
+def pop_measured(d: dict, where: str = "") -> tuple[str, float] | None:
+    """Take a layout line's measured ``step_s`` or ``tokens_per_s`` (all ranks) out of ``d``:
+    ``(key, value)``, or None when it has neither; one line for both, or a value that is no
+    positive number."""
+    keys = [k for k in MEASURED if k in d]
+    if not keys:
+        return None
+    prefix = f"{where}: " if where else ""
+    if len(keys) > 1:
+        raise ConfigError(f"{prefix}give exactly one of step_s (seconds a step) or tokens_per_s (all ranks)")
+    v = d.pop(keys[0])
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v < 1e12):
+        raise ConfigError(f"{prefix}{keys[0]}={repr(v)[:40]}: expected a positive number")
+    return keys[0], float(v)
+
+
+def measured_step(lay: PlanLayout, key: str, value: float) -> float:
+    """Seconds a step of ``lay`` took, from its measured ``step_s`` or ``tokens_per_s``."""
+    return value if key == "step_s" else lay.global_batch * lay.seq_len / value
 
 
 def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
@@ -208,11 +220,12 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
             continue
         try:
             d = json.loads(line)
-            measured = {k: d.pop(k) for k in ("step_s", "tokens_per_s") if isinstance(d, dict) and k in d}
+            measured = pop_measured(d) if isinstance(d, dict) else None
             lay = PlanLayout.from_dict(d, **(defaults or {}))
             r = predict(lay).to_dict()
             if measured:  # a measured run (as `hpcml plan calibrate` reads them): the prediction's error
-                r |= _against(r, lay, measured)
+                step, got = measured_step(lay, *measured), r["step_s"]
+                r |= {"measured_step_s": _sig(step), "step_error": None if got is None else round(got / step - 1, 4)}
             out.append(r)
         except (HpcmlError, ValueError, TypeError, RecursionError, OverflowError) as e:
             out.append({"line": n, "error": str(e).splitlines()[0]})
