@@ -169,10 +169,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     # the linear layers' matmuls: at the FP8 peak under precision fp8 (attention and the output layer stay bf16)
     lin = dev.fp8_tflops * dev.sustained * 1e12 * c.fp8_eff if lay.precision == "fp8" else peak
     for i, count in kinds.items():
-        core_flops = tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp
-        if lay.cp > 1 and lay.cp_kind == "allgather" and lay.framework == "hpcml":
-            core_flops *= 2  # hpcml's all-gather attention takes a dense mask: no causal half skipped
-        core_mm = core_flops / (peak * a_eff)
+        core_flops = tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp  # causal, in layer_flops
+        # hpcml's all-gather attention takes a dense mask: no causal half skipped
+        dense = 2.0 if lay.cp > 1 and lay.cp_kind == "allgather" and lay.framework == "hpcml" else 1.0
+        core_mm = dense * core_flops / (peak * a_eff)
         mm = (tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) - core_flops) / (lin * eff) + core_mm
         ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
         sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if lay.attention == "eager" \

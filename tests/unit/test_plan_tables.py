@@ -177,3 +177,17 @@ def test_block_and_cp_flags_on_the_command_line(capsys):
         cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "4096",
              "--global-batch", "8", "--positions", "sinusoid"])
     assert "invalid choice: 'sinusoid'" in capsys.readouterr().err
+
+
+def test_dense_allgather_attention_adds_the_causal_half_only():
+    """hpcml's all-gather cp prices its attention core dense (twice the causal FLOPs); the
+    projections and the MLP are priced as under Ulysses."""
+    from hpcml.plan.devices import device
+
+    cfg = replace(load_model("llama3-8b"), n_layers=2)
+    dev, c = device("h100-80gb"), Constants(gemm_eff=0.6, m_half=0.0, n_half=0.0, attn_eff=0.3)
+    base = PlanLayout(model=cfg, gpus=4, gpu="h100-80gb", seq_len=8192, global_batch=4, cp=4, zero=3)
+    causal = step_time(cfg, base, dev, c).compute_s  # Ulysses: the causal half
+    dense = step_time(cfg, replace(base, cp_kind="allgather"), dev, c).compute_s
+    core = 8192 / 4 * 2 * 8192 * cfg.n_heads * cfg.head_dim / (dev.peak_tflops * 1e12 * 0.3)  # fwd, per block
+    assert dense - causal == pytest.approx(3.5 * core * cfg.n_layers * base.microbatches, rel=1e-6)
