@@ -136,8 +136,8 @@ def check_role(texts: list[bytes], where: str, path: Path | None = None, environ
         forms.add(bytes.fromhex(secret.decode()))
     except ValueError:
         pass
-    for t in texts:
-        t = t.strip()
+    # raw key bytes may begin or end with a whitespace byte: compare them unstripped too
+    for t in {x for raw in texts for x in (raw, raw.strip())}:
         if any(f and (f in t or f in t.lower() or (len(t) >= MIN_KEY_CHARS and t.lower() in f)) for f in forms):
             raise ConfigError(why + " (or holds it)" + advice)
 

@@ -276,6 +276,18 @@ def test_the_stream_secret_never_signs_checkpoints(tmp_path, monkeypatch):
     assert keys.keyring(own).source == f"key file {own}"  # another key is taken
 
 
+@pytest.mark.parametrize("edge", [b" ", b"\t", b"\n", b"\x0b", b"\x0c", b"\r"])
+def test_stream_secret_bytes_with_whitespace_edges_are_still_refused(tmp_path, monkeypatch, edge):
+    """A random 32-byte secret begins or ends with a whitespace byte about once in 20: those
+    bytes given as key= are still the secret (CI caught a strip() that let them through)."""
+    secret = edge + bytes(range(60, 92)) + edge  # holds A-Z, which lower() changes
+    path = tmp_path / "stream.key"
+    path.write_text(secret.hex())
+    monkeypatch.setenv("HPCML_STREAM_SECRET_FILE", str(path))
+    with pytest.raises(ConfigError, match=r"key= is the campaign's stream secret"):
+        keys.keyring(secret)
+
+
 # -- bounded before parsing -----------------------------------------------------------------
 @pytest.mark.parametrize("name", ["rank_00000.h5", "index.h5", "manifest.json", "latest"])
 def test_fifo_under_a_checkpoint_name_is_refused_at_once(tmp_path, name):
