@@ -71,10 +71,9 @@ def stream_member(sim_id: int, params: dict, attempt: int) -> dict:
 
 def _on_site(n: int, site: str, bundle: int, threads: int, run_dir: Path) -> dict:
     """Every member streams one sample into a 2-rank trainer, through the site's scheduler."""
-    from hpcml.ensemble import Campaign, SimSpec, TrainingJob
+    from hpcml.ensemble import Campaign, Members, TrainingJob
 
-    sims = [SimSpec(sim_id=i, params={"x": float(i)}, entry="benchmarks.campaign_scale:stream_member")
-            for i in range(n)]
+    sims = Members(entry="benchmarks.campaign_scale:stream_member", count=n, params=_x)
     training = TrainingJob(argv=[sys.executable, "-c", TRAINER, str(n)], ranks=2, steps=100, batch=8, stream=True,
                            env={"PYTHONPATH": str(ROOT)})
     c = Campaign(run_dir=run_dir, site=site, site_options={"nodes": 1, "walltime": "00:20:00"}, bundle=bundle,
@@ -93,9 +92,17 @@ def _on_site(n: int, site: str, bundle: int, threads: int, run_dir: Path) -> dic
             "gradient_steps": s["gradient_steps"], "training_returncode": res.training_returncode}
 
 
-def _specs(n: int, bundle: int) -> list:
-    from hpcml.ensemble import SimSpec
+def _x(sim_id: int) -> dict:
+    return {"x": float(sim_id)}
 
+
+def _specs(n: int, bundle: int, listed: bool = False):
+    """Bundled members described (``Members``: a few bytes a member in the driver), or -- ``listed``,
+    or launched ones -- a list of ``SimSpec`` s (~1.5 KiB a member held by the caller)."""
+    from hpcml.ensemble import Members, SimSpec
+
+    if bundle and not listed:
+        return Members(entry="benchmarks.campaign_scale:member", count=n, params=_x, stream=False)
     if bundle:
         return [SimSpec(sim_id=i, params={"x": float(i)}, entry="benchmarks.campaign_scale:member", stream=False)
                 for i in range(n)]
@@ -122,13 +129,14 @@ def _ok_counts(run_dir: Path) -> dict[int, int]:
     return ok
 
 
-def _killed_run(n: int, threads: int, run_dir: Path, bundle: int) -> None:
+def _killed_run(n: int, threads: int, run_dir: Path, bundle: int, listed: bool = False) -> None:
     """Child process: the same campaign, killed from outside at half way."""
-    _make(run_dir, threads, bundle).run(_specs(n, bundle))
+    _make(run_dir, threads, bundle).run(_specs(n, bundle, listed))
 
 
-def _campaign(n: int, threads: int, run_dir: Path, bundle: int = 0, resume: bool = False) -> dict:
-    sims = _specs(n, bundle)
+def _campaign(n: int, threads: int, run_dir: Path, bundle: int = 0, resume: bool = False,
+              listed: bool = False) -> dict:
+    sims = _specs(n, bundle, listed)
     cpu0, t0 = _usage()[0], time.perf_counter()
     res = _make(run_dir, threads, bundle).run(sims)
     wall = time.perf_counter() - t0
@@ -141,17 +149,17 @@ def _campaign(n: int, threads: int, run_dir: Path, bundle: int = 0, resume: bool
            "provenance_bytes_per_sim": (run_dir / "provenance.jsonl").stat().st_size / n,
            "duplicates": sum(v > 1 for v in ok.values()), "missing": n - len(ok)}
     if resume:
-        out.update(_kill_and_resume(n, threads, run_dir.with_name("killed"), bundle, sims))
+        out.update(_kill_and_resume(n, threads, run_dir.with_name("killed"), bundle, sims, listed))
     return out
 
 
-def _kill_and_resume(n: int, threads: int, run_dir: Path, bundle: int, sims: list) -> dict:
+def _kill_and_resume(n: int, threads: int, run_dir: Path, bundle: int, sims, listed: bool) -> dict:
     """The campaign again in a child process, SIGKILLed once half its members have ended; then
     resumed here: how long the resume takes, and what ran twice or never."""
     import signal
 
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.campaign_scale import _killed_run; "
-            f"from pathlib import Path; _killed_run({n}, {threads}, Path({str(run_dir)!r}), {bundle})")
+            f"from pathlib import Path; _killed_run({n}, {threads}, Path({str(run_dir)!r}), {bundle}, {listed})")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              cwd=ROOT)
     prov = run_dir / "provenance.jsonl"
@@ -196,10 +204,10 @@ def _bare_parsl(n: int, threads: int, run_dir: Path) -> dict:
             "parsl_failed": failed}
 
 
-def _one(kind: str, n: int, threads: int, bundle: int = 0, resume: bool = False) -> dict:
+def _one(kind: str, n: int, threads: int, bundle: int = 0, resume: bool = False, listed: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpcml-scale-") as d:
         if kind == "campaign":
-            return _campaign(n, threads, Path(d) / "run", bundle, resume)
+            return _campaign(n, threads, Path(d) / "run", bundle, resume, listed)
         return _bare_parsl(n if not bundle else -(-n // bundle), threads, Path(d) / "run")
 
 
@@ -209,6 +217,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8, help="simulations at once (max_concurrent)")
     p.add_argument("--bundle", type=int, default=0, help="members a task, run in-process (SimSpec(entry=...)); "
                                                          "0: one /bin/true launched per simulation")
+    p.add_argument("--listed", action="store_true", help="bundled members given as a list of SimSpecs (held by the "
+                                                          "caller) instead of Members (described)")
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="skip the kill at half way and the resume (measured for the largest size by default)")
     p.add_argument("--site", help="a scheduler's site (slurm-local): bundled members stream one sample each into "
@@ -231,12 +241,12 @@ def main() -> None:
         for kind in ("campaign", "parsl"):  # each in a fresh interpreter: its own peak memory, one parsl.load
             code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.campaign_scale import _one; "
                     f"print(json.dumps(_one({kind!r}, {n}, {args.threads}, {args.bundle}, "
-                    f"{args.resume and n == sizes[-1] and kind == 'campaign'})))")
+                    f"{args.resume and n == sizes[-1] and kind == 'campaign'}, {args.listed})))")
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if out.returncode:
                 sys.exit(f"campaign_scale: the {kind} run of {n} failed: {out.stderr[-2000:]}")
             row.update(json.loads(out.stdout.strip().splitlines()[-1]))
-        row["bundle"] = args.bundle
+        row["bundle"], row["members_given_as"] = args.bundle, ("list" if args.listed or not args.bundle else "Members")
         row["cpu_vs_parsl"] = row["driver_cpu_ms_per_sim"] / row["parsl_cpu_ms_per_task"]
         rows.append(row)
         print(json.dumps(row) if args.json else json.dumps(row, indent=1), flush=True)

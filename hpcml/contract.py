@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpcml import safeio
+from hpcml import idset, safeio
 from hpcml.errors import ConfigError, LaunchError
 
 #: A training job that ran to its end but lacks samples its simulations sent (sysexits' EX_DATAERR).
@@ -315,7 +315,7 @@ class DoneRecord:
     run: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # id sets stay sets: written in chunks
         if self.streamed is not None:
             d["streamed"] = {str(k): v for k, v in sorted(self.streamed.items())}
         return d
@@ -348,7 +348,8 @@ def _count(x: Any) -> int:
 
 
 def write_done(path: str | os.PathLike, record: DoneRecord) -> None:
-    write_json(path, record.to_json())
+    """Atomically and a chunk at a time: 10^5 ids are written, never built as one text."""
+    safeio.replace(path, idset.dump(record.to_json()))
 
 
 def read_done(path: str | os.PathLike, contract: Contract | None = None) -> DoneRecord | None:

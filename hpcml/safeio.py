@@ -22,7 +22,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,11 +355,12 @@ def ends_torn(fd: int) -> bytes:
     return b"" if last == b"\n" else b"\n"
 
 
-def replace(path: str | os.PathLike, data: str | bytes, *, mode: int | None = None,
+def replace(path: str | os.PathLike, data: str | bytes | Iterable[str | bytes], *, mode: int | None = None,
             root: str | os.PathLike | None = None, fsync: bool = False) -> None:
     """Write ``path`` atomically: a fresh temporary file (exclusive create, no link followed)
     renamed over it, so a reader never sees half a file and a link put at ``path`` is replaced,
-    not written through. A directory, FIFO or device at ``path`` is refused. ``mode``: exactly
+    not written through; ``data`` may come in chunks (an iterable), written as they come. A
+    directory, FIFO or device at ``path`` is refused. ``mode``: exactly
     these permissions (a script's 0755, a secret's 0600); None: 0666 less the umask, as ``open``."""
     path = Path(path)
     dfd, name = _parent_fd(path, root)
@@ -377,15 +378,19 @@ def replace(path: str | os.PathLike, data: str | bytes, *, mode: int | None = No
             pass
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _WRITE, 0o666 if mode is None else mode, dir_fd=dfd)
         try:
-            view = memoryview(data.encode() if isinstance(data, str) else data)
-            while view:
-                view = view[os.write(fd, view):]
+            for chunk in (data,) if isinstance(data, (str, bytes, bytearray, memoryview)) else data:
+                view = memoryview(chunk.encode() if isinstance(chunk, str) else chunk)
+                while view:
+                    view = view[os.write(fd, view):]
             if mode is not None:
                 os.fchmod(fd, mode)
             if fsync:
                 os.fsync(fd)
-        finally:
+        except BaseException:  # a chunk that could not be made: the old file stays, no leftover
             os.close(fd)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.close(fd)
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     finally:
         os.close(dfd)

@@ -5,10 +5,11 @@ retries, provenance, the walltime and requeue. Imports no torch and no particula
 from hpcml.ensemble.campaign import Campaign
 from hpcml.ensemble.design import design, full_factorial, latin_hypercube, sobol
 from hpcml.ensemble.hardware import SiteHardware
+from hpcml.ensemble.members import Members
 from hpcml.ensemble.breed import Breed
 from hpcml.ensemble.sampling import Halton, Sampler, SimStats
 from hpcml.ensemble.site import Site, list_sites, load_site
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 
-__all__ = ["Breed", "Campaign", "CampaignResult", "Halton", "Sampler", "SimSpec", "SimStats", "Site", "SiteHardware",
+__all__ = ["Breed", "Campaign", "CampaignResult", "Halton", "Members", "Sampler", "SimSpec", "SimStats", "Site", "SiteHardware",
            "TrainingJob", "design", "full_factorial", "latin_hypercube", "list_sites", "load_site", "sobol"]

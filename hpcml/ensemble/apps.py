@@ -236,7 +236,7 @@ def mark_done(run_dir: str | Path, futures: Iterable[Any]) -> dict[str, list[int
     record = ledger.done_record(handle.contract, completed, failed, streaming)
     write_done(handle.run_dir / DONE_FILE, record)
     handle.ended = True  # new simulations, or a new claim, in this process start a new run
-    return {"completed": record.completed, "failed": record.failed}
+    return {"completed": list(record.completed), "failed": list(record.failed)}  # plain lists: a workflow's JSON
 
 
 def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None = None,

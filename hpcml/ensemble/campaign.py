@@ -37,6 +37,8 @@ from hpcml.log import get_logger
 if TYPE_CHECKING:  # parsl costs ~0.4 s to import; only run() needs it
     import parsl
 
+    from hpcml.ensemble.members import Members
+
     from hpcml.ensemble.allocation import Allocation
 
 __all__ = ["Campaign", "CampaignResult", "SimSpec", "TrainingJob"]  # the helpers and file names are internal
@@ -222,7 +224,7 @@ class Campaign:
         else:
             options = {k: v for k, v in self.site_options.items() if v is not None}
             cfg = self.site.parsl_config(run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
-                                         sim_ranks=max((s.ranks for s in sims), default=1), retries=self.retries,
+                                         sim_ranks=_max_ranks(sims), retries=self.retries,
                                          sim_nodes=tuple(sim_nodes), **options)
         if getattr(cfg, "run_dir", None) == "runinfo":  # Parsl's default: keep everything in the run directory
             cfg.run_dir = str(self.run_dir / "parsl")
@@ -230,12 +232,16 @@ class Campaign:
 
     # --- the run --------------------------------------------------------------------------
 
-    def run(self, sims: Sequence[SimSpec], *, training: TrainingJob | None = None, ready_file: Path | str | None = None,
+    def run(self, sims: Sequence[SimSpec | Members] | Members, *, training: TrainingJob | None = None, ready_file: Path | str | None = None,
             ready_timeout_s: float | None = None, train_timeout_s: float | None = None,
             resume: bool = False, kept: Collection[int] | Callable[[], Collection[int]] | None = None
             ) -> CampaignResult:
         """Start ``training``, wait for its stream endpoints (``ready_file``), run every
         simulation, write the done record, wait for the trainer to exit.
+
+        ``sims``: :class:`SimSpec` s, or :class:`~hpcml.ensemble.members.Members` (many
+        bundled members of one function, described rather than listed: the driver holds a
+        few bytes a member), or a list mixing both.
 
         The run directory holds one campaign (``campaign_id.json``, written on first use):
         one that holds this campaign's simulations or training job already is refused
@@ -259,16 +265,18 @@ class Campaign:
         ``.result``; returns an ``interrupted`` result after a walltime warning. No
         simulations: see :meth:`train`.
         """
-        sims = list(sims)
-        _check_unique(sims)
-        if not sims and training is None:
+        from hpcml.ensemble.members import Members, Specs
+
+        specs = Specs([sims] if isinstance(sims, Members) else list(sims))
+        specs.check_unique()
+        if not len(specs) and training is None:
             raise ConfigError("nothing to run: give simulations, a training job (training=) or both")
         _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
         if streaming(training, ready_file):
-            check_stream_ranks([s for s in sims if s.stream is not False], self.train_ranks(training))
+            check_stream_ranks([i for p, i in enumerate(specs.ids()) if specs.streams(p)], self.train_ranks(training))
         from hpcml.ensemble.runner import Run
 
-        return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
+        return Run(self, specs, training, Path(ready_file) if ready_file is not None else None,
                    ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
                    kept=kept if kept is None or callable(kept) else set(kept)).execute()
 
@@ -295,6 +303,7 @@ class Campaign:
         :meth:`run` runs them."""
         from types import SimpleNamespace
 
+        from hpcml.ensemble.members import Specs
         from hpcml.ensemble.runner import Run
         from hpcml.ensemble.waves import Waves
 
@@ -314,7 +323,7 @@ class Campaign:
                                   f"{ranks}")
             check_stream_ranks([SimpleNamespace(sim_id=i) for i in range(budget)]
                                + [s for s in sims if s.stream is not False], ranks)
-        return Run(self, sims, training, Path(ready_file) if ready_file is not None else None,
+        return Run(self, Specs(sims), training, Path(ready_file) if ready_file is not None else None,
                    ready_timeout_s=ready_timeout_s, train_timeout_s=train_timeout_s, resume=resume,
                    waves=waves).execute()
 
@@ -326,6 +335,11 @@ class Campaign:
         is ``run_dir/training.json`` (``campaign.json`` keeps the simulations'). The same
         as ``run([], training=training)``."""
         return self.run([], training=training, train_timeout_s=train_timeout_s, resume=resume)
+
+
+def _max_ranks(sims: Sequence[SimSpec]) -> int:
+    """The most ranks one simulation takes (a run's Specs know it without making every spec)."""
+    return sims.max_ranks() if hasattr(sims, "max_ranks") else max((s.ranks for s in sims), default=1)
 
 
 def _check_unique(sims: Sequence[SimSpec]) -> None:
@@ -349,22 +363,27 @@ def streaming(training: TrainingJob | None, ready_file) -> bool:
     return training is not None and (training.stream if training.stream is not None else ready_file is not None)
 
 
-def check_stream_ranks(sims: Sequence[SimSpec], ranks: int) -> None:
+def check_stream_ranks(sims: Sequence[SimSpec] | Sequence[int], ranks: int) -> None:
     """Refuse a streaming campaign in which a trainer rank would get no simulation (it would
-    wait for data that never comes): each simulation streams to the rank ``route`` names."""
+    wait for data that never comes): each simulation streams to the rank ``route`` names.
+    ``sims``: the streaming simulations, or their ids."""
     n = f"{len(sims)} simulation{'s' if len(sims) != 1 else ''}"
     if len(sims) < ranks:
         raise ConfigError(f"{n} for {ranks} trainer ranks: each trainer rank needs at least one "
                           f"simulation; use <= {max(len(sims), 1)} trainer ranks or more simulations"
-                          if sims else f"no simulations for a streaming training job of {ranks} ranks: give "
+                          if len(sims) else f"no simulations for a streaming training job of {ranks} ranks: give "
                           f"simulations, or TrainingJob(stream=False) to train from files (Campaign.train)")
     from hpcml.stream.routing import route
 
-    idle = sorted(set(range(ranks)) - {route(s.sim_id, ranks) for s in sims})
-    if idle:
-        raise ConfigError(f"{n} for {ranks} trainer ranks leave rank(s) {idle} without data "
-                          f"(each simulation streams to the rank hpcml.stream.route(sim_id, {ranks}) names): use "
-                          f"fewer trainer ranks or more simulations")
+    fed: set[int] = set()
+    for s in sims:
+        fed.add(route(s if isinstance(s, int) else s.sim_id, ranks))
+        if len(fed) == ranks:
+            return
+    idle = sorted(set(range(ranks)) - fed)
+    raise ConfigError(f"{n} for {ranks} trainer ranks leave rank(s) {idle} without data "
+                      f"(each simulation streams to the rank hpcml.stream.route(sim_id, {ranks}) names): use "
+                      f"fewer trainer ranks or more simulations")
 
 
 def executor_label(cfg: Any) -> str:

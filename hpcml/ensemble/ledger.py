@@ -10,12 +10,13 @@ trainer's accounting (``train_summary.json``) is over its checkpointed state.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from pathlib import Path
 
 from hpcml.contract import Contract, DoneRecord, read_json
 from hpcml.ensemble import attempts, provenance
 from hpcml.errors import ConfigError
+from hpcml.idset import IdSet
 from hpcml.log import get_logger
 
 logger = get_logger(__name__)
@@ -51,11 +52,14 @@ def streamed_anything(s, wait_s: float = 5.0) -> bool:
     return True
 
 
-def done_record(contract: Contract, completed: list[int], failed: list[int], streaming: set[int]) -> DoneRecord:
+def done_record(contract: Contract, completed: Iterable[int], failed: Iterable[int],
+                streaming: Container[int]) -> DoneRecord:
     """The end of this run's campaign: ``streaming`` simulations (of those completed) carry
-    their streamed counts; one that closed no Producer is ``silent``; the others are not waited for."""
+    their streamed counts; one that closed no Producer is ``silent``; the others are not waited for.
+    The ids are kept as :class:`~hpcml.idset.IdSet` runs (10^5 of them are a few runs)."""
+    completed, failed = IdSet(completed), IdSet(failed)
     counts = streamed(Path(contract.run_dir), [s for s in completed if s in streaming])
-    return DoneRecord(completed=sorted(completed), failed=sorted(failed),
+    return DoneRecord(completed=completed, failed=failed,
                       streamed={s: n for s, n in counts.items() if n is not None},
                       silent=sorted(s for s, n in counts.items() if n is None), campaign=contract.campaign,
                       run=contract.run)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from hpcml import safeio
+from hpcml.idset import IdSet
 from hpcml.errors import ConfigError
 
 PROVENANCE_FILE = "provenance.jsonl"
@@ -62,3 +63,10 @@ def completed_sims(run_dir: Path) -> dict[int, dict]:
         if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):  # the latest counts: a later run's
             done[rec["sim_id"]] = {"attempt": rec.get("attempt"), "streamed": rec.get("streamed")}
     return done
+
+
+def completed_ids(run_dir: Path) -> IdSet:
+    """The ids of :func:`completed_sims` as an :class:`~hpcml.idset.IdSet` (a few runs
+    of ids, whatever their number)."""
+    return IdSet(rec["sim_id"] for rec in iter_provenance(run_dir)
+                 if rec.get("status") == "ok" and type(rec.get("sim_id")) is int and rec["sim_id"] >= 0)

@@ -38,6 +38,7 @@ from typing import Any
 from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, LEASE_FILE, read_json, write_json
 from hpcml.ensemble import attempts
 from hpcml.ensemble.driver_lease import DriverLease
+from hpcml.ensemble.members import Specs
 from hpcml.ensemble.spec import SimSpec, TrainingJob
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
@@ -76,14 +77,21 @@ def definition(sims: Sequence[SimSpec], training: TrainingJob | None, adaptive: 
     may change (more steps: the trainer's resume rule, docs/parallel.md). Only the parts
     given (a training-only run defines no simulations); the training argv is recorded."""
     d: dict[str, Any] = {}
-    fixed = json.dumps([[s.sim_id, dict(s.params), list(s.argv)] for s in sorted(sims, key=lambda s: s.sim_id)],
-                       sort_keys=True) if sims else ""
-    if sims and adaptive is None:
-        d["simulations"] = {"count": len(sims), "digest": hashlib.sha256(fixed.encode()).hexdigest()[:16]}
+    h = hashlib.sha256(json.dumps(adaptive, sort_keys=True).encode() if adaptive is not None else b"")
+    if len(sims):  # the text json.dumps would give the sorted [id, params, argv] list, hashed a spec at a time
+        ordered = sims.definitions() if isinstance(sims, Specs) else (
+            (s.sim_id, dict(s.params), list(s.argv)) for s in sorted(sims, key=lambda s: s.sim_id))
+        for k, one in enumerate(ordered):
+            try:
+                text = json.dumps(list(one), sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as e:  # a Members rule's parameters, met here first
+                raise ConfigError(f"simulation {one[0]}: params {one[1]!r} must be finite JSON values ({e})") from None
+            h.update((", " if k else "[").encode() + text.encode())
+        h.update(b"]")
+    if len(sims) and adaptive is None:
+        d["simulations"] = {"count": len(sims), "digest": h.hexdigest()[:16]}
     if adaptive is not None:  # waves: the plan defines them (each one's spec.json pins it), and the fixed ones
-        canon = json.dumps(adaptive, sort_keys=True) + fixed
-        d["simulations"] = {"adaptive": True, "digest": hashlib.sha256(canon.encode()).hexdigest()[:16],
-                            "count": adaptive.get("budget") + len(sims)}
+        d["simulations"] = {"adaptive": True, "digest": h.hexdigest()[:16], "count": adaptive.get("budget") + len(sims)}
     if training is not None:
         d["training"] = {"argv": list(training.argv)}
     return d

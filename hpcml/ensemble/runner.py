@@ -20,12 +20,14 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from hpcml import stop
-from hpcml.contract import (DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done,
-                            write_json)
+from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done
 from hpcml.ensemble import attempts, ledger, provenance, run_report, rundir
 from hpcml.ensemble.apps import simulation_app
 from hpcml.ensemble.campaign import Campaign, executor_label, streaming
 from hpcml.ensemble.progress import ProgressLine, last_json_line
+from hpcml.ensemble.book import COMPLETED, FAILED, PENDING, RUNNING, CANCELLED, Book
+from hpcml.idset import IdSet
+from hpcml.ensemble.members import Specs
 from hpcml.ensemble.simpool import Sim, SimPool
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 from hpcml.ensemble.trainer_proc import TrainerProcess
@@ -51,7 +53,7 @@ TRAINER_SAVE_S = 30.0
 class Run:
     """One execution of :meth:`Campaign.run`; holds the mutable state."""
 
-    def __init__(self, c: Campaign, sims: list[SimSpec], training: TrainingJob | None, ready_file: Path | None, *,
+    def __init__(self, c: Campaign, sims: Specs, training: TrainingJob | None, ready_file: Path | None, *,
                  ready_timeout_s: float | None, train_timeout_s: float | None, resume: bool,
                  kept: set[int] | Callable[[], Collection[int]] | None = None, waves: Waves | None = None) -> None:
         self.c, self.training, self.resume, self.kept, self.waves = c, training, resume, kept, waves
@@ -59,9 +61,9 @@ class Run:
         self.run_dir: Path = c.run_dir  # type: ignore[assignment]
         self.streams = streaming(training, ready_file)
         self.ready_file = ready_file if ready_file is not None or not self.streams else self.run_dir / ENDPOINTS_FILE
-        self.sims = [self._sim(s) for s in sims]
-        self.pool = SimPool(c, self.run_dir, self.sims, check=self._check_trainer, stopping=self._stopping,
-                            show=self._show)
+        self.book = Book(sims)  # every simulation's outcome, a few bytes each; a Sim exists only in flight
+        self.pool = SimPool(c, self.run_dir, self.book, self._sim, check=self._check_trainer,
+                            stopping=self._stopping, show=self._show)
         self.pool.on_complete = self._completed
         self.prov_path = self.run_dir / provenance.PROVENANCE_FILE
         self.trainer: TrainerProcess | None = None
@@ -100,7 +102,7 @@ class Run:
     def execute(self) -> CampaignResult:
         t0 = time.monotonic()
         self.started_at = time.time()
-        if self.sims or self.waves:
+        if len(self.book) or self.waves:
             _refuse_loaded_parsl()  # before the run directory is touched
         previous = stop.install() if self.c.handle_signals else {}
         try:
@@ -118,14 +120,14 @@ class Run:
             self.c.plan_pilot(self.training)  # two jobs within the queues' per-user limits, or refused now
         else:
             train_hosts, sim_hosts = alloc.split(self.training.nodes if self.training else 0,
-                                                 sims=bool(self.sims) or self.waves is not None)
+                                                 sims=bool(len(self.book)) or self.waves is not None)
             logger.info("one allocation (job %s): training on %s, simulations on %s", alloc.job_id,
                         ",".join(train_hosts) or "-", ",".join(sim_hosts) or "-")
-        self.claim = rundir.claim(self.run_dir, [s.spec for s in self.sims], self.training,
+        self.claim = rundir.claim(self.run_dir, self.book.specs, self.training,
                                   resume=self.resume, adaptive=self.waves.definition if self.waves else None)
         try:
             if self.waves:  # the waves proposed by an earlier run of this campaign: the same simulations
-                self.sims += [self._sim(spec) for spec in self.waves.open(self.run_dir)]
+                self.book.extend(self.waves.open(self.run_dir))
             self.contract = self._contract()
             self.pool.run_id = self.contract.run
             self._prepare()
@@ -145,14 +147,12 @@ class Run:
                                               grace_s=max(self.c.cancel_grace_s, TRAINER_SAVE_S))
                 self.trainer.start(append=self.resume)
             if self.waves and not self.waves.plan.waves:  # the first wave: no feedback yet
-                for spec in self.waves.propose(self.contract):
-                    self._add(spec)
-            pending = [s for s in self.sims if not s.skipped]
-            if pending or (self.waves and not self.waves.plan.done):
-                self._run_parsl(pending, sim_hosts)
+                self._add(self.waves.propose(self.contract))
+            if self.book.counts[PENDING] or (self.waves and not self.waves.plan.done):
+                self._run_parsl(sim_hosts)
             else:
                 self._wait_ready()
-            if (self.sims or self.waves) and not self._stopping() and (not self.waves or self.waves.plan.done):
+            if (len(self.book) or self.waves) and not self._stopping() and (not self.waves or self.waves.plan.done):
                 self._write_done()
             if self.trainer is not None:
                 self._wait_trainer()
@@ -170,15 +170,16 @@ class Run:
                     logger.warning("no waves.png: %s: %s", type(e).__name__, e)
             result = run_report.result(self, time.monotonic() - t0)
             # a training-only run (offline) keeps the simulations' record
-            write_json(self.run_dir / ("campaign.json" if self.sims else "training.json"), run_report.summary(self, result))
+            run_report.write_summary(self.run_dir / ("campaign.json" if len(self.book) else "training.json"),
+                                     run_report.summary(self, result))
             if failure is not None:
                 failure.result = result  # what was done before it failed, for the caller's own report
         return result
 
-    def _run_parsl(self, pending: list[Sim], sim_hosts: tuple[str, ...]) -> None:
+    def _run_parsl(self, sim_hosts: tuple[str, ...]) -> None:
         import parsl
 
-        cfg = self.c.make_config([s.spec for s in pending] or [s.spec for s in self.sims], sim_hosts)
+        cfg = self.c.make_config(self.book.specs, sim_hosts)
         self.retries = getattr(cfg, "retries", None)
         label = executor_label(cfg)
         t = time.monotonic()
@@ -190,7 +191,7 @@ class Run:
         logger.info("Parsl loaded in %.2f s (executor %s, retries %s)", self.parsl_load_s, label, self.retries)
         try:
             self._wait_ready()
-            self.pool.run(pending, simulation_app([label]), more=self._next_wave if self.waves else None)
+            self.pool.run(self.book.pending(), simulation_app([label]), more=self._next_wave if self.waves else None)
             self._show(force=True)
         except BaseException:
             self.pool.cancel()
@@ -207,8 +208,8 @@ class Run:
             timeout = self.ready_timeout_s if self.ready_timeout_s is not None else 300.0 if local else None
             self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
             if self.streams and self.contract is not None and self.contract.endpoints_file:
-                connections_needed(self.contract.endpoints_file, self.c.max_concurrent,
-                                   max((s.spec.ranks for s in self.sims), default=1), self.contract)
+                connections_needed(self.contract.endpoints_file, self.c.max_concurrent, self.book.specs.max_ranks(),
+                                   self.contract)
 
     # -- the contract ---------------------------------------------------------------------------
     def _contract(self) -> Contract:
@@ -224,7 +225,7 @@ class Run:
                           stream_interface=None if self.c.stream_host or self.c.site is None
                           else self.c.site.stream_interface)
         t = self.training
-        if self.sims or self.waves:  # the end of the campaign, for any trainer that waits for it (streaming or not)
+        if len(self.book) or self.waves:  # the end of the campaign, for any trainer that waits for it (streaming or not)
             stream["done_file"] = str(self.run_dir / DONE_FILE)
         return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
                         resume=self.resume and self.claim.held, steps=t.steps if t else None,
@@ -233,33 +234,38 @@ class Run:
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
 
     def _prepare(self) -> None:
-        if not self.sims and not self.waves:  # training alone: the simulations' files stay as they are
+        if not len(self.book) and not self.waves:  # training alone: the simulations' files stay as they are
             return
         attempts.prepare(self.pool.sims_dir, {**self.contract.for_simulations().to_env(), **self.c.env})
         attempts.clear_cancel(self.pool.sims_dir)
         rundir.clear_done(self.run_dir)
-        done = set(provenance.completed_sims(self.run_dir)) if self.resume else set()
+        specs = self.book.specs
+        for pos in range(len(specs)):  # a launched simulation's definition is pinned beside its attempts
+            if not specs.is_member(pos):
+                rundir.record_spec(self.run_dir, specs[pos])
+        if not self.resume:
+            return
+        done = set(provenance.completed_sims(self.run_dir))
         if done:
             kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
             if kept is None:
-                kept = ledger.kept(self.run_dir, done, {s.spec.sim_id for s in self.sims if s.streams})
+                streaming = {specs.sim_id(p) for p in range(len(specs)) if self.streams and specs.streams(p)}
+                kept = ledger.kept(self.run_dir, done, streaming)
             skip = done & set(kept)
         else:
             skip = set()
-        last = provenance.last_attempts(self.run_dir) if self.resume else {}
-        for s in self.sims:
-            if s.spec.entry is None:
-                rundir.record_spec(self.run_dir, s.spec)
-                s.first = attempts.next_attempt(s.dir)
-            else:  # a bundled member: no directory of its own; its attempts go on from the provenance's
-                s.first = last.get(s.spec.sim_id, -1) + 1
-            if s.spec.sim_id in skip:
-                s.outcome, s.skipped = "completed", True
+        last = provenance.last_attempts(self.run_dir)
+        for pos, sim_id in enumerate(specs.ids()):
+            if sim_id in skip:
+                self.book.skip(pos)
+            elif specs.is_member(pos):  # no directory of its own: its attempts go on from the provenance's
+                if sim_id in last:
+                    self.book.first[pos] = last[sim_id] + 1
         if done:
             lost = sorted(done - skip)
             logger.info("resuming: %d of %d simulation(s) completed earlier and are not run again%s",
-                        sum(s.skipped for s in self.sims), len(self.sims),
-                        f"; {len(lost)} finished after the last save and run again: {lost}" if lost else "")
+                        len(self.book.skipped), len(specs),
+                        f"; {len(lost)} finished after the last save and run again: {lost[:20]}" if lost else "")
 
     def _next_wave(self) -> list[Sim] | None:
         """The pool's ``more``: the next wave once the last one has mostly ended (or nothing
@@ -267,11 +273,12 @@ class Run:
         w = self.waves
         if w.plan.done:
             return None
-        last = set(w.plan.waves[-1]["ids"]) if w.plan.waves else set()
-        ended = sum(s.outcome in ("completed", "failed") for s in self.sims if s.spec.sim_id in last)
+        last = w.plan.waves[-1]["ids"] if w.plan.waves else []
+        at = [self.book.specs.position(i) for i in last]
+        ended = sum(p is not None and self.book.outcome[p] in (COMPLETED, FAILED) for p in at)
         if last and self.pool.inflight and ended < w.trigger * len(last) and not self._rank_idle():
             return []
-        new = [self._add(spec) for spec in w.propose(self.contract)]
+        new = self._add(w.propose(self.contract))
         self.progress.total = self._total()
         return new
 
@@ -285,17 +292,20 @@ class Run:
             [i for t in self.pool.inflight.values() if t.streams for i in getattr(t, "sim_ids", [t.spec.sim_id])],
             self.c.train_ranks(self.training))
 
-    def _sim(self, spec: SimSpec) -> Sim:
-        return Sim(spec=spec, dir=attempts.sim_dir(self.run_dir, spec.sim_id),
-                   streams=self.streams and spec.stream is not False)
-
-    def _add(self, spec: SimSpec) -> Sim:
-        """A simulation of a new wave, set up as :meth:`_prepare` sets up the others."""
-        s = self._sim(spec)
-        rundir.record_spec(self.run_dir, spec)
-        s.first = attempts.next_attempt(s.dir)
-        self.sims.append(s)
+    def _sim(self, pos: int) -> Sim:
+        """The simulation at ``pos``, made as it is handed to Parsl."""
+        spec = self.book.specs[pos]
+        member = spec.entry is not None  # no directory of its own: its records are its bundle's
+        s = Sim(spec=spec, pos=pos, dir=self.pool.sims_dir if member else attempts.sim_dir(self.run_dir, spec.sim_id),
+                streams=self.streams and spec.stream is not False)
+        s.first = self.book.first.get(pos, 0) if member else attempts.next_attempt(s.dir)
         return s
+
+    def _add(self, specs: list[SimSpec]) -> range:
+        """The simulations of a new wave, set up as :meth:`_prepare` sets up the others."""
+        for spec in specs:
+            rundir.record_spec(self.run_dir, spec)
+        return self.book.extend(specs)
 
     def _completed(self, s: Sim) -> None:
         """A streaming simulation that completed without streaming fails the campaign at once:
@@ -308,10 +318,10 @@ class Run:
             raise LaunchError(self.error)
 
     def _write_done(self) -> None:
-        completed = [s.spec.sim_id for s in self.sims if s.outcome == "completed"]
-        failed = [s.spec.sim_id for s in self.sims if s.outcome != "completed"]
+        specs = self.book.specs
+        streaming = IdSet(specs.sim_id(p) for p in range(len(specs)) if self.streams and specs.streams(p))
         write_done(self.run_dir / DONE_FILE, ledger.done_record(
-            self.contract, completed, failed, {s.spec.sim_id for s in self.sims if s.streams}))
+            self.contract, self.book.ids(COMPLETED), self.book.ids(PENDING, RUNNING, FAILED, CANCELLED), streaming))
 
     # -- training job -----------------------------------------------------------------------------
     def _check_trainer(self) -> None:

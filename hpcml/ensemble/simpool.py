@@ -13,12 +13,13 @@ import concurrent.futures
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcml.outcome import FINAL_SUFFIX, read_final_error
 from hpcml.ensemble import attempts, bundles
+from hpcml.ensemble.book import CANCELLED, COMPLETED, FAILED, RUNNING, Book
 from hpcml.errors import ConfigError
 from hpcml.ensemble.spec import SimSpec
 from hpcml.log import get_logger
@@ -28,8 +29,13 @@ logger = get_logger(__name__)
 
 @dataclass(kw_only=True)
 class Sim:
+    """A simulation while it is in flight (made when it is handed to Parsl, folded into the
+    run's :class:`~hpcml.ensemble.book.Book` when its task ends)."""
+
     spec: SimSpec
     dir: Path
+    pos: int = -1
+    """Its position in the run's simulations (the book's index)."""
     first: int = 0
     """Attempt number this run's first attempt gets (attempts continue across re-runs)."""
     streams: bool = False
@@ -55,9 +61,9 @@ class Sim:
 class SimPool:
     """Submits, watches, records and cancels the simulations of one run."""
 
-    def __init__(self, campaign, run_dir: Path, sims: list[Sim], *,
+    def __init__(self, campaign, run_dir: Path, book: Book, make: Callable[[int], Sim], *,
                  check: Callable[[], None], stopping: Callable[[], bool], show: Callable[[], None]) -> None:
-        self.c, self.run_dir, self.sims = campaign, run_dir, sims
+        self.c, self.run_dir, self.book, self._make = campaign, run_dir, book, make
         self.sims_dir = run_dir / "sims"
         self._check, self._stopping, self._show = check, stopping, show
         self.inflight: dict[concurrent.futures.Future, Sim | bundles.BundleTask] = {}
@@ -65,11 +71,12 @@ class SimPool:
         """This run's id: names its bundles' directories."""
         self.on_complete: Callable[[Sim], None] = lambda s: None
 
-    def run(self, pending: list[Sim], app, more: Callable[[], list[Sim] | None] | None = None) -> None:
-        """Until every one of ``pending`` has ended, or a stop (then the running ones are cancelled).
-        ``more()`` (waves of an adaptive campaign) is asked, whenever nothing waits to be
-        submitted, for simulations to add: a list (empty: not yet), or None once there are no more."""
-        queue = deque(pending)
+    def run(self, pending: Iterable[int], app, more: Callable[[], Iterable[int] | None] | None = None) -> None:
+        """Until every one of ``pending`` (positions in the book, read as they are handed out)
+        has ended, or a stop (then the running ones are cancelled). ``more()`` (waves of an
+        adaptive campaign) is asked, whenever nothing waits to be submitted, for simulations
+        to add: positions (none: not yet), or None once there are no more."""
+        queue = _Queue(pending, self._make)
         while queue or self.inflight or more is not None:
             self._check()
             if self._stopping():
@@ -82,13 +89,13 @@ class SimPool:
                     continue
                 queue.extend(extra)
             while queue and len(self.inflight) < self.c.max_concurrent:
-                s = queue.popleft()
-                s.submitted, s.outcome = time.monotonic(), "running"
+                s = queue.pop()
+                self._running(s)
                 if s.spec.entry is not None:  # members run in-process, up to `bundle` of them a task
                     members = [s]
-                    while queue and len(members) < self.c.bundle and queue[0].spec.entry == s.spec.entry:
-                        members.append(queue.popleft())
-                        members[-1].submitted, members[-1].outcome = s.submitted, "running"
+                    while len(members) < self.c.bundle and queue and queue.peek().spec.entry == s.spec.entry:
+                        members.append(queue.pop())
+                        self._running(members[-1], s.submitted)
                     self._submit_bundle(members, app)
                     continue
                 for old in s.dir.glob(f"attempt_*{FINAL_SUFFIX}"):  # an earlier run's: this one may have fixed it
@@ -109,12 +116,14 @@ class SimPool:
                     self.record(s, final=False)
             self._show()
 
+    def _running(self, s: Sim, at: float | None = None) -> None:
+        s.submitted, s.outcome = at if at is not None else time.monotonic(), "running"
+        self.book.set(s.pos, RUNNING)
+
     def cancel(self) -> None:
         """Stop running attempts (the wrappers see CANCEL within a second) and wait for them."""
         (self.sims_dir / attempts.CANCEL_FILE).touch()
-        for s in self.sims:
-            if s.outcome == "pending":
-                s.outcome = "cancelled"
+        self.book.cancel_pending()
         if not self.inflight:
             return
         logger.warning("cancelling %d running simulation(s)", len(self.inflight))
@@ -125,9 +134,12 @@ class SimPool:
             s = self.inflight.pop(fut)
             if isinstance(s, bundles.BundleTask):
                 bundles.settle(s, self.run_dir, self.c.sim_prefix(1), None)
+                for m in s.sims:
+                    self.book.fold(m)
                 continue
             self.record(s, final=True)
             s.outcome = "cancelled"
+            self.book.fold(s)
             logger.error("simulation %d did not stop within %.0f s of cancellation", s.spec.sim_id,
                          self.c.cancel_grace_s + 15)
 
@@ -147,21 +159,26 @@ class SimPool:
         self.record(s, final=True, exc=exc, ok=exc is None)
         if exc is None:
             s.outcome = "completed"
-            self.on_complete(s)
         elif cancelled or (self.sims_dir / attempts.CANCEL_FILE).exists():
             s.outcome = "cancelled"
         else:
             s.outcome = "failed"
             s.final_error = read_final_error(s.dir)
-            if s.final_error is not None:  # every other simulation would fail the same way: stop here
-                raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a "
-                                  f"retry or a resume would fail the same way): {s.final_error}")
+        self.book.fold(s)
+        if s.outcome == "completed":
+            self.on_complete(s)
+        elif s.final_error is not None:  # every other simulation would fail the same way: stop here
+            raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a "
+                              f"retry or a resume would fail the same way): {s.final_error}")
+        elif s.outcome == "failed":
             logger.warning("simulation %d failed after %d attempt(s): %s", s.spec.sim_id, len(s.recorded),
                            attempts.describe(exc))
 
     def _finish_bundle(self, task: bundles.BundleTask, fut: concurrent.futures.Future, cancelled: bool) -> None:
         exc = fut.exception()
         bundles.settle(task, self.run_dir, self.c.sim_prefix(1), None if cancelled else exc)
+        for s in task.sims:
+            self.book.fold(s)
         for s in task.sims:
             if s.outcome == "completed":
                 self.on_complete(s)
@@ -184,12 +201,38 @@ class SimPool:
     def counts(self) -> dict[str, int]:
         """For the progress line: completed, running (an attempt started, not ended), failed,
         cancelled, retried."""
-        out = {o: sum(s.outcome == o for s in self.sims) for o in ("completed", "failed", "cancelled")}
-        out["running"] = sum(s.running() for s in self.inflight.values())
-        out["retried"] = sum(s.claimed > 1 for s in self.sims)
-        return out
+        n = self.book.counts
+        running = sum(s.running() for s in self.inflight.values())
+        retried = self.book.retried + sum(s.claimed > 1 for s in self.inflight.values() if isinstance(s, Sim))
+        return {"completed": n[COMPLETED], "failed": n[FAILED], "cancelled": n[CANCELLED], "running": running,
+                "retried": retried}
 
-    def overheads(self) -> list[float]:
-        """Per simulation: time in Parsl minus time running attempts (sorted)."""
-        return sorted((s.finished - s.submitted) - sum(d) for s in self.sims
-                      if s.finished and (d := [r["duration_s"] for r in s.recorded.values()]) and None not in d)
+
+class _Queue:
+    """The positions still to submit, made into Sims one at a time (with one looked ahead, to
+    group a bundle's members)."""
+
+    def __init__(self, positions: Iterable[int], make: Callable[[int], Sim]) -> None:
+        self._parts: deque[Iterator[int]] = deque([iter(positions)])
+        self._make = make
+        self._next: Sim | None = None
+
+    def extend(self, positions: Iterable[int]) -> None:
+        self._parts.append(iter(positions))
+
+    def peek(self) -> Sim | None:
+        while self._next is None and self._parts:
+            pos = next(self._parts[0], None)
+            if pos is None:
+                self._parts.popleft()
+            else:
+                self._next = self._make(pos)
+        return self._next
+
+    def pop(self) -> Sim:
+        s = self.peek()
+        self._next = None
+        return s
+
+    def __bool__(self) -> bool:
+        return self.peek() is not None

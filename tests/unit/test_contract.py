@@ -156,19 +156,24 @@ def test_attempts_killed_with_their_driver_get_a_provenance_line_on_resume(tmp_p
 
 
 def test_the_progress_counts_attempts_that_run_not_tasks_handed_to_parsl(tmp_path):
+    from hpcml.ensemble.book import CANCELLED, RUNNING, Book
+    from hpcml.ensemble.members import Specs
     from hpcml.ensemble.simpool import Sim, SimPool
     from hpcml.ensemble.spec import SimSpec
 
-    sims = [Sim(spec=SimSpec(sim_id=i, params={}, argv=["x"]), dir=tmp_path / f"s{i}") for i in range(5)]
-    pool = SimPool(None, tmp_path, sims, check=lambda: None, stopping=lambda: False, show=lambda: None)
+    book = Book(Specs([SimSpec(sim_id=i, params={}, argv=["x"]) for i in range(5)]))
+    sims = [Sim(spec=book.specs[i], pos=i, dir=tmp_path / f"s{i}") for i in range(5)]
+    pool = SimPool(None, tmp_path, book, sims.__getitem__, check=lambda: None, stopping=lambda: False,
+                   show=lambda: None)
     for i, s in enumerate(sims[:4]):  # four in Parsl's hands; one attempt started, one ended
         s.dir.mkdir()
         s.outcome, s.claimed = "running", int(i < 2)
+        book.set(i, RUNNING)
         pool.inflight[object()] = s
     (sims[0].dir / "attempt_0.start").write_text("{}")
     (sims[1].dir / "attempt_0.start").write_text("{}")
     (sims[1].dir / "attempt_0.end").write_text("{}")
-    sims[4].outcome = "cancelled"
+    book.set(4, CANCELLED)
     assert pool.counts() == {"completed": 0, "failed": 0, "cancelled": 1, "running": 1, "retried": 0}
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2] / "hpcml"
 LAYERS = [
     ["errors", "stop", "lazy"],
     ["safeio"],  # the one file layer: every file hpcml reads or writes for a user
+    ["idset"],  # simulation ids as runs, and records written a chunk at a time
     ["env", "net", "contract"],
     ["log", "info", "outcome"],
     ["grid", "stream", "lifeline"],

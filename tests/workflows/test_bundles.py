@@ -9,11 +9,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("parsl")
 
-from hpcml.ensemble import Campaign, SimSpec, TrainingJob  # noqa: E402
+from hpcml.ensemble import Campaign, Members, SimSpec, TrainingJob  # noqa: E402
 from hpcml.errors import ConfigError  # noqa: E402
 from hpcml.stream import new_secret  # noqa: E402
 
@@ -49,6 +50,31 @@ def test_bundled_members_each_keep_their_attempts_and_provenance(tmp_path):
     # resumed: nothing runs again
     again = _campaign(tmp_path, "run").run(sims, resume=True)
     assert again.status == "ok" and again.skipped == list(range(40))
+
+
+def test_members_described_not_listed_run_once_each_and_are_the_same_campaign_as_their_list(tmp_path):
+    """Issue 39, part 5: 10^5 members are described (Members: a rule of their parameters), not
+    listed; mixed with listed SimSpecs they run, retry and report as a list would, campaign.json
+    reads as before, and the run directory resumes from the same simulations given as a list."""
+    members = Members(entry="my_members:member", count=30, params=lambda i: {"x": float(i)}, stream=False)
+    extra = SimSpec(sim_id=100, params={"x": 100.0}, entry="my_members:member", stream=False)
+    res = _campaign(tmp_path, "run").run([members, extra])
+    assert (res.status, res.completed, res.failed, res.total) == ("ok", [*range(30), 100], [], 31)
+    assert res.attempts == {i: 2 if i == 7 else 1 for i in [*range(30), 100]} and res.retried == [7]
+    record = json.loads((tmp_path / "run" / "campaign.json").read_text())
+    assert record["completed"] == [*range(30), 100] and record["attempts"]["7"] == 2 and record["retried"] == [7]
+    assert record["cumulative"]["sims_completed"] == [*range(30), 100]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "provenance.jsonl").read_text().splitlines()]
+    assert sorted((r["sim_id"], r["attempt"], r["result"]["y"]) for r in rows if r["status"] == "ok") == sorted(
+        [(i, int(i == 7), 2.0 * i) for i in range(30)] + [(100, 0, 200.0)])
+    listed = [*(SimSpec(sim_id=i, params={"x": float(i)}, entry="my_members:member", stream=False) for i in range(30)),
+              extra]
+    again = _campaign(tmp_path, "run").run(listed, resume=True)  # the same campaign, given as a list
+    assert (again.status, again.skipped, again.attempts[3]) == ("ok", [*range(30), 100], 0)
+    other = Members(entry="my_members:member", count=30, params=lambda i: {"x": float(i) + 1}, stream=False)
+    with pytest.raises(ConfigError, match=r"holds campaign .*, defined with other simulations \(31 simulations, "
+                                          r"digest \w+; given 31 simulations, digest \w+\): resume it unchanged"):
+        _campaign(tmp_path, "run").run([other, extra], resume=True)
 
 
 def test_a_bundled_members_deterministic_error_ends_the_campaign_naming_it(tmp_path):
@@ -95,8 +121,9 @@ def test_bundled_members_stream_into_a_trainer_every_sample_once(tmp_path):
     env = {"PYTHONPATH": str(tmp_path), "HPCML_STREAM_ENDPOINTS_FILE": str(run_dir / "endpoints.json"),
            "HPCML_STREAM_SECRET_FILE": str(run_dir / "stream.key")}
     train = str(Path(__file__).resolve().parent / "own_sim" / "train_burgers.py")
-    sims = [SimSpec(sim_id=i, params={"nu": 0.01 + 0.005 * i, "amp": 0.5 + 0.05 * i}, entry="streaming_members:member")
-            for i in range(8)]
+    # described, not listed (Members): columns of parameters, as a sample file gives them
+    sims = Members(entry="streaming_members:member", count=8,
+                   params={"nu": 0.01 + 0.005 * np.arange(8), "amp": 0.5 + 0.05 * np.arange(8)})
     campaign = Campaign(run_dir=run_dir, site="local", max_concurrent=2, retries=1, progress=False, sim_launch="",
                         bundle=4, env=env)
     res = campaign.run(sims, training=TrainingJob(argv=[sys.executable, train, "--nx", "64", "--t-max", "0.05",
