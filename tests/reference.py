@@ -16,20 +16,23 @@ from hpcml.train import SyntheticTokens, TrainConfig
 from hpcml.train.loop import make_optimizer
 
 
-def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """(losses, gradient norms before clipping, final parameters by name)."""
-    return reference_run_with_stats(model_cfg, cfg)[:3]
+def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig, data=None
+                  ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(losses, gradient norms before clipping, final parameters by name); ``data``: a token
+    source (default: the synthetic tokens of ``cfg.seed``)."""
+    return reference_run_with_stats(model_cfg, cfg, data)[:3]
 
 
 @functools.lru_cache(maxsize=8)
-def reference_run_with_stats(model_cfg: TransformerConfig, cfg: TrainConfig):
+def reference_run_with_stats(model_cfg: TransformerConfig, cfg: TrainConfig, data=None):
     """:func:`reference_run` and, for a MoE model, each step's mean Switch aux loss over
     layers, micro-batches and sequences (the MoE layer's own statistics, no engine)."""
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg)
     moes = moe_layers(model)
     opt, sched = make_optimizer(model.parameters(), cfg)
-    data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    if data is None:
+        data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=cfg.seq_len, seed=cfg.seed)
     n_micro = cfg.global_batch // cfg.micro_batch
     losses, norms, aux = [], [], []
     for moe in moes:  # balancing gradients follow the micro-batch mean, as the loss does

@@ -1,4 +1,4 @@
-"""Pretrain a decoder transformer on synthetic tokens under any parallel layout.
+"""Pretrain a decoder transformer on synthetic tokens, or a packed corpus (--data), under any parallel layout.
 
     mpiexec -n 4 python workflows/llm_pretrain.py --tp 2 --pp 2 --steps 20 --seed 0 --run-dir runs/x
     python workflows/llm_pretrain.py --steps 20 --seed 0          # one process, same losses
@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcml.ckpt import resolve
+from hpcml.data import TokenDataset
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
@@ -98,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=2, help="warmup steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", metavar="FILE.h5", help="a token file of 'hpcml data pack' (docs/data.md); default: "
+                                                     "synthetic tokens. Its order is seeded by --seed")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--run-dir", default=None, help="where metrics.jsonl and config.json go")
@@ -168,7 +171,11 @@ def main(argv=None) -> int:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         if args.resume:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
-        trainer = build_llm_trainer(model_cfg, train, parallel, **degrees)
+        data = TokenDataset(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
+        if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
+            # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
+            model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)
+        trainer = build_llm_trainer(model_cfg, train, parallel, data=data, **degrees)
         if args.ckpt_dir:
             overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
             hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep, async_save=args.async_save,

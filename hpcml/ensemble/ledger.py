@@ -22,11 +22,13 @@ from hpcml.log import get_logger
 logger = get_logger(__name__)
 
 
-def streamed(run_dir: Path, sim_ids: Iterable[int]) -> dict[int, int | None]:
+def streamed(run_dir: Path, sim_ids: Iterable[int], done: dict[int, dict] | None = None) -> dict[int, int | None]:
     """What each completed simulation streamed (its successful attempt's Producer count;
-    None: it completed without a Producer)."""
+    None: it completed without a Producer); ``done``: :func:`provenance.completed_sims`, when
+    the caller has read it already."""
     sim_ids = list(sim_ids)
-    done = provenance.completed_sims(run_dir) if sim_ids else {}
+    if done is None:
+        done = provenance.completed_sims(run_dir) if sim_ids else {}
     out: dict[int, int | None] = {}
     for sim in sim_ids:
         rec = done.get(sim)
@@ -65,12 +67,12 @@ def done_record(contract: Contract, completed: Iterable[int], failed: Iterable[i
                       run=contract.run)
 
 
-def kept(run_dir: Path, completed: set[int], streaming: set[int]) -> set[int]:
+def kept(run_dir: Path, completed: set[int], streaming: set[int], done: dict[int, dict] | None = None) -> set[int]:
     """Of the simulations that completed in earlier runs, those whose results survive: every
     sample of a streaming one in the trainer's latest checkpoint (one that finished after the
     last save runs again), and the non-streaming ones (their files were written whole)."""
     keep = completed - streaming
-    need = {s: n for s, n in streamed(run_dir, completed & streaming).items() if n is not None}
+    need = {s: n for s, n in streamed(run_dir, completed & streaming, done).items() if n is not None}
     if need and (run_dir / "checkpoints" / "latest").exists():
         from hpcml.train.online_state import simulations_in
 

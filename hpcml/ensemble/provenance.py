@@ -45,24 +45,31 @@ def append_provenance(run_dir: Path, records: list[dict]) -> None:
                       root=run_dir, lines=True)
 
 
-def last_attempts(run_dir: Path) -> dict[int, int]:
-    """The highest attempt number each simulation has in ``run_dir``'s provenance (one pass)."""
-    out: dict[int, int] = {}
+def scan(run_dir: Path) -> tuple[dict[int, dict], dict[int, int]]:
+    """One pass over ``run_dir``'s provenance: :func:`completed_sims` and :func:`last_attempts`
+    together (a resume at 10^5 members reads the file once for both)."""
+    done: dict[int, dict] = {}
+    last: dict[int, int] = {}
     for rec in iter_provenance(run_dir):
         sim, k = rec.get("sim_id"), rec.get("attempt")
-        if isinstance(sim, int) and isinstance(k, int):
-            out[sim] = max(out.get(sim, -1), k)
-    return out
+        if not isinstance(sim, int):
+            continue
+        if isinstance(k, int):
+            last[sim] = max(last.get(sim, -1), k)
+        if rec.get("status") == "ok":  # the latest counts: a later run's
+            done[sim] = {"attempt": k, "streamed": rec.get("streamed")}
+    return done, last
+
+
+def last_attempts(run_dir: Path) -> dict[int, int]:
+    """The highest attempt number each simulation has in ``run_dir``'s provenance (one pass)."""
+    return scan(run_dir)[1]
 
 
 def completed_sims(run_dir: Path) -> dict[int, dict]:
     """Simulations with a successful attempt in ``run_dir``'s provenance: id -> its latest
     record's ``attempt`` and ``streamed`` (not the whole record: 10^5 of them add up)."""
-    done: dict[int, dict] = {}
-    for rec in iter_provenance(run_dir):
-        if rec.get("status") == "ok" and isinstance(rec.get("sim_id"), int):  # the latest counts: a later run's
-            done[rec["sim_id"]] = {"attempt": rec.get("attempt"), "streamed": rec.get("streamed")}
-    return done
+    return scan(run_dir)[0]
 
 
 def completed_ids(run_dir: Path) -> IdSet:

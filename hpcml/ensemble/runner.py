@@ -245,16 +245,16 @@ class Run:
                 rundir.record_spec(self.run_dir, specs[pos])
         if not self.resume:
             return
-        done = set(provenance.completed_sims(self.run_dir))
+        records, last = provenance.scan(self.run_dir)  # one pass over the provenance for all of it
+        done = set(records)
         if done:
             kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
             if kept is None:
                 streaming = {specs.sim_id(p) for p in range(len(specs)) if self.streams and specs.streams(p)}
-                kept = ledger.kept(self.run_dir, done, streaming)
+                kept = ledger.kept(self.run_dir, done, streaming, records)
             skip = done & set(kept)
         else:
             skip = set()
-        last = provenance.last_attempts(self.run_dir)
         for pos, sim_id in enumerate(specs.ids()):
             if sim_id in skip:
                 self.book.skip(pos)

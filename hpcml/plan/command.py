@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import DEVICES
-from hpcml.plan.predict import predict, predict_lines
+from hpcml.plan.predict import predict, predict_lines, resolve_device
 from hpcml.plan.spec import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
                               RECOMPUTE, PlanLayout)
 
@@ -76,6 +76,15 @@ def add_parser(sub) -> None:
     p.add_argument("--emit", choices=("args", "job"), help="print the chosen layout as llm_pretrain.py arguments, "
                    "or as the 'hpcml job' command that submits it (needs --site)")
     p.add_argument("--walltime", default="01:00:00", help="with --emit job")
+    p.add_argument("--steps", type=int, help="with --emit job (required): optimizer steps of the whole run")
+    p.add_argument("--account", help="with --emit job: the allocation to charge (default $HPCML_ACCOUNT; required "
+                   "where the site requires one)")
+    p.add_argument("--ckpt-dir", default="checkpoints", help="with --emit job (default: checkpoints)")
+    p.add_argument("--ckpt-every", type=int, help="with --emit job: steps between saves (default: about every 10 "
+                   "minutes of the predicted step time)")
+    p.add_argument("--data", metavar="FILE.h5", help="with --emit: the token file to train on (hpcml data pack)")
+    p.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory a chosen layout leaves "
+                   "free (default 0.10: allocator fragmentation and what the model misses); 0 to fill it")
     p.add_argument("--json", action="store_true")
 
 
@@ -92,6 +101,8 @@ def _given(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     given = _given(args)
+    if not 0 <= args.headroom < 0.9:
+        raise ConfigError(f"--headroom {args.headroom:g}: expected a fraction of device memory in [0, 0.9)")
     if args.action == "calibrate":
         return _run_calibrate(args, given)
     if args.runs or args.out or args.name or args.cpu:
@@ -118,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
     if args.emit:
         if not p.fits:
             raise ConfigError(f"not emitting a layout that does not run: {p.why}")
-        return _emit(args, lay)
+        cap = resolve_device(lay).memory_gib
+        if p.memory_gib["total"] > cap * (1 - args.headroom):
+            raise ConfigError(f"not emitting a layout this close to the device's memory: it needs "
+                              f"{p.memory_gib['total']:.1f} of {cap:.1f} GiB, more than {1 - args.headroom:.0%} "
+                              f"(--headroom {args.headroom:g}); lower the micro-batch or recompute, or --headroom 0")
+        return _emit(args, lay, p.step_s)
     if args.json:
         print(json.dumps(p.to_dict()))
     else:
@@ -182,28 +198,35 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
 def _run_search(args: argparse.Namespace, base: PlanLayout) -> int:
     from hpcml.plan.search import search
 
-    r = search(base, top=args.top or 5)
+    r = search(base, top=args.top or 5, headroom=args.headroom)
     if not r.best:
         raise ConfigError(f"no layout of {r.candidates} fits: {r.refused} refused by the model's plan, the rest out of "
-                          f"memory on {base.gpus} x {base.gpu or base.site}")
+                          f"memory on {base.gpus} x {base.gpu or base.site}"
+                          + (f" with {args.headroom:.0%} of it kept free (--headroom)" if args.headroom else ""))
     if args.emit:
-        return _emit(args, r.best[0].layout)
+        return _emit(args, r.best[0].layout, r.best[0].step_s)
     if args.json:
         print(json.dumps({"candidates": r.candidates, "fitting": r.fitting, "refused": r.refused,
                           "best": [p.to_dict() for p in r.best]}))
     else:
-        print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit; the best:")
+        keep = f" leaving {args.headroom:.0%} of memory free" if args.headroom else ""
+        print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit{keep}; the best:")
         for p in r.best:
             print(_line(p))
     return 0
 
 
-def _emit(args: argparse.Namespace, lay: PlanLayout) -> int:
+def _emit(args: argparse.Namespace, lay: PlanLayout, step_s: float | None = None) -> int:
     import shlex
 
     from hpcml.plan.search import emit, emit_job
 
-    print(emit_job(lay, args.walltime) if args.emit == "job" else shlex.join(emit(lay)))
+    if args.emit == "job":
+        print(emit_job(lay, args.walltime, steps=args.steps, account=args.account, ckpt_dir=args.ckpt_dir,
+                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s))
+    else:
+        extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
+        print(shlex.join([*emit(lay), *extra]))
     return 0
 
 

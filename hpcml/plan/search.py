@@ -80,8 +80,9 @@ class SearchResult:
     refused: int
 
 
-def search(base: PlanLayout, *, top: int = 5) -> SearchResult:
-    """The ``top`` fitting layouts by predicted tokens/s (ties: less memory first)."""
+def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchResult:
+    """The ``top`` fitting layouts by predicted tokens/s (ties: less memory first); a layout
+    fits when its fullest rank needs at most ``1 - headroom`` of the device's memory."""
     cfg, dev = load_model(base.model), resolve_device(base)
     c = calibration.constants(dev)
     n = fitting = 0
@@ -90,7 +91,7 @@ def search(base: PlanLayout, *, top: int = 5) -> SearchResult:
     for lay in candidates(base, cfg, dev, refused=refused):
         n += 1
         p = evaluate(cfg, dev, c, lay, time_if_oom=False)
-        if p.fits:
+        if p.fits and p.memory_gib["total"] <= dev.memory_gib * (1 - headroom):
             fitting += 1
             scored.append(p)
     scored.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib["total"]))
@@ -158,11 +159,35 @@ def _model_args(model) -> list[str] | None:
     return None if folder is None else ["--init-from", str(folder)]
 
 
-def emit_job(lay: PlanLayout, walltime: str) -> str:
-    """The ``hpcml job`` command line that submits ``lay`` on its site."""
+#: With ``--emit job`` and no ``--ckpt-every``: a save about every this many seconds of training.
+CKPT_EVERY_S = 600.0
+
+
+def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, account: str | None = None,
+             ckpt_dir: str = "checkpoints", ckpt_every: int | None = None, data: str | None = None,
+             step_s: float | None = None) -> str:
+    """The ``hpcml job`` command line that submits ``lay`` on its site and runs to completion:
+    the steps of the whole run, a checkpoint every ``ckpt_every`` steps (default: about every
+    :data:`CKPT_EVERY_S` of the predicted ``step_s``), ``--auto-resume`` (the job requeues at the
+    walltime warning and the next one resumes), the account the site requires, the data."""
+    from hpcml.ensemble.site import load_site
+
     if not lay.site:
         raise ConfigError("--emit job needs --site (the job is written for a site)")
+    if steps is None:
+        raise ConfigError("--emit job needs --steps N: the optimizer steps of the whole run, over every requeue (the "
+                          "job saves, requeues at its walltime and resumes until they are done)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"--steps {steps!r}: expected an integer >= 1")
+    if ckpt_every is not None and (isinstance(ckpt_every, bool) or not isinstance(ckpt_every, int) or ckpt_every < 1):
+        raise ConfigError(f"--ckpt-every {ckpt_every!r}: expected an integer >= 1")
+    account = load_site(lay.site).account_for(account)  # one line where the site requires one and none is given
+    if ckpt_every is None:
+        ckpt_every = max(1, min(steps, round(CKPT_EVERY_S / step_s))) if step_s else max(1, steps // 20)
     dev = resolve_device(lay)
-    nodes = -(-lay.gpus // dev.gpus_per_node)
+    nodes = -(-lay.gpus // (lay.gpus_per_node or dev.gpus_per_node))
+    run = [*emit(lay), "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
+           "--auto-resume", *(["--data", data] if data else [])]
     return shlex.join(["hpcml", "job", "--site", lay.site, "--nodes", str(nodes), "--walltime", walltime,
-                       "--ranks", str(lay.gpus), "--", "python", "workflows/llm_pretrain.py", *emit(lay)])
+                       *(["--account", account] if account else []), "--ranks", str(lay.gpus), "--", "python",
+                       "workflows/llm_pretrain.py", *run])

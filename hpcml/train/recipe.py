@@ -9,13 +9,15 @@ from hpcml.grid import Layout, ProcessGrid
 from hpcml.models.transformer import Transformer, TransformerConfig
 from hpcml.models.transformer.parallelize import check_plan
 from hpcml.parallel import ParallelConfig, parallelize
+from hpcml.errors import ConfigError
 from hpcml.train.data import SyntheticTokens
 from hpcml.train.trainer import TrainConfig, Trainer
 
 
 def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, parallel_cfg: ParallelConfig | None = None,
-                      *, comm=None, grid: ProcessGrid | None = None, **degrees: int) -> Trainer:
-    """Trainer for ``model_cfg`` on synthetic tokens, on a grid of ``degrees`` over ``comm``.
+                      *, comm=None, grid: ProcessGrid | None = None, data=None, **degrees: int) -> Trainer:
+    """Trainer for ``model_cfg`` on ``data`` (a token source: an :class:`hpcml.data.TokenDataset`;
+    default synthetic tokens), on a grid of ``degrees`` over ``comm``.
 
     Every check (layout, plan, batch split) runs before the first collective, so bad input
     raises the same error on every rank and nothing hangs.
@@ -23,6 +25,12 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
     from mpi4py import MPI
 
     parallel_cfg = parallel_cfg or ParallelConfig()
+    if data is not None:  # before any collective: the same refusal on every rank
+        if getattr(data, "seq_len", train_cfg.seq_len) != train_cfg.seq_len:
+            raise ConfigError(f"the data's sequences are {data.seq_len} tokens, the training's seq_len "
+                              f"{train_cfg.seq_len}: open the data with seq_len={train_cfg.seq_len}")
+        if hasattr(data, "check_vocab"):
+            data.check_vocab(model_cfg.vocab_size)
     if grid is None:
         comm = comm or MPI.COMM_WORLD
         layout = Layout.from_degrees(comm.Get_size(), degrees)
@@ -36,6 +44,7 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
     torch.manual_seed(train_cfg.seed)  # the same initial weights on every rank, as on one process
     model = Transformer(model_cfg)
     pmodel = parallelize(model, grid, parallel_cfg, n_microbatches=train_cfg.micro_batches(grid.layout))
-    data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len, seed=train_cfg.seed)
+    if data is None:
+        data = SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len, seed=train_cfg.seed)
     return Trainer(model=pmodel, config=train_cfg, data=data,
                    flops_per_token=model_cfg.flops_per_token(train_cfg.seq_len))

@@ -21,6 +21,10 @@ logger = log.get_logger(__name__)
 
 
 class TokenSource(Protocol):
+    """``global_batch(step, n)``: the ``[n, seq_len + 1]`` tokens of ``step``, the same on every
+    layout; a source that also has ``rows(step, n, lo, hi)`` (rows ``lo .. hi`` of it) is read
+    only for this rank's rows."""
+
     def global_batch(self, step: int, n: int) -> torch.Tensor: ...
 
 
@@ -79,9 +83,13 @@ class Trainer(TrainLoop):
         """This rank's (inputs, targets): its dp slice of the global batch, its cp positions of the
         sequence (a contiguous slice, or FPDT's strided chunks: :func:`local_positions`)."""
         lay, c = self.grid.layout, self.grid.coords
-        tokens = self.data.global_batch(step, self.config.global_batch)
-        per_dp = self.config.global_batch // lay.dp
-        tokens = tokens[c["dp"] * per_dp:(c["dp"] + 1) * per_dp]
+        n = self.config.global_batch
+        per_dp = n // lay.dp
+        lo, hi = c["dp"] * per_dp, (c["dp"] + 1) * per_dp
+        if hasattr(self.data, "rows"):  # a corpus on disk: read only this rank's sequences
+            tokens = self.data.rows(step, n, lo, hi)
+        else:
+            tokens = self.data.global_batch(step, n)[lo:hi]
         x, y = tokens[:, :-1], tokens[:, 1:]
         pos = local_positions(self.config.seq_len, c["cp"], lay.cp, self.model.config.fpdt_chunk)
         return x[:, pos].contiguous().to(self.device), y[:, pos].contiguous().to(self.device)

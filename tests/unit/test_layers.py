@@ -19,7 +19,7 @@ LAYERS = [
     ["idset"],  # simulation ids as runs, and records written a chunk at a time
     ["env", "net", "contract"],
     ["log", "info", "outcome"],
-    ["grid", "stream", "lifeline"],
+    ["grid", "stream", "lifeline", "data"],
     ["parallel", "ckpt"],
     ["models"],
     ["interop"],

@@ -385,3 +385,65 @@ def test_reduce_dtype_bf16_halves_the_gradient_reduction():
     assert predict(PlanLayout(**base)).step_s == fp32.step_s
     with pytest.raises(ConfigError, match="reduce_dtype='fp16': expected one of fp32, bf16"):
         PlanLayout(**base, reduce_dtype="fp16")
+
+
+def _llm_pretrain():
+    sys.path.insert(0, str(ROOT / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    return llm_pretrain
+
+
+def test_emit_job_is_a_job_that_runs_to_completion(capsys, monkeypatch):
+    """Issue 43, item 5: the emitted job carries the account the site requires (or says how to
+    give it), the steps, a checkpoint directory and cadence, --auto-resume (the job requeues at
+    the walltime and resumes) and the data; the layout leaves --headroom of memory free."""
+    import shlex
+
+    monkeypatch.delenv("HPCML_ACCOUNT", raising=False)
+    base = ["plan", "--model", "llama3-8b", "--gpus", "16", "--site", "polaris", "--seq-len", "4096",
+            "--global-batch", "64", "--emit", "job", "--walltime", "06:00:00"]
+    assert cli(base + ["--steps", "1000"]) == 2
+    assert "site polaris requires an account: pass --account PROJECT or set HPCML_ACCOUNT" in capsys.readouterr().err
+    assert cli(base + ["--account", "MYPROJ"]) == 2
+    assert capsys.readouterr().err.strip() == ("hpcml: error: --emit job needs --steps N: the optimizer steps of the "
+                                               "whole run, over every requeue (the job saves, requeues at its walltime "
+                                               "and resumes until they are done)")
+    assert cli(base + ["--account", "MYPROJ", "--steps", "1000", "--data", "/lus/p/corpus.h5"]) == 0
+    line = shlex.split(capsys.readouterr().out.strip())
+    cut = line.index("--")
+    job, run = line[:cut], line[cut + 3:]  # -- python workflows/llm_pretrain.py
+    assert job[:3] == ["hpcml", "job", "--site"] and job[job.index("--account") + 1] == "MYPROJ"
+    assert job[job.index("--nodes") + 1] == "4"  # 4 GPUs a Polaris node
+    args = _llm_pretrain().parse_args(run)
+    assert (args.steps, args.ckpt_dir, args.auto_resume, args.data) == (1000, "checkpoints", True, "/lus/p/corpus.h5")
+    assert 1 <= args.ckpt_every <= 1000
+    assert cli(["job", *job[2:], "--", *line[cut + 1:]]) == 0  # `hpcml job` takes the line: a script, no refusal
+    assert "--auto-resume" in capsys.readouterr().out
+    monkeypatch.setenv("HPCML_ACCOUNT", "ENVPROJ")
+    assert cli(base + ["--steps", "10", "--ckpt-every", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "--account ENVPROJ" in out and "--ckpt-every 5 " in out
+
+
+def test_a_search_leaves_headroom_and_emit_refuses_a_layout_at_the_edge(capsys):
+    base = PlanLayout(model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=4096, global_batch=16)
+    full, kept = search(base, top=20), search(base, top=20, headroom=0.10)
+    assert all(p.memory_gib["total"] <= 0.9 * 79.15 for p in kept.best) and kept.fitting <= full.fitting
+    common = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "4096", "--global-batch", "16",
+              "--fsdp"]
+    edge = next(((mb, rc) for rc in ("none", "full") for mb in (1, 2) if 0.9 * 79.15 < predict(PlanLayout(
+        model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=4096, global_batch=16, zero=3, micro_batch=mb,
+        recompute=rc)).memory_gib["total"] <= 79.15), None)
+    assert edge is not None  # a layout that fits, but within 10% of the device's memory
+    flags = ["--micro-batch", str(edge[0]), "--recompute", edge[1]]
+    assert cli(["plan", *common, *flags, "--emit", "args"]) == 2
+    err = capsys.readouterr().err
+    assert "not emitting a layout this close to the device's memory: it needs" in err and "(--headroom 0.1)" in err
+    assert cli(["plan", *common, *flags, "--emit", "args", "--headroom", "0"]) == 0
+    capsys.readouterr()
+    assert cli(["plan", "--model", "tiny", "--gpus", "1", "--gpu", "a100-80gb", "--seq-len", "64", "--global-batch",
+                "8", "--headroom", "0.95"]) == 2
+    assert "--headroom 0.95: expected a fraction of device memory in [0, 0.9)" in capsys.readouterr().err

@@ -127,7 +127,7 @@ def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
     root = tmp_path / "ck"
     (tmp_path / "saver.py").write_text(SAVER)
     checked = 0
-    for trial in range(12):
+    for trial in range(8):  # each trial a fresh process that imports torch (~3 s): 8 kills, >= 5 checked
         proc = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), str(root)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
         assert proc.stdout.readline().strip().isdigit()  # past start-up: the first save is done
@@ -142,7 +142,7 @@ def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
         assert report.step == step == extra["step"]
         assert all(bool((t == float(step)).all()) for t in target.values())  # a whole, consistent save
         checked += 1
-    assert checked >= 8
+    assert checked >= 5
 
 
 def test_index_readable_by_plain_h5py_without_hpcml(stopped):

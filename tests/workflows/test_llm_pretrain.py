@@ -99,3 +99,21 @@ def test_tied_embeddings_train_on_fsdp_and_resume_bitwise(tmp_path):
     bad = mpiexec(2, sys.executable, SCRIPT, *args, "--tp", "2", timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "llm_pretrain: error: tie_embeddings needs tp 1 and pp 1, got tp 2, pp 1"]
+
+
+def test_pretraining_on_a_corpus_packed_in_parallel_matches_one_process(tmp_path):
+    """Issue 43: `hpcml data pack` on 2 ranks, then `llm_pretrain.py --data` on 1 and on tp 2:
+    the same sequences, the same losses; the tiny preset's embedding grows to the byte tokenizer's 257 ids."""
+    sources = sorted(str(p) for p in (ROOT / "hpcml" / "ensemble").glob("*.py"))
+    packed = mpiexec(2, sys.executable, "-m", "hpcml.cli", "data", "pack", str(tmp_path / "c.h5"), *sources,
+                     "--tokenizer", "bytes", timeout=120)
+    assert packed.returncode == 0 and f"{len(sources)} documents" in packed.stdout, packed.stderr
+    args = [*ARGS, "--data", str(tmp_path / "c.h5"), "--seq-len", "64"]
+    one = losses(subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=ENV, timeout=300,
+                                cwd=ROOT))
+    two = losses(mpiexec(2, sys.executable, SCRIPT, "--tp", "2", *args, timeout=300))
+    assert two == pytest.approx(one, rel=1e-4) and one[-1] < one[0]
+    bad = subprocess.run([sys.executable, SCRIPT, *args[:-2], "--seq-len", "10000000"], capture_output=True, text=True,
+                         env=ENV, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        f"llm_pretrain: error: token file {tmp_path / 'c.h5'}: "), bad.stderr

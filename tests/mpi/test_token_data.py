@@ -1,0 +1,119 @@
+"""Issue 43, first part: a real text corpus packed on every rank of the launch, trained on
+under dp, tp and pp like one process (fp64, 1e-10), and resumed mid-epoch on another
+layout reading exactly the sequences the uninterrupted run reads next (by sample id).
+
+The corpus: the standard library's own Python sources (PSF licence, on every machine that
+runs these tests), one document a file, tokenized as UTF-8 bytes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcml.data import TokenDataset, pack
+from hpcml.models.transformer import TransformerConfig
+from hpcml.parallel import ParallelConfig
+from hpcml.train import TrainConfig
+from hpcml.train.checkpointing import load_trainer, save_trainer
+from hpcml.train.recipe import build_llm_trainer
+from tests.reference import reference_run
+
+WORLD = MPI.COMM_WORLD.Get_size()
+MODEL = TransformerConfig(vocab_size=257, dim=32, n_layers=4, n_heads=4, max_seq_len=16, tie_embeddings=False)
+TRAIN = TrainConfig(steps=4, global_batch=8, micro_batch=2, seq_len=16, progress=False, seed=3)
+TOL = 1e-10
+LAYOUTS = {2: [("dp2", {"dp": 2}, {}), ("tp2", {"tp": 2}, {}), ("pp2", {"pp": 2}, {})],
+           4: [("fsdp4", {"dp": 4}, {"fsdp": True}), ("tp2xdp2", {"tp": 2}, {}), ("pp2xdp2", {"pp": 2}, {})]}
+RESUME = {2: (("dp2", {"dp": 2}), ("tp2", {"tp": 2})), 4: (("tp2xdp2", {"tp": 2}), ("pp2xdp2", {"pp": 2}))}
+
+pytestmark = pytest.mark.usefixtures("fp64_default")
+
+
+def _sources() -> list[Path]:
+    return sorted(Path(json.__file__).resolve().parent.parent.glob("*.py"))[:120]
+
+
+@pytest.fixture(scope="module")
+def corpus(comm) -> Path:
+    d = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-data-") if comm.rank == 0 else None))
+    pack(d / "corpus.h5", _sources(), tokenizer="bytes", comm=comm)
+    return d / "corpus.h5"
+
+
+class Recorder(TokenDataset):
+    """A TokenDataset that notes which sample ids this rank read, step by step."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.read: dict[int, list] = {}
+
+    def rows(self, step, n, lo, hi):
+        self.read.setdefault(step, []).extend(self.sample_ids(step, n, lo, hi))
+        return super().rows(step, n, lo, hi)
+
+
+def _read_by_step(comm, data: Recorder) -> dict[int, list]:
+    """Every sample id read for each step, over the ranks (each id once per dp slice)."""
+    out: dict[int, set] = {}
+    for part in comm.allgather(data.read):
+        for step, ids in part.items():
+            out.setdefault(step, set()).update(map(tuple, ids))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_a_corpus_packed_on_every_rank_is_the_one_packed_on_one(comm, corpus):
+    ds = TokenDataset(corpus, seq_len=16)
+    assert ds.m.n_docs == len(_sources()) and ds.m.vocab_size == 257 and ds.m.eod == 256
+    if comm.rank == 0:
+        alone = pack(corpus.with_name("alone.h5"), _sources(), tokenizer="bytes", comm=MPI.COMM_SELF)
+        one = TokenDataset(alone.path, seq_len=16)
+        assert torch.equal(torch.from_numpy(one.tokens(0, one.m.n_tokens)), torch.from_numpy(ds.tokens(0, ds.m.n_tokens)))
+        first = _sources()[0].read_bytes()
+        assert bytes(ds.tokens(0, len(first)).astype("uint8")) == first  # the text itself, byte for byte
+        assert ds.tokens(len(first), 1)[0] == 256  # then the end of the document
+    comm.Barrier()
+
+
+@pytest.mark.parametrize("name,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])
+def test_training_on_the_corpus_equals_one_process(comm, corpus, name, degrees, pkw):
+    ref_losses, ref_norms, _ = reference_run(MODEL, TRAIN, TokenDataset(corpus, seq_len=16, seed=3))
+    data = Recorder(corpus, seq_len=16, seed=3)
+    history = build_llm_trainer(MODEL, TRAIN, ParallelConfig(**pkw), data=data, **degrees).fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL)
+    assert [m["grad_norm"] for m in history] == pytest.approx(ref_norms, rel=TOL)
+    read = _read_by_step(comm, data)
+    assert read == {s: sorted(TokenDataset(corpus, seq_len=16, seed=3).sample_ids(s, 8)) for s in range(4)}
+    assert ref_losses[0] > ref_losses[-1]  # it learns the text's bytes
+
+
+@pytest.mark.skipif(WORLD not in RESUME, reason="2 or 4 ranks")
+def test_resumed_mid_epoch_on_another_layout_it_reads_and_trains_as_the_uninterrupted_run(comm, corpus):
+    (a, adeg), (b, bdeg) = RESUME[WORLD]
+    ref_losses, _, _ = reference_run(MODEL, TRAIN, TokenDataset(corpus, seq_len=16, seed=3))
+    half = TrainConfig(**{**TRAIN.__dict__, "steps": 2})
+    first = build_llm_trainer(MODEL, half, data=Recorder(corpus, seq_len=16, seed=3), **adeg)
+    history = first.fit()
+    path = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-data-ck-") if comm.rank == 0 else None))
+    result = save_trainer(first, path / "ck")
+    data = Recorder(corpus, seq_len=16, seed=3)
+    second = build_llm_trainer(MODEL, TRAIN, data=data, **bdeg)
+    load_trainer(second, result.path)
+    assert second.step == 2
+    history += second.fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL), (a, b)
+    want = TokenDataset(corpus, seq_len=16, seed=3)
+    assert _read_by_step(comm, data) == {s: sorted(want.sample_ids(s, 8)) for s in (2, 3)}  # no sample twice or skipped
+
+
+def test_a_corpus_with_more_ids_than_the_model_embeds_is_refused_on_every_rank_before_step_one(comm, corpus):
+    from hpcml.errors import ConfigError
+
+    small = TransformerConfig(vocab_size=200, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+    with pytest.raises(ConfigError, match=r"token file .*corpus\.h5 was packed for a vocabulary of 257 ids, the model "
+                                          r"embeds 200: .* give a model with vocab_size >= 257"):
+        build_llm_trainer(small, TRAIN, data=TokenDataset(corpus, seq_len=16), dp=WORLD)
