@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
                    "tokens_per_s a line) or llm_pretrain.py run directories")
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpu", choices=sorted(DEVICES), help="device kind")
-    dev.add_argument("--site", help="a site of site_configs (its device and node facts)")
+    p.add_argument("--site", help="a site of site_configs (its device and node facts); with --gpu or --device-file, "
+                   "the site the emitted job is for (a machine the planner has no device of: slurm-local)")
     dev.add_argument("--device-file", metavar="FILE", help="a device file written by 'hpcml plan calibrate'")
     dev.add_argument("--cpu", action="store_true", help="calibrate: the runs ran on this machine's CPU (measured "
                      "first, ~15 s)")
@@ -105,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--headroom {args.headroom:g}: expected a fraction of device memory in [0, 0.9)")
     if args.action == "calibrate":
         return _run_calibrate(args, given)
+    args.job_site = None
+    if args.site and (args.gpu or args.device_file):  # the device prices it, the site is where the job goes
+        args.job_site = given.pop("site")
+        from hpcml.ensemble.site import load_site
+
+        load_site(args.job_site)  # an unknown site: one line now
     if args.runs or args.out or args.name or args.cpu:
         raise ConfigError("RUNS, --out, --name and --cpu belong to 'hpcml plan calibrate'")
     if args.device_file:
@@ -223,7 +230,7 @@ def _emit(args: argparse.Namespace, lay: PlanLayout, step_s: float | None = None
 
     if args.emit == "job":
         print(emit_job(lay, args.walltime, steps=args.steps, account=args.account, ckpt_dir=args.ckpt_dir,
-                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s))
+                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site))
     else:
         extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
         print(shlex.join([*emit(lay), *extra]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import divisors
@@ -165,14 +166,16 @@ CKPT_EVERY_S = 600.0
 
 def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, account: str | None = None,
              ckpt_dir: str = "checkpoints", ckpt_every: int | None = None, data: str | None = None,
-             step_s: float | None = None) -> str:
-    """The ``hpcml job`` command line that submits ``lay`` on its site and runs to completion:
+             step_s: float | None = None, site: str | None = None) -> str:
+    """The ``hpcml job --submit`` command line that submits ``lay`` on its site (or ``site``: a
+    machine the device was given for) and runs to completion:
     the steps of the whole run, a checkpoint every ``ckpt_every`` steps (default: about every
     :data:`CKPT_EVERY_S` of the predicted ``step_s``), ``--auto-resume`` (the job requeues at the
     walltime warning and the next one resumes), the account the site requires, the data."""
     from hpcml.ensemble.site import load_site
 
-    if not lay.site:
+    site = site or lay.site
+    if not site:
         raise ConfigError("--emit job needs --site (the job is written for a site)")
     if steps is None:
         raise ConfigError("--emit job needs --steps N: the optimizer steps of the whole run, over every requeue (the "
@@ -181,13 +184,14 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
         raise ConfigError(f"--steps {steps!r}: expected an integer >= 1")
     if ckpt_every is not None and (isinstance(ckpt_every, bool) or not isinstance(ckpt_every, int) or ckpt_every < 1):
         raise ConfigError(f"--ckpt-every {ckpt_every!r}: expected an integer >= 1")
-    account = load_site(lay.site).account_for(account)  # one line where the site requires one and none is given
+    account = load_site(site).account_for(account)  # one line where the site requires one and none is given
     if ckpt_every is None:
         ckpt_every = max(1, min(steps, round(CKPT_EVERY_S / step_s))) if step_s else max(1, steps // 20)
     dev = resolve_device(lay)
     nodes = -(-lay.gpus // (lay.gpus_per_node or dev.gpus_per_node))
     run = [*emit(lay), "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
            "--auto-resume", *(["--data", data] if data else [])]
-    return shlex.join(["hpcml", "job", "--site", lay.site, "--nodes", str(nodes), "--walltime", walltime,
-                       *(["--account", account] if account else []), "--ranks", str(lay.gpus), "--", "python",
-                       "workflows/llm_pretrain.py", *run])
+    script = Path(__file__).resolve().parents[2] / "workflows" / "llm_pretrain.py"  # submitted from anywhere
+    return shlex.join(["hpcml", "job", "--site", site, "--nodes", str(nodes), "--walltime", walltime,
+                       *(["--account", account] if account else []), "--ranks", str(lay.gpus), "--submit", "--",
+                       "python", str(script) if script.is_file() else "workflows/llm_pretrain.py", *run])

@@ -45,3 +45,34 @@ def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
     final = final_losses(metrics(run))
     assert sorted(final) == list(range(1, STEPS + 1))
     assert [final[s] for s in range(1, STEPS + 1)] == expected  # bitwise
+
+
+def test_a_planned_job_on_a_real_corpus_survives_its_walltime_and_finishes_every_step(tmp_path):
+    """Issue 43: `eval "$(hpcml plan ... --site slurm-local --emit job ...)"` submits a job that
+    trains on a packed corpus, is warned at its walltime, saves, requeues, resumes and finishes
+    all its steps (the plan prices the layout on a device it knows; the site says where it goes)."""
+    import json
+    import shlex
+
+    from tests.slurm.scenarios import BIN, wait_done
+
+    corpus = tmp_path / "corpus.h5"
+    sources = sorted(str(p) for p in (ROOT / "hpcml").rglob("*.py"))[:80]  # real text: hpcml's own sources
+    sh(str(BIN / "hpcml"), "data", "pack", str(corpus), *sources, "--tokenizer", "bytes", check=True)
+    plan = sh(str(BIN / "hpcml"), "plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--site",
+              "slurm-local", "--gpus-per-node", "1", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
+              "--precision", "fp32", "--emit", "job", "--steps", str(STEPS), "--walltime", "00:02:00", "--data",
+              str(corpus), "--ckpt-every", "10", check=True)
+    line = plan.stdout.strip()
+    assert "--submit" in shlex.split(line) and "--auto-resume" in line, line
+    out = subprocess.run(line, shell=True, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)  # eval
+    assert out.returncode == 0, out.stderr[-2000:]
+    job_id = out.stdout.strip().splitlines()[0]
+    wait_until(lambda: int(job(job_id).get("Restarts", 0)) >= 1, 240, "the walltime warning to requeue the job")
+    record = wait_done(job_id, 420)
+    text = (tmp_path / f"hpcml-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", text[-3000:]
+    assert text.count("hpcml-job: not finished (exit 75): requeueing job") >= 1
+    last = json.loads([x for x in text.splitlines() if x.startswith('{"layout"')][-1])
+    assert last["steps"][-1] == STEPS and last["steps"][0] > 1  # the last run resumed, and finished every step
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip().endswith(str(STEPS))

@@ -414,13 +414,14 @@ def test_emit_job_is_a_job_that_runs_to_completion(capsys, monkeypatch):
     assert cli(base + ["--account", "MYPROJ", "--steps", "1000", "--data", "/lus/p/corpus.h5"]) == 0
     line = shlex.split(capsys.readouterr().out.strip())
     cut = line.index("--")
-    job, run = line[:cut], line[cut + 3:]  # -- python workflows/llm_pretrain.py
+    job, run = line[:cut], line[cut + 3:]  # -- python .../workflows/llm_pretrain.py
+    assert "--submit" in job and line[cut + 2] == str(ROOT / "workflows" / "llm_pretrain.py")  # eval submits it
     assert job[:3] == ["hpcml", "job", "--site"] and job[job.index("--account") + 1] == "MYPROJ"
     assert job[job.index("--nodes") + 1] == "4"  # 4 GPUs a Polaris node
     args = _llm_pretrain().parse_args(run)
     assert (args.steps, args.ckpt_dir, args.auto_resume, args.data) == (1000, "checkpoints", True, "/lus/p/corpus.h5")
     assert 1 <= args.ckpt_every <= 1000
-    assert cli(["job", *job[2:], "--", *line[cut + 1:]]) == 0  # `hpcml job` takes the line: a script, no refusal
+    assert cli(["job", *(a for a in job[2:] if a != "--submit"), "--", *line[cut + 1:]]) == 0  # a script, no refusal
     assert "--auto-resume" in capsys.readouterr().out
     monkeypatch.setenv("HPCML_ACCOUNT", "ENVPROJ")
     assert cli(base + ["--steps", "10", "--ckpt-every", "5"]) == 0
