@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcml.ckpt import resolve
-from hpcml.data import TokenDataset
+from hpcml.data import Mixture, TokenDataset
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
@@ -99,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=2, help="warmup steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", metavar="FILE.h5", help="a token file of 'hpcml data pack' (docs/data.md); default: "
-                                                     "synthetic tokens. Its order is seeded by --seed")
+    p.add_argument("--data", metavar="FILE.h5[:WEIGHT]", action="append",
+                   help="a token file of 'hpcml data pack' (docs/data.md); repeated: a mixture, each file its WEIGHT "
+                        "of the samples (default 1). Default: synthetic tokens. The order is seeded by --seed")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--run-dir", default=None, help="where metrics.jsonl and config.json go")
@@ -117,6 +118,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(auto, the default: on where the model is on a GPU)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def open_data(specs: list[str], seq_len: int, seed: int):
+    """``--data`` values: one token file, or several ``FILE[:WEIGHT]`` mixed by weight."""
+    parts = []
+    for k, spec in enumerate(specs):
+        path, _, weight = spec.rpartition(":")
+        if not path or not weight.replace(".", "", 1).isdigit():  # no weight given (or a ':' in the path)
+            path, weight = spec, "1"
+        parts.append((TokenDataset(path, seq_len=seq_len, seed=seed + k), float(weight)))
+    return parts[0][0] if len(parts) == 1 else Mixture(parts, seed=seed)
 
 
 def main(argv=None) -> int:
@@ -171,7 +183,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         if args.resume:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
-        data = TokenDataset(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
+        data = open_data(args.data, args.seq_len, args.seed) if args.data else None
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)

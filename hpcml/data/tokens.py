@@ -227,11 +227,12 @@ class TokenDataset:
     def sample_ids(self, step: int, n: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
         """``(epoch, window)`` of samples ``lo .. hi`` of ``step``'s global batch of ``n``."""
         hi = n if hi is None else hi
-        out = []
-        for g in range(step * n + lo, step * n + hi):
-            epoch, k = divmod(g, self.windows)
-            out.append((epoch, int(self._permutation(epoch)[k])))
-        return out
+        return [self.window_of(g) for g in range(step * n + lo, step * n + hi)]
+
+    def window_of(self, g: int) -> tuple[int, int]:
+        """``(epoch, window)`` of this dataset's global sample ``g``."""
+        epoch, k = divmod(g, self.windows)
+        return epoch, int(self._permutation(epoch)[k])
 
     def rows(self, step: int, n: int, lo: int, hi: int):
         """Rows ``lo .. hi`` of ``step``'s global batch of ``n``: ``[hi - lo, seq_len + 1]`` int64

@@ -117,3 +117,35 @@ def test_a_corpus_with_more_ids_than_the_model_embeds_is_refused_on_every_rank_b
     with pytest.raises(ConfigError, match=r"token file .*corpus\.h5 was packed for a vocabulary of 257 ids, the model "
                                           r"embeds 200: .* give a model with vocab_size >= 257"):
         build_llm_trainer(small, TRAIN, data=TokenDataset(corpus, seq_len=16), dp=WORLD)
+
+
+def test_a_mixture_of_two_corpora_trains_as_one_process(comm, corpus):
+    """Two token files by weight (hpcml.data.Mixture): the first layout of this rank count equals
+    one process, and every rank read exactly its rows' (dataset, epoch, window)."""
+    from hpcml.data import Mixture
+
+    other = corpus.with_name("other.h5")
+    pack(other, sorted(Path(json.__file__).resolve().parent.parent.glob("*.py"))[120:200], tokenizer="bytes",
+         comm=comm)
+
+    class Recorded(Mixture):
+        read: dict
+
+        def rows(self, step, n, lo, hi):
+            self.read.setdefault(step, []).extend(self.sample_ids(step, n, lo, hi))
+            return super().rows(step, n, lo, hi)
+
+    def mix(cls=Mixture):
+        m = cls([(TokenDataset(corpus, seq_len=16, seed=3), 0.75), (TokenDataset(other, seq_len=16, seed=4), 0.25)],
+                seed=3, block=8)
+        m.read = {}
+        return m
+
+    ref_losses, _, _ = reference_run(MODEL, TRAIN, mix())
+    name, degrees, pkw = LAYOUTS[WORLD][0] if WORLD in LAYOUTS else ("dp", {"dp": WORLD}, {})
+    data = mix(Recorded)
+    history = build_llm_trainer(MODEL, TRAIN, ParallelConfig(**pkw), data=data, **degrees).fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL), name
+    read = _read_by_step(comm, data)
+    assert read == {s: sorted(mix().sample_ids(s, 8)) for s in range(4)}
+    assert sum(k == 1 for ids in read.values() for k, _, _ in ids) == 8  # 2 of each 8: 25%

@@ -1,13 +1,14 @@
 """The walltime, survived: the job script asks Slurm for SIGUSR1 before the end, the trainer
 saves and exits 75, the job requeues itself and the next run resumes from `latest` -- until
-the training is done, with the losses of an uninterrupted run, bitwise (same layout)."""
+the training is done, with the losses of an uninterrupted run, bitwise (same layout). The job is
+`hpcml plan --emit job`'s, on a packed corpus (issue 43)."""
 
 from __future__ import annotations
 
 import subprocess
 
-from tests.slurm.scenarios import ENV, LLM, PY, ROOT, final_losses, job, metrics, segments, sh, submit, \
-    wait_done, wait_until
+from tests.slurm.scenarios import BIN, ENV, LLM, PY, ROOT, final_losses, job, metrics, segments, sh, wait_done, \
+    wait_until
 
 # Long enough that the warning always lands mid-training: Slurm sends it by 60 s into the
 # 2-minute job, and 80 steps once finished in 51 s on a quiet host, before any warning came;
@@ -18,13 +19,34 @@ ARGS = ["--tp", "2", "--steps", str(STEPS), "--seed", "0", "--no-progress"]
 
 
 def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
-    reference = subprocess.Popen(["mpiexec", "-n", "2", PY, LLM, *ARGS], stdout=subprocess.PIPE,
+    """Issue 43 too: the job is the one `hpcml plan --emit job` writes (`eval` submits it), on a
+    corpus packed from hpcml's own sources; the plan prices the layout on a device it knows,
+    the site says where the job goes."""
+    import shlex
+
+    corpus = tmp_path / "corpus.h5"
+    sources = sorted(str(p) for p in (ROOT / "hpcml").rglob("*.py"))[:80]  # real text
+    sh(str(BIN / "hpcml"), "data", "pack", str(corpus), *sources, "--tokenizer", "bytes", check=True)
+    data = ["--data", str(corpus)]
+    reference = subprocess.Popen(["mpiexec", "-n", "2", PY, LLM, *ARGS, *data], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                  env={k: v for k, v in ENV.items() if k != "SLURM_CONF"})
-    run, ck = tmp_path / "run", tmp_path / "ck"
-    cmd = [PY, LLM, *ARGS, "--ckpt-dir", str(ck), "--ckpt-every", "10", "--auto-resume", "--run-dir", str(run)]
-    # a real 2-minute walltime: Slurm sends USR1 60 s before its end (or up to a minute earlier)
-    job_id = submit(tmp_path, "wall", nodes="2", ranks=2, walltime="00:02:00", warn=60, cmd=cmd)
+    run = tmp_path / "run"
+    plan = sh(str(BIN / "hpcml"), "plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--site",
+              "slurm-local", "--gpus-per-node", "1", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
+              "--precision", "fp32", "--emit", "job", "--steps", str(STEPS), "--walltime", "00:02:00", *data,
+              "--ckpt-every", "10", check=True)
+    line = shlex.split(plan.stdout.strip())
+    assert line[:2] == ["hpcml", "job"] and "--submit" in line and "--auto-resume" in line, line
+    # as the user runs it (eval), with a name and a run directory of this test's; a real 2-minute walltime:
+    # Slurm sends USR1 60 s before its end (or up to a minute earlier)
+    line[2:2] = ["--name", "wall", "--warn", "60"]
+    line += ["--seed", "0", "--no-progress", "--run-dir", str(run)]
+    out = subprocess.run(shlex.join(line), shell=True, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    job_id = out.stdout.strip().splitlines()[0]
+    assert job_id.isdigit(), out.stdout
     wait_until(lambda: int(job(job_id).get("Restarts", 0)) >= 1, 240, "the walltime warning to requeue the job")
     assert len(metrics(run)) < STEPS  # the walltime split it, not the end of training
     # the second run: stopped by hand, as `scancel --signal` does for a test
@@ -46,33 +68,3 @@ def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
     assert sorted(final) == list(range(1, STEPS + 1))
     assert [final[s] for s in range(1, STEPS + 1)] == expected  # bitwise
 
-
-def test_a_planned_job_on_a_real_corpus_survives_its_walltime_and_finishes_every_step(tmp_path):
-    """Issue 43: `eval "$(hpcml plan ... --site slurm-local --emit job ...)"` submits a job that
-    trains on a packed corpus, is warned at its walltime, saves, requeues, resumes and finishes
-    all its steps (the plan prices the layout on a device it knows; the site says where it goes)."""
-    import json
-    import shlex
-
-    from tests.slurm.scenarios import BIN, wait_done
-
-    corpus = tmp_path / "corpus.h5"
-    sources = sorted(str(p) for p in (ROOT / "hpcml").rglob("*.py"))[:80]  # real text: hpcml's own sources
-    sh(str(BIN / "hpcml"), "data", "pack", str(corpus), *sources, "--tokenizer", "bytes", check=True)
-    plan = sh(str(BIN / "hpcml"), "plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--site",
-              "slurm-local", "--gpus-per-node", "1", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
-              "--precision", "fp32", "--emit", "job", "--steps", str(STEPS), "--walltime", "00:02:00", "--data",
-              str(corpus), "--ckpt-every", "10", check=True)
-    line = plan.stdout.strip()
-    assert "--submit" in shlex.split(line) and "--auto-resume" in line, line
-    out = subprocess.run(line, shell=True, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)  # eval
-    assert out.returncode == 0, out.stderr[-2000:]
-    job_id = out.stdout.strip().splitlines()[0]
-    wait_until(lambda: int(job(job_id).get("Restarts", 0)) >= 1, 240, "the walltime warning to requeue the job")
-    record = wait_done(job_id, 420)
-    text = (tmp_path / f"hpcml-{job_id}.out").read_text()
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", text[-3000:]
-    assert text.count("hpcml-job: not finished (exit 75): requeueing job") >= 1
-    last = json.loads([x for x in text.splitlines() if x.startswith('{"layout"')][-1])
-    assert last["steps"][-1] == STEPS and last["steps"][0] > 1  # the last run resumed, and finished every step
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip().endswith(str(STEPS))

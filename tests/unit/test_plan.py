@@ -419,7 +419,7 @@ def test_emit_job_is_a_job_that_runs_to_completion(capsys, monkeypatch):
     assert job[:3] == ["hpcml", "job", "--site"] and job[job.index("--account") + 1] == "MYPROJ"
     assert job[job.index("--nodes") + 1] == "4"  # 4 GPUs a Polaris node
     args = _llm_pretrain().parse_args(run)
-    assert (args.steps, args.ckpt_dir, args.auto_resume, args.data) == (1000, "checkpoints", True, "/lus/p/corpus.h5")
+    assert (args.steps, args.ckpt_dir, args.auto_resume, args.data) == (1000, "checkpoints", True, ["/lus/p/corpus.h5"])
     assert 1 <= args.ckpt_every <= 1000
     assert cli(["job", *(a for a in job[2:] if a != "--submit"), "--", *line[cut + 1:]]) == 0  # a script, no refusal
     assert "--auto-resume" in capsys.readouterr().out

@@ -181,3 +181,46 @@ def test_hpcml_data_pack_and_info_from_the_command_line(tmp_path):
     bad = run("pack", str(tmp_path / "c.txt"), str(tmp_path / "a.txt"))
     assert bad.returncode == 2 and bad.stderr.strip() == f"hpcml: error: output {tmp_path / 'c.txt'}: expected a name " \
                                                          f"ending in .h5"
+
+
+def test_a_mixture_serves_each_file_its_exact_share_in_a_layout_free_order(tmp_path):
+    from hpcml.data import Mixture
+
+    _, sources = _docs(tmp_path)
+    pack(tmp_path / "a.h5", sources[:5], vocab_size=300, eod=299, comm=SELF)
+    pack(tmp_path / "b.h5", sources[5:], vocab_size=300, eod=299, comm=SELF)
+    a, b = TokenDataset(tmp_path / "a.h5", seq_len=16, seed=1), TokenDataset(tmp_path / "b.h5", seq_len=16, seed=2)
+    mix = Mixture([(a, 0.7), (b, 0.3)], seed=4, block=10)
+    ids = mix.sample_ids(0, 1000)
+    assert [k for k, _, _ in ids].count(0) == 700  # exact per block of 10: 7 and 3
+    assert all(sum(k == 0 for k, _, _ in ids[j:j + 10]) == 7 for j in range(0, 1000, 10))
+    # each file's own samples in its own order: the i-th from a is a's global sample i
+    assert [(e, w) for k, e, w in ids if k == 0] == [a.window_of(i) for i in range(700)]
+    assert [(e, w) for k, e, w in ids if k == 1] == [b.window_of(i) for i in range(300)]
+    assert mix.sample_ids(7, 16, 4, 9) == mix.sample_ids(7, 16)[4:9]  # a dp slice of the batch: no state
+    k, e, w = mix.sample_ids(3, 8)[5]
+    assert np.array_equal(mix.rows(3, 8, 5, 6)[0].numpy(), (a, b)[k].tokens(w * 16, 17))
+    for bad, msg in ((dict(parts=[(a, 0.7), (b, -1)]), r"mixture weights \[0\.7, -1\]: expected positive numbers"),
+                     (dict(parts=[(a, 1.0), (b, 1e-6)]), r"dataset\(s\) \[1\] get no place in a block of 1000"),
+                     (dict(parts=[(a, 1), (TokenDataset(tmp_path / "b.h5", seq_len=8), 1)]),
+                      r"sequence lengths \[8, 16\]: expected one")):
+        with pytest.raises(ConfigError, match=msg):
+            Mixture(**bad)
+
+
+def test_llm_pretrain_data_flags_open_one_file_or_a_weighted_mixture(packed, tmp_path):
+    from pathlib import Path
+
+    from hpcml.data import Mixture
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    one = llm_pretrain.open_data([str(packed)], 16, 0)
+    assert isinstance(one, TokenDataset) and one.seq_len == 16
+    mix = llm_pretrain.open_data([f"{packed}:3", str(packed)], 16, 0)
+    assert isinstance(mix, Mixture) and list(mix.counts) == [750, 250]
+    with pytest.raises(DataError, match=r"token manifest .*nope\.h5\.json: no such file"):
+        llm_pretrain.open_data([f"{tmp_path / 'nope.h5'}:0.5"], 16, 0)
