@@ -224,3 +224,22 @@ def test_llm_pretrain_data_flags_open_one_file_or_a_weighted_mixture(packed, tmp
     assert isinstance(mix, Mixture) and list(mix.counts) == [750, 250]
     with pytest.raises(DataError, match=r"token manifest .*nope\.h5\.json: no such file"):
         llm_pretrain.open_data([f"{tmp_path / 'nope.h5'}:0.5"], 16, 0)
+
+
+def test_text_with_a_hugging_face_tokenizer_directory(tmp_path):
+    """A tokenizer directory as `save_pretrained` writes it (built here: nothing downloaded)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "tk")
+    (tmp_path / "a.txt").write_text("hello world hello")
+    (tmp_path / "b.jsonl").write_text('{"text": "world mars"}\n')
+    m = pack(tmp_path / "c.h5", [tmp_path / "a.txt", tmp_path / "b.jsonl"], tokenizer=str(tmp_path / "tk"), comm=SELF)
+    assert (m.vocab_size, m.eod, m.n_docs) == (4, 1, 2)
+    assert list(TokenDataset(tmp_path / "c.h5", seq_len=2).tokens(0, m.n_tokens)) == [2, 3, 2, 1, 3, 0, 1]
+    with pytest.raises(ConfigError, match=r"tokenizer '.*nowhere': .*expected a tokenizer directory \(or a name "
+                                          r"already in the Hugging Face cache: this reads no network\)"):
+        pack(tmp_path / "d.h5", [tmp_path / "a.txt"], tokenizer=str(tmp_path / "nowhere"), comm=SELF)
