@@ -99,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=2, help="warmup steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-data", metavar="FILE.h5", help="a held-out token file: its val_loss in the metrics every "
+                                                         "--val-every steps and after the last")
+    p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--val-batches", type=int, default=4, help="global batches of --val-data each time")
     p.add_argument("--data", metavar="FILE.h5[:WEIGHT]", action="append",
                    help="a token file of 'hpcml data pack' (docs/data.md); repeated: a mixture, each file its WEIGHT "
                         "of the samples (default 1). Default: synthetic tokens. The order is seeded by --seed")
@@ -187,7 +191,10 @@ def main(argv=None) -> int:
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)
+        val = TokenDataset(args.val_data, seq_len=args.seq_len, seed=args.seed) if args.val_data else None
         trainer = build_llm_trainer(model_cfg, train, parallel, data=data, **degrees)
+        if val is not None:  # its checks raise alike on every rank
+            trainer.validate_on(val, every=args.val_every, batches=args.val_batches)
         if args.ckpt_dir:
             overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
             hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep, async_save=args.async_save,

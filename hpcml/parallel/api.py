@@ -117,6 +117,31 @@ class ParallelModel:
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total / n_micro
 
+    @torch.no_grad()
+    def forward_loss(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor, n_micro: int = 1,
+                     autocast: contextlib.AbstractContextManager | None = None) -> float | None:
+        """The mean local loss over ``n_micro`` micro-batches, forward only (validation): no
+        gradient, nothing the model keeps for a step changed (None off the last stage)."""
+        autocast = autocast or contextlib.nullcontext()
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        try:
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                with self.loss_context(), autocast:
+                    self.schedule.eval(*(inputs if self.has_first else ()), target=targets if self.has_last else None,
+                                       losses=losses if self.has_last else None)
+                return float(torch.stack([x.detach().double() for x in losses]).mean()) if self.has_last else None
+            model, total = self.parts[0], 0.0
+            for *x, y in zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro)):
+                with self.loss_context(), autocast:
+                    loss = model(*x, targets=y) if self.computes_loss else self.loss_fn(model(*x), y)
+                total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+            return total / n_micro
+        finally:
+            if self.plan.stat_names:  # a model's step statistics (MoE loads) count training batches only
+                for part in self.parts:
+                    self.plan.reset_stats(part)
+
     def sync_grads(self) -> None:
         """Make this step's gradients final: the data-parallel reductions, and the tp partial sums."""
         for sync in self.grad_syncs:

@@ -208,12 +208,18 @@ class TrainLoop:
         self.step += 1
         m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
                              **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
-                             "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)), **(extra or {})}
+                             "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)), **(extra or {}),
+                             **self.after_update()}
         if self.account is not None:
             m.update(memory.summary(self.account.take()))
         self.history.append(m)
         self._report(m, max(cfg.steps, self.step))
         return m
+
+    def after_update(self) -> dict[str, Any]:
+        """Figures of the weights just updated, for this step's metrics (a validation loss);
+        called on every rank after the optimizer step (collectives allowed)."""
+        return {}
 
     def fit(self, next_batch: Callable[[int], Any], steps: int | None = None) -> list[dict]:
         """Train on ``next_batch(step)`` until ``steps`` (default ``config.steps``) steps are done

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from hpcml import log
 from hpcml.errors import ConfigError
@@ -78,18 +79,55 @@ class Trainer(TrainLoop):
         config.check_layout(model.grid.layout, model.parts[0].config.max_seq_len, model.config.fpdt_chunk)
         super().__init__(model, config, hooks)
         self.data, self.flops_per_token = data, flops_per_token
+        self.val: tuple[TokenSource, int, int] | None = None
 
-    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def validate_on(self, source: TokenSource, *, every: int, batches: int = 4) -> None:
+        """Report ``val_loss`` -- the mean loss over the first ``batches`` global batches of
+        ``source`` (the same ones each time) -- every ``every`` steps and after the last."""
+        if every < 1 or batches < 1:
+            raise ConfigError(f"validation every {every} steps on {batches} batches: expected both >= 1")
+        if getattr(source, "seq_len", self.config.seq_len) != self.config.seq_len:
+            raise ConfigError(f"the validation data's sequences are {source.seq_len} tokens, the training's "
+                              f"{self.config.seq_len}")
+        if hasattr(source, "check_vocab"):
+            source.check_vocab(self.model.parts[0].config.vocab_size)
+        self.val = (source, every, batches)
+
+    def evaluate(self, source: TokenSource, batches: int) -> float:
+        """The mean loss over ``source``'s first ``batches`` global batches (forward only, every layout alike)."""
+        lay = self.grid.layout
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else None
+        self.model.train(False)
+        try:
+            total = torch.zeros(1, dtype=torch.float64, device=self.device)
+            for k in range(batches):
+                x, y = self.local_batch(k, source)
+                loss = self.model.forward_loss(x, y, self.n_micro(), autocast)
+                if loss is not None:  # last pipeline stage: each (dp, cp, tp) rank one share of the mean
+                    total += loss / (lay.dp * lay.cp * lay.tp)
+            dist.all_reduce(total)
+            return float(total) / batches
+        finally:
+            self.model.train(True)
+
+    def after_update(self) -> dict[str, Any]:
+        val = self.val
+        if val is None or not (self.step % val[1] == 0 or self.step == self.config.steps):
+            return {}
+        return {"val_loss": self.evaluate(val[0], val[2])}
+
+    def local_batch(self, step: int, source: TokenSource | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets): its dp slice of the global batch, its cp positions of the
         sequence (a contiguous slice, or FPDT's strided chunks: :func:`local_positions`)."""
         lay, c = self.grid.layout, self.grid.coords
+        data = self.data if source is None else source
         n = self.config.global_batch
         per_dp = n // lay.dp
         lo, hi = c["dp"] * per_dp, (c["dp"] + 1) * per_dp
-        if hasattr(self.data, "rows"):  # a corpus on disk: read only this rank's sequences
-            tokens = self.data.rows(step, n, lo, hi)
+        if hasattr(data, "rows"):  # a corpus on disk: read only this rank's sequences
+            tokens = data.rows(step, n, lo, hi)
         else:
-            tokens = self.data.global_batch(step, n)[lo:hi]
+            tokens = data.global_batch(step, n)[lo:hi]
         x, y = tokens[:, :-1], tokens[:, 1:]
         pos = local_positions(self.config.seq_len, c["cp"], lay.cp, self.model.config.fpdt_chunk)
         return x[:, pos].contiguous().to(self.device), y[:, pos].contiguous().to(self.device)

@@ -3,11 +3,12 @@ under dp, tp and pp like one process (fp64, 1e-10), and resumed mid-epoch on ano
 layout reading exactly the sequences the uninterrupted run reads next (by sample id).
 
 The corpus: the standard library's own Python sources (PSF licence, on every machine that
-runs these tests), one document a file, tokenized as UTF-8 bytes."""
+runs these tests), each paragraph a document (~12,900), tokenized as UTF-8 bytes."""
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -38,10 +39,24 @@ def _sources() -> list[Path]:
     return sorted(Path(json.__file__).resolve().parent.parent.glob("*.py"))[:120]
 
 
+def _paragraphs(src: Path) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", src.read_text(errors="replace")) if p.strip()]
+
+
+def _documents(d: Path) -> list[Path]:
+    """The corpus: every paragraph of 120 standard-library sources a document (~12,900), one
+    .jsonl of ``{"text": ...}`` lines per source file."""
+    return [d / f"part_{k:03d}.jsonl" for k in range(len(_sources()))]
+
+
 @pytest.fixture(scope="module")
 def corpus(comm) -> Path:
     d = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-data-") if comm.rank == 0 else None))
-    pack(d / "corpus.h5", _sources(), tokenizer="bytes", comm=comm)
+    if comm.rank == 0:
+        for src, path in zip(_sources(), _documents(d)):
+            path.write_text("".join(json.dumps({"text": p}) + "\n" for p in _paragraphs(src)))
+    comm.Barrier()
+    pack(d / "corpus.h5", _documents(d), tokenizer="bytes", comm=comm)
     return d / "corpus.h5"
 
 
@@ -68,12 +83,13 @@ def _read_by_step(comm, data: Recorder) -> dict[int, list]:
 
 def test_a_corpus_packed_on_every_rank_is_the_one_packed_on_one(comm, corpus):
     ds = TokenDataset(corpus, seq_len=16)
-    assert ds.m.n_docs == len(_sources()) and ds.m.vocab_size == 257 and ds.m.eod == 256
+    n_docs = sum(len(_paragraphs(src)) for src in _sources())
+    assert ds.m.n_docs == n_docs > 5000 and ds.m.vocab_size == 257 and ds.m.eod == 256  # thousands of documents
     if comm.rank == 0:
-        alone = pack(corpus.with_name("alone.h5"), _sources(), tokenizer="bytes", comm=MPI.COMM_SELF)
+        alone = pack(corpus.with_name("alone.h5"), _documents(corpus.parent), tokenizer="bytes", comm=MPI.COMM_SELF)
         one = TokenDataset(alone.path, seq_len=16)
         assert torch.equal(torch.from_numpy(one.tokens(0, one.m.n_tokens)), torch.from_numpy(ds.tokens(0, ds.m.n_tokens)))
-        first = _sources()[0].read_bytes()
+        first = _paragraphs(_sources()[0])[0].encode()
         assert bytes(ds.tokens(0, len(first)).astype("uint8")) == first  # the text itself, byte for byte
         assert ds.tokens(len(first), 1)[0] == 256  # then the end of the document
     comm.Barrier()
@@ -149,3 +165,27 @@ def test_a_mixture_of_two_corpora_trains_as_one_process(comm, corpus):
     read = _read_by_step(comm, data)
     assert read == {s: sorted(mix().sample_ids(s, 8)) for s in range(4)}
     assert sum(k == 1 for ids in read.values() for k, _, _ in ids) == 8  # 2 of each 8: 25%
+
+
+@pytest.mark.parametrize("name,degrees,pkw", LAYOUTS.get(WORLD, []), ids=[x[0] for x in LAYOUTS.get(WORLD, [])])
+def test_validation_loss_on_held_out_data_equals_one_process(comm, corpus, name, degrees, pkw):
+    """Issue 43: ``val_loss`` in the metrics (every 2 steps and after the last), forward only on
+    every layout: after the last step it equals one process's loss of the same weights on the
+    same held-out batches (fp64, 1e-10), and training is unchanged by it."""
+    from hpcml.models.transformer import Transformer, cross_entropy
+
+    ref_losses, _, ref_params = reference_run(MODEL, TRAIN, TokenDataset(corpus, seq_len=16, seed=3))
+    held_out = TokenDataset(corpus, seq_len=16, seed=77)  # other batches than training's first ones: the check is
+    # that every layout computes what one process does
+    trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(**pkw), data=TokenDataset(corpus, seq_len=16, seed=3),
+                                **degrees)
+    trainer.validate_on(held_out, every=2, batches=3)
+    history = trainer.fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL)  # evaluating changed nothing
+    assert [("val_loss" in m) for m in history] == [False, True, False, True]
+    model = Transformer(MODEL)
+    model.load_state_dict(ref_params, strict=False)
+    with torch.no_grad():
+        want = sum(float(cross_entropy(model(b[:, :-1]), b[:, 1:])) for b in
+                   (held_out.global_batch(k, 8) for k in range(3))) / 3
+    assert history[-1]["val_loss"] == pytest.approx(want, rel=TOL), name

@@ -109,8 +109,12 @@ def test_pretraining_on_a_corpus_packed_in_parallel_matches_one_process(tmp_path
                      "--tokenizer", "bytes", timeout=120)
     assert packed.returncode == 0 and f"{len(sources)} documents" in packed.stdout, packed.stderr
     args = [*ARGS, "--data", str(tmp_path / "c.h5"), "--seq-len", "64"]
-    one = losses(subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=ENV, timeout=300,
-                                cwd=ROOT))
+    one = losses(subprocess.run([sys.executable, SCRIPT, *args, "--val-data", str(tmp_path / "c.h5"), "--val-every",
+                                 "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=ENV,
+                                timeout=300, cwd=ROOT))
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "val_loss" in m] == [2, 4] and all(m["val_loss"] > 0 for m in metrics
+                                                                            if "val_loss" in m)
     two = losses(mpiexec(2, sys.executable, SCRIPT, "--tp", "2", *args, timeout=300))
     assert two == pytest.approx(one, rel=1e-4) and one[-1] < one[0]
     bad = subprocess.run([sys.executable, SCRIPT, *args[:-2], "--seq-len", "10000000"], capture_output=True, text=True,
