@@ -81,7 +81,7 @@ class Mixture:
         out = np.empty((hi - lo, self.seq_len + 1), np.int64)
         ids = self.sample_ids(step, n, lo, hi)
         for k, d in enumerate(self.datasets):
-            d._will_need([w for j, _, w in ids if j == k])
+            d.will_need([w for j, _, w in ids if j == k])
         for r, (k, _, w) in enumerate(ids):
             out[r] = self.datasets[k].tokens(w * self.seq_len, self.seq_len + 1)
         return torch.from_numpy(out)

@@ -207,19 +207,20 @@ def _finish(tmp: Path, out: Path, n_tokens, n_docs, n_blocks, dtype, vocab, eod,
     import h5py
 
     with h5py.File(tmp, "r+") as f:
-        offs = {name: f[name].id.get_offset() for name in ("tokens", "doc_offsets", "block_crc32")}
+        at = f["tokens"].id.get_offset()
         fd = os.open(tmp, os.O_RDONLY)
         try:
             crcs = np.empty(n_blocks, "<u4")
             for b in range(n_blocks):
                 n = min(BLOCK_TOKENS, n_tokens - b * BLOCK_TOKENS) * dtype.itemsize
-                crcs[b] = crc32(os.pread(fd, n, offs["tokens"] + b * BLOCK_TOKENS * dtype.itemsize))
+                crcs[b] = crc32(os.pread(fd, n, at + b * BLOCK_TOKENS * dtype.itemsize))
         finally:
             os.close(fd)
         f["block_crc32"][:] = crcs
         f.attrs.update({"format": FORMAT, "vocab_size": vocab, "eod": eod, "n_tokens": n_tokens, "n_docs": n_docs,
                         "block_tokens": BLOCK_TOKENS, "tokenizer": tok_name or ""})
-        offs = {name: f[name].id.get_offset() for name in ("tokens", "doc_offsets", "block_crc32")}
+        offs = {name: f[name].id.get_offset() for name in ("tokens", "doc_offsets", "block_crc32")}  # the CRCs'
+        # storage exists only now that they are written (serial HDF5 allocates a contiguous dataset late)
     os.replace(tmp, out)
     rec = {"format": FORMAT, "file": out.name, "size": out.stat().st_size, "vocab_size": vocab, "eod": eod,
            "dtype": dtype.name,

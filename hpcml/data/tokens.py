@@ -241,12 +241,12 @@ class TokenDataset:
 
         out = np.empty((hi - lo, self.seq_len + 1), np.int64)
         windows = [w for _, w in self.sample_ids(step, n, lo, hi)]
-        self._will_need(windows + [w for _, w in self.sample_ids(step + 1, n, lo, hi)])  # and the next step's
+        self.will_need(windows + [w for _, w in self.sample_ids(step + 1, n, lo, hi)])  # and the next step's
         for i, w in enumerate(windows):
             out[i] = self.tokens(w * self.seq_len, self.seq_len + 1)
         return torch.from_numpy(out)
 
-    def _will_need(self, windows: list[int]) -> None:
+    def will_need(self, windows: list[int]) -> None:
         """Ask the kernel for the blocks of ``windows`` at once (``POSIX_FADV_WILLNEED``): the reads
         go out in parallel and overlap the checks and the training step, instead of one at a time."""
         if not hasattr(os, "posix_fadvise"):

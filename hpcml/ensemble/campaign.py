@@ -273,7 +273,7 @@ class Campaign:
             raise ConfigError("nothing to run: give simulations, a training job (training=) or both")
         _check_waits(training, ready_file, ready_timeout_s, train_timeout_s)
         if streaming(training, ready_file):
-            check_stream_ranks([i for p, i in enumerate(specs.ids()) if specs.streams(p)], self.train_ranks(training))
+            check_stream_ranks(specs.streaming_ids(), self.train_ranks(training))
         from hpcml.ensemble.runner import Run
 
         return Run(self, specs, training, Path(ready_file) if ready_file is not None else None,

@@ -24,10 +24,30 @@ from typing import Any
 
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
+from hpcml.idset import IdSet
+
+
+class _Lazy(Sequence[SimSpec]):
+    """Indexing (negative, slices, bounds) over ``_at(k)``: the specs are made when asked for."""
+
+    _what = "position"
+
+    def _at(self, k: int) -> SimSpec:
+        raise NotImplementedError
+
+    def __getitem__(self, k):  # type: ignore[override]
+        n = len(self)
+        if isinstance(k, slice):
+            return [self._at(i) for i in range(*k.indices(n))]
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(f"{self._what} {k} of {n}")
+        return self._at(k)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class Members(Sequence[SimSpec]):
+class Members(_Lazy):
     """``count`` bundled members of ``entry`` with ids ``first_id .. first_id + count - 1``.
 
     ``params``: a function of the member's id returning its parameters (a dict of finite
@@ -83,18 +103,14 @@ class Members(Sequence[SimSpec]):
                               f"names to finite numbers")
         return dict(p)
 
-    def __getitem__(self, k):  # type: ignore[override]
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(self.count))]
-        if k < 0:
-            k += self.count
-        if not 0 <= k < self.count:
-            raise IndexError(f"member {k} of {self.count}")
+    _what = "member"
+
+    def _at(self, k: int) -> SimSpec:
         return SimSpec(sim_id=self.first_id + k, params=self.params_of(k), entry=self.entry, ranks=1,
                        stream=self.stream)
 
     def __iter__(self) -> Iterator[SimSpec]:
-        return (self[k] for k in range(self.count))
+        return (self._at(k) for k in range(self.count))
 
     def __repr__(self) -> str:
         return f"Members(entry={self.entry!r}, count={self.count}, ids {self.first_id}..{self.first_id + self.count - 1})"
@@ -107,7 +123,7 @@ def _scalar(v: Any, name: str, sim_id: int) -> float | int:
     return v
 
 
-class Specs(Sequence[SimSpec]):
+class Specs(_Lazy):
     """The simulations of one run, by position: the given ones (SimSpecs and :class:`Members`
     in any mix, flattened in order) and the waves appended to them. A position's spec is
     made on demand for members; ``position(sim_id)`` finds one by id."""
@@ -153,13 +169,9 @@ class Specs(Sequence[SimSpec]):
         k = bisect_right(self._starts, pos) - 1
         return self._parts[k], pos - self._starts[k]
 
-    def __getitem__(self, pos):  # type: ignore[override]
-        if isinstance(pos, slice):
-            return [self[i] for i in range(*pos.indices(self._n))]
-        if pos < 0:
-            pos += self._n
-        if not 0 <= pos < self._n:
-            raise IndexError(f"simulation position {pos} of {self._n}")
+    _what = "simulation position"
+
+    def _at(self, pos: int) -> SimSpec:
         part, k = self._part(pos)
         return part[k]
 
@@ -195,8 +207,9 @@ class Specs(Sequence[SimSpec]):
         return max((1 if isinstance(p, Members) else max((s.ranks for s in p), default=1) for p in self._parts
                     if len(p)), default=1)
 
-    def has_members(self) -> bool:
-        return any(isinstance(p, Members) for p in self._parts)
+    def streaming_ids(self) -> IdSet:
+        """The ids of the simulations that take part in a stream (``stream`` not False)."""
+        return IdSet(i for p, i in enumerate(self.ids()) if self.streams(p))
 
     def check_unique(self) -> None:
         """ConfigError naming the ids given twice: within the listed specs, between two

@@ -250,7 +250,7 @@ class Run:
         if done:
             kept = self.kept() if callable(self.kept) else self.kept  # read once the directory is known to be ours
             if kept is None:
-                streaming = {specs.sim_id(p) for p in range(len(specs)) if self.streams and specs.streams(p)}
+                streaming = set(specs.streaming_ids()) if self.streams else set()
                 kept = ledger.kept(self.run_dir, done, streaming, records)
             skip = done & set(kept)
         else:
@@ -318,8 +318,7 @@ class Run:
             raise LaunchError(self.error)
 
     def _write_done(self) -> None:
-        specs = self.book.specs
-        streaming = IdSet(specs.sim_id(p) for p in range(len(specs)) if self.streams and specs.streams(p))
+        streaming = self.book.specs.streaming_ids() if self.streams else IdSet()
         write_done(self.run_dir / DONE_FILE, ledger.done_record(
             self.contract, self.book.ids(COMPLETED), self.book.ids(PENDING, RUNNING, FAILED, CANCELLED), streaming))
 

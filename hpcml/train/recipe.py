@@ -9,9 +9,8 @@ from hpcml.grid import Layout, ProcessGrid
 from hpcml.models.transformer import Transformer, TransformerConfig
 from hpcml.models.transformer.parallelize import check_plan
 from hpcml.parallel import ParallelConfig, parallelize
-from hpcml.errors import ConfigError
 from hpcml.train.data import SyntheticTokens
-from hpcml.train.trainer import TrainConfig, Trainer
+from hpcml.train.trainer import TrainConfig, Trainer, check_source
 
 
 def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, parallel_cfg: ParallelConfig | None = None,
@@ -26,11 +25,7 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
 
     parallel_cfg = parallel_cfg or ParallelConfig()
     if data is not None:  # before any collective: the same refusal on every rank
-        if getattr(data, "seq_len", train_cfg.seq_len) != train_cfg.seq_len:
-            raise ConfigError(f"the data's sequences are {data.seq_len} tokens, the training's seq_len "
-                              f"{train_cfg.seq_len}: open the data with seq_len={train_cfg.seq_len}")
-        if hasattr(data, "check_vocab"):
-            data.check_vocab(model_cfg.vocab_size)
+        check_source(data, train_cfg.seq_len, model_cfg.vocab_size)
     if grid is None:
         comm = comm or MPI.COMM_WORLD
         layout = Layout.from_degrees(comm.Get_size(), degrees)

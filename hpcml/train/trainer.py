@@ -29,6 +29,16 @@ class TokenSource(Protocol):
     def global_batch(self, step: int, n: int) -> torch.Tensor: ...
 
 
+def check_source(source: TokenSource, seq_len: int, vocab_size: int, what: str = "data") -> None:
+    """ConfigError (no collective: the same on every rank) for a token source of other
+    sequences than the training's, or with ids past the model's embedding."""
+    if getattr(source, "seq_len", seq_len) != seq_len:
+        raise ConfigError(f"the {what}'s sequences are {source.seq_len} tokens, the training's seq_len {seq_len}: "
+                          f"open the {what} with seq_len={seq_len}")
+    if hasattr(source, "check_vocab"):
+        source.check_vocab(vocab_size)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(LoopConfig):
     """:class:`LoopConfig` plus the token batch. Batch sizes are in sequences."""
@@ -86,11 +96,7 @@ class Trainer(TrainLoop):
         ``source`` (the same ones each time) -- every ``every`` steps and after the last."""
         if every < 1 or batches < 1:
             raise ConfigError(f"validation every {every} steps on {batches} batches: expected both >= 1")
-        if getattr(source, "seq_len", self.config.seq_len) != self.config.seq_len:
-            raise ConfigError(f"the validation data's sequences are {source.seq_len} tokens, the training's "
-                              f"{self.config.seq_len}")
-        if hasattr(source, "check_vocab"):
-            source.check_vocab(self.model.parts[0].config.vocab_size)
+        check_source(source, self.config.seq_len, self.model.parts[0].config.vocab_size, "validation data")
         self.val = (source, every, batches)
 
     def evaluate(self, source: TokenSource, batches: int) -> float:
