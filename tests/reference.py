@@ -16,6 +16,19 @@ from hpcml.train import SyntheticTokens, TrainConfig
 from hpcml.train.loop import make_optimizer
 
 
+def document_by_document_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor, eod: int) -> torch.Tensor:
+    """The mean next-token loss of packed sequences, each document (ended by ``eod``) run through
+    the model alone, from position 0: what document masking must give with no mask at all
+    (rotary positions are relative, so a document's place in the sequence does not count)."""
+    total, count = 0.0, 0
+    for xs, ys in zip(x, y):
+        cuts = [0, *[int(e) + 1 for e in (xs == eod).nonzero().flatten() if int(e) + 1 < len(xs)], len(xs)]
+        for a, b in zip(cuts, cuts[1:]):
+            total = total + cross_entropy(model(xs[None, a:b]), ys[None, a:b]) * (b - a)
+            count += b - a
+    return total / count
+
+
 def reference_run(model_cfg: TransformerConfig, cfg: TrainConfig, data=None
                   ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """(losses, gradient norms before clipping, final parameters by name); ``data``: a token
@@ -42,7 +55,8 @@ def reference_run_with_stats(model_cfg: TransformerConfig, cfg: TrainConfig, dat
         x, y = tokens[:, :-1], tokens[:, 1:]
         total = 0.0
         for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
-            loss = cross_entropy(model(xm), ym)
+            loss = cross_entropy(model(xm), ym) if cfg.doc_mask_eod is None else \
+                document_by_document_loss(model, xm, ym, cfg.doc_mask_eod)
             (loss / n_micro).backward()
             total += loss.item()
         losses.append(total / n_micro)

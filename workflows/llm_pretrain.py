@@ -106,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", metavar="FILE.h5[:WEIGHT]", action="append",
                    help="a token file of 'hpcml data pack' (docs/data.md); repeated: a mixture, each file its WEIGHT "
                         "of the samples (default 1). Default: synthetic tokens. The order is seeded by --seed")
+    p.add_argument("--doc-mask", action="store_true", help="with --data: attention stays within each packed "
+                                                           "document (ended by the data's end-of-document token)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--run-dir", default=None, help="where metrics.jsonl and config.json go")
@@ -122,6 +124,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(auto, the default: on where the model is on a GPU)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def doc_mask_eod(asked: bool, data) -> int | None:
+    """``--doc-mask``: the data's end-of-document token (one for all its files)."""
+    if not asked:
+        return None
+    if data is None:
+        raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")
+    if len(data.eods) != 1:
+        raise ConfigError(f"--doc-mask: the --data files end their documents with different tokens {sorted(data.eods)}"
+                          f": pack them with one tokenizer")
+    return next(iter(data.eods))
 
 
 def open_data(specs: list[str], seq_len: int, seed: int):
@@ -172,10 +186,12 @@ def main(argv=None) -> int:
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
                                   cp_kind=args.cp_kind)
+        data = open_data(args.data, args.seq_len, args.seed) if args.data else None
         train = TrainConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                             seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                             bf16=args.bf16, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-                            run_dir=args.run_dir, progress=not args.no_progress, memory_account=args.memory_account)
+                            run_dir=args.run_dir, progress=not args.no_progress, memory_account=args.memory_account,
+                            doc_mask_eod=doc_mask_eod(args.doc_mask, data))
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
         if args.dp is not None:
             degrees["dp"] = args.dp
@@ -187,7 +203,6 @@ def main(argv=None) -> int:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         if args.resume:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
-        data = open_data(args.data, args.seq_len, args.seed) if args.data else None
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)

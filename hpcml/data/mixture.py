@@ -56,6 +56,10 @@ class Mixture:
     def vocab_size(self) -> int:
         return max(d.vocab_size for d in self.datasets)
 
+    @property
+    def eods(self) -> set[int]:
+        return set().union(*(d.eods for d in self.datasets))
+
     def check_vocab(self, model_vocab: int) -> None:
         for d in self.datasets:
             d.check_vocab(model_vocab)

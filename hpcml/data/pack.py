@@ -4,6 +4,7 @@ Sources, in the order given (the file is the same whatever the number of ranks):
 
 - ``.npy``: one document, a 1-D array of integer token ids (loaded without pickle);
 - ``.jsonl``: a document a line, ``{"tokens": [...]}`` (or ``{"text": "..."}`` with a tokenizer);
+  ``.jsonl.gz`` the same, gzip-compressed (inflated line by line, bounded);
 - any other file: one document of text, with ``tokenizer``: ``"bytes"`` (UTF-8 bytes as
   ids 0-255, end of document 256: nothing to download) or a Hugging Face tokenizer's
   directory or name (``transformers``, local files only).
@@ -17,8 +18,10 @@ final name.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from hpcml.log import get_logger
 
 logger = get_logger(__name__)
 
-#: The largest source file read (a .npy document, a .jsonl file, a text).
+#: The largest source file read (a .npy document, a .jsonl file, a text; a .jsonl.gz inflated).
 MAX_SOURCE_BYTES = 4 << 30
 MAX_LINE_BYTES = 256 << 20
 BYTES_VOCAB, BYTES_EOD = 257, 256
@@ -80,23 +83,9 @@ def documents(path: Path, tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
                               f"token ids (one document)")
         yield arr.astype(np.int64)
     elif path.suffix == ".jsonl":
-        for k, line in enumerate(safeio.iter_lines(path, MAX_LINE_BYTES)):
-            if not line.strip():
-                continue
-            try:
-                rec = safeio.parse_json(line, f"{path} line {k + 1}", max_depth=4)
-            except ConfigError as e:
-                raise ConfigError(f"source {path} line {k + 1}: {e}") from None
-            if isinstance(rec, dict) and isinstance(rec.get("tokens"), list):
-                toks = rec["tokens"]
-                if not all(type(t) is int for t in toks):
-                    raise ConfigError(f"source {path} line {k + 1}: tokens must be integers")
-                yield np.asarray(toks, np.int64)
-            elif isinstance(rec, dict) and isinstance(rec.get("text"), str) and tokenizer is not None:
-                yield tokenizer.encode(rec["text"])
-            else:
-                raise ConfigError(f"source {path} line {k + 1}: expected {{\"tokens\": [ids]}}"
-                                  + (" or {\"text\": ...}" if tokenizer else " (or {\"text\": ...} with --tokenizer)"))
+        yield from _records(path, safeio.iter_lines(path, MAX_LINE_BYTES), tokenizer)
+    elif path.name.endswith(".jsonl.gz"):
+        yield from _records(path, _gz_lines(path), tokenizer)
     else:
         if tokenizer is None:
             raise ConfigError(f"source {path}: text needs a tokenizer (--tokenizer bytes, or a Hugging Face tokenizer "
@@ -105,6 +94,48 @@ def documents(path: Path, tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
         if data is None:
             raise ConfigError(f"source {path}: no such file")
         yield tokenizer.encode(data.decode("utf-8", errors="replace"))
+
+
+def _records(path: Path, lines: Iterator[bytes], tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
+    """A JSON-lines source's documents: ``{"tokens": [ids]}`` or ``{"text": ...}`` per line."""
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = safeio.parse_json(line, f"{path} line {k + 1}", max_depth=4)
+        except ConfigError as e:
+            raise ConfigError(f"source {path} line {k + 1}: {e}") from None
+        if isinstance(rec, dict) and isinstance(rec.get("tokens"), list):
+            toks = rec["tokens"]
+            if not all(type(t) is int for t in toks):
+                raise ConfigError(f"source {path} line {k + 1}: tokens must be integers")
+            yield np.asarray(toks, np.int64)
+        elif isinstance(rec, dict) and isinstance(rec.get("text"), str) and tokenizer is not None:
+            yield tokenizer.encode(rec["text"])
+        else:
+            raise ConfigError(f"source {path} line {k + 1}: expected {{\"tokens\": [ids]}}"
+                              + (" or {\"text\": ...}" if tokenizer else " (or {\"text\": ...} with --tokenizer)"))
+
+
+def _gz_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a gzip-compressed source (corpora ship as ``*.jsonl.gz`` shards), bounded as
+    they are inflated: a line past MAX_LINE_BYTES or a file past MAX_SOURCE_BYTES inflated is
+    refused in one line, before it is held (a small file may inflate a thousandfold)."""
+    total = 0
+    with os.fdopen(_open(path), "rb") as raw, gzip.GzipFile(fileobj=raw) as f:
+        while True:
+            try:
+                line = f.readline(MAX_LINE_BYTES + 1)
+            except (OSError, EOFError, zlib.error) as e:
+                raise ConfigError(f"source {path}: not a whole gzip file ({e}); expected a .jsonl.gz") from None
+            if not line:
+                return
+            total += len(line)
+            if len(line) > MAX_LINE_BYTES or total > MAX_SOURCE_BYTES:
+                what = f"a line past {MAX_LINE_BYTES} bytes" if len(line) > MAX_LINE_BYTES else \
+                    f"more than {MAX_SOURCE_BYTES} bytes inflated"
+                raise ConfigError(f"source {path}: {what}; split it into smaller shards")
+            yield line
 
 
 def _open(path: Path) -> int:

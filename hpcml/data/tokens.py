@@ -168,6 +168,11 @@ class TokenDataset:
     def vocab_size(self) -> int:
         return self.m.vocab_size
 
+    @property
+    def eods(self) -> set[int]:
+        """The end-of-document token id(s) (one per file; a mixture may have several)."""
+        return {self.m.eod}
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -80,19 +80,23 @@ class ParallelModel:
             part.train(mode)
 
     def forward_backward(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
-                         n_micro: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> float | None:
+                         n_micro: int = 1, autocast: contextlib.AbstractContextManager | None = None,
+                         every_stage: dict[str, torch.Tensor] | None = None) -> float | None:
         """Forward and backward over ``n_micro`` micro-batches of this rank's batch (``inputs``:
         the model's one input or a tuple of them); gradients accumulate as the mean over them.
-        Returns the mean local loss (None off the last stage)."""
+        ``every_stage``: keyword inputs [batch, ...] every pipeline stage takes (a document
+        mask's ids), cut into the same micro-batches. Returns the mean local loss (None off the
+        last stage)."""
         autocast = autocast or contextlib.nullcontext()
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        kw = every_stage or {}
         if self.schedule is not None:
             if self.plan.stat_names and not self._pipeline_warm:
                 # torch's pipeline infers stage shapes by running the first micro-batches once
                 # more: run a throw-away step, so statistics the model keeps (MoE loads) stay exact
                 with self.loss_context(), autocast:
                     self.schedule.step(*(inputs if self.has_first else ()), target=targets if self.has_last else None,
-                                       losses=[] if self.has_last else None)
+                                       losses=[] if self.has_last else None, **kw)
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
                     self.plan.reset_stats(part)
@@ -101,40 +105,41 @@ class ParallelModel:
             args = inputs if self.has_first else ()
             with self.loss_context(), autocast:
                 self.schedule.step(*args, target=targets if self.has_last else None,
-                                   losses=losses if self.has_last else None)
+                                   losses=losses if self.has_last else None, **kw)
             return float(torch.stack([loss.detach().double() for loss in losses]).mean()) if self.has_last else None
         model = self.parts[0]
         self.plan.set_grad_scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
-        chunks = zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro))
-        for i, (*x, y) in enumerate(chunks):
+        for i, (x, y, k) in enumerate(_micro_batches(inputs, targets, kw, n_micro)):
             if fsdp:
                 model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last
             with self.loss_context(), autocast:
-                loss = model(*x, targets=y) if self.computes_loss else self.loss_fn(model(*x), y)
+                loss = model(*x, targets=y, **k) if self.computes_loss else self.loss_fn(model(*x, **k), y)
                 (loss / n_micro).backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total / n_micro
 
     @torch.no_grad()
     def forward_loss(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor, n_micro: int = 1,
-                     autocast: contextlib.AbstractContextManager | None = None) -> float | None:
+                     autocast: contextlib.AbstractContextManager | None = None,
+                     every_stage: dict[str, torch.Tensor] | None = None) -> float | None:
         """The mean local loss over ``n_micro`` micro-batches, forward only (validation): no
         gradient, nothing the model keeps for a step changed (None off the last stage)."""
         autocast = autocast or contextlib.nullcontext()
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        kw = every_stage or {}
         try:
             if self.schedule is not None:
                 losses: list[torch.Tensor] = []
                 with self.loss_context(), autocast:
                     self.schedule.eval(*(inputs if self.has_first else ()), target=targets if self.has_last else None,
-                                       losses=losses if self.has_last else None)
+                                       losses=losses if self.has_last else None, **kw)
                 return float(torch.stack([x.detach().double() for x in losses]).mean()) if self.has_last else None
             model, total = self.parts[0], 0.0
-            for *x, y in zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro)):
+            for x, y, k in _micro_batches(inputs, targets, kw, n_micro):
                 with self.loss_context(), autocast:
-                    loss = model(*x, targets=y) if self.computes_loss else self.loss_fn(model(*x), y)
+                    loss = model(*x, targets=y, **k) if self.computes_loss else self.loss_fn(model(*x, **k), y)
                 total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
             return total / n_micro
         finally:
@@ -169,6 +174,14 @@ class ParallelModel:
     def local_sq_grad_norm(self) -> torch.Tensor:
         lay = self.grid.layout
         return clip.local_sq_norm(self._params, lay.world_size, lay.pp)
+
+
+def _micro_batches(inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, kw: dict[str, torch.Tensor],
+                   n_micro: int) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor, dict[str, torch.Tensor]]]:
+    """(inputs, targets, keyword inputs) of each of ``n_micro`` micro-batches, cut along the batch."""
+    cut = {name: t.chunk(n_micro) for name, t in kw.items()}
+    for i, (*x, y) in enumerate(zip(*(t.chunk(n_micro) for t in inputs), targets.chunk(n_micro))):
+        yield tuple(x), y, {name: parts[i] for name, parts in cut.items()}
 
 
 def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | None = None, *,

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
+from hpcml.parallel.docmask import DocMask
+
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/P, H, D] of every rank -> [B, S, H, D], in rank order (differentiable: backward
@@ -48,10 +50,15 @@ class AllGatherAttention(torch.nn.Module):
         super().__init__()
         self.group, self.index = group, index
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocMask | None = None
+                ) -> torch.Tensor:
+        """``docs``: the whole sequence's document mask, if any (this rank takes its queries' rows)."""
         k, v = gather_seq(k, self.group), gather_seq(v, self.group)
         s = q.shape[1]
-        mask = causal_offset_mask(s, k.shape[1], self.index * s, q.dtype, q.device)
+        if docs is not None:
+            mask = docs.rows(self.index * s, s)
+        else:
+            mask = causal_offset_mask(s, k.shape[1], self.index * s, q.dtype, q.device)
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 

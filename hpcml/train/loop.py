@@ -157,6 +157,10 @@ class TrainLoop:
         """(model inputs, targets) on this rank's device."""
         raise NotImplementedError
 
+    def every_stage(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Keyword inputs of ``batch`` every pipeline stage takes (:meth:`ParallelModel.forward_backward`)."""
+        return {}
+
     def check_batch(self, batch: Any) -> str | None:
         """Why this model cannot train on ``batch`` (the first one: e.g. its output's shape is
         not the targets'), in one line, or None; online training agrees on it over the ranks
@@ -180,7 +184,7 @@ class TrainLoop:
         x, y = self.inputs(batch)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.bf16 else None
         with self.account or contextlib.nullcontext():
-            loss = self.model.forward_backward(x, y, self.n_micro(), autocast)
+            loss = self.model.forward_backward(x, y, self.n_micro(), autocast, self.every_stage(batch))
         self.model.sync_grads()
         names = self.model.stat_names
         share = torch.zeros(3 + len(names), dtype=torch.float64)

@@ -25,7 +25,7 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
 
     parallel_cfg = parallel_cfg or ParallelConfig()
     if data is not None:  # before any collective: the same refusal on every rank
-        check_source(data, train_cfg.seq_len, model_cfg.vocab_size)
+        check_source(data, train_cfg.seq_len, model_cfg.vocab_size, eod=train_cfg.doc_mask_eod)
     if grid is None:
         comm = comm or MPI.COMM_WORLD
         layout = Layout.from_degrees(comm.Get_size(), degrees)

@@ -15,6 +15,7 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
 from hpcml.parallel.api import ParallelModel
+from hpcml.parallel.docmask import document_ids
 from hpcml.parallel.fpdt import local_positions
 from hpcml.train.loop import LoopConfig, TrainLoop, make_optimizer
 
@@ -29,14 +30,20 @@ class TokenSource(Protocol):
     def global_batch(self, step: int, n: int) -> torch.Tensor: ...
 
 
-def check_source(source: TokenSource, seq_len: int, vocab_size: int, what: str = "data") -> None:
+def check_source(source: TokenSource, seq_len: int, vocab_size: int, what: str = "data",
+                 eod: int | None = None) -> None:
     """ConfigError (no collective: the same on every rank) for a token source of other
-    sequences than the training's, or with ids past the model's embedding."""
+    sequences than the training's, with ids past the model's embedding, or -- under document
+    masking by ``eod`` -- whose documents end with another token."""
     if getattr(source, "seq_len", seq_len) != seq_len:
         raise ConfigError(f"the {what}'s sequences are {source.seq_len} tokens, the training's seq_len {seq_len}: "
                           f"open the {what} with seq_len={seq_len}")
     if hasattr(source, "check_vocab"):
         source.check_vocab(vocab_size)
+    eods = getattr(source, "eods", None)
+    if eod is not None and eods is not None and eods != {eod}:
+        raise ConfigError(f"document masking by end-of-document token {eod}, but the {what}'s documents end with "
+                          f"{sorted(eods)}: mask by the data's token (files of one tokenizer)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,12 +57,18 @@ class TrainConfig(LoopConfig):
     seq_len: int = 32
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU (from the site's hardware facts); None: MFU is 'n/a'."""
+    doc_mask_eod: int | None = None
+    """Document masking: attention stays within the packed documents, each ended by this token id
+    (the data's ``eod``); None: every position attends to the whole sequence before it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("global_batch", "micro_batch", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        eod = self.doc_mask_eod
+        if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
+            raise ConfigError(f"doc_mask_eod {eod!r}: expected a token id (an int >= 0) or None")
 
     def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0) -> None:
         """Raise unless the batch and sequence split evenly over ``layout`` (and FPDT's chunks of
@@ -69,6 +82,9 @@ class TrainConfig(LoopConfig):
         if fpdt_chunk and self.seq_len % (layout.cp * fpdt_chunk):
             raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x fpdt_chunk {fpdt_chunk} = "
                               f"{layout.cp * fpdt_chunk} (each rank holds whole chunks)")
+        if fpdt_chunk and self.doc_mask_eod is not None:
+            raise ConfigError("document masking under FPDT is not built: use --cp-kind ulysses or allgather, "
+                              "or train without document masking")
         if self.seq_len > max_seq_len:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {max_seq_len}")
         n_micro = self.global_batch // per
@@ -96,7 +112,8 @@ class Trainer(TrainLoop):
         ``source`` (the same ones each time) -- every ``every`` steps and after the last."""
         if every < 1 or batches < 1:
             raise ConfigError(f"validation every {every} steps on {batches} batches: expected both >= 1")
-        check_source(source, self.config.seq_len, self.model.parts[0].config.vocab_size, "validation data")
+        check_source(source, self.config.seq_len, self.model.parts[0].config.vocab_size, "validation data",
+                     self.config.doc_mask_eod)
         self.val = (source, every, batches)
 
     def evaluate(self, source: TokenSource, batches: int) -> float:
@@ -107,8 +124,8 @@ class Trainer(TrainLoop):
         try:
             total = torch.zeros(1, dtype=torch.float64, device=self.device)
             for k in range(batches):
-                x, y = self.local_batch(k, source)
-                loss = self.model.forward_loss(x, y, self.n_micro(), autocast)
+                batch = self.local_batch(k, source)
+                loss = self.model.forward_loss(*self.inputs(batch), self.n_micro(), autocast, self.every_stage(batch))
                 if loss is not None:  # last pipeline stage: each (dp, cp, tp) rank one share of the mean
                     total += loss / (lay.dp * lay.cp * lay.tp)
             dist.all_reduce(total)
@@ -136,10 +153,16 @@ class Trainer(TrainLoop):
             tokens = data.global_batch(step, n)[lo:hi]
         x, y = tokens[:, :-1], tokens[:, 1:]
         pos = local_positions(self.config.seq_len, c["cp"], lay.cp, self.model.config.fpdt_chunk)
-        return x[:, pos].contiguous().to(self.device), y[:, pos].contiguous().to(self.device)
+        batch = x[:, pos].contiguous().to(self.device), y[:, pos].contiguous().to(self.device)
+        if self.config.doc_mask_eod is None:
+            return batch
+        return (*batch, document_ids(x, self.config.doc_mask_eod).to(self.device))  # every position's document
 
-    def inputs(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch
+    def inputs(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[0], batch[1]
+
+    def every_stage(self, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        return {"doc_ids": batch[2]} if len(batch) > 2 else {}
 
     def n_micro(self) -> int:
         return self.config.micro_batches(self.grid.layout)

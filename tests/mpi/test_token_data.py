@@ -1,14 +1,16 @@
-"""Issue 43, first part: a real text corpus packed on every rank of the launch, trained on
-under dp, tp and pp like one process (fp64, 1e-10), and resumed mid-epoch on another
-layout reading exactly the sequences the uninterrupted run reads next (by sample id).
+"""Issue 43: a real text corpus packed on every rank of the launch, trained on under dp, tp,
+pp and cp like one process (fp64, 1e-10), with and without document masking, and resumed
+mid-epoch on another layout reading exactly the sequences the uninterrupted run reads next
+(by sample id).
 
-The corpus: the standard library's own Python sources (PSF licence, on every machine that
-runs these tests), each paragraph a document (~12,900), tokenized as UTF-8 bytes."""
+The corpus ships in tests/data/corpus: 4,017 paragraphs of CPython's standard library (PSF
+licence) in 8 ``.jsonl.gz`` shards, tokenized as UTF-8 bytes."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import re
+from dataclasses import replace
 import tempfile
 from pathlib import Path
 
@@ -35,28 +37,18 @@ RESUME = {2: (("dp2", {"dp": 2}), ("tp2", {"tp": 2})), 4: (("tp2xdp2", {"tp": 2}
 pytestmark = pytest.mark.usefixtures("fp64_default")
 
 
-def _sources() -> list[Path]:
-    return sorted(Path(json.__file__).resolve().parent.parent.glob("*.py"))[:120]
+SHARDS = sorted((Path(__file__).resolve().parent.parent / "data" / "corpus").glob("*.jsonl.gz"))
 
 
-def _paragraphs(src: Path) -> list[str]:
-    return [p for p in re.split(r"\n\s*\n", src.read_text(errors="replace")) if p.strip()]
-
-
-def _documents(d: Path) -> list[Path]:
-    """The corpus: every paragraph of 120 standard-library sources a document (~12,900), one
-    .jsonl of ``{"text": ...}`` lines per source file."""
-    return [d / f"part_{k:03d}.jsonl" for k in range(len(_sources()))]
+def _texts() -> list[str]:
+    """The shipped corpus's documents, read without hpcml (tests/data/corpus/README.md)."""
+    return [json.loads(line)["text"] for shard in SHARDS for line in gzip.open(shard, "rt")]
 
 
 @pytest.fixture(scope="module")
 def corpus(comm) -> Path:
     d = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-data-") if comm.rank == 0 else None))
-    if comm.rank == 0:
-        for src, path in zip(_sources(), _documents(d)):
-            path.write_text("".join(json.dumps({"text": p}) + "\n" for p in _paragraphs(src)))
-    comm.Barrier()
-    pack(d / "corpus.h5", _documents(d), tokenizer="bytes", comm=comm)
+    pack(d / "corpus.h5", SHARDS, tokenizer="bytes", comm=comm)
     return d / "corpus.h5"
 
 
@@ -83,15 +75,19 @@ def _read_by_step(comm, data: Recorder) -> dict[int, list]:
 
 def test_a_corpus_packed_on_every_rank_is_the_one_packed_on_one(comm, corpus):
     ds = TokenDataset(corpus, seq_len=16)
-    n_docs = sum(len(_paragraphs(src)) for src in _sources())
-    assert ds.m.n_docs == n_docs > 5000 and ds.m.vocab_size == 257 and ds.m.eod == 256  # thousands of documents
+    texts = _texts()
+    assert len(SHARDS) == 8 and ds.m.n_docs == len(texts) == 4017  # thousands of documents
+    assert ds.m.vocab_size == 257 and ds.m.eod == 256
+    assert ds.m.n_tokens == sum(len(t.encode()) + 1 for t in texts)
     if comm.rank == 0:
-        alone = pack(corpus.with_name("alone.h5"), _documents(corpus.parent), tokenizer="bytes", comm=MPI.COMM_SELF)
+        alone = pack(corpus.with_name("alone.h5"), SHARDS, tokenizer="bytes", comm=MPI.COMM_SELF)
         one = TokenDataset(alone.path, seq_len=16)
         assert torch.equal(torch.from_numpy(one.tokens(0, one.m.n_tokens)), torch.from_numpy(ds.tokens(0, ds.m.n_tokens)))
-        first = _paragraphs(_sources()[0])[0].encode()
+        first = texts[0].encode()
         assert bytes(ds.tokens(0, len(first)).astype("uint8")) == first  # the text itself, byte for byte
         assert ds.tokens(len(first), 1)[0] == 256  # then the end of the document
+        last = texts[-1].encode()
+        assert bytes(ds.tokens(ds.m.n_tokens - 1 - len(last), len(last)).astype("uint8")) == last
     comm.Barrier()
 
 
@@ -189,3 +185,26 @@ def test_validation_loss_on_held_out_data_equals_one_process(comm, corpus, name,
         want = sum(float(cross_entropy(model(b[:, :-1]), b[:, 1:])) for b in
                    (held_out.global_batch(k, 8) for k in range(3))) / 3
     assert history[-1]["val_loss"] == pytest.approx(want, rel=TOL), name
+
+
+MASKED = TrainConfig(**{**TRAIN.__dict__, "doc_mask_eod": 256, "seed": 142})  # seed 142: every step's batch crosses
+# a document's end (documents are ~250 tokens, sequences 16)
+DOC_MASK = {2: [("dp2", {"dp": 2}, {}), ("tp2", {"tp": 2}, {}), ("pp2", {"pp": 2}, {}),
+                ("cp2-ulysses", {"cp": 2}, {}), ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"})],
+            4: [("fsdp4", {"dp": 4}, {"fsdp": True}), ("tp2xcp2", {"tp": 2, "cp": 2}, {}),
+                ("pp2xcp2-allgather", {"pp": 2, "cp": 2}, {"cp_kind": "allgather"})]}
+
+
+@pytest.mark.parametrize("name,degrees,pkw", DOC_MASK.get(WORLD, []), ids=[x[0] for x in DOC_MASK.get(WORLD, [])])
+def test_document_masked_training_equals_one_process_running_each_document_alone(comm, corpus, name, degrees, pkw):
+    """Issue 43: with document masking the packed sequences train, on every layout (cp
+    included: each rank's query rows of the whole sequence's mask), as one process that runs
+    every document through the model alone, with no mask (fp64, 1e-10)."""
+    data = TokenDataset(corpus, seq_len=16, seed=142)
+    assert all((data.global_batch(s, 8)[:, :-1] == 256).any() for s in range(TRAIN.steps))  # batches cross documents
+    ref_losses, ref_norms, _ = reference_run(MODEL, MASKED, data)
+    plain, _, _ = reference_run(MODEL, replace(MASKED, doc_mask_eod=None), data)
+    assert abs(ref_losses[-1] - plain[-1]) > 1e-6  # the mask changes what is learned
+    history = build_llm_trainer(MODEL, MASKED, ParallelConfig(**pkw), data=data, **degrees).fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL), name
+    assert [m["grad_norm"] for m in history] == pytest.approx(ref_norms, rel=TOL), name

@@ -166,6 +166,34 @@ def test_bad_sources_are_refused_in_one_line_and_nothing_is_written(tmp_path, ma
     assert not list(tmp_path.glob("*out.h5*"))
 
 
+def test_gzip_compressed_jsonl_shards_pack_as_their_inflated_lines(tmp_path, monkeypatch):
+    """Corpora ship as ``*.jsonl.gz`` shards: the same tokens as the .jsonl they inflate to;
+    a truncated shard, one that inflates past the bounds, or a line too long is one line."""
+    import gzip
+
+    from hpcml.data import pack as pack_mod
+
+    docs, sources = _docs(tmp_path)
+    raw = sources[0].read_bytes()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(raw))
+    one = pack(tmp_path / "plain.h5", [sources[0]], vocab_size=300, eod=299, comm=SELF)
+    two = pack(tmp_path / "gz.h5", [tmp_path / "a.jsonl.gz"], vocab_size=300, eod=299, comm=SELF)
+    assert two.n_docs == one.n_docs == 20 and two.n_tokens == one.n_tokens
+    a, b = TokenDataset(one.path, seq_len=8), TokenDataset(two.path, seq_len=8)
+    assert np.array_equal(a.tokens(0, one.n_tokens), b.tokens(0, two.n_tokens))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(raw)[:-40])
+    with pytest.raises(ConfigError, match=r"cut\.jsonl\.gz: not a whole gzip file \(.*\); expected a \.jsonl\.gz$"):
+        pack(tmp_path / "o.h5", [tmp_path / "cut.jsonl.gz"], vocab_size=300, eod=299, comm=SELF)
+    (tmp_path / "bomb.jsonl.gz").write_bytes(gzip.compress(b"\n" * (1 << 20)))  # 1 MiB from ~1 KiB
+    monkeypatch.setattr(pack_mod, "MAX_SOURCE_BYTES", 1 << 19)
+    with pytest.raises(ConfigError, match=r"bomb\.jsonl\.gz: more than 524288 bytes inflated; split it into smaller"):
+        pack(tmp_path / "o.h5", [tmp_path / "bomb.jsonl.gz"], vocab_size=300, eod=299, comm=SELF)
+    monkeypatch.setattr(pack_mod, "MAX_LINE_BYTES", 100)
+    with pytest.raises(ConfigError, match=r"a\.jsonl\.gz: a line past 100 bytes; split it"):
+        pack(tmp_path / "o.h5", [tmp_path / "a.jsonl.gz"], vocab_size=300, eod=299, comm=SELF)
+    assert not list(tmp_path.glob("*o.h5*"))
+
+
 def test_hpcml_data_pack_and_info_from_the_command_line(tmp_path):
     (tmp_path / "a.txt").write_text("one document\n")
     (tmp_path / "b.txt").write_text("and another\n")

@@ -102,13 +102,13 @@ def test_tied_embeddings_train_on_fsdp_and_resume_bitwise(tmp_path):
 
 
 def test_pretraining_on_a_corpus_packed_in_parallel_matches_one_process(tmp_path):
-    """Issue 43: `hpcml data pack` on 2 ranks, then `llm_pretrain.py --data` on 1 and on tp 2:
+    """Issue 43: `hpcml data pack` on 2 ranks, then `llm_pretrain.py --data --doc-mask` on 1 and on tp 2:
     the same sequences, the same losses; the tiny preset's embedding grows to the byte tokenizer's 257 ids."""
     sources = sorted(str(p) for p in (ROOT / "hpcml" / "ensemble").glob("*.py"))
     packed = mpiexec(2, sys.executable, "-m", "hpcml.cli", "data", "pack", str(tmp_path / "c.h5"), *sources,
                      "--tokenizer", "bytes", timeout=120)
     assert packed.returncode == 0 and f"{len(sources)} documents" in packed.stdout, packed.stderr
-    args = [*ARGS, "--data", str(tmp_path / "c.h5"), "--seq-len", "64"]
+    args = [*ARGS, "--doc-mask", "--data", str(tmp_path / "c.h5"), "--seq-len", "64"]  # attention within documents
     one = losses(subprocess.run([sys.executable, SCRIPT, *args, "--val-data", str(tmp_path / "c.h5"), "--val-every",
                                  "2", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=ENV,
                                 timeout=300, cwd=ROOT))
@@ -121,3 +121,7 @@ def test_pretraining_on_a_corpus_packed_in_parallel_matches_one_process(tmp_path
                          env=ENV, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         f"llm_pretrain: error: token file {tmp_path / 'c.h5'}: "), bad.stderr
+    synthetic = subprocess.run([sys.executable, SCRIPT, *ARGS, "--doc-mask"], capture_output=True, text=True, env=ENV,
+                               timeout=120, cwd=ROOT)
+    assert synthetic.returncode == 2 and synthetic.stderr.strip().splitlines() == [
+        "llm_pretrain: error: --doc-mask needs --data: synthetic tokens have no documents"]

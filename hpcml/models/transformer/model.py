@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rope import apply_rope, rope_tables
+from hpcml.parallel.docmask import DocMask
 from hpcml.parallel.fpdt import chunked, chunked_loss, local_positions
 
 
@@ -69,7 +70,8 @@ class Attention(nn.Module):
         self.core: nn.Module = CausalAttention()
         """q, k, v [B, S, H, D] -> out; a context-parallel plan wraps it (no parameters: names stay)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+                ) -> torch.Tensor:
         b, s, _ = x.shape
         # heads are inferred from the (possibly tensor-parallel, column-sharded) projections
         if hasattr(self, "wqkv"):  # this rank's [q; k; v] columns in the ratio n_heads : kv : kv
@@ -81,15 +83,20 @@ class Attention(nn.Module):
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         if cos is not None:  # rotary positions (learned ones were added to the embedding)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.wo(self.core(q, k, v).reshape(b, s, -1))
+        out = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)
+        return self.wo(out.reshape(b, s, -1))
 
 
 class CausalAttention(nn.Module):
-    """Scaled dot-product attention with a causal mask over [B, S, H, D] (grouped kv heads allowed)."""
+    """Scaled dot-product attention with a causal mask over [B, S, H, D] (grouped kv heads
+    allowed), or within the documents of ``docs`` (the whole sequence's rows)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocMask | None = None
+                ) -> torch.Tensor:
+        mask = None if docs is None else docs.rows(0, q.shape[1])
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+                                              attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -135,14 +142,16 @@ class TransformerBlock(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h))
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+                 ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, docs)
         return h + (chunked(self._mlp, h, self.mlp_chunk) if self.mlp_chunk else self._mlp(h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+                ) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
+        return self._forward(x, cos, sin, docs)
 
 
 class Transformer(nn.Module):
@@ -193,14 +202,26 @@ class Transformer(nn.Module):
 
         return TransformerPlan(self.config)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Logits (or hidden states off the last pipeline stage); with ``targets`` [B, S] on the
-        last stage, the mean next-token loss, computed chunk by chunk under FPDT."""
+        last stage, the mean next-token loss, computed chunk by chunk under FPDT. ``doc_ids``
+        [B, S] (the document of every position of the whole sequence, on every pipeline stage
+        and cp rank: :func:`~hpcml.parallel.docmask.document_ids`): attention stays within documents."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         s = h.shape[1] * self.sp_size  # positions of this rank's (cp) slice; sequence-parallel holds 1/sp of them
         index, count = self.seq_shard
         if s * count > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
+        docs = None
+        if doc_ids is not None:
+            if self.fpdt_chunk:
+                raise ConfigError("document masking under FPDT is not built: train with --cp-kind ulysses or "
+                                  "allgather, or without --doc-mask")
+            if tuple(doc_ids.shape) != (h.shape[0], s * count):
+                raise ConfigError(f"doc_ids of shape {tuple(doc_ids.shape)}: expected [{h.shape[0]}, {s * count}] "
+                                  f"(every position of the sequence)")
+            docs = DocMask(doc_ids)
         if self.fpdt_chunk:  # FPDT's strided chunks: the angles gathered per position
             pos = local_positions(s * count, index, count, self.fpdt_chunk).to(self.rope_cos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
@@ -212,7 +233,7 @@ class Transformer(nn.Module):
                 h = h + self.pos_embeddings(pos)
             cos = sin = None
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, docs)
         if targets is not None:
             if self.output is None:
                 raise ConfigError("forward(targets=...) needs the output layer: only the last pipeline stage has it")

@@ -75,8 +75,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
                 # per projection; with sequence parallelism that one reduction is a reduce-scatter.
                 ffn: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             })
-        block_plan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                                     desired_input_layouts=(Replicate(), None, None))
+        block_plan["attention"] = PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                                     desired_input_layouts=(Replicate(), None, None, None))
         if sp:
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, mesh, block_plan)
