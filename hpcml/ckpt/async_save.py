@@ -15,7 +15,7 @@ import torch
 from hpcml.ckpt import codec, format as fmt
 from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
 from hpcml.ckpt.plan import ChunkMeta, assign_owners
-from hpcml.ckpt.writer import SaveResult, _agree, _finish, _Pending, _pieces, _prepare
+from hpcml.ckpt.pipeline import Pending, SaveResult, agree, finish, local_pieces, prepare
 
 
 class AsyncSaver:
@@ -38,7 +38,7 @@ class AsyncSaver:
 
         self.comm = comm or MPI.COMM_WORLD
         self._writer = ShardWriter()
-        self._inflight: _Pending | None = None
+        self._inflight: Pending | None = None
         self._staging: threading.Thread | None = None
         self._staging_error: BaseException | None = None
 
@@ -52,7 +52,7 @@ class AsyncSaver:
         (tensors that may change before the caller's guard, such as a sample source's)."""
         t0 = time.perf_counter()
         self.wait()
-        pending = _prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False, key=key)
+        pending = prepare(root, step, tensors, self.comm, extra, layout, keep, tensor_attrs, snapshot=False, key=key)
         self._inflight = pending
         if pending.mine:
             now = set(copy_now)
@@ -77,7 +77,7 @@ class AsyncSaver:
             self._staging.join()
             self._staging = None
 
-    def _plan_staging(self, p: _Pending) -> tuple[list[dict], object]:
+    def _plan_staging(self, p: Pending) -> tuple[list[dict], object]:
         tensors = [p.arrays[c.key] for c in p.mine]
         offsets, total = staging_layout([t.numel() * t.element_size() for t in tensors])
         buf = self._writer.staging(total)
@@ -86,7 +86,7 @@ class AsyncSaver:
                  for c, t, at in zip(p.mine, tensors, offsets)]
         return items, buf
 
-    def _stage(self, p: _Pending, items: list[dict], buf, done: Collection[str] = ()) -> None:
+    def _stage(self, p: Pending, items: list[dict], buf, done: Collection[str] = ()) -> None:
         """Copy this rank's pieces (but those of the tensors named in ``done``) into the staging
         buffer, then hand the job to the writer."""
         try:
@@ -98,7 +98,7 @@ class AsyncSaver:
             self._staging_error = e
 
     @staticmethod
-    def _copy(p: _Pending, items: list[dict], buf, which: Callable[[ChunkMeta], bool]) -> None:
+    def _copy(p: Pending, items: list[dict], buf, which: Callable[[ChunkMeta], bool]) -> None:
         """torch's copy: parallel on CPU, straight from device memory on a GPU."""
         for c, it in zip(p.mine, items):
             t = p.arrays[c.key]
@@ -109,7 +109,7 @@ class AsyncSaver:
         """Optional, collective (one allgather): size this rank's staging buffer for saves of
         ``tensors`` and allocate it in the background, so the first save blocks only for its
         copy. Returns the bytes reserved on this rank."""
-        metas, per_rank = _agree(self.comm, lambda: _pieces(tensors, tensor_attrs)[0],
+        metas, per_rank = agree(self.comm, lambda: local_pieces(tensors, tensor_attrs)[0],
                                  "reserving the async save buffer")
         owner, rank = assign_owners(per_rank), self.comm.Get_rank()
         need = staging_layout([c.nbytes for c in metas if owner[c.key] == rank])[1]
@@ -136,7 +136,7 @@ class AsyncSaver:
                 write_s = float(r["seconds"])  # the write itself, not the wait for this call
             else:
                 status = ("error", f"rank {pending.rank}: {r['error']}", "", {})
-        return _finish(pending, status, write_s)
+        return finish(pending, status, write_s)
 
     def close(self) -> None:
         """Commit the save in flight (collective) and stop the writer process."""

@@ -23,7 +23,7 @@ def require_parallel_hdf5(mpi: bool | None = None) -> None:
 
 
 def write_single(p) -> tuple:
-    """This rank's part of a single-file save (collective); the status :func:`_finish` gathers
+    """This rank's part of a single-file save (collective); the status :func:`~hpcml.ckpt.pipeline.finish` gathers
     (``p``: the writer's pending save)."""
     tensors = {c.name: c for chunks in p.per_rank for c in chunks}
     p.tmp.mkdir(parents=True, exist_ok=True)

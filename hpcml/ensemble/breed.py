@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcml.ensemble.design import Bounds, _check_seed
-from hpcml.ensemble.sampling import Feedback, Halton, Params, Sampler, SimStats, _Cube, _n, _state
+from hpcml.ensemble.design import Bounds, check_seed
+from hpcml.ensemble.sampling import Cube, Feedback, Halton, Params, Sampler, SimStats, check_count, checked_state
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
@@ -53,8 +53,8 @@ class Breed:
     """What the last wave did: ``{"wave", "r", "bred", "parents"}`` (for the report)."""
 
     def __post_init__(self) -> None:
-        _check_seed(self.seed)
-        self.cube = _Cube(self.bounds, self.log)
+        check_seed(self.seed)
+        self.cube = Cube(self.bounds, self.log)
         for name, ok, want in (("r_start", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
                                ("r_end", lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
                                ("ramp_waves", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
@@ -78,7 +78,7 @@ class Breed:
         return float(self.r_start + (self.r_end - self.r_start) * min(1.0, wave / self.ramp_waves))
 
     def propose(self, n: int, feedback: Feedback) -> list[Params]:
-        n = _n(n)
+        n = check_count(n)
         wave, self.wave = self.wave, self.wave + 1
         rng = np.random.default_rng([self.seed, wave])
         parents, weights, known = self._parents(feedback)
@@ -158,6 +158,6 @@ class Breed:
         return {"kind": "breed", "seed": self.seed, "wave": self.wave, "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        s = _state(state, "breed", ("seed", "wave"), ("base",), seed=self.seed, name="Breed")
+        s = checked_state(state, "breed", ("seed", "wave"), ("base",), seed=self.seed, name="Breed")
         self.base.load_state_dict(s["base"])
         self.wave = s["wave"]

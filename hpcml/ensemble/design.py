@@ -57,24 +57,24 @@ def latin_hypercube(bounds: Bounds, n: int, *, seed: int = 0,
                     log: Collection[str] = frozenset()) -> list[dict[str, float]]:
     """Latin hypercube: each parameter's range cut into ``n`` equal strata (in log space for
     ``log`` names), exactly one point in each, strata paired at random across parameters."""
-    names, lo, hi, is_log = _check(bounds, log)
+    names, lo, hi, is_log = check_bounds(bounds, log)
     _check_n(n)
-    _check_seed(seed)
+    check_seed(seed)
     rng = np.random.default_rng(seed)
     d = len(names)
     u = np.empty((n, d))
     for j in range(d):
         u[:, j] = (rng.permutation(n) + rng.random(n)) / n
-    return _scale(u, names, lo, hi, is_log)
+    return scale_unit(u, names, lo, hi, is_log)
 
 
 def sobol(bounds: Bounds, n: int, *, seed: int = 0, log: Collection[str] = frozenset(),
           scramble: bool = True) -> list[dict[str, float]]:
     """The first ``n`` points (a power of two) of a Sobol sequence, Owen-scrambled with
     ``seed`` unless ``scramble`` is False (then the classic sequence, starting at 0)."""
-    names, lo, hi, is_log = _check(bounds, log)
+    names, lo, hi, is_log = check_bounds(bounds, log)
     _check_n(n)
-    _check_seed(seed)
+    check_seed(seed)
     if n & (n - 1):
         below = 1 << (n.bit_length() - 1)
         raise ConfigError(f"sobol needs n a power of two for balanced points, got {n} (use {below} or {below * 2})")
@@ -87,14 +87,14 @@ def sobol(bounds: Bounds, n: int, *, seed: int = 0, log: Collection[str] = froze
         engine = qmc.Sobol(len(names), scramble=scramble, rng=rng)
     except TypeError:  # scipy < 1.15 names the generator `seed`
         engine = qmc.Sobol(len(names), scramble=scramble, seed=rng)
-    return _scale(engine.random_base2(n.bit_length() - 1), names, lo, hi, is_log)
+    return scale_unit(engine.random_base2(n.bit_length() - 1), names, lo, hi, is_log)
 
 
 def full_factorial(bounds: Bounds, n: int | Mapping[str, int], *,
                    log: Collection[str] = frozenset()) -> list[dict[str, float]]:
     """Every combination of per-axis points, the last parameter varying fastest; ``n`` is the total (the
     per-axis count is ``floor(n ** (1/d))``) or a dict of per-axis counts."""
-    names, lo, hi, is_log = _check(bounds, log)
+    names, lo, hi, is_log = check_bounds(bounds, log)
     if isinstance(n, Mapping):
         extra = sorted(set(n) - set(names))
         missing = [k for k in names if k not in n]
@@ -135,12 +135,12 @@ def _check_n(n: object) -> None:
         raise ConfigError(f"n must be an int >= 1, got {n!r}")
 
 
-def _check_seed(seed: object) -> None:
+def check_seed(seed: object) -> None:
     if not _is_int(seed) or seed < 0:  # type: ignore[operator]
         raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
 
 
-def _check(bounds: Bounds, log_names: Collection[str]) -> tuple[list[str], list[float], list[float], list[bool]]:
+def check_bounds(bounds: Bounds, log_names: Collection[str]) -> tuple[list[str], list[float], list[float], list[bool]]:
     if not isinstance(bounds, Mapping) or not bounds:
         raise ConfigError(f"bounds must be a non-empty dict of name -> (lo, hi), got {bounds!r}")
     if isinstance(log_names, str):
@@ -169,7 +169,7 @@ def _check(bounds: Bounds, log_names: Collection[str]) -> tuple[list[str], list[
     return names, lo, hi, is_log
 
 
-def _scale(u: np.ndarray, names: list[str], lo: list[float], hi: list[float],
+def scale_unit(u: np.ndarray, names: list[str], lo: list[float], hi: list[float],
            is_log: list[bool]) -> list[dict[str, float]]:
     """Unit cube -> bounds, log-uniformly where asked; results clipped into [lo, hi]."""
     out = np.empty_like(u)

@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from hpcml.ensemble.design import Bounds, _check, _check_seed, _scale, full_factorial, latin_hypercube
+from hpcml.ensemble.design import Bounds, check_bounds, check_seed, full_factorial, latin_hypercube, scale_unit
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 
@@ -87,11 +87,11 @@ class Sampler(Protocol):
 
 # --- static designs -----------------------------------------------------------------------------
 
-class _Cube:
+class Cube:
     """Bounds, checked once, and the map from the unit cube onto them."""
 
     def __init__(self, bounds: Bounds, log: Collection[str]) -> None:
-        self.names, self.lo, self.hi, self.is_log = _check(bounds, log)
+        self.names, self.lo, self.hi, self.is_log = check_bounds(bounds, log)
         self.bounds = {k: (a, b) for k, a, b in zip(self.names, self.lo, self.hi)}
         self.log = frozenset(k for k, flag in zip(self.names, self.is_log) if flag)
 
@@ -100,7 +100,7 @@ class _Cube:
         return len(self.names)
 
     def points(self, u: np.ndarray) -> list[Params]:
-        return _scale(np.asarray(u, dtype=float).reshape(-1, self.d), self.names, self.lo, self.hi,
+        return scale_unit(np.asarray(u, dtype=float).reshape(-1, self.d), self.names, self.lo, self.hi,
                              self.is_log)
 
     def unit(self, params: Mapping[str, float]) -> np.ndarray:
@@ -122,13 +122,13 @@ class _Cube:
 MAX_COUNT = 2**31 - 1
 
 
-def _n(n: object) -> int:
+def check_count(n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ConfigError(f"propose(n={n!r}): expected an integer >= 0")
     return int(n)
 
 
-def _state(state: object, kind: str, keys: Collection[str], others: Collection[str] = (), *,
+def checked_state(state: object, kind: str, keys: Collection[str], others: Collection[str] = (), *,
            seed: int | None = None, name: str | None = None) -> dict:
     """A state dict of ``kind`` with exactly ``keys`` (integers >= 0) and ``others``, drawn with
     ``seed`` when one is given; errors say ``name.load_state_dict`` (default: the kind)."""
@@ -152,14 +152,14 @@ class _Sequence:
     kind = ""
 
     def __init__(self, bounds: Bounds, *, seed: int = 0, log: Collection[str] = frozenset()) -> None:
-        _check_seed(seed)
-        self.cube, self.seed, self.drawn = _Cube(bounds, log), int(seed), 0
+        check_seed(seed)
+        self.cube, self.seed, self.drawn = Cube(bounds, log), int(seed), 0
 
     def _engine(self):
         raise NotImplementedError
 
     def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
-        n = _n(n)
+        n = check_count(n)
         if not n:
             return []
         engine = self._engine()
@@ -173,7 +173,7 @@ class _Sequence:
         return {"kind": self.kind, "seed": self.seed, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict) -> None:
-        self.drawn = _state(state, self.kind, ("seed", "drawn"), seed=self.seed)["drawn"]
+        self.drawn = checked_state(state, self.kind, ("seed", "drawn"), seed=self.seed)["drawn"]
 
 
 class Halton(_Sequence):
@@ -213,12 +213,12 @@ class LatinHypercube:
     kind = "latin_hypercube"
 
     def __init__(self, bounds: Bounds, *, seed: int = 0, log: Collection[str] = frozenset()) -> None:
-        _check_seed(seed)
+        check_seed(seed)
         self.bounds, self.log, self.seed, self.wave = dict(bounds), frozenset(log), int(seed), 0
-        _Cube(bounds, log)  # checked now, not at the first wave
+        Cube(bounds, log)  # checked now, not at the first wave
 
     def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
-        n = _n(n)
+        n = check_count(n)
         if not n:
             return []
         seed = int(np.random.SeedSequence([self.seed, self.wave]).generate_state(1)[0])
@@ -229,7 +229,7 @@ class LatinHypercube:
         return {"kind": self.kind, "seed": self.seed, "wave": self.wave}
 
     def load_state_dict(self, state: dict) -> None:
-        s = _state(state, self.kind, ("seed", "wave"))
+        s = checked_state(state, self.kind, ("seed", "wave"))
         self.seed, self.wave = s["seed"], s["wave"]
 
 
@@ -250,7 +250,7 @@ class FullFactorial:
         return len(self.points)
 
     def propose(self, n: int, feedback: Feedback | None = None) -> list[Params]:
-        n = _n(n)
+        n = check_count(n)
         left = len(self.points) - self.drawn
         if n > left:
             raise ConfigError(f"full_factorial: {n} points asked, {left} of {len(self.points)} left")
@@ -262,7 +262,7 @@ class FullFactorial:
         return {"kind": self.kind, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict) -> None:
-        s = _state(state, self.kind, ("drawn",))
+        s = checked_state(state, self.kind, ("drawn",))
         if s["drawn"] > len(self.points):
             raise ConfigError(f"full_factorial.load_state_dict: drawn={s['drawn']} exceeds the grid's "
                               f"{len(self.points)} points")

@@ -3,15 +3,15 @@
 A connection is in one state at a time and reads only what that state wants, so no byte
 of a message is read before its length table has been checked (:mod:`hpcml.stream.framing`):
 
-    _HELLO  the 64 answer bytes of the challenge (pending; :mod:`hpcml.stream.handshake`)
-    _HEAD   the first 64 bytes of a head (every head has at least that many): magic, frame
-            count and the first 7 lengths, with their padding (a message of up to 7 frames
-            in one read)
-    _TABLE  the rest of the frame lengths: a short table whole, a long one streamed by and summed
-    _TPAD   the table's padding, passed over; then the message is refused or queued
-    _WAIT   waiting for memory (:attr:`Receiver.max_held_bytes`): its connection unread
-    _BODY   read straight into the message's one buffer, in as few calls as the kernel allows
-    _SKIP   a refused message's bytes, read into scratch and passed over
+    S_HELLO  the 64 answer bytes of the challenge (pending; :mod:`hpcml.stream.handshake`)
+    S_HEAD   the first 64 bytes of a head (every head has at least that many): magic, frame
+             count and the first 7 lengths, with their padding (a message of up to 7 frames
+             in one read)
+    S_TABLE  the rest of the frame lengths: a short table whole, a long one streamed by and summed
+    S_TPAD   the table's padding, passed over; then the message is refused or queued
+    S_WAIT   waiting for memory (:attr:`Receiver.max_held_bytes`): its connection unread
+    S_BODY   read straight into the message's one buffer, in as few calls as the kernel allows
+    S_SKIP   a refused message's bytes, read into scratch and passed over
 
 :class:`MessageReader` is the reading half of :class:`hpcml.stream.transport.Receiver`,
 which owns the sockets, admission, memory and eviction.
@@ -38,15 +38,15 @@ SCRATCH = 1 << 18
 LOWAT = 256 << 10
 #: Messages (or refusals) one :meth:`Receiver.recv` round yields at most before it returns.
 ROUND_MESSAGES = 256
-_HELLO, _HEAD, _TABLE, _TPAD, _WAIT, _BODY, _SKIP = range(7)
+S_HELLO, S_HEAD, S_TABLE, S_TPAD, S_WAIT, S_BODY, S_SKIP = range(7)
 
 
-class _Conn:
+class Conn:
     __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
                  "fill", "skip", "opened", "seen", "taken", "acked", "out", "started", "lowat")
 
     def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
-        self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, _HELLO
+        self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, S_HELLO
         self.opened = self.seen = self.started = time.monotonic()
         self.head, self.frames, self.left, self.lengths, self.total = bytearray(), 0, 0, (), 0
         self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
@@ -55,36 +55,36 @@ class _Conn:
 
     def need(self) -> int:
         """Bytes the head-collecting states want next (no byte of the message after them is read)."""
-        if self.state == _HELLO:
+        if self.state == S_HELLO:
             return handshake.ANSWER_BYTES - len(self.head)
-        if self.state == _HEAD:
+        if self.state == S_HEAD:
             return ALIGN - len(self.head)
-        if self.frames <= message.MAX_FRAMES:  # _TABLE: the whole (short) table at once
+        if self.frames <= message.MAX_FRAMES:  # S_TABLE: the whole (short) table at once
             return 8 * self.frames - len(self.head)
         return min(8 * self.left - len(self.head), SCRATCH - 8)  # a long one streams by
 
     def busy(self) -> bool:
         """In the middle of a message."""
-        return self.state in (_TABLE, _TPAD, _BODY, _SKIP, _WAIT) or (self.state == _HEAD and bool(self.head))
+        return self.state in (S_TABLE, S_TPAD, S_BODY, S_SKIP, S_WAIT) or (self.state == S_HEAD and bool(self.head))
 
 
 class MessageReader:
     """Reads admitted connections' messages into ``_ready`` (the Receiver provides the sockets,
     ``_admit``, ``_drop``, ``_close`` and the memory queue ``_waiting``)."""
 
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         got = 0
-        while got < ROUND_BYTES and len(self._ready) < ROUND_MESSAGES and c.state != _WAIT:
-            if c.state == _BODY:  # straight into the message's buffer
+        while got < ROUND_BYTES and len(self._ready) < ROUND_MESSAGES and c.state != S_WAIT:
+            if c.state == S_BODY:  # straight into the message's buffer
                 room = c.view[c.fill:c.fill + min(c.body.nbytes - c.fill, ROUND_BYTES)]
-            elif c.state in (_SKIP, _TPAD):
+            elif c.state in (S_SKIP, S_TPAD):
                 room = self._scratch[:min(c.skip, SCRATCH)]
             else:
                 room = self._scratch[:c.need()]
             try:
                 n = c.sock.recv_into(room)
             except BlockingIOError:
-                if c.state == _BODY:
+                if c.state == S_BODY:
                     _lowat(c, min(c.body.nbytes - c.fill, LOWAT))
                 return
             except OSError:
@@ -96,18 +96,18 @@ class MessageReader:
             if not self._took(c, room[:n]):
                 return
 
-    def _took(self, c: _Conn, data: memoryview) -> bool:
+    def _took(self, c: Conn, data: memoryview) -> bool:
         """Account ``data`` just read for ``c``; False once ``c`` is closed."""
         n = data.nbytes
-        if c.state == _BODY:
+        if c.state == S_BODY:
             c.fill += n
             if c.fill == c.body.nbytes:
                 self._complete(c)
-        elif c.state in (_SKIP, _TPAD):
+        elif c.state in (S_SKIP, S_TPAD):
             c.skip -= n
             if not c.skip:
-                self._taken(c) if c.state == _SKIP else self._decide(c)
-        elif c.state == _TABLE and c.frames > message.MAX_FRAMES:  # summed as it streams by, never kept
+                self._taken(c) if c.state == S_SKIP else self._decide(c)
+        elif c.state == S_TABLE and c.frames > message.MAX_FRAMES:  # summed as it streams by, never kept
             buf = bytes(c.head) + bytes(data)
             whole = len(buf) // 8 * 8
             c.total += int(np.sum((np.frombuffer(buf[:whole], "<u8") // 64).astype(object))) * 64 + 64 * int(
@@ -122,11 +122,11 @@ class MessageReader:
                 return self._step(c)
         return True
 
-    def _step(self, c: _Conn) -> bool:
+    def _step(self, c: Conn) -> bool:
         """A head part is complete; False if ``c`` was closed."""
-        if c.state == _HELLO:
+        if c.state == S_HELLO:
             return self._admit(c, handshake.check_answer(self._key, c.nonce, bytes(c.head)))
-        if c.state == _HEAD:
+        if c.state == S_HEAD:
             magic, c.frames = struct.unpack_from("<II", c.head)
             if magic != MAGIC:
                 self._ready.append((None, message.MessageError("malformed", f"connection {c.peer}: no message "
@@ -139,20 +139,20 @@ class MessageReader:
                 c.total, c.head = sum(pad(x) for x in c.lengths), bytearray()
                 self._decide(c)
             else:  # the table goes on: what came of it stays in ``head``
-                c.head, c.lengths, c.state = c.head[FIXED:], (), _TABLE
+                c.head, c.lengths, c.state = c.head[FIXED:], (), S_TABLE
             return c.sock.fileno() >= 0
-        c.lengths = struct.unpack(f"<{c.frames}Q", c.head)  # _TABLE, a short one
+        c.lengths = struct.unpack(f"<{c.frames}Q", c.head)  # S_TABLE, a short one
         c.total, c.head, c.left = sum(pad(x) for x in c.lengths), bytearray(), 0
         self._table_done(c)
         return True
 
-    def _table_done(self, c: _Conn) -> None:
+    def _table_done(self, c: Conn) -> None:
         c.head, c.skip = bytearray(), head_bytes(c.frames) - FIXED - 8 * c.frames  # the table's padding
-        c.state = _TPAD
+        c.state = S_TPAD
         if not c.skip:
             self._decide(c)
 
-    def _decide(self, c: _Conn) -> None:
+    def _decide(self, c: Conn) -> None:
         """The whole head is in: refuse the message (its body passed over) or queue it for memory."""
         k, total = c.frames, c.total
         if k > message.MAX_FRAMES:
@@ -162,25 +162,25 @@ class MessageReader:
         if max(c.lengths) > self.frame_bytes or total > self.body_bytes:
             return self._refuse_msg(c, "oversized", f"frames of up to {max(c.lengths)} bytes (at most "
                                     f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})")
-        c.state = _WAIT
+        c.state = S_WAIT
         self._waiting.append(c)
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
             pass
 
-    def _refuse_msg(self, c: _Conn, reason: str, detail: str) -> None:
+    def _refuse_msg(self, c: Conn, reason: str, detail: str) -> None:
         self._ready.append((c, message.MessageError(reason, f"connection {c.peer}: {detail}")))
-        c.skip, c.state = c.total, _SKIP
+        c.skip, c.state = c.total, S_SKIP
         if not c.skip:
             self._taken(c)
 
-    def _taken(self, c: _Conn) -> None:
+    def _taken(self, c: Conn) -> None:
         """One message of ``c``'s read (whole, or refused and passed over): the next may start.
         It is acknowledged when :meth:`recv` hands it over."""
-        c.state, c.head, c.lengths = _HEAD, bytearray(), ()
+        c.state, c.head, c.lengths = S_HEAD, bytearray(), ()
 
-    def _complete(self, c: _Conn) -> None:
+    def _complete(self, c: Conn) -> None:
         if c.lowat != 1:
             _lowat(c, 1)
         frames, at = [], 0
@@ -193,7 +193,7 @@ class MessageReader:
         self._taken(c)
 
 
-def _lowat(c: _Conn, n: int) -> None:
+def _lowat(c: Conn, n: int) -> None:
     """Wake the server for ``c`` once ``n`` bytes are in (a close or an error wakes it whatever ``n``)."""
     try:
         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)

@@ -46,7 +46,7 @@ from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.stream import handshake, message
 from hpcml.stream.framing import ACK, ALIGN
-from hpcml.stream.reading import _BODY, _HEAD, _WAIT, ROUND_MESSAGES, SCRATCH, MessageReader, _Conn
+from hpcml.stream.reading import ROUND_MESSAGES, S_BODY, S_HEAD, S_WAIT, SCRATCH, Conn, MessageReader
 
 logger = log.get_logger(__name__)
 
@@ -119,11 +119,11 @@ class Receiver(MessageReader):
         self.sock, self.endpoint = listen(host, port)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.sock, selectors.EVENT_READ, None)
-        self._pending: dict[int, _Conn] = {}  # fd -> connection, oldest first
-        self._conns: dict[int, _Conn] = {}
-        self._waiting: deque[_Conn] = deque()  # admitted, their next message waiting for memory
-        self._ready: deque[tuple[_Conn | None, tuple[int, list[memoryview]] | message.MessageError]] = deque()
-        self._ack_due: dict[int, _Conn] = {}
+        self._pending: dict[int, Conn] = {}  # fd -> connection, oldest first
+        self._conns: dict[int, Conn] = {}
+        self._waiting: deque[Conn] = deque()  # admitted, their next message waiting for memory
+        self._ready: deque[tuple[Conn | None, tuple[int, list[memoryview]] | message.MessageError]] = deque()
+        self._ack_due: dict[int, Conn] = {}
         self._events: list | None = None
         self._scratch = memoryview(bytearray(SCRATCH))
         self._peers = 0
@@ -229,7 +229,7 @@ class Receiver(MessageReader):
             if not c.out:
                 del self._ack_due[fd]
 
-    def _send(self, c: _Conn, data: bytes) -> None:
+    def _send(self, c: Conn, data: bytes) -> None:
         """Queue ``data`` for ``c`` behind what it already waits for, and send what its socket takes."""
         c.out += data
         self._ack_due[c.sock.fileno()] = c
@@ -260,7 +260,7 @@ class Receiver(MessageReader):
                 sock.close()
                 continue
             self._peers += 1
-            c = _Conn(sock, self._peers, nonce)
+            c = Conn(sock, self._peers, nonce)
             self._pending[sock.fileno()] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
 
@@ -276,14 +276,14 @@ class Receiver(MessageReader):
             self._waiting.popleft()
             raw = np.empty(c.total + ALIGN, np.uint8)
             at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
-            c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, _BODY, time.monotonic()
+            c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, S_BODY, time.monotonic()
             c.view = memoryview(c.body)
             self.held += c.total
             self._sel.register(c.sock, selectors.EVENT_READ, c)
             if not c.total:
                 self._complete(c)
 
-    def _admit(self, c: _Conn, nonce_p: bytes | None) -> bool:
+    def _admit(self, c: Conn, nonce_p: bytes | None) -> bool:
         fd = c.sock.fileno()
         del self._pending[fd]
         if nonce_p is None:
@@ -299,7 +299,7 @@ class Receiver(MessageReader):
             self._make_room()
         self._conns[fd] = c
         self.admitted += 1
-        c.head, c.state = bytearray(), _HEAD
+        c.head, c.state = bytearray(), S_HEAD
         return True
 
     def _make_room(self) -> None:
@@ -313,7 +313,7 @@ class Receiver(MessageReader):
         self.evicted += 1
         self._close(victim)
 
-    def _drop(self, c: _Conn) -> None:
+    def _drop(self, c: Conn) -> None:
         """The peer closed (or broke) the connection."""
         if c.sock.fileno() in self._conns and c.busy():
             self.cut += 1
@@ -321,11 +321,11 @@ class Receiver(MessageReader):
                         "sends it again", c.peer, c.fill, c.total)
         self._close(c)
 
-    def _refuse(self, c: _Conn) -> None:
+    def _refuse(self, c: Conn) -> None:
         self.refused += 1
         self._close(c)
 
-    def _close(self, c: _Conn, *, evicted: bool = False) -> None:
+    def _close(self, c: Conn, *, evicted: bool = False) -> None:
         fd = c.sock.fileno()
         if fd < 0:
             return
@@ -355,7 +355,7 @@ class Receiver(MessageReader):
         waiting = any(c.sock.fileno() >= 0 for c in self._waiting)
         for c in list(self._conns.values()):
             silent, slow = now - c.seen, c.body is not None and now - c.started > IDLE_EVICT_S + c.total / MIN_RATE
-            if c.busy() and c.state != _WAIT and (silent > STALL_S or (waiting and c.body is not None
+            if c.busy() and c.state != S_WAIT and (silent > STALL_S or (waiting and c.body is not None
                                                                           and (silent > IDLE_EVICT_S or slow))):
                 why = (f"sent no byte of its message for {silent:.0f} s (its sender gone?)" if silent > STALL_S else
                        f"held {c.total} bytes of memory others waited for, {c.fill} of them filled in "

@@ -20,7 +20,7 @@ import torch
 
 from hpcml import ckpt
 from hpcml.ckpt import format as fmt, tools
-from hpcml.ckpt.writer import _index_and_commit, _pending, _pieces, _write_local
+from hpcml.ckpt.pipeline import index_and_commit, local_pieces, plan_pending, write_local
 from hpcml.errors import CheckpointError
 
 STATE = {0: {"model/tok_embeddings.weight": torch.randn(64, 16, generator=torch.Generator().manual_seed(1)),
@@ -35,13 +35,13 @@ def _save(root: Path, step: int = 6, scale: float = 1.0) -> Path:
     """Two ranks' real save steps (plan, shards, index, manifest, commit) with the two MPI
     collectives done by hand: a checkpoint with two shard files."""
     stages = [{n: t * scale if t.is_floating_point() else t for n, t in STATE[r].items()} for r in (0, 1)]
-    pieces = [_pieces(t) for t in stages]
+    pieces = [local_pieces(t) for t in stages]
     parts = [(p[0], {n for n, t in ts.items() if t.dim() == 0}, "%032x" % step) for p, ts in zip(pieces, stages)]
-    pending = [_pending(r, 2, None, root, step, pieces[r], parts, extra={**EXTRA, "step": step}, layout={"pp": 2},
+    pending = [plan_pending(r, 2, None, root, step, pieces[r], parts, extra={**EXTRA, "step": step}, layout={"pp": 2},
                         keep=None, tensor_attrs=None, snapshot=True, t0=0.0) for r in range(2)]
-    statuses = [_write_local(p) for p in pending]
+    statuses = [write_local(p) for p in pending]
     gathered = [(s, {n: p.placements[n] for n in {c.name for c in p.mine}}) for s, p in zip(statuses, pending)]
-    assert _index_and_commit(pending[0], gathered) is None
+    assert index_and_commit(pending[0], gathered) is None
     return root / fmt.step_dir(step)
 
 

@@ -12,7 +12,7 @@ from hpcml.ckpt.manifest import coverage as check_coverage
 from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_runs, fused_spec
 from hpcml.ckpt.shard import storage_chunk
 from hpcml.ckpt.single import require_parallel_hdf5 as _require_parallel_hdf5
-from hpcml.ckpt.writer import _index_and_commit, _normalized, _pending, _pieces, _write_local
+from hpcml.ckpt.pipeline import index_and_commit, local_pieces, normalized, plan_pending, write_local
 from hpcml.errors import CheckpointError, MissingFeatureError
 
 
@@ -131,7 +131,7 @@ def test_fused_runs_of_a_partial_block_and_other_dim():
 
 def test_fused_pieces_of_a_plain_tensor_are_the_tensor():
     w = torch.arange(24.0 * COLS).reshape(24, COLS)
-    metas, locals_, _ = _pieces({"model/wqkv": w}, {"model/wqkv": {"fused_widths": QKV}})
+    metas, locals_, _ = local_pieces({"model/wqkv": w}, {"model/wqkv": {"fused_widths": QKV}})
     assert [(m.offset, m.shape) for m in metas] == [((0, 0), (24, COLS))]
     assert torch.equal(locals_[metas[0].key], w)
 
@@ -150,15 +150,15 @@ def test_fused_declarations_are_checked():
     from hpcml.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"^fused tensor model/wqkv: fused_widths \[16, 4, 2\] sum to 22"):
-        _pieces({"model/wqkv": torch.zeros(24, COLS)}, {"model/wqkv": {"fused_widths": [16, 4, 2]}})
+        local_pieces({"model/wqkv": torch.zeros(24, COLS)}, {"model/wqkv": {"fused_widths": [16, 4, 2]}})
 
 
 def test_fused_attributes_as_stored_and_read():
     assert fused_spec({"logical_shape": [4, 4]}) is None and fused_spec(None) is None
     assert fused_spec({"fused_widths": np.asarray(QKV, dtype=np.int64)}) == (QKV, 0)  # h5py hands back arrays
     assert fused_spec({"fused_widths": QKV, "fused_dim": np.int64(1)}) == (QKV, 1)
-    assert _normalized({"fused_widths": (16, 4, 4), "x": 1}) == {"x": 1, "fused_widths": QKV, "fused_dim": 0}
-    assert _normalized({"logical_shape": [4, 4]}) == {"logical_shape": [4, 4]}
+    assert normalized({"fused_widths": (16, 4, 4), "x": 1}) == {"x": 1, "fused_widths": QKV, "fused_dim": 0}
+    assert normalized({"logical_shape": [4, 4]}) == {"logical_shape": [4, 4]}
     from hpcml.ckpt.state import fused_attrs
 
     assert fused_attrs({"l.0.wqkv.weight": QKV}) == {
@@ -217,13 +217,13 @@ def test_inspect_names_the_placement_of_tensors_rank0_does_not_hold(tmp_path):
     stages = [{"model/tok_embeddings.weight": torch.randn(8, 4), "model/layers.0.w": torch.randn(4, 4)},
               {"model/layers.1.w": torch.randn(4, 4), "model/output.weight": torch.randn(8, 4),
                "optim/step": torch.tensor(3.0)}]
-    pieces = [_pieces(t) for t in stages]
+    pieces = [local_pieces(t) for t in stages]
     parts = [(p[0], {n for n, t in ts.items() if t.dim() == 0}, "0" * 32) for p, ts in zip(pieces, stages)]  # allgather
-    pending = [_pending(r, 2, None, tmp_path, 7, pieces[r], parts, extra={"step": 7}, layout={"pp": 2, "dp": 1},
+    pending = [plan_pending(r, 2, None, tmp_path, 7, pieces[r], parts, extra={"step": 7}, layout={"pp": 2, "dp": 1},
                         keep=None, tensor_attrs=None, snapshot=True, t0=0.0) for r in range(2)]
-    statuses = [_write_local(p) for p in pending]
+    statuses = [write_local(p) for p in pending]
     gathered = [(s, {n: p.placements[n] for n in {c.name for c in p.mine}}) for s, p in zip(statuses, pending)]
-    assert _index_and_commit(pending[0], gathered) is None  # the gather to rank 0, then rank 0's part
+    assert index_and_commit(pending[0], gathered) is None  # the gather to rank 0, then rank 0's part
     info = tools.inspect(tmp_path)
     assert info["world_size"] == 2 and info["layout"] == {"pp": 2, "dp": 1}
     assert {n: t["partition"] for n, t in info["tensors"].items()} == {

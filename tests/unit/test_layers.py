@@ -83,3 +83,37 @@ def test_no_import_points_up_or_sideways():
 def test_the_layers_that_matter_are_in_order(lower, upper):
     assert RANK[lower] < RANK[upper]
     assert any(a == upper and b == lower for a, b, _ in imports())  # the edge is real, not only allowed
+
+
+def private_imports() -> list[str]:
+    """``file: module.name`` for every ``from hpcml.x import _name`` (absolute or relative) of
+    another module's private name, and every ``module._name`` read through an imported hpcml
+    module: a private name is its module's own business (issue 44)."""
+    out = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent)
+        here = ["hpcml", *path.relative_to(ROOT).with_suffix("").parts[:-1]]
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    module = ".".join(here[:len(here) - (node.level - 1)] + ([module] if module else []))
+                if not module.startswith("hpcml"):
+                    continue
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        out.append(f"{rel}: from {module} import {a.name}")
+                    aliases.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("hpcml"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                out.append(f"{rel}: {node.value.id}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_no_module_imports_another_modules_private_name():
+    assert private_imports() == []
