@@ -124,7 +124,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 
 def _plan_layout(ranks: int, args: list[str]):
-    from hpcml.plan.spec import PlanLayout
+    from hpcml.plan.candidate import PlanLayout
 
     def val(flag, default):
         return int(args[args.index(flag) + 1]) if flag in args else default

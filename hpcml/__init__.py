@@ -13,8 +13,9 @@ MPI, so a simulation or a login-node tool starts fast)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hpcml.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,7 @@ _EXPORTS = {
     "Trainer": "hpcml.train", "TrainConfig": "hpcml.train", "FieldTrainer": "hpcml.train",
     "FieldTrainConfig": "hpcml.train", "FieldScales": "hpcml.train",
     "train_surrogate": "hpcml.train", "Contract": "hpcml.contract",
-    "train_online": "hpcml.train.online", "OnlineConfig": "hpcml.train.online", "OnlineResult": "hpcml.train.online",
+    "train_online": "hpcml.train", "OnlineConfig": "hpcml.train", "OnlineResult": "hpcml.train",
     "Campaign": "hpcml.ensemble", "SimSpec": "hpcml.ensemble", "TrainingJob": "hpcml.ensemble",
     "load_site": "hpcml.ensemble",
     "Producer": "hpcml.stream", "StreamServer": "hpcml.stream", "Buffer": "hpcml.stream",
@@ -43,18 +44,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpcml.grid import Layout, ProcessGrid
     from hpcml.parallel import ParallelConfig, parallelize
     from hpcml.stream import Buffer, BufferConfig, Producer, StreamServer
-    from hpcml.train import FieldScales, FieldTrainConfig, FieldTrainer, TrainConfig, Trainer, train_surrogate
-    from hpcml.train.online import OnlineConfig, OnlineResult, train_online
+    from hpcml.train import (FieldScales, FieldTrainConfig, FieldTrainer, OnlineConfig, OnlineResult, TrainConfig,
+                             Trainer, train_online, train_surrogate)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # once
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"hpcml.{name}")
-    raise AttributeError(f"module 'hpcml' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS, _SUBMODULES)
 
 
 def __dir__() -> list[str]:

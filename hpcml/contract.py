@@ -35,6 +35,7 @@ from typing import Any
 
 from hpcml import idset, safeio
 from hpcml.errors import ConfigError, LaunchError
+from hpcml.numeric import is_int
 
 #: A training job that ran to its end but lacks samples its simulations sent (sysexits' EX_DATAERR).
 INCOMPLETE = 65
@@ -110,7 +111,7 @@ class Contract:
                               f"campaign={self.campaign!r}")
         for name in ("steps", "batch", "n_sims"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "n_sims" else 1)):
+            if v is not None and (not is_int(v) or v < (0 if name == "n_sims" else 1)):
                 raise ConfigError(f"Contract.{name}={v!r}: expected an integer >= {0 if name == 'n_sims' else 1}")
 
     # -- the two sides ------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def connections_needed(path: str | os.PathLike, max_concurrent: int, ranks: int,
     if not rec or (contract is not None and contract.stale(rec) is not None):
         return
     cap, n = rec.get("max_connections"), len(rec.get("endpoints") or [])
-    if not isinstance(cap, int) or isinstance(cap, bool) or not n:
+    if not is_int(cap) or not n:
         return
     need = -(-max_concurrent * ranks // n)
     if need > cap:
@@ -336,13 +337,13 @@ class DoneRecord:
 
 
 def _sim_id(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= 2**53 - 1:
+    if not is_int(x) or not 0 <= x <= 2**53 - 1:
         raise ValueError(f"simulation id {x!r}")
     return x
 
 
 def _count(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= 2**53 - 1:
+    if not is_int(x) or not 0 <= x <= 2**53 - 1:
         raise ValueError(f"sample count {x!r}")
     return x
 

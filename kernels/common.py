@@ -1,4 +1,6 @@
-"""What every kernel shares: domain decomposition, halo exchange, the time loop, output sinks, CLI.
+"""What every kernel shares: the config, the time loop and the command line; with the grid
+(:mod:`kernels.grid`: decomposition, halo exchange, stencil) and the output sinks
+(:mod:`kernels.sinks`), whose names are here too, so a kernel imports from one place.
 
 A kernel is a config dataclass, an initial state and a step function; everything else lives
 here so that a second simulation is ~100 lines (see docs/kernels.md). Only numpy, mpi4py and
@@ -22,315 +24,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import h5py
 import numpy as np
 from mpi4py import MPI
 
 from hpcml import log
 from hpcml.errors import ConfigError
+from kernels.grid import (DT_SAFETY, Decomposition, Halo, Stencil, block, decompose, global_indices, grid_dims,
+                          new_state, split_extent, stable_dt)
+from kernels.sinks import FanOut, H5Sink, MemorySink, Sink, make_sink
 
 logger = log.get_logger(__name__)
-
-#: Fraction of the explicit stability limit used when no ``dt`` is given.
-DT_SAFETY = 0.8
-
-
-# --------------------------------------------------------------------------- decomposition
-
-
-@dataclass(frozen=True, kw_only=True)
-class Decomposition:
-    """This rank's block of a 2-D grid on a Cartesian communicator."""
-
-    global_shape: tuple[int, int]
-    """(nx, ny) of the whole grid."""
-    offset: tuple[int, int]
-    """Global index (x0, y0) of this rank's first interior cell."""
-    local_shape: tuple[int, int]
-    """(lx, ly) interior cells on this rank."""
-    dims: tuple[int, int]
-    """Ranks along x and y."""
-    coords: tuple[int, int]
-    """This rank's position in the process grid."""
-    periodic: bool
-    """Whether both axes wrap around."""
-    comm: Any = field(compare=False, repr=False)
-    """The Cartesian communicator (``MPI.Cartcomm``)."""
-
-    @property
-    def interior(self) -> tuple[slice, slice]:
-        """The global index of this rank's block, for slicing a global array."""
-        (x0, y0), (lx, ly) = self.offset, self.local_shape
-        return slice(x0, x0 + lx), slice(y0, y0 + ly)
-
-
-def split_extent(n: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, count) of block ``index`` when ``n`` cells are split into ``parts`` blocks.
-
-    The remainder goes to the first blocks, so sizes differ by at most one.
-    """
-    base, extra = divmod(n, parts)
-    return index * base + min(index, extra), base + (1 if index < extra else 0)
-
-
-def grid_dims(nx: int, ny: int, size: int) -> tuple[int, int]:
-    """Ranks along (x, y) for ``size`` ranks (``MPI.Compute_dims``), checked against the grid.
-
-    Pure arithmetic (no communicator): the same answer and the same error on every rank.
-    """
-    dims = tuple(MPI.Compute_dims(size, 2))
-    for axis, n, d in (("x", nx, dims[0]), ("y", ny, dims[1])):
-        if n < d:
-            raise ConfigError(f"n{axis}={n} is smaller than the {d} ranks along {axis} "
-                              f"(process grid {dims[0]}x{dims[1]} for {size} ranks): expected n{axis} >= {d}")
-    return dims  # type: ignore[return-value]
-
-
-def block(nx: int, ny: int, dims: Sequence[int], coords: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(offset, local_shape) of the block at ``coords`` in a ``dims`` process grid."""
-    (x0, lx), (y0, ly) = split_extent(nx, dims[0], coords[0]), split_extent(ny, dims[1], coords[1])
-    return (x0, y0), (lx, ly)
-
-
-def decompose(comm: MPI.Comm, nx: int, ny: int, periodic: bool) -> Decomposition:
-    """Split an ``nx`` x ``ny`` grid over ``comm`` on a new Cartesian communicator.
-
-    Validation comes before ``Create_cart`` (the first collective), so bad sizes raise the
-    same :class:`ConfigError` on every rank and nothing hangs.
-    """
-    dims = grid_dims(nx, ny, comm.Get_size())
-    cart = comm.Create_cart(dims, periods=[periodic, periodic], reorder=False)
-    coords = tuple(cart.Get_coords(cart.Get_rank()))
-    offset, local_shape = block(nx, ny, dims, coords)
-    return Decomposition(global_shape=(nx, ny), offset=offset, local_shape=local_shape, dims=dims,
-                         coords=coords, periodic=periodic, comm=cart)  # type: ignore[arg-type]
-
-
-class Halo:
-    """Fills the ghost layer of ``state[f, lx + 2, ly + 2]`` from the neighbouring ranks.
-
-    MPI subarray datatypes describe the edge rows and (strided) columns in place, so nothing
-    is copied by hand; all eight messages are in flight at once (a 5-point stencil needs no
-    corners). A neighbour beyond a non-periodic edge is ``MPI.PROC_NULL``: its ghost cells
-    keep what the kernel put there (the boundary condition).
-    """
-
-    def __init__(self, decomp: Decomposition, n_fields: int) -> None:
-        self.comm = decomp.comm
-        lx, ly = decomp.local_shape
-        sizes = [n_fields, lx + 2, ly + 2]
-
-        def sub(subsizes: list[int], starts: list[int]) -> MPI.Datatype:
-            return MPI.DOUBLE.Create_subarray(sizes, subsizes, starts).Commit()
-
-        # Per axis: (lower neighbour, upper neighbour, send-low, send-high, recv-low, recv-high).
-        self._plan = []
-        for axis, (rows, n) in enumerate((([n_fields, 1, ly], lx), ([n_fields, lx, 1], ly))):
-            at = (lambda k: [0, k, 1]) if axis == 0 else (lambda k: [0, 1, k])
-            lo, hi = self.comm.Shift(axis, 1)
-            sends, recvs = (sub(rows, at(1)), sub(rows, at(n))), (sub(rows, at(0)), sub(rows, at(n + 1)))
-            self._plan.append((axis, lo, hi, *sends, *recvs))
-
-    def exchange(self, state: np.ndarray) -> None:
-        """Post every receive and send, then wait; ``state`` must be C-contiguous float64."""
-        reqs = []
-        for axis, lo, hi, send_lo, send_hi, recv_lo, recv_hi in self._plan:
-            up, down = 2 * axis, 2 * axis + 1  # tags: a rank may be both neighbours, or itself
-            reqs.append(self.comm.Irecv([state, 1, recv_lo], source=lo, tag=up))
-            reqs.append(self.comm.Irecv([state, 1, recv_hi], source=hi, tag=down))
-            reqs.append(self.comm.Isend([state, 1, send_hi], dest=hi, tag=up))
-            reqs.append(self.comm.Isend([state, 1, send_lo], dest=lo, tag=down))
-        MPI.Request.Waitall(reqs)
-
-    def free(self) -> None:
-        for _, _, _, *types in self._plan:
-            for t in types:
-                t.Free()
-        self._plan = []
-
-
-# --------------------------------------------------------------------------- numerics
-
-
-def stable_dt(dt: float | None, diffusivity: float, dx: float, dy: float, what: str) -> float:
-    """``dt`` checked against the explicit 2-D diffusion limit, or a safe one when ``None``.
-
-    Forward Euler on the 5-point Laplacian is stable for
-    ``dt <= 1 / (2 D (1/dx^2 + 1/dy^2))`` (``dx^2 / (4 D)`` on a square grid).
-    """
-    limit = 1.0 / (2.0 * diffusivity * (1.0 / dx**2 + 1.0 / dy**2))
-    if dt is None:
-        return DT_SAFETY * limit
-    if not dt > 0:
-        raise ConfigError(f"dt must be > 0, got {dt}")
-    if dt > limit:
-        raise ConfigError(f"dt={dt:.6g} is unstable: expected dt <= {limit:.6g} "
-                          f"(explicit limit 1/(2 {what} (1/dx^2 + 1/dy^2)) with dx={dx:.6g}, dy={dy:.6g})")
-    return dt
-
-
-class Stencil:
-    """The 5-point diffusion increment, vectorised into preallocated buffers (no temporaries)."""
-
-    def __init__(self, local_shape: tuple[int, int]) -> None:
-        self._tmp = np.empty(local_shape)
-
-    def diffusion(self, g: np.ndarray, cx: float, cy: float, out: np.ndarray) -> np.ndarray:
-        """``out = cx (g[i+1] + g[i-1] - 2g) + cy (g[j+1] + g[j-1] - 2g)`` on the interior of ghosted ``g``.
-
-        With ``cx = D dt / dx^2`` this is the forward-Euler increment of ``D * laplacian``.
-        The same operations in the same order on every cell, whatever the decomposition, so
-        results agree bitwise across rank counts.
-        """
-        c, t = g[1:-1, 1:-1], self._tmp
-        np.add(g[2:, 1:-1], g[:-2, 1:-1], out=out)
-        out -= c
-        out -= c
-        out *= cx
-        np.add(g[1:-1, 2:], g[1:-1, :-2], out=t)
-        t -= c
-        t -= c
-        t *= cy
-        out += t
-        return out
-
-
-def new_state(decomp: Decomposition, n_fields: int) -> np.ndarray:
-    """Zeroed ``state[n_fields, lx + 2, ly + 2]``: this rank's block of every field with its ghost layer."""
-    lx, ly = decomp.local_shape
-    return np.zeros((n_fields, lx + 2, ly + 2))
-
-
-def global_indices(decomp: Decomposition) -> tuple[np.ndarray, np.ndarray]:
-    """Global (i, j) index arrays of this rank's interior, for closed-form initial conditions."""
-    sx, sy = decomp.interior
-    return np.ogrid[sx, sy]
-
-
-# --------------------------------------------------------------------------- sinks
-
-
-class Sink(Protocol):
-    """Where a kernel's output goes. Every rank calls ``send`` with its own block.
-
-    ``fields`` maps each field name to this rank's interior block (``local_shape``),
-    C-contiguous float32. ``send`` and ``close`` are called on every rank in the same order,
-    so a sink may use collectives.
-    """
-
-    def send(self, step: int, t: float, fields: dict[str, np.ndarray]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class MemorySink:
-    """Keeps every output in memory: for tests and notebooks."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[int, float, dict[str, np.ndarray]]] = []
-        self.closed = False
-
-    def send(self, step: int, t: float, fields: dict[str, np.ndarray]) -> None:
-        self.records.append((step, t, {k: v.copy() for k, v in fields.items()}))
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FanOut:
-    """Sends every output to several sinks (``--out`` and ``--stream`` together)."""
-
-    def __init__(self, *sinks: Sink) -> None:
-        self.sinks = sinks
-
-    def send(self, step: int, t: float, fields: dict[str, np.ndarray]) -> None:
-        for s in self.sinks:
-            s.send(step, t, fields)
-
-    def close(self) -> None:
-        for s in self.sinks:
-            s.close()
-
-
-class H5Sink:
-    """One HDF5 file written collectively by all ranks (parallel HDF5, h5py ``driver="mpio"``).
-
-    Layout (the offline trainer reads it): ``/fields/<name>`` [n_outputs, nx, ny] float32,
-    ``/step`` [n_outputs] int64, ``/time`` [n_outputs] float64; root attributes ``kernel``,
-    ``params`` (JSON), one float attribute per parameter, ``nx``, ``ny``, ``sim_id``.
-    The file is written as ``PATH.tmp`` and renamed to ``PATH`` by rank 0 once every output
-    is in and the file is closed, so a killed simulation never leaves a half file under the
-    final name.
-    """
-
-    def __init__(self, path: str | os.PathLike, decomp: Decomposition, *, kernel: str, params: dict[str, float],
-                 field_names: Sequence[str], n_outputs: int, sim_id: int = 0) -> None:
-        self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.comm, self.decomp, self.n_outputs = decomp.comm, decomp, n_outputs
-        self._written = 0
-        nx, ny = decomp.global_shape
-        # Every call below is collective: same order and same values on every rank.
-        self._file = h5py.File(self.tmp, "w", driver="mpio", comm=self.comm)
-        f = self._file
-        f.attrs["kernel"] = kernel
-        f.attrs["params"] = json.dumps(params, sort_keys=True)
-        for k, v in params.items():
-            f.attrs[k] = float(v)
-        f.attrs["nx"], f.attrs["ny"], f.attrs["sim_id"] = nx, ny, int(sim_id)
-        self._fields = {n: f.create_dataset(f"fields/{n}", shape=(n_outputs, nx, ny), dtype=np.float32)
-                        for n in field_names}
-        self._step = f.create_dataset("step", shape=(n_outputs,), dtype=np.int64)
-        self._time = f.create_dataset("time", shape=(n_outputs,), dtype=np.float64)
-
-    def send(self, step: int, t: float, fields: dict[str, np.ndarray]) -> None:
-        if self._written >= self.n_outputs:
-            raise ValueError(f"{self.path}: more outputs than the {self.n_outputs} the file was made for")
-        where = (self._written, *self.decomp.interior)
-        for name, ds in self._fields.items():
-            with ds.collective:  # one MPI-IO collective write per field, each rank its hyperslab
-                ds[where] = fields[name]
-        if self.comm.Get_rank() == 0:
-            self._step[self._written] = step
-            self._time[self._written] = t
-        self._written += 1
-
-    def close(self) -> None:
-        """Close collectively; rename to the final name only when every output was written."""
-        if self._file is None:
-            return
-        self._file.close()
-        self._file = None
-        complete = self._written == self.n_outputs
-        self.comm.Barrier()  # every rank's data is in the file before it gets its final name
-        if self.comm.Get_rank() == 0:
-            if complete:
-                os.replace(self.tmp, self.path)
-            else:
-                logger.warning("%s: %d of %d outputs written; left as %s", self.path, self._written,
-                               self.n_outputs, self.tmp)
-        self.comm.Barrier()  # the final name exists on return, on every rank
-
-
-def make_sink(args: argparse.Namespace, decomp: Decomposition, params: dict[str, float], field_names: list[str],
-              n_outputs: int) -> Sink | None:
-    """The sink the command line asks for: ``--out`` (HDF5), ``--stream`` (hpcml.stream), both, or none."""
-    sinks: list[Sink] = []
-    if args.out:
-        sinks.append(H5Sink(args.out, decomp, kernel=args.kernel, params=params, field_names=field_names,
-                            n_outputs=n_outputs, sim_id=args.sim_id))
-    if args.stream:
-        from hpcml.stream import Producer  # lazily: the file-only path never imports the streaming stack
-
-        sinks.append(Producer.from_campaign(comm=decomp.comm, params=params, global_shape=decomp.global_shape,
-                                            offset=decomp.offset, local_shape=decomp.local_shape, fields=field_names,
-                                            copy=False))  # march() sends fresh float32 copies it never touches again
-    if not sinks:
-        return None
-    return sinks[0] if len(sinks) == 1 else FanOut(*sinks)
-
 
 # --------------------------------------------------------------------------- configs and the time loop
 
@@ -544,3 +249,8 @@ def main(spec: KernelSpec, argv: Sequence[str] | None = None) -> int:
                   "dt": cfg.time_step, "params": cfg.params, "out": args.out}
         print("HPCML_SIM_RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+__all__ = ["DT_SAFETY", "Decomposition", "FanOut", "GridConfig", "H5Sink", "Halo", "KernelSpec", "MemorySink", "Sink",
+           "Stencil", "block", "build_parser", "check_min", "config_from_args", "decompose", "global_indices",
+           "grid_dims", "main", "make_sink", "march", "new_state", "option", "param", "split_extent", "stable_dt"]

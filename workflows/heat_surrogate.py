@@ -4,16 +4,13 @@
     python workflows/heat_surrogate.py --site local --sims 16 --mode offline --run-dir runs/offline
     python workflows/heat_surrogate.py --site local --sims 16 --adaptive --wave 4 --run-dir runs/adaptive
 
-Online: a Parsl campaign runs ``--sims`` heat simulations (``kernels.heat2d``, MPI) whose
-output streams into a data-parallel training job of an MLP surrogate (parameters, t) ->
-temperature field. Offline: the simulations write HDF5 first, then the same trainer reads
-the files, for the same number of gradient steps. ``--adaptive`` (online): the training
-simulations' parameters come in waves of ``--wave`` from a Breed sampler fed by the trainer's
-per-simulation losses (docs/active-learning.md), the held-out ones from the fixed design.
-All validate on held-out simulations and write ``summary.json`` and ``report.png`` into
-the run directory. This script is the driver; with ``--role train`` it is the training job
-the driver starts. A run directory holds one campaign: running again in it needs
-``--resume`` and the same design.
+Online: a Parsl campaign runs ``--sims`` heat simulations (``kernels.heat2d``, MPI) whose output
+streams into a data-parallel training job of an MLP surrogate (parameters, t) -> temperature
+field. Offline: the simulations write HDF5, then the same trainer reads it for as many steps.
+``--adaptive``: the training simulations come in waves of ``--wave`` from a Breed sampler fed by
+the trainer's per-simulation losses (docs/active-learning.md). All validate on held-out
+simulations and write ``summary.json`` and ``report.png`` into the run directory, which holds
+one campaign (again: ``--resume``, the same design). ``--role train``: the training job itself.
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ if __name__ == "__main__":  # first thing: a walltime warning from now on is a s
     stop.install()
 
 import argparse
-import dataclasses
-import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARAMS = ("alpha", "t_left", "t_right", "t_bottom", "t_top")
 BOUNDS = {"alpha": (0.5, 1.5), "t_left": (0.0, 1.0), "t_right": (0.0, 1.0), "t_bottom": (0.0, 1.0), "t_top": (0.0, 1.0)}
 POSITIVE = ("sims", "nx", "ny", "sim_steps", "every", "sim_ranks", "train_ranks", "train_nodes", "max_concurrent",
-            "steps", "batch", "capacity", "wave")
+            "steps", "batch", "capacity", "wave", "crash_trainer_at")
 NATURAL = ("val_sims", "ckpt_every", "trainer_restarts", "crash_trainer_times", "crash_trainer_rank", "retries")
 
 
@@ -99,8 +93,7 @@ def dt_for(args) -> float:
 
 
 def driver(args, argv: list[str]) -> None:
-    from hpcml.ensemble import Campaign, SimSpec, TrainingJob, design, load_site
-    from hpcml.ensemble.breed import Breed
+    from hpcml.ensemble import Breed, Campaign, SimSpec, TrainingJob, design, load_site, workflow_summary
     from hpcml.errors import ConfigError, LaunchError
 
     t0, run_dir = time.perf_counter(), Path(args.run_dir).resolve()
@@ -141,26 +134,16 @@ def driver(args, argv: list[str]) -> None:
             result = campaign.run_adaptive(
                 simulation, Breed(bounds=BOUNDS, seed=args.seed), budget=args.sims, wave=args.wave, training=training,
                 sims=sims, target=None if args.target is None else ("val_rel_l2", args.target), resume=args.resume)
-        else:
-            result = campaign.run(sims, training=training if online else None, resume=args.resume)
-        if not online and not result.interrupted:  # the simulations wrote files: now the trainer alone reads them
-            trained = campaign.train(training, resume=args.resume)
-            result = dataclasses.replace(result, training_returncode=trained.training_returncode, run_id=trained.run_id,
-                                         interrupted=trained.interrupted, samples=trained.samples)
+        elif online:
+            result = campaign.run(sims, training=training, resume=args.resume)
+        else:  # the simulations write files, then the trainer alone reads them
+            result = campaign.run_offline(sims, training, resume=args.resume)
     except ConfigError as e:  # refused before anything started (e.g. a directory of another campaign)
         die(f"error: {e}", 2)
     except LaunchError as e:  # the training job failed, or lost samples: the run says so and exits non-zero
         result, problems = e.result, [str(e)]
-    train = run_dir / "train_summary.json"
-    train = json.loads(train.read_text()) if train.exists() else {}
-    summary = {**(train if train.get("run") == result.run_id else {}), "problems": problems, "mode": args.mode,
-               "status": "failed" if problems else "interrupted" if result.interrupted else "ok",
-               "sims_completed": len([s for s in result.completed if s < args.sims]),
-               "sims_resumed": len(result.skipped),
-               "sims_failed": len([s for s in result.failed if s < args.sims]), "val_sims": args.val_sims,
-               "sim_attempts": sum(result.attempts.values()), "sims_retried": len(result.retried),
-               "wall_s": time.perf_counter() - t0}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = workflow_summary(result, run_dir, problems, counted=lambda i: i < args.sims, mode=args.mode,
+                               val_sims=args.val_sims, wall_s=time.perf_counter() - t0)  # writes summary.json
     if summary["status"] == "interrupted":  # resume it: exit 75 ("not finished"), as the trainer
         die(f"interrupted (walltime warning): {len(result.completed)} of {result.total} simulations done, trainer "
             f"checkpoint saved; run again with --resume (exit 75)", 75)
@@ -179,24 +162,15 @@ def die(message: str, code: int) -> None:
 
 
 def train(args) -> int:
-    from hpcml import env
     from hpcml.contract import Contract
     from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
     from hpcml.stream import BufferConfig
-    from hpcml.train import FieldScales, FieldTrainConfig, train_surrogate
-    from hpcml.train.online import OnlineConfig
+    from hpcml.train import FieldScales, FieldTrainConfig, OnlineConfig, train_surrogate
+    from hpcml.train.fault import KillAtStep
 
-    run_dir, rank = Path(Contract.from_env().run_dir), env.detect().rank
-    marker = run_dir / ".trainer_crashed"  # how many training jobs crashed so far
-    crashed = int(marker.read_text()) if marker.exists() else 0
-
-    def crash_test(m: dict) -> None:  # --crash-trainer-at: the first --crash-trainer-times jobs die at that step
-        if (m["step"], rank) == (args.crash_trainer_at, args.crash_trainer_rank) and crashed < args.crash_trainer_times:
-            marker.write_text(str(crashed + 1))
-            print(f"[train] reliability test: killing trainer rank {rank} after step {m['step']} (crash "
-                  f"{crashed + 1} of {args.crash_trainer_times})", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
+    run_dir = Path(Contract.from_env().run_dir)
+    crash = KillAtStep(step=args.crash_trainer_at, rank=args.crash_trainer_rank, times=args.crash_trainer_times,
+                       marker=run_dir / ".trainer_crashed") if args.crash_trainer_at else None  # reliability tests
     return train_surrogate(
         MLPSurrogate(MLPSurrogateConfig(n_params=len(PARAMS), shape=(args.nx, args.ny), hidden=256, depth=3)),
         params=PARAMS, fields=("T",), scales=FieldScales(
@@ -209,7 +183,7 @@ def train(args) -> int:
         server={"end_grace_s": 10.0},
         shape=(args.nx, args.ny),  # bounds what one simulation's connection may make the trainer hold
         files=None if args.mode == "online" else sorted((run_dir / "data").glob("sim_*.h5")),
-        val_files=lambda: sorted((run_dir / "val").glob("sim_*.h5")), report=not args.no_report, on_step=crash_test,
+        val_files=lambda: sorted((run_dir / "val").glob("sim_*.h5")), report=not args.no_report, on_step=crash,
         torch_threads=1)  # the simulations need the cores
 
 

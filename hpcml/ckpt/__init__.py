@@ -8,14 +8,15 @@ without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import pkgutil
+from typing import TYPE_CHECKING
+
+from hpcml.lazy import lazy_names
 
 _EXPORTS = {"Checkpoint": "checked", "LoadReport": "reader", "load": "reader", "read_extra": "reader",
             "read_tensor": "reader", "read_tensors": "reader", "resolve": "format", "training_tensors": "state",
-            "AsyncSaver": "async_save", "SaveResult": "writer", "save": "writer", "CheckpointError": None}
-_SUBMODULES = {"async_save", "async_writer", "checked", "codec", "dcp", "dcp_pickle", "dcp_safe", "format", "index",
-               "keys", "lock", "manifest", "plan", "reader", "shard", "state", "sink", "tools", "writer"}
+            "AsyncSaver": "async_save", "SaveResult": "writer", "save": "writer", "CheckpointError": "hpcml.errors"}
+_SUBMODULES = {m.name for m in pkgutil.iter_modules(__path__)}  # every module here (a kept list drifted)
 
 __all__ = sorted(_EXPORTS)
 
@@ -29,10 +30,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpcml.errors import CheckpointError
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        module = _EXPORTS[name]
-        return getattr(importlib.import_module(f"hpcml.ckpt.{module}" if module else "hpcml.errors"), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"hpcml.ckpt.{name}")
-    raise AttributeError(f"module 'hpcml.ckpt' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _EXPORTS, _SUBMODULES)

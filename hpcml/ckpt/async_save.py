@@ -14,7 +14,7 @@ import torch
 
 from hpcml.ckpt import codec, format as fmt
 from hpcml.ckpt.async_writer import ShardWriter, layout as staging_layout
-from hpcml.ckpt.plan import ChunkMeta, assign_owners
+from hpcml.ckpt.chunks import ChunkMeta, assign_owners
 from hpcml.ckpt.pipeline import Pending, SaveResult, agree, finish, local_pieces, prepare
 
 

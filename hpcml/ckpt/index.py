@@ -17,7 +17,7 @@ import numpy as np
 from hpcml import safeio
 from hpcml.ckpt import format as fmt, manifest
 from hpcml.ckpt.checked import file_sha256
-from hpcml.ckpt.plan import ChunkMeta
+from hpcml.ckpt.chunks import ChunkMeta
 from hpcml.ckpt.shard import fsync_path
 
 SINGLE_FILE = "shared.h5"

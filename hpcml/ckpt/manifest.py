@@ -25,10 +25,11 @@ import numpy as np
 from hpcml import safeio
 from hpcml.ckpt import chunkmac, format as fmt
 from hpcml.ckpt.keys import Keyring
-from hpcml.ckpt.plan import check_fused, fused_spec
+from hpcml.ckpt.chunks import check_fused, fused_spec
 from hpcml.ckpt.shard import open_regular, pread_exact
 from hpcml.ckpt.tiling import coverage
 from hpcml.errors import CheckpointError
+from hpcml.numeric import is_int
 
 MANIFEST = fmt.MANIFEST
 FORMAT = "hpcml-checkpoint"
@@ -172,7 +173,7 @@ def _no_constant(name: str):
 
 
 def _int(v, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > hi:
+    if not is_int(v) or v < lo or v > hi:
         raise CheckpointError(f"{what} is {str(v)[:60]!r}: expected an integer >= {lo} and <= {hi}")
     return v
 
@@ -240,7 +241,7 @@ def _matrix(rows: list, d: int, lo: int, what: str) -> np.ndarray:
         a = None
     if a is None or a.dtype.kind not in "iub" or a.shape != (len(rows), d):
         k = next((k for k, r in enumerate(rows) if not isinstance(r, list) or len(r) != d or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in r)), 0)
+            is_int(x) for x in r)), 0)
         raise CheckpointError(f"{what} of piece {k} is {str(rows[k] if rows else None)[:60]!r}: expected a list of "
                               f"{d} integers")
     a = a.astype(np.int64, copy=False)
@@ -336,14 +337,14 @@ def _check_attrs(name: str, attrs: dict, shape: list[int]) -> None:
                               f"strings, numbers or lists of them")
     logical = attrs.get("logical_shape")
     if logical is not None and (not isinstance(logical, list) or len(logical) != len(shape) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= s for n, s in zip(logical, shape))):
+            is_int(n) and 0 <= n <= s for n, s in zip(logical, shape))):
         raise CheckpointError(f"{name} logical_shape {str(logical)[:60]}: expected one size per dimension, each "
                               f"at most the stored shape {shape}")
     spec = fused_spec(attrs)
     if spec is not None and (why := check_fused(name, spec[0], spec[1], tuple(shape), 1)):
         raise CheckpointError(why)
     experts = attrs.get("experts")
-    if experts is not None and (not isinstance(experts, int) or isinstance(experts, bool) or not shape
+    if experts is not None and (not is_int(experts) or not shape
                                 or not 1 <= experts <= shape[0]):
         raise CheckpointError(f"{name} experts {str(experts)[:40]}: expected 1 to {shape[0] if shape else 0} "
                               f"(expert index first)")

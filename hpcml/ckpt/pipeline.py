@@ -21,10 +21,11 @@ import torch
 from hpcml import __version__, log
 from hpcml.ckpt import chunkmac, codec, format as fmt, keys as keyring_, lock, rollback
 from hpcml.ckpt.index import commit, finish_manifest, write_index
-from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
+from hpcml.ckpt.chunks import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.shard import write_shard
 from hpcml.ckpt.state import fused_shards, local_piece, placement_str
 from hpcml.errors import CheckpointError, HpcmlError
+from hpcml.numeric import is_int
 
 logger = log.get_logger("hpcml.ckpt.writer")  # the save's lines under the writer's name, as before
 
@@ -45,7 +46,7 @@ def local_pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict]
             ) -> tuple[list[ChunkMeta], dict[tuple, torch.Tensor], dict[str, str]]:
     """This rank's chunks. A fused tensor (``fused_widths`` in its ``tensor_attrs``) held as
     tensor-parallel shards ``[wq_r; wk_r; wv_r]`` becomes one chunk per sub-parameter slice,
-    each at its offset in the logical ``[wq; wk; wv]`` (:func:`hpcml.ckpt.plan.fused_runs`).
+    each at its offset in the logical ``[wq; wk; wv]`` (:func:`hpcml.ckpt.chunks.fused_runs`).
     Raises CheckpointError when a declaration does not fit its tensor."""
     metas, locals_, placements = [], {}, {}
     for name, t in tensors.items():
@@ -164,7 +165,7 @@ def prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapsh
     final = root / fmt.step_dir(step)
     tmp = root / (final.name + ".tmp")
 
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step) or step < 0:
         raise CheckpointError(f"step {step!r}: expected an integer >= 0")
 
     def plan():

@@ -15,7 +15,7 @@ from hpcml import log
 from hpcml.ckpt import codec
 from hpcml.ckpt.checked import Checkpoint
 from hpcml.ckpt.format import resolve
-from hpcml.ckpt.plan import check_fused, fused_boxes, fused_spec
+from hpcml.ckpt.chunks import check_fused, fused_boxes, fused_spec
 from hpcml.ckpt.state import fused_shards, local_piece
 from hpcml.errors import CheckpointError, ConfigError
 

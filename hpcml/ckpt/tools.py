@@ -17,7 +17,7 @@ import h5py
 from hpcml import safeio
 from hpcml.ckpt import chunkmac, format as fmt, keys, manifest, rollback
 from hpcml.ckpt.checked import Checkpoint
-from hpcml.ckpt.plan import check_fused, fused_spec
+from hpcml.ckpt.chunks import check_fused, fused_spec
 from hpcml.ckpt.shard import fsync_path, read_chunks
 from hpcml.errors import CheckpointError, ConfigError
 

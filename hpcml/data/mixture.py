@@ -19,6 +19,7 @@ import numpy as np
 
 from hpcml.data.tokens import TokenDataset
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int, is_real
 
 
 class Mixture:
@@ -28,13 +29,13 @@ class Mixture:
         if not parts:
             raise ConfigError("a mixture needs at least one dataset")
         weights = [w for _, w in parts]
-        bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf")]
+        bad = [w for w in weights if not is_real(w) or not 0 < w < float("inf")]
         if bad:
             raise ConfigError(f"mixture weights {weights}: expected positive numbers")
         lens = {d.seq_len for d, _ in parts}
         if len(lens) != 1:
             raise ConfigError(f"mixture datasets opened with sequence lengths {sorted(lens)}: expected one")
-        if isinstance(block, bool) or not isinstance(block, int) or not len(parts) <= block <= 1 << 20:
+        if not is_int(block) or not len(parts) <= block <= 1 << 20:
             raise ConfigError(f"mixture block {block!r}: expected an int from {len(parts)} to {1 << 20}")
         self.datasets = [d for d, _ in parts]
         self.seq_len, self.seed, self.block = lens.pop(), seed, block

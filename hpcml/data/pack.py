@@ -31,6 +31,7 @@ from hpcml import safeio
 from hpcml.data.tokens import BLOCK_TOKENS, DTYPES, FORMAT, Manifest, crc32, manifest_path
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int
 
 logger = get_logger(__name__)
 
@@ -171,9 +172,9 @@ def pack(out: str | os.PathLike, sources: Sequence[str | os.PathLike], *, tokeni
     eod = eod if eod is not None else tok.eod if tok else None
     if vocab is None or eod is None:
         raise ConfigError("token ids need their vocabulary: give --vocab-size N and --eod ID (or --tokenizer)")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 2 <= vocab <= 1 << 32:
+    if not is_int(vocab) or not 2 <= vocab <= 1 << 32:
         raise ConfigError(f"vocab_size {vocab!r}: expected an int from 2 to 2**32")
-    if isinstance(eod, bool) or not isinstance(eod, int) or not 0 <= eod < vocab:
+    if not is_int(eod) or not 0 <= eod < vocab:
         raise ConfigError(f"eod {eod!r}: expected a token id of the vocabulary (0 to {vocab - 1})")
     paths = [Path(s) for s in sources]
     if not paths:

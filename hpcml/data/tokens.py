@@ -34,6 +34,7 @@ import numpy as np
 
 from hpcml import safeio
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 FORMAT = "hpcml-tokens/1"
 MANIFEST_SUFFIX = ".json"
@@ -102,7 +103,7 @@ class Manifest:
         for k in ("size", "vocab_size", "eod", "n_tokens", "n_docs", "block_tokens", "tokens_offset",
                   "doc_offsets_offset", "crc_offset"):
             v = rec.get(k)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
+            if not is_int(v) or not 0 <= v < 1 << 62:
                 raise DataError(f"token manifest {where}: {k}={v!r}: expected an int >= 0")
             ints[k] = v
         dtype = DTYPES.get(rec.get("dtype"))
@@ -138,7 +139,7 @@ class TokenDataset:
     ``TokenSource`` of :class:`hpcml.train.trainer.Trainer`."""
 
     def __init__(self, path: str | os.PathLike, *, seq_len: int, seed: int = 0) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        if not is_int(seq_len) or seq_len < 1:
             raise ConfigError(f"seq_len must be an int >= 1, got {seq_len!r}")
         self.m = Manifest.read(path)
         self.seq_len, self.seed = seq_len, seed

@@ -7,9 +7,11 @@ from hpcml.ensemble.design import design, full_factorial, latin_hypercube, sobol
 from hpcml.ensemble.hardware import SiteHardware
 from hpcml.ensemble.members import Members
 from hpcml.ensemble.breed import Breed
-from hpcml.ensemble.sampling import Halton, Sampler, SimStats
+from hpcml.ensemble.sampling import FullFactorial, Halton, LatinHypercube, Sampler, SimStats
 from hpcml.ensemble.site import Site, list_sites, load_site
+from hpcml.ensemble.run_report import workflow_summary
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 
-__all__ = ["Breed", "Campaign", "CampaignResult", "Halton", "Members", "Sampler", "SimSpec", "SimStats", "Site", "SiteHardware",
-           "TrainingJob", "design", "full_factorial", "latin_hypercube", "list_sites", "load_site", "sobol"]
+__all__ = ["Breed", "Campaign", "CampaignResult", "FullFactorial", "Halton", "LatinHypercube", "Members", "Sampler",
+           "SimSpec", "SimStats", "Site", "SiteHardware", "TrainingJob", "design", "full_factorial", "latin_hypercube",
+           "list_sites", "load_site", "sobol", "workflow_summary"]

@@ -26,6 +26,7 @@ from hpcml.ensemble.provenance import MAX_RECORD_LINE, append_provenance, iter_p
 from hpcml.contract import CONFIG_ERROR
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int
 from hpcml.outcome import read_final_error
 
 RESULT_MARKER = "HPCML_SIM_RESULT"
@@ -284,7 +285,7 @@ def stream_record(directory: Path, k: int, *, root: Path | None = None) -> int |
     """Samples attempt ``k`` streamed (its Producer's record), or None: it created no Producer."""
     rec = read_json(directory / f"attempt_{k}.stream.json", root=root)
     n = rec.get("n_sent") if rec else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+    return n if is_int(n) and n >= 0 else None
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from hpcml.ensemble.design import Bounds, check_seed
 from hpcml.ensemble.sampling import Cube, Feedback, Halton, Params, Sampler, SimStats, check_count, checked_state
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_real
 
 logger = get_logger(__name__)
 
@@ -62,7 +63,7 @@ class Breed:
                                ("parents", lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
                                ("spread", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            if not is_real(v) or not ok(v):
                 raise ConfigError(f"Breed.{name}={v!r}: expected {want}")
         if self.score not in ("loss", "surprise"):
             raise ConfigError(f"Breed.score={self.score!r}: expected 'loss' or 'surprise'")

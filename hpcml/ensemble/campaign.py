@@ -22,6 +22,7 @@ Where it runs decides how (``mode="auto"``):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -29,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcml.ensemble.site import SIMS_LABEL, Site, load_site, shell_join, walltime_seconds
-from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
+from hpcml.ensemble.site import Site, load_site, shell_join, walltime_seconds
+from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob, streaming
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int
 
 if TYPE_CHECKING:  # parsl costs ~0.4 s to import; only run() needs it
     import parsl
@@ -124,7 +126,7 @@ class Campaign:
         self.run_dir = Path(self.run_dir).resolve()
         if not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be an int >= 1, got {self.max_concurrent!r}")
-        if isinstance(self.bundle, bool) or not isinstance(self.bundle, int) or self.bundle < 1:
+        if not is_int(self.bundle) or self.bundle < 1:
             raise ConfigError(f"bundle must be an int >= 1 (members a task), got {self.bundle!r}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an int >= 0, got {self.retries!r}")
@@ -336,6 +338,18 @@ class Campaign:
         as ``run([], training=training)``."""
         return self.run([], training=training, train_timeout_s=train_timeout_s, resume=resume)
 
+    def run_offline(self, sims: Sequence[SimSpec | Members] | Members, training: TrainingJob, *,
+                    resume: bool = False) -> CampaignResult:
+        """Offline training in one call: the simulations write their files (:meth:`run`), then,
+        unless that was interrupted, the training job trains from them alone (:meth:`train`).
+        One result: the simulations' outcomes with the trainer's."""
+        result = self.run(sims, resume=resume)
+        if result.interrupted:
+            return result
+        trained = self.train(training, resume=resume)
+        return dataclasses.replace(result, training_returncode=trained.training_returncode, run_id=trained.run_id,
+                                   interrupted=trained.interrupted, samples=trained.samples)
+
 
 def _max_ranks(sims: Sequence[SimSpec]) -> int:
     """The most ranks one simulation takes (a run's Specs know it without making every spec)."""
@@ -355,12 +369,6 @@ def _check_waits(training: TrainingJob | None, ready_file, ready_timeout_s, trai
             raise ConfigError(f"{name} must be > 0 or None, got {v}")
     if ready_file is not None and training is None:
         raise ConfigError(f"ready_file {ready_file} given without a training job to write it")
-
-
-def streaming(training: TrainingJob | None, ready_file) -> bool:
-    """Whether the training job takes the simulations' stream: ``stream=True``, or (None) when
-    ``run()`` waits for a ready file (the endpoints the trainer publishes)."""
-    return training is not None and (training.stream if training.stream is not None else ready_file is not None)
 
 
 def check_stream_ranks(sims: Sequence[SimSpec] | Sequence[int], ranks: int) -> None:
@@ -384,13 +392,3 @@ def check_stream_ranks(sims: Sequence[SimSpec] | Sequence[int], ranks: int) -> N
     raise ConfigError(f"{n} for {ranks} trainer ranks leave rank(s) {idle} without data "
                       f"(each simulation streams to the rank hpcml.stream.route(sim_id, {ranks}) names): use "
                       f"fewer trainer ranks or more simulations")
-
-
-def executor_label(cfg: Any) -> str:
-    """The label of the executor that runs simulations in ``cfg``."""
-    labels = [e.label for e in getattr(cfg, "executors", [])]
-    if SIMS_LABEL in labels:
-        return SIMS_LABEL
-    if len(labels) == 1:
-        return labels[0]
-    raise ConfigError(f"the Parsl config needs an executor labelled {SIMS_LABEL!r} for the simulations, got {labels}")

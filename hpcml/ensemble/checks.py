@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 __all__ = ["check_count", "drain_period", "walltime_seconds", "warning_seconds"]
 
@@ -14,7 +15,7 @@ _WALLTIME = re.compile(r"(\d{1,3}):([0-5]\d):([0-5]\d)")
 
 def check_count(name: str, value: object, minimum: int = 1) -> int:
     """``value`` as an int >= ``minimum``, else a one-line ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
     return value
 

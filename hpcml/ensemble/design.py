@@ -30,6 +30,7 @@ import numpy as np
 
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int
 
 logger = get_logger(__name__)
 
@@ -47,7 +48,7 @@ def design(kind: str, bounds: Bounds, n: int | Mapping[str, int], *, seed: int =
         raise ConfigError(f"design kind {kind!r} unknown: expected one of {', '.join(KINDS)}")
     if name == "full_factorial":
         return full_factorial(bounds, n, log=log)
-    if not _is_int(n):
+    if not is_int(n, numpy=True):
         raise ConfigError(f"{name} needs n as an int, got {n!r}")
     draw = latin_hypercube if name == "latin_hypercube" else sobol
     return draw(bounds, n, seed=seed, log=log)  # type: ignore[arg-type]
@@ -102,7 +103,7 @@ def full_factorial(bounds: Bounds, n: int | Mapping[str, int], *,
             raise ConfigError(f"full_factorial counts must name exactly the bounds' parameters ({', '.join(names)}); "
                               f"unknown {extra}, missing {missing}")
         for k in names:
-            if not _is_int(n[k]) or n[k] < 1:
+            if not is_int(n[k], numpy=True) or n[k] < 1:
                 raise ConfigError(f"full_factorial count for {k!r} must be an int >= 1, got {n[k]!r}")
         counts = [int(n[k]) for k in names]
     else:
@@ -126,17 +127,13 @@ def full_factorial(bounds: Bounds, n: int | Mapping[str, int], *,
 
 # --- validation and mapping -------------------------------------------------------------------
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _check_n(n: object) -> None:
-    if not _is_int(n) or n < 1:  # type: ignore[operator]
+    if not is_int(n, numpy=True) or n < 1:  # type: ignore[operator]
         raise ConfigError(f"n must be an int >= 1, got {n!r}")
 
 
 def check_seed(seed: object) -> None:
-    if not _is_int(seed) or seed < 0:  # type: ignore[operator]
+    if not is_int(seed, numpy=True) or seed < 0:  # type: ignore[operator]
         raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
 
 

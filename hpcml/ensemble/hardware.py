@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 #: Batch systems a site may declare.
 SCHEDULERS: tuple[str, ...] = ("slurm", "lsf", "pbs", "local")
@@ -52,7 +53,7 @@ class SiteHardware:
             raise ConfigError(f"site {self.name}: scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
         for field_name in ("gpus_per_node", "cpu_cores_per_node"):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"site {self.name}: {field_name}={value!r} must be an integer >= 0")
         if self.cpu_cores_per_node < 1:
             raise ConfigError(f"site {self.name}: cpu_cores_per_node={self.cpu_cores_per_node} must be >= 1")

@@ -30,13 +30,14 @@ from hpcml.ensemble.rules import Fact, Queue
 from hpcml.ensemble.site import Site, load_site, python_env_line
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 _NODES = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def parse_nodes(value: object) -> tuple[int, int]:
     """``2`` or ``"2"`` -> (2, 2); ``"1-2"`` -> (1, 2): a node count or a Slurm node range."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return check_count("nodes", value), value
     m = _NODES.fullmatch(value) if isinstance(value, str) else None
     lo, hi = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
@@ -97,7 +98,7 @@ class JobSpec:
                                   f"({s.train_ranks_per_node} per node)")
         total = walltime_seconds(self.walltime)
         warn = self.warn_s if self.warn_s is not None else warning_seconds(self.walltime)
-        if isinstance(warn, bool) or not isinstance(warn, int) or not 0 < warn < total:
+        if not is_int(warn) or not 0 < warn < total:
             raise ConfigError(f"warn_s={warn!r} must be an integer of seconds in 1..{total - 1} (walltime "
                               f"{self.walltime})")
         object.__setattr__(self, "warn_s", warn)

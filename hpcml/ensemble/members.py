@@ -25,6 +25,7 @@ from typing import Any
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
 from hpcml.idset import IdSet
+from hpcml.numeric import is_int, is_real
 
 
 class _Lazy(Sequence[SimSpec]):
@@ -65,7 +66,7 @@ class Members(_Lazy):
     def __post_init__(self) -> None:
         for name in ("count", "first_id"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ConfigError(f"Members {name} must be an int >= 0, got {v!r}")
         if self.first_id + self.count > 2**53:
             raise ConfigError(f"Members ids {self.first_id} to {self.first_id + self.count - 1} pass 2**53: expected "
@@ -118,7 +119,7 @@ class Members(_Lazy):
 
 def _scalar(v: Any, name: str, sim_id: int) -> float | int:
     v = v.item() if hasattr(v, "item") else v  # a NumPy scalar
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if not is_real(v) or not math.isfinite(v):
         raise ConfigError(f"member {sim_id}: params column {name!r} holds {v!r}: expected a finite number")
     return v
 

@@ -134,3 +134,13 @@ def thread_config(site: Site, request: SiteRequest) -> Config:
     executor = ThreadPoolExecutor(label=SIMS_LABEL, max_threads=request.max_concurrent_sims)
     return Config(executors=[executor], run_dir=request.parsl_run_dir, retries=request.retries,
                   usage_tracking=0, strategy="none")
+
+
+def executor_label(cfg: Any) -> str:
+    """The label of the executor that runs simulations in ``cfg``."""
+    labels = [e.label for e in getattr(cfg, "executors", [])]
+    if SIMS_LABEL in labels:
+        return SIMS_LABEL
+    if len(labels) == 1:
+        return labels[0]
+    raise ConfigError(f"the Parsl config needs an executor labelled {SIMS_LABEL!r} for the simulations, got {labels}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hpcml.ensemble.checks import walltime_seconds
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 __all__ = ["ACCOUNT_ENV", "Account", "EnvVar", "Fact", "Queue", "Source", "account_for", "pick_queue"]
 
@@ -142,9 +143,9 @@ class Queue:
             raise ConfigError(f"queue name={self.name!r} must be a word")
         if self.kind not in _KINDS:
             raise ConfigError(f"queue {self.name}: kind={self.kind!r} must be one of {', '.join(_KINDS)}")
-        if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int) or self.min_nodes < 1:
+        if not is_int(self.min_nodes) or self.min_nodes < 1:
             raise ConfigError(f"queue {self.name}: min_nodes={self.min_nodes!r} must be an integer >= 1")
-        if self.max_nodes is not None and (isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int)
+        if self.max_nodes is not None and (not is_int(self.max_nodes)
                                            or self.max_nodes < self.min_nodes):
             raise ConfigError(f"queue {self.name}: max_nodes={self.max_nodes!r} must be an integer >= "
                               f"min_nodes={self.min_nodes} or None")
@@ -161,7 +162,7 @@ class Queue:
                               f"{self.max_walltime}")
         for key in ("max_running", "max_queued"):
             v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ConfigError(f"queue {self.name}: {key}={v!r} must be an integer >= 1 or None")
         if self.max_running is not None and self.max_queued is not None and self.max_running > self.max_queued:
             raise ConfigError(f"queue {self.name}: max_running={self.max_running} is over max_queued="

@@ -9,15 +9,17 @@ import socket
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
-from hpcml import idset, safeio
+from hpcml import contract, idset, log, safeio
 from hpcml.ensemble import attempts, provenance
 from hpcml.ensemble.book import CANCELLED, COMPLETED, FAILED, PENDING, RUNNING
 from hpcml.ensemble.spec import CampaignResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ensemble.runner import Run
+
+logger = log.get_logger(__name__)
 
 
 def result(run: Run, wall_s: float) -> CampaignResult:
@@ -55,3 +57,24 @@ def write_summary(path: Path, record: dict) -> None:
     """``record`` as JSON, atomically and a chunk at a time (:func:`hpcml.idset.dump`):
     at 10^5 simulations neither the text nor a list of the ids is built whole."""
     safeio.replace(path, idset.dump(record))
+
+
+def workflow_summary(r: CampaignResult, run_dir: str | os.PathLike, problems: list[str], *,
+                     counted: Callable[[int], bool] = lambda sim_id: True, **extra: Any) -> dict:
+    """What a workflow reports of one campaign run (its ``summary.json``, written here): the
+    trainer's own summary of this run (``train_summary.json``: samples, steps, errors), the
+    status (``failed`` with ``problems``, ``interrupted``, ``ok``), the simulations' counts --
+    of those ``counted`` (e.g. not the held-out ones) -- and ``extra``."""
+    run_dir = Path(run_dir)
+    try:  # the run directory is untrusted input: bounded, a regular file, JSON checked
+        train = contract.read_json(run_dir / contract.SUMMARY_FILE) or {}
+    except (ValueError, OSError) as e:
+        logger.warning("the trainer's summary is not read: %s", e)
+        train = {}
+    out = {**(train if train.get("run") == r.run_id else {}), "problems": problems, **extra,
+           "status": "failed" if problems else "interrupted" if r.interrupted else "ok",
+           "sims_completed": sum(1 for s in r.completed if counted(s)), "sims_resumed": len(r.skipped),
+           "sims_failed": sum(1 for s in r.failed if counted(s)), "sim_attempts": sum(r.attempts.values()),
+           "sims_retried": len(r.retried)}
+    contract.write_json(run_dir / "summary.json", out)
+    return out

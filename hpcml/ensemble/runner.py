@@ -18,23 +18,27 @@ import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcml import stop
 from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, ENV, SECRET_FILE, Contract, connections_needed, write_done
 from hpcml.ensemble import attempts, ledger, provenance, run_report, rundir
 from hpcml.ensemble.apps import simulation_app
-from hpcml.ensemble.campaign import Campaign, executor_label, streaming
+from hpcml.ensemble.parsl_build import executor_label
 from hpcml.ensemble.progress import ProgressLine, last_json_line
 from hpcml.ensemble.book import COMPLETED, FAILED, PENDING, RUNNING, CANCELLED, Book
 from hpcml.idset import IdSet
 from hpcml.ensemble.members import Specs
 from hpcml.ensemble.simpool import Sim, SimPool
-from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
+from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob, streaming
 from hpcml.ensemble.trainer_proc import TrainerProcess
 from hpcml.ensemble.waves import Waves, rank_idle
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.log import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover -- the campaign imports the runner, never the reverse
+    from hpcml.ensemble.campaign import Campaign
 
 logger = get_logger(__name__)
 

@@ -29,6 +29,7 @@ import numpy as np
 from hpcml.ensemble.design import Bounds, check_bounds, check_seed, full_factorial, latin_hypercube, scale_unit
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int, is_real
 
 logger = get_logger(__name__)
 
@@ -53,15 +54,15 @@ class SimStats:
     """``fresh`` over the training loss of that moment (>> 1: a region the surrogate has not learnt)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
+        if not is_real(self.loss):
             raise ConfigError(f"SimStats.loss={self.loss!r}: expected a number (NaN or inf: not used as a parent)")
         for name in ("fresh", "surprise"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            if v is not None and (not is_real(v)):
                 raise ConfigError(f"SimStats.{name}={v!r}: expected a number or None")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0:
+        if not is_int(self.samples) or self.samples < 0:
             raise ConfigError(f"SimStats.samples={self.samples!r}: expected an integer >= 0")
-        if isinstance(self.age, bool) or not isinstance(self.age, int) or self.age < 0:
+        if not is_int(self.age) or self.age < 0:
             raise ConfigError(f"SimStats.age={self.age!r}: expected an integer >= 0")
 
 
@@ -123,7 +124,7 @@ MAX_COUNT = 2**31 - 1
 
 
 def check_count(n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    if not is_int(n, numpy=True) or n < 0:
         raise ConfigError(f"propose(n={n!r}): expected an integer >= 0")
     return int(n)
 
@@ -141,7 +142,7 @@ def checked_state(state: object, kind: str, keys: Collection[str], others: Colle
     for k in keys:
         v = state[k]
         top = 2**128 if k == "seed" else MAX_COUNT
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+        if not is_int(v) or not 0 <= v <= top:
             raise ConfigError(f"{who}: {k}={v!r}, expected an integer from 0 to {top}")
     return dict(state)
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class SimSpec:
     def __post_init__(self) -> None:
         if self.stream is not None and not isinstance(self.stream, bool):
             raise ConfigError(f"sim {self.sim_id}: stream must be True, False or None, got {self.stream!r}")
-        if not isinstance(self.sim_id, int) or isinstance(self.sim_id, bool) or self.sim_id < 0:
+        if not is_int(self.sim_id) or self.sim_id < 0:
             raise ConfigError(f"sim_id must be an int >= 0, got {self.sim_id!r}")
         if not isinstance(self.ranks, int) or self.ranks < 1:
             raise ConfigError(f"sim {self.sim_id}: ranks must be an int >= 1, got {self.ranks!r}")
@@ -86,7 +87,7 @@ class TrainingJob:
     def __post_init__(self) -> None:
         for name in ("steps", "batch"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ConfigError(f"training {name} must be an int >= 1 or None, got {v!r}")
         if isinstance(self.argv, str) or not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise ConfigError(f"training argv must be a non-empty list of strings, got {self.argv!r}")
@@ -96,7 +97,7 @@ class TrainingJob:
             raise ConfigError(f"training stream must be True, False or None, got {self.stream!r}")
         for name in ("ranks", "nodes"):
             value = getattr(self, name)
-            if (value is not None or name == "nodes") and (not isinstance(value, int) or isinstance(value, bool)
+            if (value is not None or name == "nodes") and (not is_int(value)
                                                            or value < 1):
                 raise ConfigError(f"training {name} must be an int >= 1, got {value!r}")
 
@@ -144,3 +145,9 @@ class CampaignResult:
     def status(self) -> str:
         """``ok``, ``interrupted`` (resume it) or ``failed``."""
         return "ok" if self.ok else "interrupted" if self.interrupted and self.error is None else "failed"
+
+
+def streaming(training: TrainingJob | None, ready_file) -> bool:
+    """Whether the training job takes the simulations' stream: ``stream=True``, or (None) when
+    ``run()`` waits for a ready file (the endpoints the trainer publishes)."""
+    return training is not None and (training.stream if training.stream is not None else ready_file is not None)

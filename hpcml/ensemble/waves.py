@@ -27,6 +27,7 @@ from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int, is_real
 
 logger = get_logger(__name__)
 
@@ -67,7 +68,7 @@ def read_feedback_record(path, *, campaign: str | None = None, run: str | None =
             raise ConfigError(f"{path}: written for {name} {rec.get(name)!r}, this is {want!r}")
     names, sims, step = rec.get("params"), rec.get("sims"), rec.get("step")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(sims, dict) \
-            or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            or not is_int(step) or step < 0:
         raise ConfigError(f"{path}: expected {{'step': int, 'params': [names], 'sims': {{...}}}}")
     metrics = rec.get("metrics", {})
     if not isinstance(metrics, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
@@ -112,7 +113,7 @@ class WavePlan:
     @staticmethod
     def _check(sampler: Sampler, budget: int, size: int) -> None:
         for name, v in (("budget", budget), ("size", size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ConfigError(f"WavePlan {name}={v!r}: expected an integer >= 1")
         if not isinstance(sampler, Sampler):
             raise ConfigError(f"WavePlan sampler={sampler!r}: expected a Sampler (propose, state_dict, "
@@ -305,12 +306,12 @@ class Waves:
                  trigger: float = 0.5, target: tuple[str, float] | None = None) -> None:
         if not callable(make):
             raise ConfigError(f"simulation={make!r}: expected a function (sim_id, params) -> SimSpec")
-        if isinstance(trigger, bool) or not isinstance(trigger, (int, float)) or not 0 < trigger <= 1:
+        if not is_real(trigger) or not 0 < trigger <= 1:
             raise ConfigError(f"wave_trigger={trigger!r}: expected the fraction in (0, 1] of a wave that must end "
                               f"before the next is proposed")
         WavePlan._check(sampler, budget, size)
         if target is not None and not (isinstance(target, tuple) and len(target) == 2 and isinstance(target[0], str)
-                                       and isinstance(target[1], (int, float)) and not isinstance(target[1], bool)):
+                                       and is_real(target[1])):
             raise ConfigError(f"target={target!r}: expected (metric name, value), e.g. ('val_rel_l2', 0.05)")
         self.make, self.sampler, self.budget, self.size, self.trigger = make, sampler, budget, size, trigger
         self.target = target

@@ -7,13 +7,8 @@ with the same rank map. ``interface_address`` is :func:`hpcml.net.interface_addr
 
 from hpcml.grid.layout import AXES, Layout
 from hpcml.grid.mpi import ProcessGrid, install_abort_handler
+from hpcml.lazy import lazy_names
 
 __all__ = ["AXES", "Layout", "ProcessGrid", "install_abort_handler", "interface_address"]
 
-
-def __getattr__(name: str):
-    if name == "interface_address":
-        from hpcml.net import interface_address
-
-        return interface_address
-    raise AttributeError(f"module 'hpcml.grid' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {"interface_address": "hpcml.net"})

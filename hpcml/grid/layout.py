@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcml.errors import GridError
+from hpcml.numeric import is_int
 
 #: Axes of the dense arrangement, outermost first.
 DENSE_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -99,7 +100,7 @@ def _what_fits(world_size: int, given: dict[str, int | None]) -> str:
 
 
 def _positive(axis: str, degree, allow_inferred: bool) -> None:
-    if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and not (allow_inferred and degree == -1)):
+    if not is_int(degree) or (degree < 1 and not (allow_inferred and degree == -1)):
         raise GridError(f"degree of {axis} must be a positive integer" + (" or -1 (inferred)" if allow_inferred else "")
                         + f", got {degree!r}")
 
@@ -130,7 +131,7 @@ class Layout:
     _strides: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+        if not is_int(self.world_size) or self.world_size < 1:
             raise GridError(f"world size must be a positive integer, got {self.world_size!r}")
         given = {a: getattr(self, a) for a in DENSE_AXES}
         inferred = [a for a, d in given.items() if d == -1]

@@ -207,7 +207,7 @@ def _fill(files: SafetensorsDir, name: str, p: torch.Tensor, cfg: TransformerCon
     """Copy this rank's piece of parameter ``name`` from the HF files (its rows and columns only)."""
     import numpy as np
 
-    from hpcml.ckpt.plan import fused_boxes
+    from hpcml.ckpt.chunks import fused_boxes
     from hpcml.ckpt.state import fused_shards, local_piece
 
     local, _, offset = local_piece(p)

@@ -13,6 +13,7 @@ from pathlib import Path
 from hpcml.errors import CheckpointError, ConfigError
 from hpcml.interop.hf_files import data_bytes, read_json
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.numeric import is_int, is_real
 
 _REFUSED = {  # config.json keys hpcml cannot honour (when set): why
     "quantization_config": "quantized weights", "sliding_window": "sliding-window attention",
@@ -50,14 +51,14 @@ MAX_POSITIONS = 1 << 21
 
 def _int(c: dict, key: str, default: int | None = None, most: int = 1 << 40) -> int:
     v = c.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+    if not is_int(v) or not 1 <= v <= most:
         raise ConfigError(f"config.json {key}={str(v)[:40]}: expected an integer from 1 to {most}")
     return v
 
 
 def _float(c: dict, key: str, default: float) -> float:
     v = c.get(key, default)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf:
+    if not is_real(v) or not 0 < v < math.inf:
         raise ConfigError(f"config.json {key}={v!r}: expected a positive finite number")
     return float(v)
 
@@ -80,7 +81,7 @@ def _rope(c: dict) -> dict:
     places = (("rope_theta", {"rope_theta": c.get("rope_theta")}), ("rope_parameters", params or {}),
               ("rope_scaling", scaling or {}))
     thetas = {where: d["rope_theta"] for where, d in places if d.get("rope_theta") is not None}
-    if len({float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+    if len({float(v) if is_real(v) else repr(v)
             for v in thetas.values()}) > 1:
         raise ConfigError(f"config.json gives rope_theta {', '.join(f'{v!r} ({k})' for k, v in thetas.items())}: "
                           f"expected one value")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from hpcml.ckpt.dcp import Converted, ParamMap, Rows, carried_extra, export_titan, import_titan
+from hpcml.ckpt.dcp import Converted, ParamMap, Rows, export_titan
+from hpcml.ckpt.dcp_import import carried_extra, import_titan
 from hpcml.errors import CheckpointError, ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 
@@ -105,7 +106,7 @@ def from_dcp(src: str | os.PathLike, root: str | os.PathLike, cfg: TransformerCo
     """torchtitan DCP directory ``src`` as hpcml checkpoint ``root/step_N`` of a ``cfg`` model
     (default: the config an hpcml export stored in it), in the layout ``fused_qkv`` /
     ``fused_mlp`` ask for (None: ``cfg``'s); ``schedule_steps``: see
-    :func:`hpcml.ckpt.dcp.import_titan`. Whether ``src``'s optimizer state is fused is read from it."""
+    :func:`hpcml.ckpt.dcp_import.import_titan`. Whether ``src``'s optimizer state is fused is read from it."""
     from hpcml.ckpt.dcp_safe import DcpReader
     from hpcml.models.transformer.parallelize import TransformerPlan
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
@@ -57,7 +58,7 @@ def _grid(shape: Sequence[int] | None, nx: int | None = None, ny: int | None = N
     """The field's grid from ``shape`` and/or the older per-axis spelling, validated."""
     given = dict(zip(_AXES, (nx, ny, nz)))
     for name, value in given.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and (not is_int(value)):
             raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")

@@ -2,7 +2,7 @@
 
 Order: pipeline cut (pp) -> tensor parallel (tp) -> context parallel (cp) -> activation
 checkpointing -> data parallel (dp x cp: FSDP2 or one-all-reduce DDP) -> pipeline stages
-and schedule. What each step does to the model is its plan's (:mod:`hpcml.parallel.plan`;
+and schedule. What each step does to the model is its plan's (:mod:`hpcml.parallel.model_plan`;
 the transformer's is :mod:`hpcml.models.transformer.parallelize`); the order, the meshes
 and the engines are here. Gradients are averaged over dp x cp: each cp rank's loss is the
 mean over its slice of the sequence, so the average is the mean over the whole sequence.
@@ -24,7 +24,7 @@ from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.mpi import ProcessGrid
 from hpcml.parallel import clip, dp, pp
 from hpcml.parallel.config import ParallelConfig
-from hpcml.parallel.plan import DataParallelPlan, ParallelPlan, checked_plan, plan_of
+from hpcml.parallel.model_plan import DataParallelPlan, ParallelPlan, checked_plan, plan_of
 
 logger = log.get_logger(__name__)
 

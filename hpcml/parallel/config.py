@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -36,7 +37,7 @@ class ParallelConfig:
     the sequence; 0: plain Ulysses. Works on cp 1 too (chunking alone)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.fpdt_chunk, bool) or not isinstance(self.fpdt_chunk, int) or self.fpdt_chunk < 0:
+        if not is_int(self.fpdt_chunk) or self.fpdt_chunk < 0:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk!r}: expected a whole number of positions >= 0 (0: off)")
         if self.cp_kind not in ("ulysses", "allgather"):
             raise ConfigError(f"cp_kind {self.cp_kind!r}: expected ulysses or allgather")

@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
 
 
@@ -61,7 +62,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
                           f"[B, S, H, D] and two [B, S, Hkv, D]")
     if q.shape[2] % k.shape[2]:
         raise ConfigError(f"chunked_attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if not is_int(chunk) or chunk < 1:
         raise ConfigError(f"chunked_attention: chunk={chunk!r}, expected a positive integer of positions")
     return _Chunked.apply(q, k, v, chunk)
 
@@ -212,7 +213,7 @@ class FPDTAttention(torch.nn.Module):
 
 def _chunks(x: torch.Tensor, chunk: int, what: str) -> int:
     """Whole chunks of ``chunk`` positions in ``x`` [B, S, ...], or a one-line error."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or x.shape[1] % chunk:
+    if not is_int(chunk) or chunk < 1 or x.shape[1] % chunk:
         raise ConfigError(f"{what}: chunk {chunk!r} does not divide the sequence of {x.shape[1]} positions "
                           f"(expected a positive divisor)")
     return x.shape[1] // chunk

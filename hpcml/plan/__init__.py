@@ -9,6 +9,6 @@ torch: a search over thousands of layouts answers in well under a second.
 
 from hpcml.plan.devices import DEVICES, Device
 from hpcml.plan.predict import Prediction, load_model, predict
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 
 __all__ = ["DEVICES", "Device", "PlanLayout", "Prediction", "load_model", "predict"]

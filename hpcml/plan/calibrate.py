@@ -28,7 +28,7 @@ from hpcml.errors import ConfigError
 from hpcml.plan import devfile
 from hpcml.plan.predict import measured_step, pop_measured
 from hpcml.plan.published import Case
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.timing import Constants
 
 MAX_RUN_FILE = 16 << 20

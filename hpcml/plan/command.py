@@ -10,7 +10,7 @@ from pathlib import Path
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import predict, predict_lines, resolve_device
-from hpcml.plan.spec import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
+from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
                               RECOMPUTE, PlanLayout)
 
 MAX_LAYOUT_FILE = 64 << 20

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hpcml import safeio
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int, is_real
 from hpcml.plan.cpu import CpuFacts, cpu_device
 from hpcml.plan.devices import Device
 from hpcml.plan.timing import Constants
@@ -101,7 +102,7 @@ def constants_of(fam: str) -> Constants | None:
 
 
 def _number(where: str, key: str, v, lo: float, hi: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and lo <= v <= hi):
+    if not is_real(v) or not (math.isfinite(v) and lo <= v <= hi):
         raise ConfigError(f"{where}: {key}={repr(v)[:40]}: expected a number in [{lo:g}, {hi:g}]")
     return float(v)
 
@@ -161,7 +162,7 @@ def from_dict(d, where: str) -> DeviceFile:
         elif k == "fp8_tflops":
             args[k] = None if v is None else _number(where, f"device.{k}", v, 1e-6, 1e9)
         elif k in ("gpus_per_node", "shared_cores"):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 16:
+            if not is_int(v) or not 0 <= v <= 1 << 16:
                 raise ConfigError(f"{where}: device.{k}={repr(v)[:40]}: expected an integer in [0, 65536]")
             args[k] = v
         else:

@@ -12,7 +12,7 @@ from functools import lru_cache
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.parallel.config import split_layers
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ from hpcml.errors import ConfigError, GridError, HpcmlError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rules import check_plan
+from hpcml.numeric import is_real
 from hpcml.parallel.config import ParallelConfig
 from hpcml.plan import calibration, devfile
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
-from hpcml.plan.spec import MAX_LAYERS, PlanLayout
+from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
 from hpcml.plan.timing import Constants, step_time
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -196,7 +197,7 @@ def pop_measured(d: dict, where: str = "") -> tuple[str, float] | None:
     if len(keys) > 1:
         raise ConfigError(f"{prefix}give exactly one of step_s (seconds a step) or tokens_per_s (all ranks)")
     v = d.pop(keys[0])
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v < 1e12):
+    if not is_real(v) or not (math.isfinite(v) and 0 < v < 1e12):
         raise ConfigError(f"{prefix}{keys[0]}={repr(v)[:40]}: expected a positive number")
     return keys[0], float(v)
 

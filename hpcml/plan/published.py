@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 
 
 @dataclass(frozen=True)

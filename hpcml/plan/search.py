@@ -16,10 +16,11 @@ from pathlib import Path
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import divisors
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
 from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
 RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"),
@@ -180,9 +181,9 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
     if steps is None:
         raise ConfigError("--emit job needs --steps N: the optimizer steps of the whole run, over every requeue (the "
                           "job saves, requeues at its walltime and resumes until they are done)")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ConfigError(f"--steps {steps!r}: expected an integer >= 1")
-    if ckpt_every is not None and (isinstance(ckpt_every, bool) or not isinstance(ckpt_every, int) or ckpt_every < 1):
+    if ckpt_every is not None and (not is_int(ckpt_every) or ckpt_every < 1):
         raise ConfigError(f"--ckpt-every {ckpt_every!r}: expected an integer >= 1")
     account = load_site(site).account_for(account)  # one line where the site requires one and none is given
     if ckpt_every is None:

@@ -13,7 +13,7 @@ from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan.devices import Device
 from hpcml.plan.memory import (RankState, rank_classes, rank_state, saved_how, stage_layer_lists, state_bytes,
                                weight_bytes)
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,7 @@ The producer side (:mod:`hpcml.stream.producer`, :mod:`hpcml.stream.message`,
 side's names (``StreamServer``, ``StreamLoader``, ``FileSource``, ...) load on first use.
 """
 
-import importlib
-
+from hpcml.lazy import lazy_names
 from hpcml.stream.buffer import Buffer, BufferConfig, Sample
 from hpcml.stream.message import MessageError
 from hpcml.stream.producer import Producer
@@ -20,7 +19,4 @@ __all__ = sorted(["Buffer", "BufferConfig", "MessageError", "Producer", "Sample"
                   "read_secret", "route", "write_endpoints", *_LAZY])
 
 
-def __getattr__(name: str):
-    if name in _LAZY:  # the training side pulls in its (heavier) modules only when used
-        return getattr(importlib.import_module(f"hpcml.stream.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'hpcml.stream' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)  # the training side pulls in its (heavier) modules only when used

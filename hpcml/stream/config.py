@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 from hpcml.stream import message
 from hpcml.stream.budget import PeerLimits, peer_limits
 from hpcml.stream.schema import SampleSchema
@@ -77,7 +78,7 @@ class ServerConfig:
                               f"{self.hwm}, {self.end_grace_s}")
         for name in ("max_frame_bytes", "max_sample_bytes", "max_partial_bytes"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62:
+            if not is_int(v) or not 1 <= v <= 1 << 62:
                 raise ConfigError(f"ServerConfig.{name}={v!r}: expected an integer number of bytes in 1..2**62")
         if self.max_sample_bytes > self.max_partial_bytes:
             raise ConfigError(f"ServerConfig.max_sample_bytes={self.max_sample_bytes} exceeds max_partial_bytes="
@@ -91,7 +92,7 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.partial_timeout_s={self.partial_timeout_s!r}: expected seconds > 0")
         for name in ("max_peer_bytes", "max_held_bytes"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 62):
+            if v is not None and (not is_int(v) or not 1 <= v <= 1 << 62):
                 raise ConfigError(f"ServerConfig.{name}={v!r}: expected None or an integer number of bytes in "
                                   f"1..2**62")
         self.limits  # noqa: B018 -- a budget below two messages is refused here, with its numbers

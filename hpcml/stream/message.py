@@ -43,6 +43,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from hpcml.errors import ConfigError, HpcmlError
+from hpcml.numeric import is_int, is_real
 
 MAGIC = b"hpcml-stream/2"
 """Version 2: GMAC tags (version 1 had Poly1305)."""
@@ -161,7 +162,7 @@ def _need(cond: bool, reason: str, detail) -> None:
 
 
 def _is_int(x, lo: int = 0, hi: int = MAX_ID) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+    return is_int(x) and lo <= x <= hi
 
 
 def _ints(h: dict, key: str, n: int | None, lo: int = 0, hi: int = MAX_ID) -> list[int]:
@@ -188,7 +189,7 @@ _JSON = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return is_real(v) and math.isfinite(v)
 
 
 def decode(secret: bytes, frames: list, campaign: str, run: str | None = None, *,

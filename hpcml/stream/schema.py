@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 from hpcml.stream.buffer import Sample
 from hpcml.stream.message import MAX_DIMS, MessageError
 
@@ -41,7 +42,7 @@ class SampleSchema:
             raise ConfigError(f"field_names={field_names!r} names a field twice")
         if shape is not None:
             shape = tuple(shape)
-            if not 1 <= len(shape) <= MAX_DIMS or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+            if not 1 <= len(shape) <= MAX_DIMS or any(not is_int(n) or n < 1
                                                       for n in shape):
                 raise ConfigError(f"shape={shape!r}: expected 1 to {MAX_DIMS} grid sizes >= 1")
         self.shape: tuple[int, ...] | None = shape

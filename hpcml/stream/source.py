@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from hpcml.numeric import is_real
 from hpcml.stream.buffer import Buffer
 
 
@@ -82,5 +83,5 @@ def unpack_states(states: list[dict[str, np.ndarray]], buffer: Buffer, seen: set
 def add_counters(into: dict[str, int], saved: dict, skip: tuple[str, ...] = ("samples",)) -> None:
     """Saved counters added to ``into`` (numbers only), except the sample count."""
     for k, v in saved.items():
-        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if k not in skip and is_real(v):
             into[k] = into.get(k, 0) + v

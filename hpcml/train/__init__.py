@@ -5,8 +5,9 @@ deterministic data; a campaign's training job in one call (:func:`train_surrogat
 from hpcml.train.data import SyntheticTokens
 from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
 from hpcml.train.loop import LoopConfig, Stateful, TrainLoop
+from hpcml.train.online import OnlineConfig, OnlineResult, train_online
 from hpcml.train.surrogate_job import train_surrogate
 from hpcml.train.trainer import TrainConfig, Trainer
 
-__all__ = ["FieldScales", "FieldTrainConfig", "FieldTrainer", "LoopConfig", "Stateful", "SyntheticTokens",
-           "TrainConfig", "TrainLoop", "Trainer", "train_surrogate"]
+__all__ = ["FieldScales", "FieldTrainConfig", "FieldTrainer", "LoopConfig", "OnlineConfig", "OnlineResult", "Stateful",
+           "SyntheticTokens", "TrainConfig", "TrainLoop", "Trainer", "train_online", "train_surrogate"]

@@ -35,6 +35,7 @@ import numpy as np
 from hpcml.contract import write_json
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
+from hpcml.numeric import is_int, is_real
 
 logger = get_logger(__name__)
 
@@ -47,7 +48,7 @@ class SimFeedback:
 
     def __init__(self, *, path: str | Path | None, every: int, comm, param_names: Sequence[str] = (),
                  campaign: str = "", run: str = "", ema: float = 0.5) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int(every) or every < 1:
             raise ConfigError(f"feedback every={every!r}: expected an integer >= 1 (steps between evaluations)")
         if not 0.0 < ema <= 1.0:
             raise ConfigError(f"feedback ema={ema!r}: expected a weight in (0, 1] of the newest evaluation")
@@ -166,7 +167,7 @@ class SimFeedback:
                     raise ValueError(f"simulation {str(k)[:20]}: {str(v)[:120]}")
                 sims[int(k)] = rec
             loss = state.get("loss")
-            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))
+            if loss is not None and (not is_real(loss)
                                      or not math.isfinite(loss)):
                 raise ValueError(f"loss {str(loss)[:40]}: expected a finite number")
         except (KeyError, TypeError, ValueError, AttributeError) as e:

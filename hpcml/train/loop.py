@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from hpcml import ckpt, log, safeio
 from hpcml import stop as stop_flag
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_real
 from hpcml.parallel.api import ParallelModel
 from hpcml.train import memory
 from hpcml.train.resume_schema import check_loop_extra
@@ -76,7 +77,7 @@ class LoopConfig:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         for name in ("lr", "min_lr_ratio", "grad_clip"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            if not is_real(v) or v != v:
                 raise ConfigError(f"{name}={v!r}: expected a number (grad_clip 0: no clipping)")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
             raise ConfigError(f"lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0; got {self.lr}, "

@@ -39,6 +39,7 @@ import numpy as np
 from hpcml import lifeline, log
 from hpcml.contract import Contract, write_json
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
 from hpcml.stream.source import SampleSource
 from hpcml.train.online_report import BENIGN_DROPS, problems, summarize
 from hpcml.train.online_state import check_campaign, load_source_states, simulations_in, source_tensors
@@ -93,7 +94,7 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         for name, least in (("keep", 1), ("ckpt_every", 0), ("feedback_every", 1), ("val_every", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            if not is_int(v) or v < least:
                 raise ConfigError(f"OnlineConfig.{name}={v!r}: expected an integer >= {least}")
         if self.resume and not self.ckpt_dir:
             raise ConfigError("OnlineConfig.resume=True needs ckpt_dir: there is nothing to resume from")
@@ -154,7 +155,7 @@ class OnlineRun:
             raise ConfigError(f"source {type(source).__name__} lacks {lacking or ['buffer']}: a sample source "
                               f"implements hpcml.stream.source.SampleSource")
         self.batch = getattr(trainer.config, "batch", None)
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+        if not is_int(self.batch) or self.batch < 1:
             raise ConfigError(f"trainer.config.batch={self.batch!r}: online training takes the per-rank batch from "
                               f"the trainer's config (FieldTrainConfig(batch=...)), an integer >= 1")
         self.trainer, self.source, self.grid, self.config, self.on_step = trainer, source, grid, config, on_step

@@ -12,6 +12,7 @@ import math
 from numbers import Real
 
 from hpcml.errors import CheckpointError
+from hpcml.numeric import is_int, is_real
 
 MAX_STEP = 1 << 53
 
@@ -26,7 +27,7 @@ def _show(v) -> str:
 
 
 def _number(v) -> bool:
-    return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+    return is_real(v) and math.isfinite(v)
 
 
 def _like(v, live) -> bool:
@@ -36,7 +37,7 @@ def _like(v, live) -> bool:
     if isinstance(live, bool):
         return isinstance(v, bool)
     if isinstance(live, int):
-        return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_STEP
+        return is_int(v) and abs(v) <= MAX_STEP
     if isinstance(live, Real):
         return _number(v)
     if isinstance(live, str):
@@ -54,7 +55,7 @@ def check_loop_extra(extra, step: int, path, scheduler_state: dict, param_groups
     if not isinstance(extra, dict):
         raise CheckpointError(f"checkpoint {path}: extra is not a JSON object")
     saved = extra.get("step")
-    if not isinstance(saved, int) or isinstance(saved, bool) or saved != step:
+    if not is_int(saved) or saved != step:
         raise CheckpointError(f"{_where(path, 'step')} is {_show(saved)}: expected the saved step {step}")
     sched = extra.get("scheduler")
     if not isinstance(sched, dict) or not sched or not _like(sched, scheduler_state) \
@@ -81,7 +82,7 @@ def check_loop_extra(extra, step: int, path, scheduler_state: dict, param_groups
 
 
 def _steps(v, lo: int = 1) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_STEP
+    return is_int(v) and lo <= v <= MAX_STEP
 
 
 __all__ = ["check_loop_extra"]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
+from hpcml.numeric import is_int
 from hpcml.parallel.api import ParallelModel
 from hpcml.parallel.docmask import document_ids
 from hpcml.parallel.fpdt import local_positions
@@ -67,7 +68,7 @@ class TrainConfig(LoopConfig):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         eod = self.doc_mask_eod
-        if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
+        if eod is not None and (not is_int(eod) or eod < 0):
             raise ConfigError(f"doc_mask_eod {eod!r}: expected a token id (an int >= 0) or None")
 
     def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0) -> None:

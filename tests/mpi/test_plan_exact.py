@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from hpcml.models.transformer import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.plan.memory import activation_bytes, rank_elements, rank_state
-from hpcml.plan.spec import PlanLayout
+from hpcml.plan.candidate import PlanLayout
 from hpcml.train import TrainConfig
 from hpcml.train.memory import SavedBytes
 from hpcml.train.recipe import build_llm_trainer

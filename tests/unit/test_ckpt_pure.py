@@ -9,7 +9,7 @@ import torch
 from hpcml import ckpt
 from hpcml.ckpt import codec, format as fmt, tools
 from hpcml.ckpt.manifest import coverage as check_coverage
-from hpcml.ckpt.plan import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_runs, fused_spec
+from hpcml.ckpt.chunks import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_runs, fused_spec
 from hpcml.ckpt.shard import storage_chunk
 from hpcml.ckpt.single import require_parallel_hdf5 as _require_parallel_hdf5
 from hpcml.ckpt.pipeline import index_and_commit, local_pieces, normalized, plan_pending, write_local

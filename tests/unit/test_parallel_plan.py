@@ -13,7 +13,7 @@ from hpcml.grid.layout import Layout
 from hpcml.models.transformer import TransformerConfig
 from hpcml.models.transformer.parallelize import TransformerPlan
 from hpcml.parallel import ParallelConfig, ParallelPlan
-from hpcml.parallel.plan import AXIS_MEMBERS, DataParallelPlan, checked_plan, plan_of
+from hpcml.parallel.model_plan import AXIS_MEMBERS, DataParallelPlan, checked_plan, plan_of
 
 
 class Surrogate(nn.Module):

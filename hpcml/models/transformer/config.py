@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int, is_real
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -267,7 +268,7 @@ def _fits(value, kind: str) -> bool:
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return is_real(value) and math.isfinite(value)
     return False

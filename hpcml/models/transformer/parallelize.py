@@ -35,7 +35,7 @@ from hpcml.models.transformer.moe_plan import apply_moe
 from hpcml.models.transformer.rules import check_moe_plan, check_plan, stage_layers  # noqa: F401 (the plan's API)
 from hpcml.parallel.config import ParallelConfig
 from hpcml.parallel.fpdt import FPDTAttention
-from hpcml.parallel.plan import ParallelPlan
+from hpcml.parallel.model_plan import ParallelPlan
 from hpcml.parallel.tp import FusedColwiseParallel
 from hpcml.parallel.cp_allgather import AllGatherAttention
 from hpcml.parallel.ulysses import UlyssesAttention
@@ -84,7 +84,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
 
 
 class TransformerPlan(ParallelPlan):
-    """The :class:`~hpcml.parallel.plan.ParallelPlan` of :class:`Transformer`."""
+    """The :class:`~hpcml.parallel.model_plan.ParallelPlan` of :class:`Transformer`."""
 
     loss_fn = staticmethod(cross_entropy)
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcml.numeric import is_int
+
 
 @dataclass(frozen=True)
 class ChunkMeta:
@@ -72,9 +74,9 @@ def check_fused(name: str, widths, dim: int, global_shape: tuple[int, ...], shar
     many tensor-parallel shards hold each sub-parameter's own slice (1: not interleaved).
     """
     widths = list(widths)
-    if not widths or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
+    if not widths or not all(is_int(w) and w > 0 for w in widths):
         return f"fused tensor {name}: fused_widths {widths} must be a non-empty list of positive integers"
-    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < len(global_shape):
+    if not is_int(dim) or not 0 <= dim < len(global_shape):
         return f"fused tensor {name}: fused_dim {dim} is not a dimension of its shape {list(global_shape)}"
     if sum(widths) != global_shape[dim]:
         return (f"fused tensor {name}: fused_widths {widths} sum to {sum(widths)}, but its size on "

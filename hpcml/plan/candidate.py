@@ -8,6 +8,7 @@ from dataclasses import InitVar, asdict, dataclass, fields
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.numeric import is_int
 from hpcml.parallel.config import PP_SCHEDULES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
@@ -34,7 +35,7 @@ MAX_LAYERS = 100_000
 
 
 def _int(name: str, value, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX:
+    if not is_int(value) or not least <= value <= MAX:
         raise ConfigError(f"{name}={repr(value)[:40]}: expected an integer in [{least}, 2^40]")
     return value
 
@@ -120,7 +121,7 @@ class PlanLayout:
         if self.stages_per_rank is not None:
             _int("stages_per_rank", self.stages_per_rank)
         n = self.gpus_per_node
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
+        if n is not None and (not is_int(n) or not 1 <= n <= 64):
             raise ConfigError(f"gpus_per_node={repr(n)[:40]}: expected an integer in [1, 64]")
         for name in ("gpu", "site"):
             value = getattr(self, name)
