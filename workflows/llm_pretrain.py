@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcml.ckpt import resolve
-from hpcml.data import Mixture, TokenDataset
+from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
@@ -126,29 +126,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def doc_mask_eod(asked: bool, data) -> int | None:
-    """``--doc-mask``: the data's end-of-document token (one for all its files)."""
-    if not asked:
-        return None
-    if data is None:
-        raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")
-    if len(data.eods) != 1:
-        raise ConfigError(f"--doc-mask: the --data files end their documents with different tokens {sorted(data.eods)}"
-                          f": pack them with one tokenizer")
-    return next(iter(data.eods))
-
-
-def open_data(specs: list[str], seq_len: int, seed: int):
-    """``--data`` values: one token file, or several ``FILE[:WEIGHT]`` mixed by weight."""
-    parts = []
-    for k, spec in enumerate(specs):
-        path, _, weight = spec.rpartition(":")
-        if not path or not weight.replace(".", "", 1).isdigit():  # no weight given (or a ':' in the path)
-            path, weight = spec, "1"
-        parts.append((TokenDataset(path, seq_len=seq_len, seed=seed + k), float(weight)))
-    return parts[0][0] if len(parts) == 1 else Mixture(parts, seed=seed)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     install_abort_handler()
@@ -186,12 +163,14 @@ def main(argv=None) -> int:
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
                                   cp_kind=args.cp_kind)
-        data = open_data(args.data, args.seq_len, args.seed) if args.data else None
+        data = open_tokens(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
+        if args.doc_mask and data is None:
+            raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")
         train = TrainConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
                             seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                             bf16=args.bf16, peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                             run_dir=args.run_dir, progress=not args.no_progress, memory_account=args.memory_account,
-                            doc_mask_eod=doc_mask_eod(args.doc_mask, data))
+                            doc_mask_eod=end_of_document(data) if args.doc_mask else None)
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
         if args.dp is not None:
             degrees["dp"] = args.dp

@@ -1,10 +1,10 @@
 """Training data from files: tokenized corpora packed into HDF5 and read as untrusted input
 (:mod:`hpcml.data.tokens`, :mod:`hpcml.data.pack`, :mod:`hpcml.data.mixture`; docs/data.md)."""
 
-from hpcml.data.mixture import Mixture
+from hpcml.data.mixture import Mixture, end_of_document, open_tokens
 from hpcml.data.tokens import DataError, Manifest, TokenDataset
 
-__all__ = ["DataError", "Manifest", "Mixture", "TokenDataset", "pack"]
+__all__ = ["DataError", "Manifest", "Mixture", "TokenDataset", "end_of_document", "open_tokens", "pack"]
 
 
 def pack(*args, **kwargs):

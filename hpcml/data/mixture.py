@@ -93,3 +93,27 @@ class Mixture:
 
     def global_batch(self, step: int, n: int):
         return self.rows(step, n, 0, n)
+
+
+def open_tokens(specs: Sequence[str], *, seq_len: int, seed: int = 0) -> TokenDataset | Mixture:
+    """Token files as a training source: one ``FILE``, or several ``FILE[:WEIGHT]`` mixed by
+    weight (default 1; a ``:`` not followed by a number is part of the name). File ``k``'s own
+    order is seeded by ``seed + k``."""
+    if not specs:
+        raise ConfigError("no token file given: expected FILE or FILE:WEIGHT")
+    parts = []
+    for k, spec in enumerate(specs):
+        path, _, weight = spec.rpartition(":")
+        if not path or not weight.replace(".", "", 1).isdigit():  # no weight given (or a ':' in the path)
+            path, weight = spec, "1"
+        parts.append((TokenDataset(path, seq_len=seq_len, seed=seed + k), float(weight)))
+    return parts[0][0] if len(parts) == 1 else Mixture(parts, seed=seed)
+
+
+def end_of_document(data: TokenDataset | Mixture) -> int:
+    """The end-of-document token of ``data``, the one document masking splits on; ConfigError
+    when its files end documents with different tokens (packed with other tokenizers)."""
+    if len(data.eods) != 1:
+        raise ConfigError(f"the token files end their documents with different tokens {sorted(data.eods)}: pack "
+                          f"them with one tokenizer to mask attention by document")
+    return next(iter(data.eods))

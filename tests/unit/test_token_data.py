@@ -237,21 +237,22 @@ def test_a_mixture_serves_each_file_its_exact_share_in_a_layout_free_order(tmp_p
 
 
 def test_llm_pretrain_data_flags_open_one_file_or_a_weighted_mixture(packed, tmp_path):
-    from pathlib import Path
+    from hpcml.data import Mixture, end_of_document, open_tokens
 
-    from hpcml.data import Mixture
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
-    try:
-        import llm_pretrain
-    finally:
-        sys.path.pop(0)
-    one = llm_pretrain.open_data([str(packed)], 16, 0)
-    assert isinstance(one, TokenDataset) and one.seq_len == 16
-    mix = llm_pretrain.open_data([f"{packed}:3", str(packed)], 16, 0)
-    assert isinstance(mix, Mixture) and list(mix.counts) == [750, 250]
+    one = open_tokens([str(packed)], seq_len=16)
+    assert isinstance(one, TokenDataset) and one.seq_len == 16 and end_of_document(one) == one.m.eod
+    mix = open_tokens([f"{packed}:3", str(packed)], seq_len=16)
+    assert isinstance(mix, Mixture) and list(mix.counts) == [750, 250] and end_of_document(mix) == one.m.eod
     with pytest.raises(DataError, match=r"token manifest .*nope\.h5\.json: no such file"):
-        llm_pretrain.open_data([f"{tmp_path / 'nope.h5'}:0.5"], 16, 0)
+        open_tokens([f"{tmp_path / 'nope.h5'}:0.5"], seq_len=16)
+    with pytest.raises(ConfigError, match="no token file given"):
+        open_tokens([], seq_len=16)
+
+    class Two:
+        eods = {3, 7}
+
+    with pytest.raises(ConfigError, match=r"end their documents with different tokens \[3, 7\]: pack them with one"):
+        end_of_document(Two())
 
 
 def test_text_with_a_hugging_face_tokenizer_directory(tmp_path):
