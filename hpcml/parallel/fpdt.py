@@ -187,6 +187,10 @@ class _Chunked(torch.autograd.Function):
                 None)
 
 
+
+NO_DOC_MASK = ("document masking under FPDT is not built (its chunked kernel takes no mask): drop --fpdt-chunk "
+               "(Ulysses and all-gather cp take the mask), or --doc-mask")
+
 class FPDTAttention(torch.nn.Module):
     """The attention core ``(q, k, v) -> out`` on a rank's strided chunks [B, S/P, H, D]: each
     chunk's all-to-all on its own, then :func:`chunked_attention` over global chunks of
@@ -197,7 +201,9 @@ class FPDTAttention(torch.nn.Module):
         super().__init__()
         self.group, self.chunk = group, chunk
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs=None) -> torch.Tensor:
+        if docs is not None:  # its chunked kernel takes no mask
+            raise ConfigError(NO_DOC_MASK)
         c, n = self.chunk, _chunks(q, self.chunk, "FPDTAttention")
         if self.group is None:
             return chunked_attention(q, k, v, c)

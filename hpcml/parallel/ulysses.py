@@ -50,8 +50,8 @@ class UlyssesAttention(torch.nn.Module):
         super().__init__()
         self.inner, self.group = inner, group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *docs) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs=None) -> torch.Tensor:
         """``docs``: the :class:`~hpcml.parallel.docmask.DocMask` of the whole sequence, if any
         (the inner attention sees every position)."""
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
-        return heads_to_seq(self.inner(q, k, v, *docs), self.group)
+        return heads_to_seq(self.inner(q, k, v, docs), self.group)

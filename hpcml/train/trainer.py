@@ -17,7 +17,7 @@ from hpcml.grid.layout import Layout
 from hpcml.numeric import is_int
 from hpcml.parallel.api import ParallelModel
 from hpcml.parallel.docmask import document_ids
-from hpcml.parallel.fpdt import local_positions
+from hpcml.parallel.fpdt import NO_DOC_MASK, local_positions
 from hpcml.train.loop import LoopConfig, TrainLoop, make_optimizer
 
 logger = log.get_logger(__name__)
@@ -84,8 +84,7 @@ class TrainConfig(LoopConfig):
             raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x fpdt_chunk {fpdt_chunk} = "
                               f"{layout.cp * fpdt_chunk} (each rank holds whole chunks)")
         if fpdt_chunk and self.doc_mask_eod is not None:
-            raise ConfigError("document masking under FPDT is not built: use --cp-kind ulysses or allgather, "
-                              "or train without document masking")
+            raise ConfigError(NO_DOC_MASK)
         if self.seq_len > max_seq_len:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {max_seq_len}")
         n_micro = self.global_batch // per
@@ -140,9 +139,10 @@ class Trainer(TrainLoop):
             return {}
         return {"val_loss": self.evaluate(val[0], val[2])}
 
-    def local_batch(self, step: int, source: TokenSource | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_batch(self, step: int, source: TokenSource | None = None) -> tuple[torch.Tensor, ...]:
         """This rank's (inputs, targets): its dp slice of the global batch, its cp positions of the
-        sequence (a contiguous slice, or FPDT's strided chunks: :func:`local_positions`)."""
+        sequence (a contiguous slice, or FPDT's strided chunks: :func:`local_positions`); under
+        document masking also every position's document, of the whole sequence."""
         lay, c = self.grid.layout, self.grid.coords
         data = self.data if source is None else source
         n = self.config.global_batch

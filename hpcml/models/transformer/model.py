@@ -83,8 +83,7 @@ class Attention(nn.Module):
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         if cos is not None:  # rotary positions (learned ones were added to the embedding)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if docs is None else self.core(q, k, v, docs)
-        return self.wo(out.reshape(b, s, -1))
+        return self.wo(self.core(q, k, v, docs).reshape(b, s, -1))
 
 
 class CausalAttention(nn.Module):
@@ -214,10 +213,7 @@ class Transformer(nn.Module):
         if s * count > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
         docs = None
-        if doc_ids is not None:
-            if self.fpdt_chunk:
-                raise ConfigError("document masking under FPDT is not built: train with --cp-kind ulysses or "
-                                  "allgather, or without --doc-mask")
+        if doc_ids is not None:  # (FPDT's attention refuses it: its chunked kernel takes no mask)
             if tuple(doc_ids.shape) != (h.shape[0], s * count):
                 raise ConfigError(f"doc_ids of shape {tuple(doc_ids.shape)}: expected [{h.shape[0]}, {s * count}] "
                                   f"(every position of the sequence)")
