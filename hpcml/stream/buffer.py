@@ -114,7 +114,7 @@ class Buffer:
         ``force``: insert past the capacity (a stop that must keep what is already received)."""
         cfg = self.config
         with self._cond:
-            if cfg.policy != "reservoir" and not force:
+            if cfg.policy != "reservoir" and not force and len(self._items) >= cfg.capacity:
                 if not self._cond.wait_for(lambda: len(self._items) < cfg.capacity, timeout):
                     return False
             sample.seq = self._seq

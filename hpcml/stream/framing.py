@@ -26,6 +26,11 @@ def pad(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def padded(lengths) -> int:
+    """The bytes frames of these ``lengths`` take on the wire, padding included."""
+    return sum(-(-n // ALIGN) for n in lengths) * ALIGN
+
+
 def head_bytes(n_frames: int) -> int:
     return pad(FIXED + 8 * n_frames)
 

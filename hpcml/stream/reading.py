@@ -19,23 +19,26 @@ which owns the sockets, admission, memory and eviction.
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import struct
+import termios
 import time
 
 import numpy as np
 
 from hpcml.stream import handshake, message
-from hpcml.stream.framing import ALIGN, FIXED, MAGIC, head_bytes, pad
+from hpcml.stream.framing import ALIGN, FIXED, MAGIC, head_bytes, pad, padded
 
 #: Bytes read from one connection in one round at most (the others' turn comes first).
 ROUND_BYTES = 4 << 20
 #: The scratch buffer: bytes passed over (refused messages, padding) and long length tables.
 SCRATCH = 1 << 18
 #: When a message's bytes run out mid-body, the socket wakes the server again only once this many
-#: more (or the rest, if fewer) are in (``SO_RCVLOWAT``): a round per large piece, not per segment.
-#: A sender at :data:`~hpcml.stream.transport.MIN_RATE` still shows progress every quarter second.
-LOWAT = 256 << 10
+#: more (or the rest, if fewer) are in (``SO_RCVLOWAT``; the kernel caps it at half its largest
+#: receive buffer, ``tcp_rmem``): a round per message, not per segment. Bytes the kernel holds
+#: below the mark count as progress all the same (:meth:`Conn.progress`).
+LOWAT = 16 << 20
 #: Messages (or refusals) one :meth:`Receiver.recv` round yields at most before it returns.
 ROUND_MESSAGES = 256
 S_HELLO, S_HEAD, S_TABLE, S_TPAD, S_WAIT, S_BODY, S_SKIP = range(7)
@@ -43,7 +46,7 @@ S_HELLO, S_HEAD, S_TABLE, S_TPAD, S_WAIT, S_BODY, S_SKIP = range(7)
 
 class Conn:
     __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
-                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started", "lowat")
+                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started", "lowat", "queued")
 
     def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
         self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, S_HELLO
@@ -52,6 +55,7 @@ class Conn:
         self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
         self.acked, self.out = 0, bytearray()  # the count sent so far; bytes due to the producer (a reply, acks)
         self.lowat = 1  # the socket's SO_RCVLOWAT now
+        self.queued = 0  # bytes the kernel held for it when last asked (:meth:`progress`)
 
     def need(self) -> int:
         """Bytes the head-collecting states want next (no byte of the message after them is read)."""
@@ -63,6 +67,17 @@ class Conn:
             return 8 * self.frames - len(self.head)
         return min(8 * self.left - len(self.head), SCRATCH - 8)  # a long one streams by
 
+    def progress(self, now: float) -> None:
+        """Count bytes waiting in the kernel below the low-water mark as bytes sent: a slow
+        sender whose message is not yet at the mark is not silent."""
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:
+            return
+        if queued > self.queued:
+            self.seen = now
+        self.queued = queued
+
     def busy(self) -> bool:
         """In the middle of a message."""
         return self.state in (S_TABLE, S_TPAD, S_BODY, S_SKIP, S_WAIT) or (self.state == S_HEAD and bool(self.head))
@@ -70,40 +85,44 @@ class Conn:
 
 class MessageReader:
     """Reads admitted connections' messages into ``_ready`` (the Receiver provides the sockets,
-    ``_admit``, ``_drop``, ``_close`` and the memory queue ``_waiting``)."""
+    ``_admit``, ``_drop``, ``_close``, ``_give_memory`` and the memory queue ``_waiting``)."""
 
     def _read(self, c: Conn) -> None:
-        got = 0
-        while got < ROUND_BYTES and len(self._ready) < ROUND_MESSAGES and c.state != S_WAIT:
-            if c.state == S_BODY:  # straight into the message's buffer
-                room = c.view[c.fill:c.fill + min(c.body.nbytes - c.fill, ROUND_BYTES)]
-            elif c.state in (S_SKIP, S_TPAD):
-                room = self._scratch[:min(c.skip, SCRATCH)]
+        got, ready, sock, want = 0, self._ready, c.sock, 0
+        while got < ROUND_BYTES and len(ready) < ROUND_MESSAGES:
+            state = c.state
+            if state == S_BODY:  # straight into the message's buffer
+                want = c.total - c.fill
+                room = c.view[c.fill:c.fill + min(want, ROUND_BYTES)]
+            elif state == S_WAIT:
+                break
             else:
-                room = self._scratch[:c.need()]
+                room = self._scratch[:min(c.skip, SCRATCH) if state in (S_SKIP, S_TPAD) else c.need()]
             try:
-                n = c.sock.recv_into(room)
+                n = sock.recv_into(room)
             except BlockingIOError:
-                if c.state == S_BODY:
-                    _lowat(c, min(c.body.nbytes - c.fill, LOWAT))
-                return
+                if state == S_BODY:
+                    _lowat(c, min(want, LOWAT))
+                break
             except OSError:
                 n = 0
-            if n == 0:
+            if not n:
                 return self._drop(c)
             got += n
-            c.seen = time.monotonic()
-            if not self._took(c, room[:n]):
+            if state == S_BODY:
+                c.fill += n
+                if n == want:  # one message a connection a round: the others' turn comes first
+                    self._complete(c)
+                    break
+            elif not self._took(c, room[:n]):
                 return
+        if got:
+            c.seen, c.queued = time.monotonic(), 0
 
     def _took(self, c: Conn, data: memoryview) -> bool:
         """Account ``data`` just read for ``c``; False once ``c`` is closed."""
         n = data.nbytes
-        if c.state == S_BODY:
-            c.fill += n
-            if c.fill == c.body.nbytes:
-                self._complete(c)
-        elif c.state in (S_SKIP, S_TPAD):
+        if c.state in (S_SKIP, S_TPAD):
             c.skip -= n
             if not c.skip:
                 self._taken(c) if c.state == S_SKIP else self._decide(c)
@@ -136,13 +155,13 @@ class MessageReader:
             c.left, c.total = c.frames, 0
             if FIXED + 8 * c.frames <= ALIGN:  # the whole head is in: table and padding
                 c.lengths = struct.unpack_from(f"<{c.frames}Q", c.head, FIXED)
-                c.total, c.head = sum(pad(x) for x in c.lengths), bytearray()
+                c.total, c.head = padded(c.lengths), bytearray()
                 self._decide(c)
             else:  # the table goes on: what came of it stays in ``head``
                 c.head, c.lengths, c.state = c.head[FIXED:], (), S_TABLE
             return c.sock.fileno() >= 0
         c.lengths = struct.unpack(f"<{c.frames}Q", c.head)  # S_TABLE, a short one
-        c.total, c.head, c.left = sum(pad(x) for x in c.lengths), bytearray(), 0
+        c.total, c.head, c.left = padded(c.lengths), bytearray(), 0
         self._table_done(c)
         return True
 
@@ -162,6 +181,8 @@ class MessageReader:
         if max(c.lengths) > self.frame_bytes or total > self.body_bytes:
             return self._refuse_msg(c, "oversized", f"frames of up to {max(c.lengths)} bytes (at most "
                                     f"{self.frame_bytes}), {total} in all (at most {self.body_bytes})")
+        if not self._waiting and self.held + total <= self.max_held_bytes:  # memory free now: read on at once
+            return self._give_memory(c)
         c.state = S_WAIT
         self._waiting.append(c)
         try:

@@ -36,6 +36,7 @@ class SampleSchema:
     def __init__(self, field_names: Sequence[str], param_names: Sequence[str] = (),
                  shape: Sequence[int] | None = None) -> None:
         self.field_names, self.param_names = tuple(field_names), tuple(param_names)
+        self._names = frozenset(self.field_names)
         if not self.field_names or not all(isinstance(n, str) and n for n in self.field_names):
             raise ConfigError(f"field_names={field_names!r}: expected one or more field names (e.g. ('T',))")
         if len(set(self.field_names)) != len(self.field_names):
@@ -53,7 +54,7 @@ class SampleSchema:
         """Refuse (MessageError ``wrong_fields``, ``missing_params``, ``wrong_shape``) a sample, or
         a block of one, of ``sim`` that does not fit; the first whole sample fixes the grid
         shape (:meth:`fix`): blocks of a sample that never completes fix nothing."""
-        if set(fields) != set(self.field_names):
+        if set(fields) != self._names:
             raise MessageError("wrong_fields", f"simulation {sim} sends fields {sorted(fields)}, the trainer takes "
                                                f"{list(self.field_names)}")
         lacking = [n for n in self.param_names if n not in params]

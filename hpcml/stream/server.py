@@ -50,6 +50,9 @@ logger = log.get_logger(__name__)
 #: How long a relaunched trainer retries binding the port its predecessor published (that
 #: one's processes may still be exiting) before it gives up.
 REBIND_S = 20.0
+#: While messages stream in, the loop looks at timeouts and the end of the stream this often
+#: (every turn when idle): not once a message.
+HOUSEKEEP_S = 0.05
 
 
 class StreamServer:
@@ -84,6 +87,7 @@ class StreamServer:
         self._overflow = threading.Event()
         self._last_recv = time.monotonic()
         self._done_checked = 0.0
+        self._kept = 0.0  # when the loop last looked at timeouts and the end of the stream
         self._thread: threading.Thread | None = None
         self._pending: Sample | None = None
         self.error: str | None = None
@@ -177,24 +181,27 @@ class StreamServer:
             got = 0
             while got < 64 and self._pending is None:  # a pending sample: the buffer is full (backpressure)
                 try:
-                    got += 1  # refused messages count too: a flood of them must not keep the loop from the rest
-                    peer, frames = self._rx.recv()
-                except zmq.Again:
-                    got -= 1
-                    break
+                    item = self._rx.poll()
                 except message.MessageError as e:
+                    got += 1  # refused messages count too: a flood of them must not keep the loop from the rest
                     with self._lock:
                         self._rejected(e)
                     continue
-                self._handle(peer, frames)
+                if item is None:
+                    break
+                got += 1
+                self._handle(*item)
+            now = time.monotonic()
             if got:
-                self._last_recv = time.monotonic()
+                self._last_recv = now
             elif self._pending is None:
                 self._rx.sweep()  # nothing queued: a connection with an unfinished token is late
                 self._rx.wait(0.05)
-            with self._lock:
-                self.ingest.assembly.sweep()
-            self._check_end()
+            if now - self._kept >= HOUSEKEEP_S or not got:
+                self._kept = now
+                with self._lock:
+                    self.ingest.assembly.sweep()
+                self._check_end()
 
     def _deliver(self) -> bool:
         """Move the completed sample into the buffer; False while the buffer is full."""

@@ -163,10 +163,17 @@ class Receiver(MessageReader):
     def recv(self) -> tuple[int, list[memoryview]]:
         """The next whole message: (the connection's number, its frames, views into one aligned
         buffer); ``zmq.Again`` when none is complete. A refused message is a MessageError."""
+        got = self.poll()
+        if got is None:
+            raise Again()
+        return got
+
+    def poll(self) -> tuple[int, list[memoryview]] | None:
+        """:meth:`recv`, None when no message is complete (the server's loop: no exception a round)."""
         if not self._ready:
             self._round()
-        if not self._ready:
-            raise Again()
+            if not self._ready:
+                return None
         c, got = self._ready.popleft()
         if c is not None and c.sock.fileno() >= 0:  # acknowledged once the server has it in hand
             c.taken += 1
@@ -274,14 +281,18 @@ class Receiver(MessageReader):
             if self.held + c.total > self.max_held_bytes:
                 return
             self._waiting.popleft()
-            raw = np.empty(c.total + ALIGN, np.uint8)
-            at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
-            c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, S_BODY, time.monotonic()
-            c.view = memoryview(c.body)
-            self.held += c.total
             self._sel.register(c.sock, selectors.EVENT_READ, c)
-            if not c.total:
-                self._complete(c)
+            self._give_memory(c)
+
+    def _give_memory(self, c: Conn) -> None:
+        """The one buffer ``c``'s message is read into (its bytes counted as held)."""
+        raw = np.empty(c.total + ALIGN, np.uint8)
+        at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
+        c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, S_BODY, time.monotonic()
+        c.view = memoryview(c.body)
+        self.held += c.total
+        if not c.total:
+            self._complete(c)
 
     def _admit(self, c: Conn, nonce_p: bytes | None) -> bool:
         fd = c.sock.fileno()
@@ -354,6 +365,8 @@ class Receiver(MessageReader):
             self._refuse(c)
         waiting = any(c.sock.fileno() >= 0 for c in self._waiting)
         for c in list(self._conns.values()):
+            if c.body is not None and now - c.seen > IDLE_EVICT_S:
+                c.progress(now)  # bytes in the kernel below the low-water mark are not silence
             silent, slow = now - c.seen, c.body is not None and now - c.started > IDLE_EVICT_S + c.total / MIN_RATE
             if c.busy() and c.state != S_WAIT and (silent > STALL_S or (waiting and c.body is not None
                                                                           and (silent > IDLE_EVICT_S or slow))):

@@ -144,6 +144,13 @@ class Receiver:
             frames.append(self.sock.recv(copy=False))
         return int(frames[0].get("User-Id")), frames
 
+    def poll(self) -> tuple[int, list] | None:
+        """:meth:`recv`, None when no message is queued."""
+        try:
+            return self.recv()
+        except zmq.Again:
+            return None
+
     def close(self) -> None:
         self.gate.stop()
         self.ctx.destroy(linger=0)

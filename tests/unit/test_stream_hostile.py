@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import Buffer, BufferConfig, framing, handshake, message, transport
+from hpcml.stream import Buffer, BufferConfig, framing, handshake, message, reading, transport
 from hpcml.stream.handshake import HandshakeError
 from hpcml.stream.sender import Sender
 from hpcml.stream.server import ServerConfig, StreamServer
@@ -544,3 +544,68 @@ def _again(rx) -> None:
         rx.recv()
     except zmq.Again:
         pass
+
+
+def test_bytes_below_the_low_water_mark_are_progress_not_silence(monkeypatch):
+    """The server sleeps on a message until the rest of it is in the kernel (``SO_RCVLOWAT``),
+    so a slow sender's bytes may wait there unread: they count as progress. While another
+    message waits for memory, a holder that trickles on is kept; one that stops is closed."""
+    a, b = socket.socketpair()
+    with a, b:
+        c = reading.Conn(a, 1, b"")
+        c.seen = 0.0
+        c.progress(10.0)
+        assert (c.seen, c.queued) == (0.0, 0)  # nothing waiting: silent
+        b.sendall(b"x" * 100)
+        c.progress(11.0)
+        assert (c.seen, c.queued) == (11.0, 100)
+        c.progress(12.0)
+        assert c.seen == 11.0  # nothing more since: silent again
+
+    monkeypatch.setattr(transport, "IDLE_EVICT_S", 0.6)
+    monkeypatch.setattr(transport, "MIN_RATE", 1)  # the rate rule out of the way: silence alone decides
+    rx = transport.Receiver(SECRET, host="127.0.0.1", port=0, max_frame_bytes=1 << 21, max_message_bytes=1 << 21)
+    big = framing.pack([message.MAGIC, b"{}", np.ones(375_000, np.float32)])  # 1.5 MB: two fit in memory, not 3
+    try:
+        host, port = rx.endpoint[len("tcp://"):].rsplit(":", 1)
+        th = threading.Thread(target=lambda: [rx.wait(0.05) or _again(rx) for _ in range(60)])
+        th.start()
+        slow, other = [_admitted(host, int(port))[0] for _ in range(2)], _admitted(host, int(port))[0]
+        th.join()
+        for s in slow:
+            s.sendall(big[:4096])  # its head and a little: its memory is taken
+        for _ in range(10):
+            _again(rx)
+            time.sleep(0.02)
+        assert rx.held_bytes() == 2 * (big.nbytes - framing.head_bytes(3))
+        other.sendall(big)  # waits for memory
+        t0, got = time.monotonic(), []
+        while time.monotonic() - t0 < 2.5:  # trickling: 1 KiB every 0.2 s, far below the mark
+            for s in slow:
+                s.sendall(b"\0" * 1024)
+            got += _drain(rx)
+            rx.sweep()
+            time.sleep(0.2)
+        assert (rx.evicted, rx.connections, got) == (0, 3, [])
+        t0 = time.monotonic()
+        while "message" not in got and time.monotonic() - t0 < 5:  # silent now: closed, the other's message in
+            got += [g if isinstance(g, str) else "message" for g in _drain(rx)]
+            rx.sweep()
+            time.sleep(0.05)
+        assert got[-1] == "message" and set(got[:-1]) == {"stalled"} and rx.evicted == len(got) - 1 >= 1
+        for s in [*slow, other]:
+            s.close()
+    finally:
+        rx.close()
+
+
+def _drain(rx) -> list:
+    """What ``rx`` has whole now: messages, and the reasons of refusals."""
+    out = []
+    while True:
+        try:
+            out.append(rx.recv())
+        except zmq.Again:
+            return out
+        except message.MessageError as e:
+            out.append(e.reason)
