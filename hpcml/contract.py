@@ -23,7 +23,6 @@ neither is worth a relaunch. Imports nothing heavy.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -213,24 +212,6 @@ class Contract:
 
 # --- the protocol's files ------------------------------------------------------------------------
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Atomically (a temporary file renamed over it): a reader never sees half a file, and a
-    link put at ``path`` is replaced, not written through (:func:`hpcml.safeio.replace`)."""
-    safeio.replace(path, text + "\n")
-
-
-def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> None:
-    """A record, atomically (:func:`write_text`)."""
-    write_text(path, json.dumps(data, indent=1))
-
-
-def read_json(path: str | os.PathLike, max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:
-    """A protocol record, or None if the file is not there; ConfigError naming the file when
-    it is not a regular file (a FIFO would block the reader, a symbolic link could point
-    anywhere), too large, nested too deep, not JSON or not an object (:mod:`hpcml.safeio`)."""
-    return safeio.read_json(path, max_bytes)
-
-
 def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str], run: str = "",
                     closed: str | None = None, max_connections: int | None = None) -> None:
     """Publish the trainer ranks' stream addresses (index = trainer rank) for ``campaign`` and
@@ -239,7 +220,7 @@ def write_endpoints(path: str | os.PathLike, campaign: str, endpoints: list[str]
     once with that reason instead of after their wait."""
     rec = {"campaign": campaign, "run": run, "endpoints": list(endpoints), "time": time.time(),
            **({"max_connections": int(max_connections)} if max_connections else {})}
-    write_json(path, {**rec, "closed": closed} if closed else rec)
+    safeio.write_json(path, {**rec, "closed": closed} if closed else rec)
 
 
 def connections_needed(path: str | os.PathLike, max_concurrent: int, ranks: int,
@@ -247,7 +228,7 @@ def connections_needed(path: str | os.PathLike, max_concurrent: int, ranks: int,
     """ConfigError, naming the limit, when ``max_concurrent`` simulations of up to ``ranks``
     ranks streaming at once would need more connections of one trainer rank than it holds
     (``endpoints.json``'s ``max_connections``; nothing to check when it does not say)."""
-    rec = read_json(path)
+    rec = safeio.read_json(path, MAX_RECORD_BYTES)
     if not rec or (contract is not None and contract.stale(rec) is not None):
         return
     cap, n = rec.get("max_connections"), len(rec.get("endpoints") or [])
@@ -270,7 +251,7 @@ def read_endpoints(path: str | os.PathLike, timeout_s: float = 0.0, *, contract:
     deadline = time.monotonic() + timeout_s
     stale = None
     while True:
-        rec = read_json(path)
+        rec = safeio.read_json(path, MAX_RECORD_BYTES)
         if rec is not None:
             stale = contract.stale(rec) if contract is not None else None
             if stale is None and rec.get("closed"):
@@ -356,11 +337,11 @@ def write_done(path: str | os.PathLike, record: DoneRecord) -> None:
 def read_done(path: str | os.PathLike, contract: Contract | None = None) -> DoneRecord | None:
     """The done record at ``path`` if it is there and (with a ``contract``) of this run; a
     stale one reads as None. ConfigError for a malformed one."""
-    rec = read_json(path)
+    rec = safeio.read_json(path, MAX_RECORD_BYTES)
     if rec is None or (contract is not None and contract.stale(rec) is not None):
         return None
     return DoneRecord.from_json(rec, str(path))
 
 
-__all__ = ["CONFIG_ERROR", "Contract", "DoneRecord", "ENV", "INCOMPLETE", "read_done", "read_endpoints", "read_json",
-           "write_done", "write_endpoints", "write_json"]
+__all__ = ["CONFIG_ERROR", "Contract", "DoneRecord", "ENV", "INCOMPLETE", "read_done", "read_endpoints",
+           "write_done", "write_endpoints"]

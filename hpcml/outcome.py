@@ -10,7 +10,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpcml.contract import ENV_STREAM_RECORD, read_json, write_json
+from hpcml import safeio
+from hpcml.contract import ENV_STREAM_RECORD
 from hpcml.errors import ConfigError
 
 def write_stream_record(n_sent: int, nbytes: int, sim: int, attempt: int,
@@ -19,7 +20,7 @@ def write_stream_record(n_sent: int, nbytes: int, sim: int, attempt: int,
     (``HPCML_STREAM_RECORD``); nothing outside a campaign."""
     path = (os.environ if environ is None else environ).get(ENV_STREAM_RECORD)
     if path:
-        write_json(path, {"sim": sim, "attempt": attempt, "n_sent": n_sent, "bytes": nbytes, "time": time.time()})
+        safeio.write_json(path, {"sim": sim, "attempt": attempt, "n_sent": n_sent, "bytes": nbytes, "time": time.time()})
 
 
 #: Beside an attempt's stream record: the deterministic error that ended it (never retried).
@@ -46,7 +47,7 @@ def read_final_error(sim_dir: str | os.PathLike) -> str | None:
     """The deterministic error an attempt of the simulation in ``sim_dir`` recorded, or None."""
     for path in sorted(Path(sim_dir).glob(f"attempt_*{FINAL_SUFFIX}")):
         try:
-            rec = read_json(path, max_bytes=16384)
+            rec = safeio.read_json(path, 16384)
         except ConfigError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("error"), str):

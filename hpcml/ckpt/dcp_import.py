@@ -5,7 +5,6 @@ tokens seen) carried over."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpcml import log
+from hpcml import log, safeio
 from hpcml.ckpt.dcp import GROUP_KEYS, Converted, ParamMap, Rows, their_shapes
 from hpcml.ckpt.dcp_safe import DcpReader
 from hpcml.errors import CheckpointError
@@ -144,7 +143,7 @@ def carried_extra(reader: DcpReader) -> dict:
         return {}
     text = reader.value("hpcml.extra")
     try:
-        extra = json.loads(text) if isinstance(text, str) else None
+        extra = safeio.parse_json(text, "hpcml.extra", constants=True) if isinstance(text, str) else None
     except ValueError as e:
         raise CheckpointError(f"{reader.path}: hpcml.extra is not JSON ({e})") from None
     if not isinstance(extra, dict):

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from hpcml.ckpt.dcp_pickle import MAX_PICKLE_BYTES, Record, Window, dims, line, load_entry, metadata_globals, unpickle
-from hpcml.ckpt.shard import open_regular, read_bounded
+from hpcml.ckpt.shard import open_regular
+from hpcml import safeio
 from hpcml.errors import CheckpointError
 
 METADATA = ".metadata"
@@ -63,8 +64,8 @@ class DcpReader:
         meta = self.path / METADATA
         if not meta.is_file():
             raise CheckpointError(f"no DCP checkpoint at {self.path} (no {METADATA})")
-        md = unpickle(read_bounded(meta, MAX_METADATA_BYTES, "bytes a DCP .metadata may have"), metadata_globals(),
-                      str(meta))
+        raw = safeio.read_bytes(meta, MAX_METADATA_BYTES, "a DCP .metadata", error=CheckpointError, required=True)
+        md = unpickle(raw, metadata_globals(), str(meta))
         if getattr(md, "kind", None) != "Metadata":
             raise CheckpointError(f"{meta} holds a {type(md).__name__}, not DCP Metadata")
         self._sizes: dict[str, int] = {}

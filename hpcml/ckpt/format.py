@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcml import safeio
 from hpcml.errors import CheckpointError
 
 FORMAT_VERSION = "2.0"
@@ -83,9 +84,8 @@ def resolve(path: str | os.PathLike) -> Path:
 def _read_latest(latest: Path) -> str:
     """The step name in ``latest``: a regular file (opened non-blocking: a FIFO planted there
     is refused, not waited on) of at most :data:`MAX_LATEST_BYTES`."""
-    from hpcml.ckpt.shard import read_bounded  # h5py: only once a checkpoint is really read
-
-    return read_bounded(latest, MAX_LATEST_BYTES, "bytes a step name may have").decode("ascii", "replace").strip()
+    raw = safeio.read_bytes(latest, MAX_LATEST_BYTES, "a step name", error=CheckpointError, required=True)
+    return raw.decode("ascii", "replace").strip()
 
 
 def dumps(obj) -> str:

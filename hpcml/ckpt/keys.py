@@ -23,6 +23,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.errors import CheckpointError, ConfigError
 
 ENV_KEY = "HPCML_CKPT_KEY"
@@ -81,7 +82,7 @@ def derive(text: str | bytes, where: str) -> bytes:
 
 def from_file(path: str | os.PathLike) -> Keyring:
     """Every non-empty line of key file ``path`` is a key; the first signs."""
-    from hpcml.ckpt.shard import open_regular, pread_exact
+    from hpcml.ckpt.shard import open_regular
 
     path = Path(path)
     try:
@@ -94,10 +95,7 @@ def from_file(path: str | os.PathLike) -> Keyring:
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"checkpoint key file {path} has mode {stat.S_IMODE(st.st_mode):o}: expected no access "
                               f"for group and others (chmod 600 {path})")
-        if st.st_size > MAX_KEY_FILE_BYTES:
-            raise ConfigError(f"checkpoint key file {path} is {st.st_size} bytes: expected at most "
-                              f"{MAX_KEY_FILE_BYTES}")
-        text = pread_exact(fd, st.st_size, 0)
+        text = safeio.read_fd(fd, f"checkpoint key file {path}", MAX_KEY_FILE_BYTES, "a file of keys", error=ConfigError)
     finally:
         os.close(fd)
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(b"#")]
@@ -112,7 +110,6 @@ def check_role(texts: list[bytes], where: str, path: Path | None = None, environ
     campaign's ``stream.key``, or ``$HPCML_STREAM_SECRET_FILE``), its text, its bytes, or one
     inside the other. Every simulation holds that secret; a key it gives could forge a
     checkpoint that verifies."""
-    from hpcml import safeio
     from hpcml.contract import ENV, SECRET_FILE
 
     environ = os.environ if environ is None else environ

@@ -21,7 +21,7 @@ import stat
 import time
 from pathlib import Path
 
-from hpcml import log
+from hpcml import log, safeio
 from hpcml.errors import CheckpointError
 
 logger = log.get_logger(__name__)
@@ -112,9 +112,11 @@ def release(root: str | os.PathLike) -> None:
 
 
 def _read(fd: int) -> dict:
+    """Who the lock file open at ``fd`` names ({} for nothing readable: it is advice, not a record;
+    JSON nested past the file layer's depth is refused before parsing, never a RecursionError)."""
     try:
         raw = os.pread(fd, MAX_LOCK_BYTES, 0)
-        who = json.loads(raw) if raw.strip() else {}
+        who = safeio.parse_json(raw, LOCK) if raw.strip() else {}
     except (OSError, ValueError):
         return {}
     return who if isinstance(who, dict) else {}

@@ -26,7 +26,7 @@ from hpcml import safeio
 from hpcml.ckpt import chunkmac, format as fmt
 from hpcml.ckpt.keys import Keyring
 from hpcml.ckpt.chunks import check_fused, fused_spec
-from hpcml.ckpt.shard import open_regular, pread_exact
+from hpcml.ckpt.shard import open_regular
 from hpcml.ckpt.tiling import coverage
 from hpcml.errors import CheckpointError
 from hpcml.numeric import is_int
@@ -74,11 +74,15 @@ def write(path: Path, manifest: dict, keys: Keyring | None = None) -> None:
     """Write with its own SHA-256 (of its canonical JSON without that field, so an edited
     digit is caught), signed by ``keys`` when given, and fsync: the commit renames the
     directory only after this."""
+    write_file(path, encode(manifest, keys))
+
+
+def encode(manifest: dict, keys: Keyring | None = None) -> bytes:
+    """The manifest's bytes: its canonical JSON with its own SHA-256, signed by ``keys`` when given."""
     body = {k: v for k, v in manifest.items() if k not in ("manifest_sha256", "signature")}
     if keys is not None:
         body["signature"] = keys.sign(_canonical(body))
-    data = _canonical({**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()})
-    write_file(path, data)
+    return _canonical({**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()})
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -130,11 +134,9 @@ def read(ckpt: Path, keys: Keyring | None = None) -> dict:
                 tuple(keys.ids) if keys is not None else None)
         if seen in _CHECKED:  # the same file, unchanged, checked already in this process (a tool opens it
             return _CHECKED[seen]  # several times): parsing a 20 MB manifest again costs seconds
-        size, limit = st.st_size, _limit(ckpt)
-        if size > limit:
-            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} a manifest of this checkpoint may "
-                                  f"have (its shard files hold {limit if limit > FREE_MANIFEST_BYTES else 'less'})")
-        raw = pread_exact(fd, size, 0)
+        limit = _limit(ckpt)
+        raw = safeio.read_fd(fd, path, limit, f"a manifest of this checkpoint (its shard files hold "
+                                              f"{limit if limit > FREE_MANIFEST_BYTES else 'less'})", error=CheckpointError)
     finally:
         os.close(fd)
     try:

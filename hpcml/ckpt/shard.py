@@ -232,19 +232,6 @@ def open_regular(path: Path) -> int:
         raise CheckpointError(f"{what} (a checkpoint's files are regular files in its directory)") from None
 
 
-def read_bounded(path: Path, limit: int, what: str = "") -> bytes:
-    """The bytes of regular file ``path`` (:func:`open_regular`), refused in one line when it
-    holds more than ``limit``: a size is checked before anything is read or parsed."""
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise CheckpointError(f"{path} is {size} bytes, more than the {limit} {what or 'expected of it'}")
-        return pread_exact(fd, size, 0)
-    finally:
-        os.close(fd)
-
-
 def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:
     """The wanted chunk indices grouped into runs adjacent in the file (one pread each)."""
     runs: list[list[int]] = []

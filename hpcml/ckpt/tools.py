@@ -112,9 +112,7 @@ def sign(path: str | os.PathLike) -> str:
         step_dir, m = ck.path, _tagged(ck, ring.keys[0])
     state = rollback.read(step_dir.parent, ring)
     m["root"] = rollback.root_id(state)  # signing adopts it into this directory
-    tmp = step_dir / (fmt.MANIFEST + ".tmp")
-    manifest.write(tmp, m, ring)
-    os.replace(tmp, step_dir / fmt.MANIFEST)
+    safeio.replace(step_dir / fmt.MANIFEST, manifest.encode(m, ring), fsync=True)  # whole, or the old one
     fsync_path(step_dir)
     rollback.record(step_dir.parent, m, ring, state)
     return keys.key_id(ring.keys[0])

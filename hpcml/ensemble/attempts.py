@@ -177,8 +177,10 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
     while it runs (``missing_end``: it is over but left no end record; its return code is
     ``missing_end_rc``)."""
     base, root = directory / f"attempt_{k}", run_dir  # every file read below the run directory, no link followed
-    start = read_json(base.with_suffix(".start"), root=root) or {}
-    end = read_json(base.with_suffix(".end"), root=root)
+    # a record that is not one of ours (a link, a FIFO, too large, not JSON) is as good as none: the attempt
+    # then counts as not ended, or lost
+    start = safeio.read_json(base.with_suffix(".start"), MAX_RECORD_LINE, root=root, error=None) or {}
+    end = safeio.read_json(base.with_suffix(".end"), MAX_RECORD_LINE, root=root, error=None)
     if end is None and not missing_end:
         return None
     out, err = base.with_suffix(".out"), base.with_suffix(".err")
@@ -198,6 +200,7 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
         status = "lost" if rc is None else "failed"
     t_start = _time(start.get("start"))
     host = start.get("host")
+    command = safeio.read_text(base.with_suffix(".cmd"), MAX_RECORD_LINE, root=root, error=None)
     return {
         "sim_id": sim_id, "attempt": k, "params": dict(params), "status": status,
         "returncode": rc, "signal": sig,
@@ -206,7 +209,7 @@ def attempt_record(run_dir: Path, directory: Path, *, sim_id: int, params: Mappi
         "start": t_start, "end": t_end,
         "duration_s": round(t_end - t_start, 3) if t_start is not None and t_end is not None else None,
         "host": host[:256] if isinstance(host, str) else None, "launch": launch, "argv": list(argv),
-        "command": read_text(base.with_suffix(".cmd"), root=root),
+        "command": command.strip() if command is not None else None,
         "stdout": str(out.relative_to(run_dir)), "stderr": str(err.relative_to(run_dir)),
     }
 
@@ -263,7 +266,7 @@ def record_orphans(run_dir: Path) -> int:
         if d.is_symlink() or not d.is_dir():  # not a directory this campaign made: nothing of it is read
             logger.warning("%s is not a directory of this campaign (a link or a file): passed over", d)
             continue
-        spec = read_json(d / "spec.json", root=run_dir) or {}
+        spec = safeio.read_json(d / "spec.json", MAX_RECORD_LINE, root=run_dir, error=None) or {}
         spec = {"params": spec.get("params") if isinstance(spec.get("params"), dict) else {},
                 "argv": [str(a) for a in spec["argv"]] if isinstance(spec.get("argv"), list) else []}
         k = 0
@@ -283,7 +286,7 @@ def record_orphans(run_dir: Path) -> int:
 
 def stream_record(directory: Path, k: int, *, root: Path | None = None) -> int | None:
     """Samples attempt ``k`` streamed (its Producer's record), or None: it created no Producer."""
-    rec = read_json(directory / f"attempt_{k}.stream.json", root=root)
+    rec = safeio.read_json(directory / f"attempt_{k}.stream.json", MAX_RECORD_LINE, root=root, error=None)
     n = rec.get("n_sent") if rec else None
     return n if is_int(n) and n >= 0 else None
 
@@ -295,23 +298,6 @@ def next_attempt(sim_dir: Path) -> int:
     while (sim_dir / f"attempt_{k}.start").exists():
         k += 1
     return k
-
-
-def read_json(path: Path, *, root: Path | None = None) -> dict | None:
-    """An attempt's small record, or None when it is missing or not one of ours (a link, a
-    FIFO, too large, not JSON): the attempt then counts as not ended, or lost."""
-    try:
-        return safeio.read_json(path, MAX_RECORD_LINE, root=root)
-    except (OSError, ConfigError):
-        return None
-
-
-def read_text(path: Path, *, root: Path | None = None) -> str | None:
-    try:
-        text = safeio.read_text(path, MAX_RECORD_LINE, root=root)
-    except (OSError, ConfigError):
-        return None
-    return None if text is None else text.strip()
 
 
 def tail_text(path: Path, max_bytes: int = 8192, *, root: Path | None = None) -> str:

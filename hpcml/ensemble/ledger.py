@@ -13,7 +13,8 @@ import time
 from collections.abc import Container, Iterable
 from pathlib import Path
 
-from hpcml.contract import Contract, DoneRecord, read_json
+from hpcml import safeio
+from hpcml.contract import MAX_RECORD_BYTES, Contract, DoneRecord
 from hpcml.ensemble import attempts, provenance
 from hpcml.errors import ConfigError
 from hpcml.idset import IdSet
@@ -84,7 +85,7 @@ def kept(run_dir: Path, completed: set[int], streaming: set[int], done: dict[int
 def trainer_summary(contract: Contract) -> dict | None:
     """The training job's summary if it is this run's (its campaign and run say so), else None."""
     try:
-        rec = read_json(contract.summary_file)
+        rec = safeio.read_json(contract.summary_file, MAX_RECORD_BYTES)
     except ConfigError as e:
         logger.warning("ignoring the training job's summary: %s", e)
         return None

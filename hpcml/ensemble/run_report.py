@@ -67,7 +67,7 @@ def workflow_summary(r: CampaignResult, run_dir: str | os.PathLike, problems: li
     of those ``counted`` (e.g. not the held-out ones) -- and ``extra``."""
     run_dir = Path(run_dir)
     try:  # the run directory is untrusted input: bounded, a regular file, JSON checked
-        train = contract.read_json(run_dir / contract.SUMMARY_FILE) or {}
+        train = safeio.read_json(run_dir / contract.SUMMARY_FILE, contract.MAX_RECORD_BYTES) or {}
     except (ValueError, OSError) as e:
         logger.warning("the trainer's summary is not read: %s", e)
         train = {}
@@ -76,5 +76,5 @@ def workflow_summary(r: CampaignResult, run_dir: str | os.PathLike, problems: li
            "sims_completed": sum(1 for s in r.completed if counted(s)), "sims_resumed": len(r.skipped),
            "sims_failed": sum(1 for s in r.failed if counted(s)), "sim_attempts": sum(r.attempts.values()),
            "sims_retried": len(r.retried)}
-    contract.write_json(run_dir / "summary.json", out)
+    safeio.write_json(run_dir / "summary.json", out)
     return out

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, LEASE_FILE, read_json, write_json
+from hpcml import safeio
+from hpcml.contract import DONE_FILE, ENDPOINTS_FILE, LEASE_FILE
 from hpcml.ensemble import attempts
 from hpcml.ensemble.driver_lease import DriverLease
 from hpcml.ensemble.members import Specs
@@ -123,7 +124,7 @@ def _take(run_dir: Path, sims, training, *, resume: bool, entry: str, adaptive: 
     rec.setdefault("runs", []).append({"run": run, "entry": entry, "started": attempts.iso(time.time()),
                                        "host": socket.gethostname(), "pid": os.getpid()})
     del rec["runs"][:-100]  # the last hundred runs: a record, bounded
-    write_json(run_dir / IDENTITY_FILE, rec)
+    safeio.write_json(run_dir / IDENTITY_FILE, rec)
     for name in PROTOCOL_FILES:  # an earlier run's: they carry its run id, but a reader should not even look
         (run_dir / name).unlink(missing_ok=True)
     if held:
@@ -139,7 +140,7 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
     path, now = run_dir / IDENTITY_FILE, definition(sims, training, adaptive)
     where = f"run directory {run_dir}"
     try:
-        rec = read_json(path, max_bytes=1 << 20)
+        rec = safeio.read_json(path, 1 << 20)
         if rec is not None and not isinstance(rec.get("campaign_id"), str):
             raise ConfigError(f"{path}: no campaign_id")
     except ConfigError as e:
@@ -209,7 +210,7 @@ def release(run_dir: Path) -> None:
 
 def _read_identity(run_dir: Path) -> dict | None:
     try:
-        return read_json(run_dir / IDENTITY_FILE, max_bytes=1 << 20)
+        return safeio.read_json(run_dir / IDENTITY_FILE, 1 << 20)
     except ConfigError:
         return None
 
@@ -227,7 +228,7 @@ def record_spec(run_dir: Path, spec: SimSpec) -> None:
     now = {"sim_id": spec.sim_id, "params": dict(spec.params), "argv": list(spec.argv)}
     path = d / "spec.json"
     try:
-        before = read_json(path, max_bytes=1 << 20)
+        before = safeio.read_json(path, 1 << 20)
     except ConfigError:
         before = None
     if before is not None and {k: before.get(k) for k in now} != json.loads(json.dumps(now)):
@@ -235,4 +236,4 @@ def record_spec(run_dir: Path, spec: SimSpec) -> None:
                           f"{before.get('params')} and argv {before.get('argv')}, now {now['params']} and "
                           f"{now['argv']}: one id is one simulation; use another id or a new directory")
     if before is None:
-        write_json(path, now)
+        safeio.write_json(path, now)

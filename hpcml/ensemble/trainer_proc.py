@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpcml import safeio
-from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE, write_text
+from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE
 from hpcml.ensemble import schedulers, watchdog
 from hpcml.ensemble.attempts import tail_text
 from hpcml.ensemble.spec import TrainingJob
@@ -113,7 +113,7 @@ class TrainerProcess:
         if self.launch is not None:  # TERM first: its ranks save what they hold and exit; the rest is killed
             self.reap(self.launch)
         self.launch = uuid.uuid4().hex[:16]
-        write_text(self.run_dir / LEASE_FILE, self.launch)  # ranks of the earlier launch elsewhere see it, go
+        safeio.replace(self.run_dir / LEASE_FILE, self.launch + "\n")  # ranks of the earlier launch elsewhere see it, go
         env = {**os.environ, **self.env, **job.env, ENV["launch"]: self.launch,
                **({ENV["resume"]: "1"} if restart else {})}
         logger.info("training job: %s", self.line)

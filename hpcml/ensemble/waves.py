@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcml import safeio
-from hpcml.contract import read_json
 from hpcml.ensemble.sampling import Feedback, Sampler, SimStats
 from hpcml.ensemble.spec import SimSpec
 from hpcml.errors import ConfigError
@@ -60,7 +59,7 @@ def read_feedback_record(path, *, campaign: str | None = None, run: str | None =
                          max_bytes: int = 64 << 20) -> FeedbackRecord:
     """Untrusted input: size-bounded before parsing, every field checked; another campaign's
     or run's file is refused naming both (ConfigError)."""
-    rec = read_json(path, max_bytes=max_bytes)
+    rec = safeio.read_json(path, max_bytes)
     if rec is None:
         return FeedbackRecord(0, {}, {})
     for name, want in (("campaign", campaign), ("run", run)):

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcml.errors import CheckpointError, ConfigError
-from hpcml.interop.hf_files import data_bytes, read_json
+from hpcml.interop.hf_files import data_bytes, model_json
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int, is_real
 
@@ -114,9 +114,7 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
     A feature hpcml does not have (rope scaling, biases, another activation) is refused.
     The vocabulary is padded only as far as its size allows (``vocab_multiple`` = gcd(vocab, 64):
     none for Llama's 32000 or 128256), so fine-tuning sees HF's softmax, not extra zero logits."""
-    c = read_json(Path(path), "config.json", 1 << 20)
-    if not isinstance(c, dict):
-        raise ConfigError(f"{Path(path) / 'config.json'}: expected a JSON object")
+    c = model_json(Path(path), "config.json", 1 << 20)
     kind = c.get("model_type")
     if kind not in _ARCH or not set(c.get("architectures") or [_ARCH[kind]]) <= {_ARCH[kind]}:
         raise ConfigError(f"{path}: model_type {str(kind)[:40]!r}, architectures {str(c.get('architectures'))[:80]}: "

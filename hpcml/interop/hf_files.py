@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcml import safeio
-from hpcml.ckpt.shard import open_regular, read_bounded
+from hpcml.ckpt.shard import open_regular
 from hpcml.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,16 +55,13 @@ def resolve_inside(root: Path, name: str) -> Path:
     return path
 
 
-def read_json(root: Path, name: str, limit: int):
-    """JSON of file ``name`` of model directory ``root``, at most ``limit`` bytes long."""
+def model_json(root: Path, name: str, limit: int) -> dict:
+    """The JSON object of file ``name`` of model directory ``root``, at most ``limit`` bytes long."""
     if not (root / name).exists():
         raise ConfigError(f"{root / name}: no such file (expected a Hugging Face model directory)")
-    path = resolve_inside(root, name)
-    try:
-        raw = read_bounded(path.resolve(), limit)  # inside the directory (or the hub cache): checked above
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    return safeio.parse_json(raw, str(path), constants=True)  # transformers writes Infinity: its checks name it
+    path = resolve_inside(root, name).resolve()  # inside the directory (or the hub cache): checked
+    # transformers writes Infinity: the config's own checks name it
+    return safeio.read_json(path, limit, error=ConfigError, required=True, constants=True, expected="a model's JSON")
 
 
 def inside(root: Path, name) -> Path:
@@ -79,7 +76,7 @@ def data_bytes(root: Path) -> int | None:
     ``model.safetensors``; each header checked): what a config may claim is bounded by this
     before any model is built. None: no such files (:class:`SafetensorsDir` says so)."""
     if (root / INDEX).exists():
-        index = read_json(root, INDEX, MAX_INDEX_BYTES)
+        index = model_json(root, INDEX, MAX_INDEX_BYTES)
         wmap = index.get("weight_map") if isinstance(index, dict) else None
         names = set(wmap.values()) if isinstance(wmap, dict) else set()
     else:
@@ -125,7 +122,7 @@ class SafetensorsDir:
     def _files(self) -> dict[str, Path] | None:
         """Tensor -> file from the index (None: one ``model.safetensors``, names from its header)."""
         if (self.root / INDEX).exists():
-            index = read_json(self.root, INDEX, MAX_INDEX_BYTES)
+            index = model_json(self.root, INDEX, MAX_INDEX_BYTES)
             wmap = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wmap, dict):
                 raise CheckpointError(f"{self.root / INDEX}: no weight_map object")
@@ -205,4 +202,4 @@ class SafetensorsDir:
                 dest[torch.from_numpy(at)] = piece.to(dest.dtype)
 
 
-__all__ = ["ITEMSIZE", "MAX_HEADER_BYTES", "SafetensorsDir", "header", "homes", "inside", "read_json", "resolve_inside"]
+__all__ = ["ITEMSIZE", "MAX_HEADER_BYTES", "SafetensorsDir", "header", "homes", "inside", "model_json", "resolve_inside"]

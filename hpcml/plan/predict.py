@@ -46,7 +46,7 @@ def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | No
         return spec, None
     if spec in PRESETS:
         return PRESETS[spec], None
-    from hpcml.interop.hf_files import read_json
+    from hpcml.interop.hf_files import model_json
 
     path = Path(spec)
     if not path.exists():
@@ -54,7 +54,7 @@ def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | No
                           f"config path")
     file = path / "config.json" if path.is_dir() else path
     try:  # a regular file, opened without blocking, at most MAX_CONFIG_BYTES read
-        data = read_json(file.parent, file.name, MAX_CONFIG_BYTES)
+        data = model_json(file.parent, file.name, MAX_CONFIG_BYTES)
     except RecursionError:
         raise ConfigError(f"model config {file}: JSON nested too deeply") from None
     if isinstance(data, dict) and "model_type" in data:

@@ -10,7 +10,6 @@ stream server would receive them.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import Counter
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.message import MessageError
@@ -54,7 +54,7 @@ def read_samples(path: str | Path, field_names, param_names, schema: SampleSchem
     schema = schema or SampleSchema(field_names, param_names)
     try:
         with _open(path) as f:
-            params = json.loads(f.attrs["params"])
+            params = safeio.parse_json(f.attrs["params"], "attribute params")  # nesting bounded first
             sim = int(f.attrs["sim_id"])
             names = sorted(f["fields"]) if "fields" in f else []
             shape = f[f"fields/{schema.field_names[0]}"].shape[1:] if schema.field_names[0] in names else ()

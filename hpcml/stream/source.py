@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from hpcml import safeio
 from hpcml.numeric import is_real
 from hpcml.stream.buffer import Buffer
 
@@ -72,7 +73,7 @@ def unpack_states(states: list[dict[str, np.ndarray]], buffer: Buffer, seen: set
     :func:`history_of` says); each saved rank's meta, in order."""
     metas = []
     for i, st in enumerate(states):
-        meta = json.loads(bytes(st["meta_json"]).decode())
+        meta = safeio.parse_json(bytes(st["meta_json"]), "the saved stream state", constants=True)  # input too
         seen.update((int(a), int(b)) for a, b in st.get("seen", np.zeros((0, 2), np.int64)).tolist() if keep(a))
         buffer.load_state({k[len("buffer/"):]: v for k, v in st.items() if k.startswith("buffer/")}, meta["buffer"],
                           keep=keep, counters=history_of(i, rank, n_ranks))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcml.contract import write_json
+from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 from hpcml.numeric import is_int, is_real
@@ -127,7 +127,7 @@ class SimFeedback:
             return
         names = self.param_names or [f"p{i}" for i in range(max((len(r["params"]) for r in table.values()),
                                                                  default=0))]
-        write_json(self.path, {
+        safeio.write_json(self.path, {
             "campaign": self.campaign, "run": self.run, "step": step, "time": time.time(), "params": names,
             "metrics": {k: v for k, v in self.metrics.items() if math.isfinite(v)},
             "sims": {str(sim): {"params": r["params"], "loss": r["loss"], "samples": r["samples"],

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcml import lifeline, log
-from hpcml.contract import Contract, write_json
+from hpcml import lifeline, log, safeio
+from hpcml.contract import Contract
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
 from hpcml.stream.source import SampleSource
@@ -361,7 +361,7 @@ class OnlineRun:
 
     def write_summary(self, result: OnlineResult, **more: Any) -> None:
         """Rank 0: the summary file the campaign reads (its campaign and run say whose it is)."""
-        write_json(self.config.summary_file, {
+        safeio.write_json(self.config.summary_file, {
             **result.summary, **more, "status": result.status, "problems": result.problems, "notes": result.notes,
             "resumed_at": result.resumed_at, "campaign": self.config.campaign, "run": self.config.run,
             "time": time.time(), "pid": os.getpid()})

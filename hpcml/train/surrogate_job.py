@@ -109,13 +109,13 @@ def _with_shape(server: Mapping[str, Any] | None, shape: Sequence[int] | None) -
 def _close_stream(c: Contract, why: str) -> None:
     """Rank 0 of a trainer that fails before it listened: say so where the simulations wait
     for its addresses (unless this run published them: the simulations then know)."""
-    from hpcml import env
-    from hpcml.contract import read_json, write_endpoints
+    from hpcml import env, safeio
+    from hpcml.contract import MAX_RECORD_BYTES, write_endpoints
 
     if not c.endpoints_file or env.detect().rank != 0:
         return
     try:
-        rec = read_json(c.endpoints_file)
+        rec = safeio.read_json(c.endpoints_file, MAX_RECORD_BYTES)
         if rec is None or c.stale(rec) is not None:
             write_endpoints(c.endpoints_file, c.campaign, [], c.run, closed=why)
     except (ConfigError, OSError):

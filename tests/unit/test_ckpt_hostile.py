@@ -182,7 +182,8 @@ def test_symlinks_and_latest_leading_out(reference, tmp_path):
     for name in ("../ck/step_00000006", "/etc", "step_6", "step_00000006/../step_00000005", "x" * 300):
         root, _ = _copy(reference, tmp_path / f"l{len(name)}")
         (root / "latest").write_text(name + "\n")
-        with pytest.raises(CheckpointError, match=r"latest (names|is)"):
+        with pytest.raises(CheckpointError, match=r"latest (names|is)|latest: \d+ bytes, larger than 256 bytes, "
+                                                  r"expected a step name"):
             ckpt.load(root, _want())
     root, step = _copy(reference, tmp_path / "d")  # a step directory that is a symlink
     shutil.move(step, tmp_path / "moved")

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcml import lifeline
-from hpcml.contract import Contract, DoneRecord, read_done, read_endpoints, read_json, write_done, write_endpoints
+from hpcml import lifeline, safeio
+from hpcml.contract import (MAX_RECORD_BYTES, Contract, DoneRecord, read_done, read_endpoints, write_done,
+                            write_endpoints)
 from hpcml.outcome import write_stream_record
 from hpcml.errors import ConfigError, LaunchError
 
@@ -92,14 +93,14 @@ def test_a_huge_record_is_refused_before_parsing(tmp_path):
     path = tmp_path / "endpoints.json"
     path.write_bytes(b"[" * (2 << 20))
     with pytest.raises(ConfigError, match="larger than 1024 bytes, expected a small JSON record"):
-        read_json(path, max_bytes=1024)
+        safeio.read_json(path, 1024)
 
 
 def test_the_stream_record_goes_where_the_attempt_wrapper_says(tmp_path):
     write_stream_record(3, 96, sim=1, attempt=0, environ={})  # outside a campaign: nothing
     assert list(tmp_path.iterdir()) == []
     write_stream_record(3, 96, sim=1, attempt=0, environ={"HPCML_STREAM_RECORD": str(tmp_path / "a.stream.json")})
-    assert read_json(tmp_path / "a.stream.json")["n_sent"] == 3
+    assert safeio.read_json(tmp_path / "a.stream.json", MAX_RECORD_BYTES)["n_sent"] == 3
 
 
 def test_one_driver_per_run_directory_and_the_claim_refuses_or_resumes(tmp_path):

@@ -132,6 +132,33 @@ def test_numbers_are_checked_by_one_definition():
     assert hand.search("if isinstance(n, bool) or not isinstance(n, int) or n < 0:")  # the check sees one
 
 
+def test_files_are_read_and_written_by_one_layer():
+    """A bounded read of a regular file, a JSON record and an atomic replacement are
+    :mod:`hpcml.safeio`'s, each with the caller's error class (``error=``), never written again
+    (issue 44: two bounded readers with two error classes, three ``read_json``, three atomic
+    writers). A rename outside it is allowed only where the file is not small and not ours to
+    write whole: a checkpoint's directory committed, a file HDF5 or MPI ranks wrote in place."""
+    import re
+
+    again = re.compile(r"^\s*def (read_json|write_json|write_text|read_bounded|read_bytes|read_text)\(")
+    renames = re.compile(r"os\.replace\(|os\.rename\(|\.rename\(")
+    allowed = {"hpcml/ckpt/index.py": "a checkpoint's step directory committed by renaming it",
+               "hpcml/ckpt/tools.py": "a consolidated HDF5 file h5py wrote, renamed once whole",
+               "hpcml/data/pack.py": "a token file the MPI ranks wrote in parallel, renamed once whole",
+               "hpcml/ensemble/driver_lease.py": "a stale lease moved aside (of two drivers, one wins)"}
+    found = []
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = str(p.relative_to(ROOT.parent))
+        if rel.startswith("hpcml/safeio/"):
+            continue
+        for i, line in enumerate(p.read_text().splitlines()):
+            code = line.split("#", 1)[0]
+            if again.search(code) or (renames.search(code) and rel not in allowed):
+                found.append(f"{rel}:{i + 1}: {line.strip()}")
+    assert found == []
+    assert again.search("def read_json(path):") and renames.search("tmp.rename(final)")  # the checks see one
+
+
 def test_every_package_hands_out_its_lazy_names_one_way():
     """One public-surface mechanism (issue 44): a package's ``__getattr__`` is
     :func:`hpcml.lazy.lazy_names`, never written by hand."""

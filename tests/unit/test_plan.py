@@ -320,7 +320,7 @@ def test_model_from_config_files(tmp_path):
         load_model(str(tmp_path / "missing.json"))
     big = tmp_path / "big.json"
     big.write_bytes(b" " * ((1 << 20) + 1))
-    with pytest.raises(ConfigError, match="more than the 1048576"):
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
         load_model(str(big))
 
 

@@ -334,3 +334,55 @@ def test_data_bytes_counts_what_a_file_holds_not_its_length(run):
     assert safeio.data_bytes(sparse, 1 << 30) < 1 << 20
     os.mkfifo(run / "fifo")
     assert safeio.data_bytes(run / "fifo", 0) == 0  # not a regular file: holds nothing hpcml counts
+
+
+def test_every_reader_speaks_the_callers_error_class(run, outside):
+    """One reader, each caller's exception (issue 44): ``error=`` names the class every refusal
+    is raised as, ``error=None`` makes every refusal a miss, ``required`` makes a missing file
+    a refusal; the messages are the file layer's whatever the class."""
+    class Mine(ValueError):
+        pass
+
+    big, nested, link = run / "big.json", run / "nested.json", run / "link.json"
+    big.write_bytes(b" " * (LIMIT + 1))
+    nested.write_bytes(b"[" * (MAX_DEPTH + 1))
+    link.symlink_to(outside)
+    (run / "list.json").write_text("[1]")
+    for path, words in ((big, "larger than"), (nested, "nested more than"), (link, "symbolic link"),
+                        (run / "list.json", "expected a JSON object")):
+        with pytest.raises(Mine) as ei:
+            safeio.read_json(path, LIMIT, error=Mine)
+        assert str(path) in str(ei.value) and words in str(ei.value) and not isinstance(ei.value, FileRefused)
+        assert safeio.read_json(path, LIMIT, error=None) is None
+    assert safeio.read_bytes(run / "gone", LIMIT, error=Mine) is None
+    with pytest.raises(Mine, match=r"gone: no such file, expected a step name"):
+        safeio.read_bytes(run / "gone", LIMIT, "a step name", error=Mine, required=True)
+    assert safeio.read_text(run / "gone", LIMIT, error=None, required=True) is None
+    (run / "ok.json").write_text('{"a": Infinity}')
+    assert safeio.read_json(run / "ok.json", LIMIT, constants=True) == {"a": float("inf")}
+    with pytest.raises(FileRefused, match="Infinity is not a number JSON allows"):
+        safeio.read_json(run / "ok.json", LIMIT)
+
+
+def test_read_fd_bounds_an_open_descriptor_and_leaves_it_open(run):
+    path = run / "f"
+    path.write_bytes(b"x" * 100)
+    fd = safeio.open_fd(path)
+    try:
+        assert safeio.read_fd(fd, path, 100) == b"x" * 100
+        with pytest.raises(KeyError, match=r"f: 100 bytes, larger than 99 bytes, expected a key"):
+            safeio.read_fd(fd, path, 99, "a key", error=KeyError)
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    sparse = run / "sparse"
+    sparse.write_bytes(b"y")
+    os.truncate(sparse, 1 << 30)  # its length alone refuses it, before a byte is read
+    fd = safeio.open_fd(sparse)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FileRefused, match="1073741824 bytes, larger than"):
+            safeio.read_fd(fd, sparse, LIMIT)
+        assert time.monotonic() - t0 < 1
+    finally:
+        os.close(fd)

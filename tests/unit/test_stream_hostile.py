@@ -466,6 +466,24 @@ def test_a_garbage_simulation_file_fails_the_loader_in_one_line_not_a_hang(tmp_p
         src.stop()
 
 
+def test_a_simulation_file_whose_params_nest_deep_is_refused_in_one_line(tmp_path):
+    """A simulation's HDF5 file is input: its ``params`` attribute nested 5,000 deep was a
+    RecursionError out of ``json.loads`` (a traceback, the file source dead without a reason);
+    now the file layer refuses it before parsing, and the error names the file."""
+    import h5py
+
+    from hpcml.stream.files import read_samples
+
+    path = tmp_path / "sim_00000.h5"
+    with h5py.File(path, "w") as f:
+        f["fields/T"], f["time"], f["step"] = np.zeros((2, 4, 4), np.float32), [0.0, 1.0], [0, 1]
+        f.attrs["sim_id"], f.attrs["params"] = 0, "[" * 5000
+    with pytest.raises(ConfigError) as info:
+        read_samples(path, ("T",), ("alpha",))
+    assert str(info.value).startswith(f"simulation file {path}: FileRefused: attribute params: JSON nested more "
+                                      f"than 64 deep"), str(info.value)
+
+
 def test_refused_connections_leave_nothing_behind_and_a_bad_length_costs_only_its_message():
     """The framing alone (no server thread): strangers are closed and forgotten; a key holder's
     message of too many or too large frames is refused before anything is kept, its bytes passed
