@@ -24,7 +24,7 @@ from hpcml.stream.buffer import Buffer, Sample
 from hpcml.stream.message import MessageError
 from hpcml.stream.routing import route
 from hpcml.stream.schema import SampleSchema
-from hpcml.stream.source import add_counters, history_of, pack_state, unpack_states
+from hpcml.stream.source import SampleSource, add_counters, history_of, pack_state, unpack_states
 
 
 def _bad(path, e: Exception) -> ConfigError:
@@ -73,7 +73,7 @@ def read_samples(path: str | Path, field_names, param_names, schema: SampleSchem
     return [schema.sample(sim, int(s), float(t), p, fields[i]) for i, (s, t) in enumerate(zip(steps, times))]
 
 
-class FileSource:
+class FileSource(SampleSource):
     """Feeds this rank's share of ``files`` into ``buffer`` from a thread: a
     :class:`~hpcml.stream.source.SampleSource` like the stream server. Its state (buffer and
     the keys already read) goes into the checkpoint, so a resumed run reads on where it

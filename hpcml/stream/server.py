@@ -43,7 +43,7 @@ from hpcml.stream.ingest import Ingest
 from hpcml.stream.schema import SampleSchema
 
 __all__ = ["ServerConfig", "StreamServer"]
-from hpcml.stream.source import history_of, pack_state, unpack_states
+from hpcml.stream.source import SampleSource, history_of, pack_state, unpack_states
 
 logger = log.get_logger(__name__)
 
@@ -55,7 +55,7 @@ REBIND_S = 20.0
 HOUSEKEEP_S = 0.05
 
 
-class StreamServer:
+class StreamServer(SampleSource):
     """Receives this trainer rank's simulations into ``buffer``; ``start()`` runs it in a thread."""
 
     def __init__(self, *, campaign: str, secret: bytes, rank: int, n_trainers: int, buffer: Buffer,
@@ -128,6 +128,15 @@ class StreamServer:
 
     # -- what the rest of the library reads ---------------------------------------------------
     @property
+    def param_names(self) -> tuple[str, ...]:
+        return self.config.param_names
+
+    @property
+    def max_connections(self) -> int | None:
+        """Producer connections this rank holds at most (the zmtp wire: ZeroMQ's own, not counted)."""
+        return self._rx.max_connections if isinstance(self._rx, transport.Receiver) else None
+
+    @property
     def seen(self) -> set[tuple[int, int]]:
         return self.ingest.seen
 
@@ -143,7 +152,7 @@ class StreamServer:
     def start(self) -> StreamServer:
         self._thread = threading.Thread(target=self._run, name=f"hpcml-stream-{self.rank}", daemon=True)
         self._thread.start()
-        cap = getattr(self._rx, "max_connections", None)
+        cap = self.max_connections
         logger.info("stream server of trainer rank %d listening on %s%s", self.rank, self.endpoint,
                     f" (up to {cap} producer connections: open-file limit {self._rx.fd_limit})" if cap else "")
         if self.config.shape is None:

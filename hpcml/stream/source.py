@@ -11,41 +11,61 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from hpcml import safeio
 from hpcml.numeric import is_real
 from hpcml.stream.buffer import Buffer
+from hpcml.stream.routing import route
 
 
-@runtime_checkable
-class SampleSource(Protocol):
-    """Fills ``buffer``; ``buffer.end()`` once nothing more will come."""
+class SampleSource:
+    """What a training loop takes samples from: it fills ``buffer`` from a thread and calls
+    ``buffer.end()`` once nothing more will come. A base class with a default for every member
+    the loop uses, so the loop never probes for one: a source of one's own subclasses it and
+    overrides what it has (the stream server and the file source do). The defaults keep no
+    state beyond the buffer: ``state`` saves its samples, ``load_state`` puts back those of the
+    simulations that route to this rank (:func:`hpcml.stream.routing.route` over ``rank`` of
+    ``n_trainers``)."""
 
     buffer: Buffer
+    rank: int = 0
+    n_trainers: int = 1
+    param_names: tuple[str, ...] = ()
+    """The samples' parameters by name, in the order of ``Sample.params`` (feedback names them)."""
+    endpoint: str | None = None
+    """Where producers connect, published for the campaign (None: nothing listens)."""
+    max_connections: int | None = None
+    """Producer connections this rank holds at most (None: no connections)."""
 
-    def start(self) -> SampleSource: ...
+    def start(self) -> SampleSource:
+        return self
 
-    def stop(self) -> None: ...
+    def stop(self) -> None:
+        """Take nothing more in."""
 
     def quiesce(self) -> None:
         """Take in what is already on its way (before a save that stops the run)."""
 
     def stats(self) -> dict:
         """Counters: at least ``samples``, ``bytes``, ``duplicates``, ``dropped`` (reason -> n)."""
+        return {"samples": self.buffer.stats.ingested, "bytes": 0, "duplicates": 0, "dropped": {}}
 
     def accounting(self) -> dict:
         """``{"expected": {sim: samples it should give, or None if unknown}, "ingested": {sim: samples
         taken}}`` for this rank's simulations, restarts included: what the run's summary
-        counts as missing (no silent loss)."""
+        counts as missing (no silent loss). The default knows of none."""
+        return {"expected": {}, "ingested": {}}
 
     def state(self) -> dict[str, np.ndarray]:
         """This rank's state as named arrays, consistent at one instant."""
+        return pack_state(self.buffer, (), {})
 
     def load_state(self, states: list[dict[str, np.ndarray]]) -> None:
         """Restore from every saved rank's :meth:`state`, keeping what routes to this rank now."""
+        unpack_states(states, self.buffer, set(), lambda sim: route(int(sim), self.n_trainers) == self.rank,
+                      self.rank, self.n_trainers)
 
 
 def pack_state(buffer: Buffer, seen: Iterable[tuple[int, int]], meta: dict, also=()) -> dict[str, np.ndarray]:

@@ -118,6 +118,8 @@ class FieldTrainer(TrainLoop):
                     f"{want}))")
         return None
 
+    per_sample_losses = True
+
     @torch.no_grad()
     def sample_losses(self, batch) -> list[float]:
         """The training loss of each sample of ``batch`` on its own, without gradients (one

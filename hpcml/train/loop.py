@@ -21,7 +21,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -171,6 +171,18 @@ class TrainLoop:
     def n_micro(self) -> int:
         return 1
 
+    #: Whether :meth:`sample_losses` gives each sample's loss (online feedback reports them).
+    per_sample_losses = False
+
+    def sample_losses(self, batch: Any) -> list[float]:
+        """The loss of each sample of ``batch`` on its own, without gradients."""
+        raise NotImplementedError(f"{type(self).__name__} gives no per-sample losses")
+
+    def samples_per_step(self) -> int | None:
+        """Samples this rank trains on per step when its batches come from a sample source
+        (online training): the config's ``batch`` where it has one; None: it takes none."""
+        return getattr(self.config, "batch", None)
+
     def step_metrics(self, batch: Any, dt: float) -> dict[str, Any]:
         return {}
 
@@ -178,7 +190,9 @@ class TrainLoop:
         return f"[train] step {m['step']}/{end} loss {m['loss']:.4e} gnorm {m['grad_norm']:.3f} lr {m['lr']:.2e}"
 
     # -- a step ----------------------------------------------------------------------------
-    def train_step(self, batch: Any, extra: dict | None = None) -> dict[str, Any]:
+    def train_step(self, batch: Any, extra: dict | None = None, *, agree_stop: bool = True) -> dict[str, Any]:
+        """One optimizer step; ``agree_stop=False``: the stop was agreed before it (the batch
+        source did), so its one collective does not carry the stop flag."""
         cfg, lay = self.config, self.grid.layout
         t0 = time.perf_counter()
         self.model.train()
@@ -192,7 +206,7 @@ class TrainLoop:
         share[0] = self.model.local_sq_grad_norm()
         if loss is not None:  # last pipeline stage: every (dp, cp, tp) rank holds one share of the mean
             share[1] = loss / (lay.dp * lay.cp * lay.tp)
-        share[2] = float(self.stop_requested or stop_flag.requested() is not None)
+        share[2] = float(agree_stop and (self.stop_requested or stop_flag.requested() is not None))
         share[3:] = torch.tensor(self.model.step_stats(), dtype=torch.float64)
         share = share.to(self.device)
         dist.all_reduce(share)  # the step's one collective beyond the engines' own
@@ -226,13 +240,22 @@ class TrainLoop:
         called on every rank after the optimizer step (collectives allowed)."""
         return {}
 
-    def fit(self, next_batch: Callable[[int], Any], steps: int | None = None) -> list[dict]:
+    def fit(self, next_batch: Callable[[int], Any], steps: int | None = None, *,
+            hooks: Sequence[Callable[[TrainLoop, dict], None]] = (), extra: Callable[[Any], dict] | None = None,
+            agree_stop: bool = True) -> list[dict]:
         """Train on ``next_batch(step)`` until ``steps`` (default ``config.steps``) steps are done
-        in total, or a stop was asked for on any rank."""
+        in total, ``next_batch`` gives None (a source that ended or stopped: agreed over the
+        ranks, so all leave together), or a stop was asked for on any rank. ``hooks`` run after
+        each step, after the trainer's own; ``extra(batch)`` adds figures to the step's metrics.
+        ``agree_stop=False``: ``next_batch`` agrees on a stop itself before every step (a
+        :class:`~hpcml.stream.loader.StreamLoader`), so the step does not: one agreement a step."""
         end = steps if steps is not None else self.config.steps
         while self.step < end:
-            metrics = self.train_step(next_batch(self.step))
-            for hook in self.hooks:
+            batch = next_batch(self.step)
+            if batch is None:
+                break
+            metrics = self.train_step(batch, extra(batch) if extra is not None else None, agree_stop=agree_stop)
+            for hook in (*self.hooks, *hooks):
                 hook(self, metrics)
             if metrics["stop"]:
                 logger.warning("stopping after step %d as asked (signal)", self.step)

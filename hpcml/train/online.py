@@ -40,6 +40,7 @@ from hpcml import lifeline, log, safeio
 from hpcml.contract import Contract
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
+from hpcml.stream.buffer import Buffer
 from hpcml.stream.source import SampleSource
 from hpcml.train.online_report import BENIGN_DROPS, problems, summarize
 from hpcml.train.online_state import check_campaign, load_source_states, simulations_in, source_tensors
@@ -54,8 +55,6 @@ __all__ = ["BENIGN_DROPS", "OnlineConfig", "OnlineResult", "OnlineRun", "check_c
            "simulations_in", "train_online"]
 
 logger = log.get_logger(__name__)
-
-_SOURCE_METHODS = ("start", "stop", "quiesce", "stats", "accounting", "state", "load_state")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,11 +149,10 @@ class OnlineRun:
         from hpcml.stream.loader import StreamLoader
         from hpcml.train.checkpointing import CheckpointHook
 
-        lacking = [m for m in _SOURCE_METHODS if not callable(getattr(source, m, None))]
-        if lacking or not hasattr(source, "buffer"):
-            raise ConfigError(f"source {type(source).__name__} lacks {lacking or ['buffer']}: a sample source "
-                              f"implements hpcml.stream.source.SampleSource")
-        self.batch = getattr(trainer.config, "batch", None)
+        if not isinstance(source, SampleSource) or not isinstance(getattr(source, "buffer", None), Buffer):
+            raise ConfigError(f"source {type(source).__name__} is not a hpcml.stream.source.SampleSource with a "
+                              f"buffer: subclass SampleSource (each member has a default) and set its buffer")
+        self.batch = trainer.samples_per_step()
         if not is_int(self.batch) or self.batch < 1:
             raise ConfigError(f"trainer.config.batch={self.batch!r}: online training takes the per-rank batch from "
                               f"the trainer's config (FieldTrainConfig(batch=...)), an integer >= 1")
@@ -170,17 +168,18 @@ class OnlineRun:
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
             state=self._source_state)
         self.feedback = None
-        if config.feedback_file and callable(getattr(trainer, "sample_losses", None)):
+        if config.feedback_file and trainer.per_sample_losses:
             from hpcml.train.feedback import SimFeedback
 
-            names = getattr(source, "param_names", None) or getattr(getattr(source, "config", None), "param_names", ())
             self.feedback = SimFeedback(path=config.feedback_file, every=config.feedback_every, comm=self.comm,
-                                        param_names=names, campaign=config.campaign, run=config.run)
+                                        param_names=source.param_names, campaign=config.campaign, run=config.run)
         self.loader = StreamLoader(source, self.comm, self.batch, should_stop=self._stopping,
                                    novel=self.feedback.novel if self.feedback is not None else None)
         self.resumed_at: int | None = None
         self._saved: tuple[int, int] | None = None  # (step, samples) the last save holds
         self.drained = 0
+        self._batch: list | None = None  # the batch of the step under way (feedback looks at it after)
+        self._checked = False  # the first batch checked against the model, on every rank
 
     def _source_state(self) -> tuple[dict, dict]:
         """A save's extra tensors and JSON: the source's state, whose own count of samples is
@@ -194,11 +193,11 @@ class OnlineRun:
             extra[FEEDBACK_KEY] = self.feedback.state()  # collective: every rank saves, and so gathers
         return tensors, extra
 
-    @staticmethod
-    def _stopping() -> bool:
+    def _stopping(self) -> bool:
+        """A stop asked for here: a signal, or the trainer's own flag (the loader agrees on it)."""
         from hpcml import stop
 
-        return stop.requested() is not None
+        return self.trainer.stop_requested or stop.requested() is not None
 
     # -- phases ---------------------------------------------------------------------------------
     def run(self) -> OnlineResult:
@@ -241,36 +240,44 @@ class OnlineRun:
         from hpcml.contract import write_endpoints
 
         self.source.start()
-        endpoint = getattr(self.source, "endpoint", None)
+        endpoint = self.source.endpoint
         endpoints = self.comm.gather(endpoint)
-        caps = self.comm.gather(getattr(getattr(self.source, "_rx", None), "max_connections", None))
+        caps = self.comm.gather(self.source.max_connections)
         if self.rank == 0 and self.config.endpoints_file and endpoint is not None:
             # last: the campaign starts no simulation before every server listens
             write_endpoints(self.config.endpoints_file, self.config.campaign, endpoints, self.config.run,
                             max_connections=min((c for c in caps if c), default=None))
 
     def _train(self) -> None:
-        buffer, first = self.source.buffer, True
-        while self.trainer.step < self.steps:
-            batch = self.loader.next_batch()
-            if batch is None:
-                break
-            if first:
-                self._check_first(batch)
-                first = False
-            if self.feedback is not None and self.loader.novel:  # a simulation never trained on: how wrong first
-                self.feedback.fresh(self.trainer, batch)
-            m = self.trainer.train_step(batch, extra={"buffer_len": len(buffer), "ingested": buffer.stats.ingested})
-            if self.feedback is not None:
-                step = self.trainer.step
-                self.feedback.metrics["loss"] = float(m["loss"])
-                if self.validate is not None and self.config.val_every and step % self.config.val_every == 0:
-                    self.feedback.metrics.update({**self.validate(), "val_step": float(step)})  # before the publish
-                self.feedback.step(self.trainer, batch, step)
-            if self.hook is not None:  # periodic saves (the stop is this run's: the loader agreed on it)
-                self.hook(self.trainer, {**m, "stop": False})
-            if self.on_step is not None:
-                self.on_step(m)
+        """:meth:`TrainLoop.fit` on the loader's batches: the loader agrees over the ranks before
+        every step whether all have a batch and whether to stop, so the step itself does not."""
+        self.trainer.fit(self._next_batch, self.steps, hooks=[self._after_step], extra=self._step_extra,
+                         agree_stop=False)
+
+    def _next_batch(self, step: int) -> list | None:
+        batch = self._batch = self.loader.next_batch()
+        if batch is not None and not self._checked:
+            self._check_first(batch)
+            self._checked = True
+        if batch is not None and self.feedback is not None and self.loader.novel:  # never trained on: how wrong first
+            self.feedback.fresh(self.trainer, batch)
+        return batch
+
+    def _step_extra(self, batch: list) -> dict:
+        buffer = self.source.buffer
+        return {"buffer_len": len(buffer), "ingested": buffer.stats.ingested}
+
+    def _after_step(self, trainer: TrainLoop, m: dict) -> None:
+        if self.feedback is not None:
+            step = trainer.step
+            self.feedback.metrics["loss"] = float(m["loss"])
+            if self.validate is not None and self.config.val_every and step % self.config.val_every == 0:
+                self.feedback.metrics.update({**self.validate(), "val_step": float(step)})  # before the publish
+            self.feedback.step(trainer, self._batch, step)
+        if self.hook is not None:  # periodic saves (a stop is this run's to save: _stopped, after a quiesce)
+            self.hook(trainer, m)
+        if self.on_step is not None:
+            self.on_step(m)
 
     def _check_first(self, batch) -> None:
         """The trainer's own check of the data (the model's output against the samples' shape),
@@ -345,7 +352,7 @@ class OnlineRun:
         self.source.stop()
         result = OnlineResult("ok", self.trainer.step, self.resumed_at)
         if self.rank == 0:
-            history = getattr(self.trainer, "history", [])
+            history = self.trainer.history
             result.summary = summarize(stats, steps=self.trainer.step, batch=self.batch,
                                        world=self.grid.layout.world_size,
                                        final_loss=history[-1]["loss"] if history else None)

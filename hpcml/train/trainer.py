@@ -168,8 +168,8 @@ class Trainer(TrainLoop):
     def n_micro(self) -> int:
         return self.config.micro_batches(self.grid.layout)
 
-    def train_step(self, batch: Any = None, extra: dict | None = None) -> dict[str, Any]:
-        return super().train_step(self.local_batch(self.step) if batch is None else batch, extra)
+    def train_step(self, batch: Any = None, extra: dict | None = None, *, agree_stop: bool = True) -> dict[str, Any]:
+        return super().train_step(self.local_batch(self.step) if batch is None else batch, extra, agree_stop=agree_stop)
 
     def fit(self, steps: int | None = None) -> list[dict]:  # type: ignore[override]
         """Train until ``steps`` (default ``config.steps``) optimizer steps are done in total."""

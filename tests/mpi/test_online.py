@@ -438,3 +438,45 @@ def test_periodic_validation_is_published_for_the_campaigns_target(comm, tmp_pat
     now = trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
                          np.stack([s.fields[0] for s in vals]))
     assert validate()["val_rel_l2"] == pytest.approx(now)  # the same figure the final report computes
+
+
+def test_a_source_of_ones_own_needs_only_its_buffer_and_one_stop_agreement_a_step(comm, tmp_path_factory):
+    """Issue 44: a sample source is a ``SampleSource`` subclass, every member the loop uses has
+    a default (this one fills its buffer and nothing else); anything else is refused in one
+    line. The loop is ``TrainLoop.fit``: a stop asked by the trainer on rank 0 alone is agreed
+    by the loader before the next step, so every rank stops after the same step and no step's
+    own collective carries it (each step's ``stop`` is False)."""
+    from hpcml.stream import Sample
+    from hpcml.stream.source import SampleSource
+
+    class Mine(SampleSource):
+        def __init__(self, buffer, rank):
+            self.buffer, self.rank = buffer, rank
+
+        def start(self):
+            rng = np.random.default_rng(self.rank)
+            for i in range(40):
+                self.buffer.put(Sample(sim=self.rank, step=i, t=i / 40, params=np.array([0.5, 0.2], np.float32),
+                                       fields=rng.random((1, NX, NY), dtype=np.float32)))
+            return self
+
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, _ = _trainer_and_source(grid, [], 10)
+    with pytest.raises(ConfigError, match="source object is not a hpcml.stream.source.SampleSource with a buffer: "
+                                          "subclass SampleSource"):
+        train_online(trainer, object(), grid=grid, config=OnlineConfig())
+    ckpt_dir = str(_blob_files(comm, tmp_path_factory)[0].parent / "ckpt_own")
+
+    def ask_on_rank_0(m):
+        if m["step"] == 3 and comm.rank == 0:
+            trainer.stop_requested = True
+
+    source = Mine(Buffer(BufferConfig(policy="fifo", capacity=64, watermark=4)), grid.rank)
+    result = train_online(trainer, source, grid=grid, on_step=ask_on_rank_0,
+                          config=OnlineConfig(ckpt_dir=ckpt_dir, ckpt_every=100))
+    assert (result.status, result.steps) == ("stopped", 3)
+    assert [m["stop"] for m in trainer.history] == [False] * 3
+    assert (Path(ckpt_dir) / "step_00000003").is_dir()
+    states = load_source_states(ckpt_dir)  # the default state: the buffer's samples, every rank's
+    assert sum(len(st["buffer/keys"]) for st in states) == comm.size * (40 - 3 * 4)
