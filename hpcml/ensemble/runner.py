@@ -31,9 +31,10 @@ from hpcml.idset import IdSet
 from hpcml.ensemble.members import Specs
 from hpcml.ensemble.simpool import Sim, SimPool
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob, streaming
+from hpcml.ensemble.stopping import StopPolicy
+from hpcml.ensemble.supervise import TrainerWatch
 from hpcml.ensemble.trainer_proc import TrainerProcess
 from hpcml.ensemble.waves import Waves, rank_idle
-from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.log import get_logger
 
@@ -42,13 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover -- the campaign imports the runner, never 
 
 logger = get_logger(__name__)
 
-#: Seconds before the walltime at which the campaign stops by itself if no warning came:
-#: time for the trainer's last save and the driver's report.
-SAVE_MARGIN_S = 60.0
-#: Seconds before the walltime by which a trainer asked to stop must be gone.
-LAST_SECONDS_S = 5.0
-#: A trainer's save window after a stop request when there is no walltime (a signal to a local driver).
-SAVE_WINDOW_S = 120.0
 #: Between SIGTERM and SIGKILL for a training job that is ended (before a relaunch, or at the end):
 #: time to take in what is queued (``quiesce``, 10 s at most) and save it.
 TRAINER_SAVE_S = 30.0
@@ -66,41 +60,34 @@ class Run:
         self.streams = streaming(training, ready_file)
         self.ready_file = ready_file if ready_file is not None or not self.streams else self.run_dir / ENDPOINTS_FILE
         self.book = Book(sims)  # every simulation's outcome, a few bytes each; a Sim exists only in flight
+        self.stops = StopPolicy(c.deadline, signals=c.handle_signals)
         self.pool = SimPool(c, self.run_dir, self.book, self._sim, check=self._check_trainer,
-                            stopping=self._stopping, show=self._show)
+                            stopping=self.stops.stopping, show=self._show)
         self.pool.on_complete = self._completed
         self.prov_path = self.run_dir / provenance.PROVENANCE_FILE
         self.trainer: TrainerProcess | None = None
+        self.watch: TrainerWatch | None = None
         self.contract: Contract | None = None
         self.parsl_load_s = 0.0
         self.retries: int | None = None
         self.error: str | None = None
-        self.stop_reason: str | None = None
-        self.deadline: float | None = c.deadline
-        self.samples: dict | None = None
         self.fixed = len(sims)  # with waves: the simulations of a fixed design run besides them
         self.progress = ProgressLine(self._total(), enabled=c.progress,
                                      every_s=c.progress_every_s)
 
-    # -- time and stopping ------------------------------------------------------------------------
-    def _save_window(self) -> float:
-        """Seconds a trainer asked to stop has to save: until just before the walltime."""
-        if self.deadline is None:
-            return SAVE_WINDOW_S
-        return self.deadline - time.time() - LAST_SECONDS_S
+    # -- what the report reads ------------------------------------------------------------------
+    @property
+    def stop_reason(self) -> str | None:
+        return self.stops.reason
 
-    def _stopping(self) -> bool:
-        """True once the campaign must stop: a walltime warning reached the driver, the
-        walltime is ``SAVE_MARGIN_S`` away and none came, or the trainer stopped itself."""
-        if self.stop_reason is None:
-            if self.c.handle_signals and stop.requested():
-                self.stop_reason = stop.requested()
-            elif self.deadline is not None and time.time() > self.deadline - SAVE_MARGIN_S:
-                self.stop_reason = f"walltime: {SAVE_MARGIN_S:.0f} s left and no warning came"
-            if self.stop_reason is not None:
-                logger.warning("%s: stopping the campaign: cancelling simulations, then the trainer saves and "
-                               "stops", self.stop_reason)
-        return self.stop_reason is not None
+    @property
+    def deadline(self) -> float | None:
+        return self.stops.deadline
+
+    @property
+    def samples(self) -> dict | None:
+        """The trainer's accounting of samples (expected, ingested, missing), once read."""
+        return self.watch.samples if self.watch is not None else None
 
     # -- orchestration --------------------------------------------------------------------------
     def execute(self) -> CampaignResult:
@@ -116,8 +103,8 @@ class Run:
 
     def _execute(self, t0: float) -> CampaignResult:
         alloc = self.c.allocation()
-        if alloc is not None and self.deadline is None:
-            self.deadline = alloc.deadline
+        if alloc is not None and self.stops.deadline is None:
+            self.stops.deadline = alloc.deadline
         train_hosts: tuple[str, ...] = ()
         sim_hosts: tuple[str, ...] = ()
         if alloc is None:
@@ -150,13 +137,16 @@ class Run:
                                               run_dir=self.run_dir, env=self.contract.to_env(),
                                               grace_s=max(self.c.cancel_grace_s, TRAINER_SAVE_S))
                 self.trainer.start(append=self.resume)
+                contract = self.contract
+                self.watch = TrainerWatch(self.trainer, self.stops,
+                                          lambda: ledger.samples(ledger.trainer_summary(contract)))
             if self.waves and not self.waves.plan.waves:  # the first wave: no feedback yet
                 self._add(self.waves.propose(self.contract))
             if self.book.counts[PENDING] or (self.waves and not self.waves.plan.done):
                 self._run_parsl(sim_hosts)
             else:
                 self._wait_ready()
-            if (len(self.book) or self.waves) and not self._stopping() and (not self.waves or self.waves.plan.done):
+            if (len(self.book) or self.waves) and not self.stops.stopping() and (not self.waves or self.waves.plan.done):
                 self._write_done()
             if self.trainer is not None:
                 self._wait_trainer()
@@ -210,7 +200,7 @@ class Run:
         if self.ready_file is not None:
             local = self.c.site is None or self.c.site.scheduler == "local"
             timeout = self.ready_timeout_s if self.ready_timeout_s is not None else 300.0 if local else None
-            self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self._stopping)
+            self.trainer.wait_ready(self.ready_file, timeout, stop_requested=self.stops.stopping)
             if self.streams and self.contract is not None and self.contract.endpoints_file:
                 connections_needed(self.contract.endpoints_file, self.c.max_concurrent, self.book.specs.max_ranks(),
                                    self.contract)
@@ -234,7 +224,7 @@ class Run:
         return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
                         resume=self.resume and self.claim.held, steps=t.steps if t else None,
                         batch=t.batch if t else None, n_sims=self._total(),
-                        deadline=self.deadline,
+                        deadline=self.stops.deadline,
                         driver_pid=os.getpid(), driver_host=socket.gethostname(), **stream)
 
     def _prepare(self) -> None:
@@ -272,15 +262,14 @@ class Run:
                         f"; {len(lost)} finished after the last save and run again: {lost[:20]}" if lost else "")
 
     def _next_wave(self) -> list[Sim] | None:
-        """The pool's ``more``: the next wave once the last one has mostly ended (or nothing
-        runs), proposed from the trainer's feedback; None once the budget is proposed."""
+        """The pool's ``more``: the next wave when :meth:`Waves.due` says so, proposed from the
+        trainer's feedback; None once the budget is proposed."""
         w = self.waves
         if w.plan.done:
             return None
-        last = w.plan.waves[-1]["ids"] if w.plan.waves else []
-        at = [self.book.specs.position(i) for i in last]
+        at = [self.book.specs.position(i) for i in w.last_ids()]
         ended = sum(p is not None and self.book.outcome[p] in (COMPLETED, FAILED) for p in at)
-        if last and self.pool.inflight and ended < w.trigger * len(last) and not self._rank_idle():
+        if not w.due(ended, running=bool(self.pool.inflight), idle=self._rank_idle):
             return []
         new = self._add(w.propose(self.contract))
         self.progress.total = self._total()
@@ -328,39 +317,22 @@ class Run:
 
     # -- training job -----------------------------------------------------------------------------
     def _check_trainer(self) -> None:
-        """While simulations remain: a trainer that stopped ends the campaign (restarted first
-        after a failure while allowed); exit 75 means it was told to stop (interrupted)."""
-        t = self.trainer
-        if t is None or t.poll() is None or (not self._stopping() and t.restart_if_allowed()):
-            return
-        rc = t.returncode
-        if rc == NOT_FINISHED:
-            self.stop_reason = self.stop_reason or "trainer saved and stopped (exit 75)"
-            return
-        what = f"exited with code {rc}" if rc != 0 else "exited with code 0 before the simulations were done"
-        # its accounting, as when it ends after the simulations: a trainer that read every end marker
-        # may exit before this driver has seen the last simulation end (a loaded machine)
-        self.samples = ledger.samples(ledger.trainer_summary(self.contract))
-        missing = (self.samples or {}).get("missing")
-        self.error = ledger.missing_line(self.samples) if missing else t.message(what)
-        raise LaunchError(self.error)
+        """The pool's check while simulations remain (:meth:`TrainerWatch.check`)."""
+        if self.watch is not None:
+            try:
+                self.watch.check()
+            except LaunchError:
+                self.error = self.watch.error
+                raise
 
     def _wait_trainer(self) -> None:
-        t = self.trainer
-        rc = t.wait(timeout_s=self.train_timeout_s, tick=self._show, poll_s=self.c.poll_s,
-                    stop_requested=self._stopping, save_window=self._save_window)
-        self._show(force=True)
-        t.reap()  # nothing of it may outlive the campaign (a launcher's orphaned ranks)
-        self.samples = ledger.samples(ledger.trainer_summary(self.contract))
-        if rc == NOT_FINISHED:
-            self.stop_reason = self.stop_reason or "trainer saved and stopped (exit 75)"
-        elif rc != 0 and self.stop_reason is not None:  # the last periodic checkpoint is what resumes
-            logger.error(t.message(f"exited with code {rc} while stopping, not 75: the next run resumes from "
-                                   f"its last periodic checkpoint"))
-        elif rc != 0 or (self.samples or {}).get("missing"):
-            missing = (self.samples or {}).get("missing")
-            self.error = ledger.missing_line(self.samples) if missing else t.message(f"exited with code {rc}")
-            raise LaunchError(self.error)
+        try:
+            self.watch.wait(timeout_s=self.train_timeout_s, tick=self._show, poll_s=self.c.poll_s)
+        except LaunchError:
+            self.error = self.watch.error
+            raise
+        finally:
+            self._show(force=True)
 
     # -- reporting ------------------------------------------------------------------------------
     def _show(self, force: bool = False) -> None:

@@ -322,6 +322,17 @@ class Waves:
         self.plan = WavePlan(run_dir, self.sampler, budget=self.budget, size=self.size)
         return [self._spec(i, p) for i, p in self.plan.simulations()]
 
+    def last_ids(self) -> list[int]:
+        """The simulation ids of the last wave proposed (none yet: [])."""
+        return list(self.plan.waves[-1]["ids"]) if self.plan is not None and self.plan.waves else []
+
+    def due(self, ended: int, *, running: bool, idle: Callable[[], bool] = lambda: False) -> bool:
+        """Whether the next wave is due, with ``ended`` of the last wave's simulations ended:
+        none proposed yet, nothing runs, ``trigger`` of it has ended, or a trainer rank has no
+        running simulation (``idle()``, asked last: it looks at every simulation in flight)."""
+        last = self.last_ids()
+        return not last or not running or ended >= self.trigger * len(last) or idle()
+
     def propose(self, contract) -> list[SimSpec]:
         """The next wave, from the trainer's feedback file (none yet, or unreadable: no feedback)."""
         rec = FeedbackRecord(0, {}, {})
