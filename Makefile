@@ -26,7 +26,8 @@ demo: setup
 	@if [ -e runs/demo ]; then old=runs/demo.$$(date +%Y%m%d-%H%M%S); mv runs/demo $$old; echo "earlier demo kept in $$old"; fi
 	timeout --kill-after=30 600 $(PY) workflows/heat_surrogate.py --site local --sims 16 --mode online --run-dir runs/demo
 
-# Every suite in turn; each stage's time is printed at the end (scripts/test_all.sh, docs/testing.md).
+# Every suite (Slurm beside unit, then the rest in turn); each stage's time is printed at the end
+# (scripts/test_all.sh, docs/testing.md).
 test: setup
 	PY=$(PY) MPIEXEC="$(MPIEXEC)" MPI_TIMEOUT=$(MPI_TIMEOUT) bash scripts/test_all.sh
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# `make test`: every suite, one after another, each stage's time printed at the end
-# (docs/testing.md keeps them). Stages run in turn, not side by side: on 2 cores the Slurm
-# suite beside the unit and MPI suites doubled the 4-rank MPI suite (oversubscribed ranks)
-# and stretched the Slurm suite past the time saved. Every stage runs even when one fails, so
-# one CI run reports them all; any failure fails the run.
+# `make test`: every suite, each stage's time printed at the end (docs/testing.md keeps them).
+# The Slurm suite runs beside the unit suite -- one pytest process on one core, while the Slurm
+# jobs mostly wait on the scheduler and a real walltime -- and the MPI and workflow suites after
+# both, one after another: on 2 cores the Slurm suite beside the MPI suites doubled the 4-rank
+# suite (oversubscribed ranks) and stretched the Slurm suite past the time saved. Every stage
+# runs even when one fails, so one CI run reports them all; any failure fails the run.
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
 MPIEXEC=${MPIEXEC:-mpiexec}
@@ -17,16 +18,30 @@ stage() {  # stage NAME CMD...: run it, note its time and status
     rc[$name]=$?
     took[$name]=$((SECONDS - t0))
 }
+beside_log=$(mktemp)
+beside_rc=$(mktemp)
+trap 'rm -f "$beside_log" "$beside_rc"' EXIT
+beside() {  # beside CMD...: start it in the background, its output kept apart until it ends
+    ( t0=$SECONDS; "$@" >"$beside_log" 2>&1; echo "$? $((SECONDS - t0))" >"$beside_rc" ) &
+    beside_pid=$!
+}
+joined() {  # joined NAME: wait for the background stage, print its output, note its time and status
+    wait "$beside_pid"
+    echo "=== make test: $1 (ran beside the stage above) ==="
+    cat "$beside_log"
+    read -r rc["$1"] took["$1"] <"$beside_rc" || { rc[$1]=1; took[$1]=0; }
+}
 
+beside bash scripts/slurm_tests.sh
 stage unit bash -c "$PY -m pytest tests/unit -q || [ \$? -eq 5 ]"
+joined slurm
 stage mpi2 bash scripts/mpi_tests.sh 2
 stage mpi4 bash scripts/mpi_tests.sh 4
 stage workflows bash -c "$PY -m pytest tests/workflows -q || [ \$? -eq 5 ]"
-stage slurm bash scripts/slurm_tests.sh
 
 status=0
 echo "=== make test: stage, seconds, exit status ==="
-for name in unit mpi2 mpi4 workflows slurm; do
+for name in unit slurm mpi2 mpi4 workflows; do
     printf '%-10s %6s s  rc %s\n' "$name" "${took[$name]}" "${rc[$name]}"
     [ "${rc[$name]}" = 0 ] || status=1
 done
