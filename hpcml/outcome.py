@@ -20,7 +20,8 @@ def write_stream_record(n_sent: int, nbytes: int, sim: int, attempt: int,
     (``HPCML_STREAM_RECORD``); nothing outside a campaign."""
     path = (os.environ if environ is None else environ).get(ENV_STREAM_RECORD)
     if path:
-        safeio.write_json(path, {"sim": sim, "attempt": attempt, "n_sent": n_sent, "bytes": nbytes, "time": time.time()})
+        safeio.write_json(path, {"sim": sim, "attempt": attempt, "n_sent": n_sent, "bytes": nbytes,
+                                 "time": time.time()})
 
 
 #: Beside an attempt's stream record: the deterministic error that ended it (never retried).

@@ -95,7 +95,8 @@ def from_file(path: str | os.PathLike) -> Keyring:
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"checkpoint key file {path} has mode {stat.S_IMODE(st.st_mode):o}: expected no access "
                               f"for group and others (chmod 600 {path})")
-        text = safeio.read_fd(fd, f"checkpoint key file {path}", MAX_KEY_FILE_BYTES, "a file of keys", error=ConfigError)
+        text = safeio.read_fd(fd, f"checkpoint key file {path}", MAX_KEY_FILE_BYTES, "a file of keys",
+                              error=ConfigError)
     finally:
         os.close(fd)
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(b"#")]

@@ -135,8 +135,9 @@ def read(ckpt: Path, keys: Keyring | None = None) -> dict:
         if seen in _CHECKED:  # the same file, unchanged, checked already in this process (a tool opens it
             return _CHECKED[seen]  # several times): parsing a 20 MB manifest again costs seconds
         limit = _limit(ckpt)
-        raw = safeio.read_fd(fd, path, limit, f"a manifest of this checkpoint (its shard files hold "
-                                              f"{limit if limit > FREE_MANIFEST_BYTES else 'less'})", error=CheckpointError)
+        held = limit if limit > FREE_MANIFEST_BYTES else "less"
+        raw = safeio.read_fd(fd, path, limit, f"a manifest of this checkpoint (its shard files hold {held})",
+                             error=CheckpointError)
     finally:
         os.close(fd)
     try:

@@ -146,7 +146,8 @@ class Run:
                 self._run_parsl(sim_hosts)
             else:
                 self._wait_ready()
-            if (len(self.book) or self.waves) and not self.stops.stopping() and (not self.waves or self.waves.plan.done):
+            waves_done = not self.waves or self.waves.plan.done
+            if (len(self.book) or self.waves) and not self.stops.stopping() and waves_done:
                 self._write_done()
             if self.trainer is not None:
                 self._wait_trainer()
@@ -219,7 +220,7 @@ class Run:
                           stream_interface=None if self.c.stream_host or self.c.site is None
                           else self.c.site.stream_interface)
         t = self.training
-        if len(self.book) or self.waves:  # the end of the campaign, for any trainer that waits for it (streaming or not)
+        if len(self.book) or self.waves:  # the end of the campaign, for any trainer that waits for it (streaming too)
             stream["done_file"] = str(self.run_dir / DONE_FILE)
         return Contract(run_dir=str(self.run_dir), campaign=self.claim.campaign, run=self.claim.run,
                         resume=self.resume and self.claim.held, steps=t.steps if t else None,

@@ -113,7 +113,8 @@ class TrainerProcess:
         if self.launch is not None:  # TERM first: its ranks save what they hold and exit; the rest is killed
             self.reap(self.launch)
         self.launch = uuid.uuid4().hex[:16]
-        safeio.replace(self.run_dir / LEASE_FILE, self.launch + "\n")  # ranks of the earlier launch elsewhere see it, go
+        # ranks of the earlier launch elsewhere see it, and go
+        safeio.replace(self.run_dir / LEASE_FILE, self.launch + "\n")
         env = {**os.environ, **self.env, **job.env, ENV["launch"]: self.launch,
                **({ENV["resume"]: "1"} if restart else {})}
         logger.info("training job: %s", self.line)

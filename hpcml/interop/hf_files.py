@@ -202,4 +202,5 @@ class SafetensorsDir:
                 dest[torch.from_numpy(at)] = piece.to(dest.dtype)
 
 
-__all__ = ["ITEMSIZE", "MAX_HEADER_BYTES", "SafetensorsDir", "header", "homes", "inside", "model_json", "resolve_inside"]
+__all__ = ["ITEMSIZE", "MAX_HEADER_BYTES", "SafetensorsDir", "header", "homes", "inside", "model_json",
+           "resolve_inside"]

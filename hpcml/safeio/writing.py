@@ -60,7 +60,8 @@ def replace(path: str | os.PathLike, data: str | bytes | Iterable[str | bytes], 
             os.unlink(tmp, dir_fd=dfd)  # a crash's leftover, or something planted: a name, never followed
         except FileNotFoundError:
             pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | WRITE_FLAGS, 0o666 if mode is None else mode, dir_fd=dfd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | WRITE_FLAGS
+        fd = os.open(tmp, flags, 0o666 if mode is None else mode, dir_fd=dfd)
         try:
             for chunk in (data,) if isinstance(data, (str, bytes, bytearray, memoryview)) else data:
                 view = memoryview(chunk.encode() if isinstance(chunk, str) else chunk)
