@@ -133,8 +133,8 @@ class StreamServer(SampleSource):
 
     @property
     def max_connections(self) -> int | None:
-        """Producer connections this rank holds at most (the zmtp wire: ZeroMQ's own, not counted)."""
-        return self._rx.max_connections if isinstance(self._rx, transport.Receiver) else None
+        """Producer connections this rank holds at most (None on the zmtp wire: ZeroMQ's own, not counted)."""
+        return self._rx.max_connections
 
     @property
     def seen(self) -> set[tuple[int, int]]:
@@ -313,7 +313,7 @@ class StreamServer(SampleSource):
                 "peers": {"admitted": self._rx.admitted, "refused": self._rx.refused,
                           "peer_bytes": lim.peer_bytes, "frame_bytes": lim.frame_bytes,
                           "queued_bytes_max": lim.queued_bytes, "partial_bytes_max": max(held.values(), default=0),
-                          "fd_limit": fd_limit(), **getattr(self._rx, "stats", dict)()}}
+                          "fd_limit": fd_limit(), **self._rx.stats()}}
 
     def accounting(self) -> dict:
         with self._lock:

@@ -121,8 +121,15 @@ class Receiver:
     def refused(self) -> int:
         return self.gate.refused
 
+    #: Producer connections held at most: not counted on this wire (libzmq holds them).
+    max_connections: int | None = None
+
     def held_bytes(self) -> int:
         return 0  # what libzmq holds is not visible from here
+
+    def stats(self) -> dict:
+        """The framed wire's connection counters: none of them is visible from here."""
+        return {}
 
     def sweep(self) -> None:
         pass  # the handshake happens inside libzmq
