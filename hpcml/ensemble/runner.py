@@ -152,7 +152,8 @@ class Run:
             if self.trainer is not None:
                 self._wait_trainer()
         except BaseException as e:
-            self.error, failure = self.error or f"{type(e).__name__}: {e}", e
+            watched = self.watch.error if self.watch is not None else None  # the trainer's own failure line
+            self.error, failure = self.error or watched or f"{type(e).__name__}: {e}", e
             if self.trainer is not None:
                 self.trainer.stop()
             raise
@@ -320,18 +321,11 @@ class Run:
     def _check_trainer(self) -> None:
         """The pool's check while simulations remain (:meth:`TrainerWatch.check`)."""
         if self.watch is not None:
-            try:
-                self.watch.check()
-            except LaunchError:
-                self.error = self.watch.error
-                raise
+            self.watch.check()
 
     def _wait_trainer(self) -> None:
         try:
             self.watch.wait(timeout_s=self.train_timeout_s, tick=self._show, poll_s=self.c.poll_s)
-        except LaunchError:
-            self.error = self.watch.error
-            raise
         finally:
             self._show(force=True)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcml.safeio.paths import FileRefused
-from hpcml.safeio.reading import read_bytes
+from hpcml.safeio.reading import read_bytes, refused_as
 from hpcml.safeio.writing import replace
 
 #: JSON nested deeper than this is refused before it is parsed (hpcml's own records nest 4).
@@ -81,17 +81,17 @@ def read_json(path: str | os.PathLike, max_bytes: int, *, root: str | os.PathLik
     """A JSON object from regular file ``path``, or None if it is not there; ``error`` (the
     caller's class, FileRefused by default; None: a miss) naming the file for anything else --
     size checked before reading, depth before parsing (:func:`read_bytes`, :func:`parse_json`)."""
-    data = read_bytes(path, max_bytes, expected, root=root, error=error, required=required)
+    return refused_as(error, _read_json, path, max_bytes, root, max_depth, required, constants, expected)
+
+
+def _read_json(path, max_bytes: int, root, max_depth: int, required: bool, constants: bool,
+               expected: str) -> dict[str, Any] | None:
+    data = read_bytes(path, max_bytes, expected, root=root, required=required)
     if data is None:
         return None
-    try:
-        rec = parse_json(data, str(path), max_depth=max_depth, constants=constants)
-        if not isinstance(rec, dict):
-            raise FileRefused(f"{path}: expected a JSON object, got {type(rec).__name__}")
-    except FileRefused as e:
-        if error is None:
-            return None
-        raise error(str(e)) from None
+    rec = parse_json(data, str(path), max_depth=max_depth, constants=constants)
+    if not isinstance(rec, dict):
+        raise FileRefused(f"{path}: expected a JSON object, got {type(rec).__name__}")
     return rec
 
 

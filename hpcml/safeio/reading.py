@@ -9,22 +9,37 @@ from collections.abc import Iterator
 from hpcml.safeio.paths import FileRefused, open_fd
 
 
+def refused_as(error: type[Exception] | None, read, *args):
+    """``read(*args)``, its FileRefused raised as the caller's ``error`` class (None: the refusal is
+    a miss, None) -- the one place a reader of this layer speaks the caller's error class."""
+    try:
+        return read(*args)
+    except FileRefused as e:
+        if error is None:
+            return None
+        if error is FileRefused:
+            raise
+        raise error(str(e)) from None
+
+
 def read_fd(fd: int, path, max_bytes: int, expected: str = "this file", *,
-            error: type[Exception] = FileRefused) -> bytes:
+            error: type[Exception] | None = FileRefused) -> bytes | None:
     """The bytes of the regular file open at ``fd`` (``path`` names it in messages); ``error``
     (naming the file and ``expected``) when it holds more than ``max_bytes`` -- of length or of
     blocks -- checked before a byte is read. The descriptor stays open."""
+    return refused_as(error, _read_fd, fd, path, max_bytes, expected)
+
+
+def _read_fd(fd: int, path, max_bytes: int, expected: str) -> bytes:
     try:
         size = _bounded(fd, path, max_bytes, expected)
         data = _pread(fd, 0, min(size, max_bytes) + 1)  # what it holds, not the limit
         if len(data) > size:  # it grew since: read on to the limit, no further
             data += _pread(fd, len(data), max_bytes + 1 - len(data))
     except OSError as e:
-        raise error(f"{path}: {e.strerror or e}") from None
-    except FileRefused as e:
-        raise error(str(e)) from None
+        raise FileRefused(f"{path}: {e.strerror or e}") from None
     if len(data) > max_bytes:
-        raise error(f"{path}: larger than {max_bytes} bytes, expected {expected}")
+        raise FileRefused(f"{path}: larger than {max_bytes} bytes, expected {expected}")
     return data
 
 
@@ -48,30 +63,22 @@ def read_bytes(path: str | os.PathLike, max_bytes: int, expected: str = "this fi
     file and ``expected`` for anything else: a link, not a regular file, a path out of ``root``,
     more than ``max_bytes`` (:func:`read_fd`). ``error=None``: every refusal is None, a miss
     (a record that is not one of ours counts as not there)."""
+    return refused_as(error, _read_bytes, path, max_bytes, expected, root, required)
+
+
+def _read_bytes(path, max_bytes: int, expected: str, root, required: bool) -> bytes | None:
     try:
         fd = open_fd(path, root=root)
     except FileNotFoundError:
         if required:
-            return _refused(error, f"{path}: no such file, expected {expected}")
+            raise FileRefused(f"{path}: no such file, expected {expected}") from None
         return None
     except OSError as e:
-        return _refused(error, f"{path}: {e.strerror or e}")
-    except FileRefused as e:
-        return _refused(error, str(e))
+        raise FileRefused(f"{path}: {e.strerror or e}") from None
     try:
-        return read_fd(fd, path, max_bytes, expected, error=error or FileRefused)
-    except FileRefused:
-        if error is None:
-            return None
-        raise
+        return _read_fd(fd, path, max_bytes, expected)
     finally:
         os.close(fd)
-
-
-def _refused(error: type[Exception] | None, text: str) -> None:
-    if error is None:
-        return None
-    raise error(text) from None
 
 
 def read_text(path: str | os.PathLike, max_bytes: int, expected: str = "a short text", *,
