@@ -47,6 +47,8 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{axis}", type=int, default=None if axis in ("dp", "etp") else 1,
                        help=f"degree of {axis}" + (" (default: tp)" if axis == "etp" else " (ep folds over cp x dp)"
                                                   if axis == "ep" else f" (-1: infer{'; default: the rest' if axis == 'dp' else ''})"))
+    p.add_argument("--pop", type=int, default=1, help="population members (outermost): the ranks split into POP "
+                   "trainers of this layout each (docs/populations.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the groups")
     p.add_argument("--check", action="store_true",
                    help="build the real grid (MPI and torch.distributed) and check every group communicates")
@@ -221,22 +223,29 @@ def _cmd_grid(args: argparse.Namespace) -> int:
     _check_world(args)
     if not args.check:
         world = args.world if args.world is not None else env.detect().world_size
-        layout = Layout.from_degrees(world, _degrees(args))
+        if args.pop < 1 or world % args.pop:
+            raise ConfigError(f"--pop {args.pop}: expected a positive divisor of the {world} ranks (each member "
+                              f"gets as many)")
+        layout = Layout.from_degrees(world // args.pop, _degrees(args))
         if env.detect().rank == 0:
-            print(json.dumps(layout.to_dict()) if args.json else _layout_text(layout))
+            head = (f"population: {args.pop} members of {world // args.pop} ranks; member m is world ranks "
+                    f"m*{world // args.pop} onwards, each laid out as:\n") if args.pop > 1 else ""
+            pop = {"pop": args.pop} if args.pop > 1 else {}
+            print(json.dumps({**layout.to_dict(), **pop}) if args.json else head + _layout_text(layout))
         return 0
 
     from hpcml.grid import ProcessGrid, install_abort_handler
     from hpcml.grid.check import check_grid
 
     install_abort_handler()
-    grid = ProcessGrid(**_degrees(args))
-    if args.world is not None and args.world != grid.world_size:
-        raise ConfigError(f"--world {args.world} != MPI world size {grid.world_size}")
+    grid = ProcessGrid(pop=args.pop, **_degrees(args))
+    if args.world is not None and args.world != grid.world_comm.Get_size():
+        raise ConfigError(f"--world {args.world} != MPI world size {grid.world_comm.Get_size()}")
     grid.init_torch(backend=args.backend, interface=args.interface)
     results = check_grid(grid)
-    if grid.rank == 0:
-        print(json.dumps(grid.layout.to_dict()) if args.json else grid.describe())
+    if grid.world_comm.Get_rank() == 0:
+        pop = {"pop": grid.pop} if grid.pop > 1 else {}
+        print(json.dumps({**grid.layout.to_dict(), **pop}) if args.json else grid.describe())
         print(f"check passed: {len(results)} groups on each rank agree in layout, MPI and torch", file=sys.stderr)
     import torch.distributed as dist
 

@@ -43,8 +43,17 @@ def check_grid(grid: ProcessGrid) -> list[GroupCheck]:
             dist.all_reduce(t, group=mesh.get_group(key[0]))
             torch_sum = int(t.item())
         results.append(GroupCheck(axes=key, expected=expected, mpi=mpi_sum, torch=torch_sum))
+    if grid.pop > 1:  # the ranks at this place in every member, in world ranks
+        me = grid.global_rank(grid.rank)
+        torch_sum = None
+        if grid.torch is not None:
+            t = torch.tensor([me], dtype=torch.int64, device=grid.torch.device)
+            dist.all_reduce(t, group=grid.torch.pop_group)
+            torch_sum = int(t.item())
+        results.append(GroupCheck(axes=("pop",), expected=sum(grid.torch_rank_of(m) for m in range(grid.pop)),
+                                  mpi=grid.pop_comm.allreduce(me, op=MPI.SUM), torch=torch_sum))
     bad = [r for r in results if not r.ok]
-    n_bad = grid.comm.allreduce(len(bad), op=MPI.SUM)
+    n_bad = grid.world_comm.allreduce(len(bad), op=MPI.SUM)
     if n_bad:
         detail = f"; here: {bad}" if bad else ""
         raise LaunchError(f"grid check failed: {n_bad} group(s) disagree with the layout{detail}")

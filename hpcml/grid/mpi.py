@@ -4,6 +4,10 @@ Every argument is validated (by :class:`~hpcml.grid.layout.Layout`) on every ran
 first collective is one allgather of every rank's resolved arguments (with its node name):
 a bad layout on any rank, or arguments that differ between ranks, raise the same one-line
 GridError everywhere -- no inconsistent groups, no Split that some rank never calls.
+
+``pop=K`` (outermost) splits the ranks into K members of equal size, each a grid of its own
+(LBANN's trainers of a tournament): ``grid.comm`` is then the member's communicator and
+``grid.pop_comm`` joins the ranks at the same place in every member.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from hpcml import env, log
 from hpcml.errors import GridError
 from hpcml.grid import cpus
 from hpcml.grid.layout import AXES, Layout
+from hpcml.numeric import is_int
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -101,6 +106,15 @@ def agree(problems: list[str | None], choices: list, *, where: str, differ: str,
         raise (differ_error or error)(f"{differ} differ across ranks: {told}; {what}")
 
 
+def _members(pop, world_size: int) -> int:
+    """The population size, checked against the ranks (no communication)."""
+    if not is_int(pop) or pop < 1:
+        raise GridError(f"pop {pop!r}: expected a positive whole number of population members")
+    if world_size % pop:
+        raise GridError(f"pop {pop} does not divide {world_size} ranks: every member needs as many ranks")
+    return pop
+
+
 def _agree(views: list[tuple[str | None, str | None]]) -> None:
     """Every rank's ``(arguments, problem)``: the same GridError on every rank unless all agree."""
     agree([p for _, p in views], [f"gave {m}" for m, _ in views], where="ProcessGrid arguments",
@@ -117,27 +131,39 @@ class ProcessGrid:
     """
 
     def __init__(self, layout: Layout | None = None, *, comm: MPI.Comm | None = None,
-                 combos: Iterable[Sequence[str]] = DEFAULT_COMBOS, node_name: str | None = None,
+                 combos: Iterable[Sequence[str]] = DEFAULT_COMBOS, node_name: str | None = None, pop: int = 1,
                  **degrees: int) -> None:
         from mpi4py import MPI
 
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
-        self.rank = self.comm.Get_rank()
-        self.world_size = self.comm.Get_size()
-        log.configure(self.rank)
+        self.world_comm = comm if comm is not None else MPI.COMM_WORLD
+        """Every rank of the job; ``comm`` is this rank's member of the population (the same without ``pop``)."""
+        world_rank, world_size = self.world_comm.Get_rank(), self.world_comm.Get_size()
+        self.rank, self.world_size, self.pop = world_rank, world_size, 1
+        log.configure(world_rank)
         try:
+            self.pop = _members(pop, world_size)
+            self.world_size = world_size // self.pop  # a member's ranks: the layout's world
+            self.rank = world_rank % self.world_size
             layout, wanted = self._resolve(layout, combos, degrees)
             self._cpu_bind = cpus.bind_policy()
             mine, problem = f"{layout.describe_degrees()}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
+            mine += f", pop {self.pop}" if self.pop > 1 else ""
         except Exception as e:  # any bad argument (a str for a Layout...): still reach the allgather
             text = " ".join(str(e).split())  # one line, whatever the exception said
             mine, problem = None, text if isinstance(e, GridError) else f"{type(e).__name__}: {text}"
         # -- the first collective: every rank's arguments and node, so that all raise the same
         # error or none does (one allgather; a rank-dependent argument would otherwise build
         # inconsistent groups or hang in a Split some rank never calls)
-        views = self.comm.allgather((mine, problem, node_name or env.detect().node))
+        views = self.world_comm.allgather((mine, problem, node_name or env.detect().node))
         _agree([(m, p) for m, p, _ in views])
-        self.node_names: list[str] = [n for _, _, n in views]
+        self.member = world_rank // self.world_size
+        """This rank's member of the population (0 without ``pop``)."""
+        self.world_node_names: list[str] = [n for _, _, n in views]
+        first = self.member * self.world_size
+        self.node_names: list[str] = self.world_node_names[first:first + self.world_size]
+        self.comm = self.world_comm if self.pop == 1 else self.world_comm.Split(color=self.member, key=world_rank)
+        self.pop_comm = MPI.COMM_SELF if self.pop == 1 else self.world_comm.Split(color=self.rank, key=world_rank)
+        """The ranks at this rank's place in every member, ordered by member: a tournament's exchanges."""
         self.layout = layout
         self.coords = layout.coords(self.rank)
         #: CPUs this rank may run on, and how many ranks of this host share any of them.
@@ -147,6 +173,14 @@ class ProcessGrid:
             self._comms[key] = self.comm.Split(color=layout.group_index(self.rank, key), key=self.rank)
         self.torch: TorchDist | None = None
         self._warn_spanning_tp()
+
+    def global_rank(self, rank: int) -> int:
+        """The rank in ``world_comm`` (and in torch.distributed) of this member's ``rank``."""
+        return self.member * self.world_size + rank
+
+    def torch_rank_of(self, member: int) -> int:
+        """The rank in ``world_comm`` (and torch.distributed) at this rank's place in ``member``."""
+        return member * self.world_size + self.rank
 
     def _resolve(self, layout: Layout | None, combos, degrees: dict[str, int]) -> tuple[Layout, list[tuple[str, ...]]]:
         """The layout and the groups to build, from this rank's arguments (no communication):
@@ -159,7 +193,8 @@ class ProcessGrid:
         elif not isinstance(layout, Layout):
             raise GridError(f"layout {layout!r}: expected a Layout (hpcml.grid.Layout) or degrees such as tp=2")
         if layout.world_size != self.world_size:
-            raise GridError(f"layout is for world size {layout.world_size} but the communicator has {self.world_size}")
+            where = f"each of the {self.pop} population members has" if self.pop > 1 else "the communicator has"
+            raise GridError(f"layout is for world size {layout.world_size} but {where} {self.world_size}")
         axes = [(a,) for a in layout.axis_names]
         extra = {_combo_key(c) for c in combos} - set(axes)
         for key in extra:
@@ -178,7 +213,7 @@ class ProcessGrid:
 
         mask = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         name = socket.gethostname()
-        host = self.comm.Split(color=zlib.crc32(name.encode()) & 0x7FFFFFFF, key=self.rank)
+        host = self.world_comm.Split(color=zlib.crc32(name.encode()) & 0x7FFFFFFF, key=self.world_comm.Get_rank())
         try:  # a crc collision is not the same host: share() compares the names
             me, views = host.Get_rank(), host.allgather((name, mask, os.getsid(0)))
         finally:
@@ -288,6 +323,10 @@ class ProcessGrid:
         backend = self.torch.backend if self.torch is not None else "none (MPI only)"
         lines = [f"ProcessGrid: {lay.world_size} ranks = {lay.describe_degrees()} on {len(self.nodes)} node(s); "
                  f"torch backend {backend}"]
+        if self.pop > 1:
+            lines.append(f"population: {self.pop} members of {lay.world_size} ranks (world ranks "
+                         f"{self.global_rank(0)}-{self.global_rank(lay.world_size - 1)} are member {self.member}, "
+                         f"shown below by their rank in it)")
         head = ["rank", "node", "local"] + list(lay.axis_names) + (["device"] if device else [])
         rows = []
         for r in range(min(lay.world_size, max_rows)):
@@ -312,6 +351,10 @@ class ProcessGrid:
         for sub in self._comms.values():
             sub.Free()
         self._comms.clear()
+        if self.pop > 1:
+            self.pop_comm.Free()
+            self.comm.Free()
 
     def __repr__(self) -> str:
-        return f"ProcessGrid({self.layout!r}, rank={self.rank})"
+        member = f", member={self.member} of {self.pop}" if self.pop > 1 else ""
+        return f"ProcessGrid({self.layout!r}, rank={self.rank}{member})"

@@ -15,7 +15,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,13 @@ class TorchDist:
     backend: str
     device: torch.device
     mesh: DeviceMesh
-    """The dense mesh, axes ``pp, dp, cp, tp``."""
+    """The dense mesh, axes ``pp, dp, cp, tp`` (of this rank's member of a population)."""
     expert_mesh: DeviceMesh | None
     """The expert mesh over the same ranks, axes ``pp, edp, ep, etp`` (None without MoE axes)."""
+    group: Any = None
+    """The process group of every rank of this member: None (the default group) without a population."""
+    pop_group: Any = None
+    """With a population: the ranks at this rank's place in every member (``ProcessGrid.pop_comm``)."""
     device_names: list[str]
     master_addr: str
     master_port: int
@@ -64,7 +68,7 @@ def _pick_address(grid: ProcessGrid, interface: str | None) -> tuple[str, int]:
     if addr is None:
         if interface:
             addr = interface_address(interface)
-        elif len(grid.nodes) == 1:
+        elif len(set(grid.world_node_names)) == 1:
             addr = "127.0.0.1"  # one node: stay on loopback
         else:
             addr = socket.gethostbyname(socket.gethostname())
@@ -120,10 +124,11 @@ def _agree(grid: ProcessGrid, views: list[tuple]) -> None:
     agree([None if v[1] is None else v[1][1] for v in views], [v[2] for v in views],
           where="torch.distributed", differ="torch.distributed set-ups", error=error, differ_error=ConfigError,
           what="every rank must pass the same backend and see the same kind of device")
+    size = len(views)  # one a rank of the job
     for r, v in enumerate(views):
-        if v[3] is not None and v[3] != (r, grid.world_size):
+        if v[3] is not None and v[3] != (r, size):
             raise LaunchError(f"torch.distributed already initialised as rank {v[3][0]} of {v[3][1]} on MPI rank "
-                              f"{r} of {grid.world_size}")
+                              f"{r} of {size}")
 
 
 def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None = None,
@@ -144,37 +149,56 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     device, joined, addr, port, problem = torch.device("cpu"), None, "", 0, None
     try:
         backend, device, joined = _setup(grid, backend, interface)
-        if grid.rank == 0 and joined is None:
+        if grid.world_comm.Get_rank() == 0 and joined is None:
             addr, port = _pick_address(grid, interface)
     except Exception as e:  # whatever failed here, every rank must still reach the allgather
         problem = ("ConfigError" if isinstance(e, ConfigError) else "LaunchError", " ".join(str(e).split()))
     setup = f"gave backend {backend} on {device.type}, {'in' if joined else 'not in'} a process group"
-    views = grid.comm.allgather((str(device), problem, setup, joined, addr, port))
+    views = grid.world_comm.allgather((str(device), problem, setup, joined, addr, port))  # every member's ranks
     _agree(grid, views)
     addr, port = views[0][4], views[0][5]
+    world_rank, world_size = grid.world_comm.Get_rank(), grid.world_comm.Get_size()
     if joined is None:
         host = f"[{addr}]" if ":" in addr else addr
-        logger.info("torch.distributed: %s rendezvous at %s:%d, %d ranks", backend, addr, port, grid.world_size)
-        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=grid.rank,
-                                world_size=grid.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        logger.info("torch.distributed: %s rendezvous at %s:%d, %d ranks", backend, addr, port, world_size)
+        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=world_rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
-    lay, pg = grid.layout, id(dist.distributed_c10d._get_default_group())
-    key = (device.type, lay.mesh_shape, pg)
-    if key not in _MESHES:  # a mesh's sub-groups cost collectives: build each layout's once per process group
-        _MESHES[key] = init_device_mesh(device.type, lay.mesh_shape, mesh_dim_names=DENSE_AXES)
-    mesh, expert_mesh = _MESHES[key], None
-    if lay.moe:  # the same ranks in Megatron's expert order (pp, edp, ep, etp): experts' groups
-        key = (device.type, "expert", lay.expert_mesh_shape, pg)
-        if key not in _MESHES:
-            ranks = torch.arange(lay.world_size).reshape(lay.expert_mesh_shape)
-            _MESHES[key] = DeviceMesh(device.type, ranks, mesh_dim_names=EXPERT_AXES)
-        expert_mesh = _MESHES[key]
-    result = TorchDist(backend=backend, device=device, mesh=mesh, expert_mesh=expert_mesh,
-                       device_names=[v[0] for v in views],
+    mesh, expert_mesh, group, pop_group = _meshes(grid, device.type)
+    first = grid.global_rank(0)
+    result = TorchDist(backend=backend, device=device, mesh=mesh, expert_mesh=expert_mesh, group=group,
+                       pop_group=pop_group, device_names=[v[0] for v in views[first:first + grid.world_size]],
                        master_addr=addr if joined is None else "", master_port=port if joined is None else 0)
     if check:
         check_mesh(grid, mesh, expert_mesh)
     return result
+
+
+def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, Any, Any]:
+    """The member's dense and expert meshes, its whole group and the population's group.
+
+    A population is one more mesh axis, ``pop``, outermost: each member's meshes are slices
+    of the job's, so torch builds every group on every rank in one order (``new_group`` is
+    collective over the job). Each layout's meshes are built once per process group."""
+    lay, pg, pop = grid.layout, id(dist.distributed_c10d._get_default_group()), grid.pop
+    key = (device_type, lay.mesh_shape, pop, pg)
+    if key not in _MESHES:  # a mesh's sub-groups cost collectives
+        if pop == 1:
+            _MESHES[key] = (init_device_mesh(device_type, lay.mesh_shape, mesh_dim_names=DENSE_AXES), None, None)
+        else:
+            full = init_device_mesh(device_type, (pop, *lay.mesh_shape), mesh_dim_names=("pop", *DENSE_AXES))
+            n = lay.world_size  # each member's whole group (its loop's own all-reduces), built on every rank
+            members = [dist.new_group(list(range(m * n, (m + 1) * n))) for m in range(pop)]
+            _MESHES[key] = (full[DENSE_AXES], members[grid.member], full.get_group("pop"))
+    mesh, group, pop_group = _MESHES[key]
+    expert_mesh = None
+    if lay.moe:  # the same ranks in Megatron's expert order (pp, edp, ep, etp): experts' groups
+        key = (device_type, "expert", lay.expert_mesh_shape, pop, pg)
+        if key not in _MESHES:
+            ranks = torch.arange(lay.world_size * pop).reshape((pop, *lay.expert_mesh_shape))
+            _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=("pop", *EXPERT_AXES))[EXPERT_AXES]
+        expert_mesh = _MESHES[key]
+    return mesh, expert_mesh, group, pop_group
 
 
 def check_mesh(grid: ProcessGrid, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:
@@ -184,8 +208,9 @@ def check_mesh(grid: ProcessGrid, mesh: DeviceMesh, expert_mesh: DeviceMesh | No
         on = mesh if axis in DENSE_AXES else expert_mesh
         if on is None:
             raise LaunchError(f"rank {grid.rank}: no expert mesh to check the {axis} group against")
+        want = [grid.global_rank(r) for r in want]  # torch numbers the ranks of the whole job
         got_torch = dist.get_process_group_ranks(on.get_group(axis))
-        got_mpi = grid.comm_ranks(axis)
+        got_mpi = [grid.global_rank(r) for r in grid.comm_ranks(axis)]
         if not (want == sorted(got_torch) == got_mpi):
             raise LaunchError(f"rank {grid.rank}: {axis} group disagrees: layout {want}, "
                               f"torch mesh {got_torch}, MPI {got_mpi}")

@@ -72,6 +72,10 @@ class ParallelModel:
         for part in self.parts:
             yield from part.named_parameters()
 
+    def reshard(self) -> None:
+        """FSDP's parameters back to their shards after a forward without backward (:func:`dp.reshard`)."""
+        dp.reshard(self.parts)
+
     def loss_context(self):
         return loss_parallel() if self.tp_enabled else contextlib.nullcontext()
 

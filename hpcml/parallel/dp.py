@@ -44,6 +44,19 @@ def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Mo
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
 
 
+def reshard(modules: list[nn.Module]) -> None:
+    """Every FSDP2 module in ``modules`` back to its shards. A forward without a backward (an
+    evaluation, a prediction) leaves the root's parameters gathered -- full plain tensors in
+    ``named_parameters()``, with no optimizer state under their names -- until the next
+    backward; whatever reads the shards (a checkpoint, a tournament's swap) calls this first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in modules:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
 class GradAllReduce:
     """Average gradients over a process group with one flat all-reduce (DDP without hooks).
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hpcml.errors import ConfigError
+from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import predict, predict_lines, resolve_device
 from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
@@ -87,6 +88,10 @@ def add_parser(sub) -> None:
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory a chosen layout leaves "
                    "free (default 0.10: allocator fragmentation and what the model misses); 0 to fill it")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pop", type=int, help="a population of POP members (docs/populations.md): each member is "
+                   "planned on --gpus / POP devices, and an exchange between members priced")
+    p.add_argument("--exchange-every", type=int, metavar="STEPS", help="with --pop: steps between tournaments or PBT "
+                   "rounds, to price the exchanges against the steps")
 
 
 def _given(args: argparse.Namespace) -> dict:
@@ -120,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         given["gpu"] = devfile.load(args.device_file).name
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top}: expected at least 1")
+    pop = _population(args, given)
     if args.layouts:
         if args.emit or args.top is not None:
             raise ConfigError("--layouts predicts every line: --emit and --top apply to one layout or a search")
@@ -130,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"hpcml plan needs {', '.join(missing)}")
     searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
     if searching:
-        return _run_search(args, PlanLayout(**given, degrees_checked=False))
+        return _run_search(args, PlanLayout(**given, degrees_checked=False), pop)
     lay = PlanLayout(**given)
     p = predict(lay)
+    priced = pop(p) if pop else None
     if args.emit:
         if not p.fits:
             raise ConfigError(f"not emitting a layout that does not run: {p.why}")
@@ -143,10 +150,31 @@ def run(args: argparse.Namespace) -> int:
                               f"(--headroom {args.headroom:g}); lower the micro-batch or recompute, or --headroom 0")
         return _emit(args, lay, p.step_s)
     if args.json:
-        print(json.dumps(p.to_dict()))
+        print(json.dumps({**p.to_dict(), **({"population": priced.to_dict()} if priced else {})}))
     else:
-        print(_line(p))
+        print(_line(p) + (f"\n{population.line(priced)}" if priced else ""))
     return 0 if p.fits else 1
+
+
+def _population(args: argparse.Namespace, given: dict):
+    """With ``--pop``: each member planned on its share of ``--gpus`` (``given`` changed), and the
+    function pricing a member's prediction; else None (``--exchange-every`` alone refused)."""
+    if args.pop is None:
+        if args.exchange_every is not None:
+            raise ConfigError("--exchange-every prices a population's exchanges: give --pop too")
+        return None
+    if args.layouts or args.emit:
+        raise ConfigError(f"--pop {args.pop} plans one member's layout and prices the exchanges: not with "
+                          f"{'--layouts' if args.layouts else '--emit'} (plan the member on --gpus / POP devices)")
+    if "gpus" not in given:
+        raise ConfigError("--pop needs --gpus: the devices of the whole population")
+    per = population.member_gpus(given["gpus"], args.pop)
+    given["gpus"] = per
+
+    def priced(p):
+        return population.price(p.memory_gib, p.step_s, resolve_device(p.layout), members=args.pop,
+                                gpus_per_member=per, every=args.exchange_every) if p.memory_gib else None
+    return priced
 
 
 def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
@@ -202,7 +230,7 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
-def _run_search(args: argparse.Namespace, base: PlanLayout) -> int:
+def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
     from hpcml.plan.search import search
 
     r = search(base, top=args.top or 5, headroom=args.headroom)
@@ -212,14 +240,18 @@ def _run_search(args: argparse.Namespace, base: PlanLayout) -> int:
                           + (f" with {args.headroom:.0%} of it kept free (--headroom)" if args.headroom else ""))
     if args.emit:
         return _emit(args, r.best[0].layout, r.best[0].step_s)
+    priced = pop(r.best[0]) if pop else None
     if args.json:
         print(json.dumps({"candidates": r.candidates, "fitting": r.fitting, "refused": r.refused,
-                          "best": [p.to_dict() for p in r.best]}))
+                          "best": [p.to_dict() for p in r.best],
+                          **({"population": priced.to_dict()} if priced else {})}))
     else:
         keep = f" leaving {args.headroom:.0%} of memory free" if args.headroom else ""
         print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit{keep}; the best:")
         for p in r.best:
             print(_line(p))
+        if priced:
+            print(f"with the best, {population.line(priced)}")
     return 0
 
 

@@ -209,7 +209,7 @@ class TrainLoop:
         share[2] = float(agree_stop and (self.stop_requested or stop_flag.requested() is not None))
         share[3:] = torch.tensor(self.model.step_stats(), dtype=torch.float64)
         share = share.to(self.device)
-        dist.all_reduce(share)  # the step's one collective beyond the engines' own
+        dist.all_reduce(share, group=self.grid.torch.group)  # the step's one collective beyond the engines' own
         sq_norm, global_loss, stop, *stats = share.tolist()
         grad_norm = math.sqrt(sq_norm)
         if cfg.grad_clip > 0:
@@ -278,6 +278,7 @@ class TrainLoop:
 
     # -- checkpoint state (Stateful) -----------------------------------------------------------
     def state_tensors(self, create: bool = False) -> dict[str, torch.Tensor]:
+        self.model.reshard()  # an evaluation just before left FSDP's root gathered: save the shards and their moments
         tensors = ckpt.training_tensors(self.model.named_parameters(), self.optimizer, create=create)
         tensors[f"rank_state/rank_{self.grid.rank:05d}/torch_rng"] = torch.get_rng_state()
         return tensors

@@ -128,10 +128,11 @@ class Trainer(TrainLoop):
                 loss = self.model.forward_loss(*self.inputs(batch), self.n_micro(), autocast, self.every_stage(batch))
                 if loss is not None:  # last pipeline stage: each (dp, cp, tp) rank one share of the mean
                     total += loss / (lay.dp * lay.cp * lay.tp)
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self.grid.torch.group)
             return float(total) / batches
         finally:
             self.model.train(True)
+            self.model.reshard()  # as it was: FSDP's root gathered by this forward would stay so until a backward
 
     def after_update(self) -> dict[str, Any]:
         val = self.val

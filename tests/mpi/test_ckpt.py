@@ -399,3 +399,29 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
                                want), tname
     fresh.data = trainer.data
     assert fresh.train_step()["loss"] == pytest.approx(trainer.train_step()["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("how", ["evaluate", "forward"])
+def test_an_fsdp_save_right_after_a_forward_without_backward_holds_every_moment(comm, shared_dir, how):
+    """A forward with no backward (a validation at the step a checkpoint is due, a user's own
+    prediction) leaves FSDP's root -- embeddings, final norm, output -- gathered as plain full
+    tensors until the next backward. A save then lost those parameters' optimizer moments and
+    the checkpoint could not be resumed ("missing optim/tok_embeddings.weight/exp_avg, ...")."""
+    from hpcml.train.data import SyntheticTokens
+
+    trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(fsdp=True), dp=WORLD)
+    trainer.fit(2)
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=5)
+    if how == "evaluate":
+        trainer.evaluate(val, 1)
+        assert all(isinstance(p, DTensor) for _, p in trainer.model.named_parameters())  # left as it found them
+    else:  # a forward of the user's own: nothing reshards it but the save
+        with torch.no_grad():
+            trainer.model.parts[0](trainer.local_batch(0, val)[0])
+    full = {n: _global(t).clone() for n, t in trainer.state_tensors().items() if not n.startswith("rank_state/")}
+    assert any(n.startswith("optim/tok_embeddings.weight/") for n in full)
+    save_trainer(trainer, shared_dir / f"fsdp-after-{how}")
+    fresh = build_llm_trainer(MODEL, TrainConfig(**{**TRAIN.__dict__, "seed": 9}), ParallelConfig(fsdp=True), dp=WORLD)
+    load_trainer(fresh, shared_dir / f"fsdp-after-{how}")
+    got = {n: _global(t) for n, t in fresh.state_tensors().items() if not n.startswith("rank_state/")}
+    assert set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)

@@ -37,6 +37,24 @@ def test_grid_text(capsys):
     assert "cp groups: [[0, 2], [1, 3], [4, 6], [5, 7]]" in text
 
 
+def test_grid_of_a_population_prints_one_members_layout(capsys):
+    assert main(["grid", "--world", "8", "--pop", "2", "--tp", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "population: 2 members of 4 ranks; member m is world ranks m*4 onwards, each laid out as:"
+    assert lines[1].startswith("world 4 = pp(1) x dp(2) x cp(1) x tp(2)")
+    assert main(["grid", "--world", "8", "--pop", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["pop"] == 4 and got["world_size"] == 2 and got["axes"]["dp"] == 2
+
+
+@pytest.mark.parametrize("pop", ["3", "0", "-2"])
+def test_grid_of_a_population_that_does_not_divide_the_ranks_is_one_line(pop):
+    out = run("grid", "--world", "8", "--pop", pop)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (f"hpcml: error: --pop {pop}: expected a positive divisor of the 8 ranks "
+                                  f"(each member gets as many)")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--world", "8", "--tp", "3"], "hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 8; "
      "8 ranks fit only dp(8), or run on a multiple of 3 ranks"),

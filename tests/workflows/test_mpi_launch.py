@@ -32,6 +32,16 @@ def test_grid_check_on_4_ranks():
     assert "check passed: 5 groups on each rank agree in layout, MPI and torch" in out.stderr
 
 
+def test_grid_check_of_a_population_on_4_ranks():
+    """Two members of tp 2: each member's groups, and the population's, checked in MPI and torch."""
+    out = mpiexec(4, str(BIN / "hpcml"), "grid", "--pop", "2", "--tp", "2", "--check")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ProcessGrid: 2 ranks = pp(1) x dp(1) x cp(1) x tp(2) on 1 node(s); torch backend gloo")
+    assert lines[1] == "population: 2 members of 2 ranks (world ranks 0-1 are member 0, shown below by their rank in it)"
+    assert "check passed: 6 groups on each rank agree in layout, MPI and torch" in out.stderr
+
+
 def test_grid_check_bad_input_one_line_every_rank_exits():
     out = mpiexec(4, str(BIN / "hpcml"), "grid", "--tp", "3", "--check")
     assert out.returncode != 0

@@ -1,0 +1,209 @@
+"""Tournaments of a population of trainers (LBANN's LTFB): pairs of members swap their models
+and each keeps the one that scores better on its own held-out data.
+
+A population is ``ProcessGrid(pop=K, ...)``: K members of one layout, each a grid and a torch
+mesh of its own over its ranks, each training on its own data. Every ``every`` steps the
+members are paired by a permutation drawn from ``(seed, round)`` -- the same on every rank,
+with nothing communicated -- and partners swap weights (and optimizer state) between the
+ranks at the same place of the two grids (``grid.pop_comm``, torch's ``pop`` mesh axis). One
+layout means each rank's shards are its partner's: the swap is one send and one receive per
+rank, bit for bit, no gather and no reshard. Each member then scores its own model and its
+partner's on its own validation data (``evaluate``, collective over the member) and keeps the
+winner; a tie keeps its own, and a diverged model (a NaN or infinite loss) loses to any finite one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpcml import log
+from hpcml.ckpt.state import training_tensors
+from hpcml.errors import ConfigError
+from hpcml.numeric import is_int
+from hpcml.parallel import dp
+
+logger = log.get_logger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TournamentConfig:
+    """When tournaments happen and what a swap carries."""
+
+    every: int
+    """Steps between tournaments (after steps ``every``, ``2 * every``, ...)."""
+    seed: int = 0
+    """Seeds the pairing of every round (the same on every rank)."""
+    optimizer: bool = True
+    """Swap the optimizer state with the weights (a winner keeps training as it did); False:
+    each member keeps its own moments (LBANN's default exchanges the model only)."""
+
+    def __post_init__(self) -> None:
+        if not is_int(self.every) or self.every < 1:
+            raise ConfigError(f"TournamentConfig(every={self.every!r}): expected a whole number of steps >= 1")
+        if not is_int(self.seed):
+            raise ConfigError(f"TournamentConfig(seed={self.seed!r}): expected a whole number")
+        if not isinstance(self.optimizer, bool):
+            raise ConfigError(f"TournamentConfig(optimizer={self.optimizer!r}): expected True or False")
+
+
+def pairing(pop: int, round_: int, seed: int = 0) -> list[int]:
+    """Each member's partner in tournament ``round_``: a permutation drawn from ``(seed, round_)``
+    cut into consecutive pairs; with an odd ``pop`` the last one of it sits out (its own partner)."""
+    order = np.random.default_rng([seed, round_]).permutation(pop)
+    partner = list(range(pop))
+    for a, b in zip(order[0::2], order[1::2]):
+        partner[a], partner[b] = int(b), int(a)
+    return partner
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One member's tournament: who it met, both scores on its own data, what it kept."""
+
+    round: int
+    partner: int
+    own_score: float
+    partner_score: float
+    kept: str
+    """``own``, ``partner`` (its model now holds the partner's weights) or ``alone`` (no partner this round)."""
+
+
+def beats(theirs: float, own: float) -> bool:
+    """Lower wins; a diverged model (NaN or infinite loss) loses to any finite one, and a tie keeps one's own."""
+    if not math.isfinite(own):
+        return math.isfinite(theirs)
+    return math.isfinite(theirs) and theirs < own
+
+
+def reshard(model: Any) -> None:
+    """FSDP's parameters of ``model`` (a ``ParallelModel``'s parts, or an ``nn.Module``) back to their shards."""
+    dp.reshard(getattr(model, "parts", None) or [model])
+
+
+def member_tensors(model: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """This rank's shards of the model's weights (and the optimizer's state), in name order:
+    what moves between members. With one layout, the same list on the same place of every member."""
+    reshard(model)
+    named = training_tensors(model.named_parameters(), optimizer, create=optimizer is not None)
+    return [named[n].to_local() if hasattr(named[n], "to_local") else named[n] for n in sorted(named)]
+
+
+def scored(evaluate: Callable[[], float], model: Any, comm: Any) -> float:
+    """``evaluate()``, the same on every rank of the member (its rank 0's), with FSDP sharded
+    again after it: a forward leaves the root's parameters gathered, and a transfer moves shards."""
+    try:
+        return float(comm.bcast(float(evaluate()), root=0))
+    finally:
+        reshard(model)
+
+
+def check_alike(grid: Any, tensors: list[torch.Tensor], peers: list[int]) -> None:
+    """The same shapes and dtypes as every member in ``peers`` holds at this rank's place,
+    checked before anything moves; a mismatch anywhere is the same error on every rank of the
+    population (one allgather and one all-reduce over the job)."""
+    sig = hashlib.sha256(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()).hexdigest()
+    sigs = grid.pop_comm.allgather(sig)
+    bad = grid.world_comm.allreduce(int(any(sigs[p] != sig for p in peers)))
+    if bad:
+        raise ConfigError(f"population: {bad} rank(s) hold tensors of other shapes or dtypes than a member they "
+                          f"exchange with (one layout, model and optimizer in every member expected)")
+
+
+def transfer(grid: Any, tensors: list[torch.Tensor], *, send_to: list[int], receive_from: int | None) -> torch.Tensor:
+    """Send ``tensors`` (packed) to the rank at this rank's place in each member of ``send_to``
+    and, with ``receive_from``, copy that member's into them; the packed bytes sent are
+    returned (to restore them). Every rank of the job calls it, with or without a part."""
+    ours = pack(tensors)
+    theirs = torch.empty_like(ours) if receive_from is not None else None
+    ops = [dist.P2POp(dist.isend, ours, grid.torch_rank_of(m), group=grid.torch.pop_group) for m in send_to]
+    if theirs is not None:
+        ops.append(dist.P2POp(dist.irecv, theirs, grid.torch_rank_of(receive_from), group=grid.torch.pop_group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    if theirs is not None:
+        unpack(tensors, theirs)
+    return ours
+
+
+class Tournament:
+    """LTFB on one member of a population; also a :meth:`TrainLoop.fit` hook (``hooks=[t]``).
+
+    ``model``: anything with ``named_parameters()`` (an ``nn.Module``, a ``ParallelModel``);
+    ``evaluate()``: the member's validation loss of the current weights, collective over the
+    member and the same on its ranks (:meth:`Trainer.evaluate`); lower wins."""
+
+    def __init__(self, grid: Any, model: Any, evaluate: Callable[[], float], *, config: TournamentConfig,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        if not isinstance(config, TournamentConfig):
+            raise ConfigError(f"Tournament(config={config!r}): expected a TournamentConfig")
+        if grid.torch is None:
+            raise ConfigError("Tournament: the grid has no torch.distributed yet: call grid.init_torch() first")
+        self.grid, self.model, self.evaluate, self.config = grid, model, evaluate, config
+        self.optimizer = optimizer if config.optimizer else None
+        self.history: list[Outcome] = []
+
+    def __call__(self, trainer: Any, metrics: dict) -> None:
+        """The fit hook: a round after every ``every`` steps; its outcome lands in the step's metrics."""
+        if trainer.step % self.config.every == 0:
+            metrics["tournament"] = asdict(self.play(trainer.step // self.config.every))
+
+    def play(self, round_: int) -> Outcome:
+        """Round ``round_`` (collective over the whole population: every member calls it)."""
+        g = self.grid
+        partner = pairing(g.pop, round_, self.config.seed)[g.member]
+        tensors = member_tensors(self.model, self.optimizer)
+        check_alike(g, tensors, [partner])
+        own = scored(self.evaluate, self.model, g.comm)
+        if partner == g.member:
+            out = Outcome(round_, partner, own, own, "alone")
+        else:
+            ours = transfer(g, tensors, send_to=[partner], receive_from=partner)
+            theirs = scored(self.evaluate, self.model, g.comm)
+            take = beats(theirs, own)
+            if not take:
+                unpack(tensors, ours)
+            out = Outcome(round_, partner, own, theirs, "partner" if take else "own")
+        self.history.append(out)
+        if g.rank == 0:
+            logger.info("tournament %d: member %d met %d: own %.6g, partner's %.6g on its data: kept %s",
+                        round_, g.member, partner, own, out.partner_score, out.kept)
+        return out
+
+
+_ALIGN = 16  # each tensor's bytes start at a multiple of this: a slice views back as any dtype
+
+
+def _spans(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, int]], int]:
+    spans, at = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        spans.append((at, n))
+        at += -(-n // _ALIGN) * _ALIGN
+    return spans, at
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes in one buffer (one message per swap, whatever the tensor count)."""
+    spans, size = _spans(tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = torch.zeros(size, dtype=torch.uint8, device=device)
+    for t, (at, n) in zip(tensors, spans):
+        flat[at:at + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+    return flat
+
+
+@torch.no_grad()
+def unpack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``flat`` (as :func:`pack` made it) copied back into ``tensors``."""
+    spans, _ = _spans(tensors)
+    for t, (at, n) in zip(tensors, spans):
+        t.copy_(flat[at:at + n].view(t.dtype).reshape(t.shape))

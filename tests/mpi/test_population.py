@@ -1,0 +1,317 @@
+"""Populations (issue 45): ``ProcessGrid(pop=K)`` splits the ranks into K members with grids and
+meshes of their own, and a tournament swaps two members' models bit for bit and keeps, on
+each, the one that scores better on its own validation data."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from hpcml.train.data import SyntheticTokens
+from hpcml.errors import ConfigError, GridError
+from hpcml.grid import ProcessGrid
+from hpcml.models.transformer import TransformerConfig
+from hpcml.parallel import ParallelConfig
+from hpcml.train import TrainConfig
+from hpcml.train.population import Tournament, TournamentConfig, pairing
+from hpcml.train.recipe import build_llm_trainer
+
+WORLD = MPI.COMM_WORLD.Get_size()
+MODEL = TransformerConfig.preset("tiny")
+TRAIN = TrainConfig(steps=3, global_batch=4, micro_batch=1, seq_len=32, progress=False)
+pytestmark = pytest.mark.skipif(WORLD != 4, reason="a population of 2 members of 2 ranks")
+
+
+def test_members_are_grids_of_their_own_and_pop_comm_joins_their_places(comm):
+    grid = ProcessGrid(pop=2, tp=2)
+    assert (grid.pop, grid.member, grid.world_size, grid.rank) == (2, comm.rank // 2, 2, comm.rank % 2)
+    assert grid.comm.Get_size() == 2 and grid.layout.tp == 2 and grid.layout.dp == 1
+    assert grid.comm.allgather(comm.rank) == [2 * grid.member, 2 * grid.member + 1]
+    assert grid.pop_comm.allgather(comm.rank) == [grid.rank, grid.rank + 2]  # ordered by member
+    assert grid.global_rank(1) == 2 * grid.member + 1 and grid.torch_rank_of(1 - grid.member) == comm.rank ^ 2
+    td = grid.init_torch()  # joins the launch's process group; check_mesh compares the groups in world ranks
+    assert dist.get_process_group_ranks(td.mesh.get_group("tp")) == [2 * grid.member, 2 * grid.member + 1]
+    assert dist.get_process_group_ranks(td.group) == [2 * grid.member, 2 * grid.member + 1]
+    assert dist.get_process_group_ranks(td.pop_group) == [grid.rank, grid.rank + 2]
+    assert "population: 2 members of 2 ranks" in grid.describe()
+    assert repr(grid).endswith(f"member={grid.member} of 2)")
+    grid.free()
+
+
+@pytest.mark.parametrize("pop,expect", [(3, "pop 3 does not divide 4 ranks"), (0, "pop 0: expected a positive"),
+                                        (True, "pop True: expected a positive")])
+def test_a_bad_population_is_one_line_on_every_rank(comm, pop, expect):
+    with pytest.raises(GridError, match="^" + expect):
+        ProcessGrid(pop=pop)
+
+
+def test_a_population_size_that_differs_across_ranks_is_refused_on_every_rank(comm):
+    with pytest.raises(GridError, match=r"^ProcessGrid arguments differ across ranks: rank\(s\) 0, 1 gave .*dp\(2\).*, "
+                                        r"pop 2; rank\(s\) 2, 3 gave .*dp\(4\)"):
+        ProcessGrid(pop=2 if comm.rank < 2 else 1)
+
+
+def test_pairing_is_a_seeded_matching():
+    for pop in range(1, 9):
+        for r in range(5):
+            p = pairing(pop, r, seed=3)
+            assert p == pairing(pop, r, seed=3)
+            assert all(p[p[m]] == m for m in range(pop))  # a matching
+            assert sum(p[m] == m for m in range(pop)) == pop % 2  # one sits out when odd
+    assert len({tuple(pairing(8, r)) for r in range(10)}) > 1  # partners change between rounds
+
+
+def _local(t: torch.Tensor) -> bytes:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().tobytes()
+
+
+def _weights(trainer) -> str:
+    named = sorted(trainer.model.named_parameters())
+    return hashlib.sha256(b"".join(n.encode() + _local(p) for n, p in named)).hexdigest()
+
+
+def _moments(trainer) -> str:
+    return hashlib.sha256(b"".join(_local(st[k]) for st in trainer.optimizer.state.values()
+                                   for k in sorted(st))).hexdigest()
+
+
+def _local_digest(trainer) -> str:
+    return _weights(trainer) + _moments(trainer)
+
+
+def _member_trainer(degrees: dict, pkw: dict):
+    grid = ProcessGrid(pop=2, **degrees)
+    trainer = build_llm_trainer(MODEL, replace(TRAIN, seed=10 + grid.member), ParallelConfig(**pkw), grid=grid)
+    trainer.fit()  # each member from its own initial weights on its own data
+    return grid, trainer
+
+
+@pytest.mark.parametrize("degrees,pkw", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"dp": 2}, {"fsdp": True})],
+                         ids=["dp2", "tp2", "fsdp2"])
+def test_a_tournament_leaves_both_members_with_the_winners_state_bit_for_bit(comm, degrees, pkw):
+    grid, trainer = _member_trainer(degrees, pkw)
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=99)  # one held-out set for both
+    before = _local_digest(trainer)
+    t = Tournament(grid, trainer.model, lambda: trainer.evaluate(val, 2), optimizer=trainer.optimizer,
+                   config=TournamentConfig(every=3))
+    t(trainer, m := {})
+    out = t.history[-1]
+    assert m["tournament"]["round"] == 1 and out.partner == 1 - grid.member
+    scores = grid.pop_comm.allgather(out.own_score)  # each member's own model on the same data
+    assert out.partner_score == scores[1 - grid.member]  # its partner's model scored alike here
+    winner = min(range(2), key=lambda k: (scores[k], k))
+    assert out.kept == ("own" if winner == grid.member else "partner")
+    digests = grid.pop_comm.allgather((before, _local_digest(trainer)))
+    assert digests[0][1] == digests[1][1] == digests[winner][0]  # both now hold the winner's, on this rank's place
+    assert digests[0][0] != digests[1][0]  # the members did differ
+    assert trainer.evaluate(val, 2) == scores[winner]
+    trainer.fit(5)  # training goes on after the swap
+    assert trainer.step == 5
+    trainer.close()
+
+
+def test_each_member_keeps_what_wins_on_its_own_data(comm):
+    grid, trainer = _member_trainer({"tp": 2}, {})
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=50 + grid.member)
+    weights, moments = grid.pop_comm.allgather(_weights(trainer)), _moments(trainer)
+    t = Tournament(grid, trainer.model, lambda: trainer.evaluate(val, 2), optimizer=trainer.optimizer,
+                   config=TournamentConfig(every=1, optimizer=False))
+    out = t.play(7)
+    assert out.kept == ("partner" if out.partner_score < out.own_score else "own")
+    assert len(set(grid.comm.allgather(out.kept))) == 1  # one decision per member
+    assert _weights(trainer) == weights[grid.member if out.kept == "own" else 1 - grid.member]
+    assert _moments(trainer) == moments  # optimizer=False: the moments stay the member's own
+    trainer.close()
+
+
+def test_members_of_other_models_are_refused_on_every_rank_before_anything_moves(comm):
+    grid = ProcessGrid(pop=2, dp=2)
+    grid.init_torch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4 + grid.member)  # member 1's model is another shape
+    t = Tournament(grid, model, lambda: 0.0, config=TournamentConfig(every=1))
+    with pytest.raises(ConfigError, match=r"^population: 4 rank\(s\) hold tensors of other shapes or dtypes"):
+        t.play(0)
+    assert model.out_features == 4 + grid.member
+
+
+def test_a_diverged_member_takes_its_partners_model(comm):
+    """A NaN loss compares False with anything: it must still lose, or a diverged member keeps its NaNs."""
+    grid = ProcessGrid(pop=2, dp=2)
+    grid.init_torch()
+    torch.manual_seed(grid.member)
+    model = torch.nn.Linear(3, 2)
+    if grid.member == 1:
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
+    theirs = grid.pop_comm.allgather(model.weight.detach().clone())
+
+    def evaluate() -> float:
+        return float(model.weight.detach().sum())  # NaN on the diverged weights, whoever holds them
+
+    out = Tournament(grid, model, evaluate, config=TournamentConfig(every=1)).play(0)
+    assert out.kept == ("own" if grid.member == 0 else "partner")
+    assert torch.equal(model.weight, theirs[0])  # both hold member 0's weights now
+
+
+def test_tournament_config_is_checked():
+    with pytest.raises(ConfigError, match=r"TournamentConfig\(every=0\): expected a whole number of steps >= 1"):
+        TournamentConfig(every=0)
+
+
+def test_a_population_saved_and_resumed_plays_the_same_tournaments_bit_for_bit(comm):
+    """Each member checkpoints to its own directory; the pairing is drawn from (seed, round) and
+    the round from the step, so members resumed from their checkpoints meet the same partners
+    and end bit for bit where the uninterrupted population ends."""
+    import tempfile
+    from pathlib import Path
+
+    from hpcml.train.checkpointing import load_trainer, save_trainer
+
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pop-") if comm.rank == 0 else None))
+    grid = ProcessGrid(pop=2, dp=2)
+    cfg = replace(TRAIN, steps=8, seed=10 + grid.member, lr=3e-3 * (1 + 9 * grid.member))  # member 1 far off
+
+    def member():
+        trainer = build_llm_trainer(MODEL, cfg, ParallelConfig(fsdp=True), grid=grid)
+        val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=50 + grid.member)
+        t = Tournament(grid, trainer.model, lambda: trainer.evaluate(val, 2), optimizer=trainer.optimizer,
+                       config=TournamentConfig(every=2, seed=4))
+        trainer.hooks.append(t)
+        return trainer, t
+
+    trainer, t = member()
+    trainer.fit(4)
+    save_trainer(trainer, root / f"member{grid.member}")
+    trainer.fit(8)
+    whole = (_local_digest(trainer), [(o.round, o.partner, o.kept) for o in t.history])
+    trainer.close()
+    fresh, t2 = member()
+    with torch.no_grad():  # everything must come from the checkpoint
+        for _, p in fresh.model.named_parameters():
+            p.zero_()
+    load_trainer(fresh, root / f"member{grid.member}")
+    assert fresh.step == 4
+    fresh.fit(8)
+    assert (_local_digest(fresh), [(o.round, o.partner, o.kept) for o in t2.history]) == (whole[0], whole[1][2:])
+    assert [o.round for o in t.history] == [1, 2, 3, 4]
+    fresh.close()
+
+
+def test_pbt_plan_copies_the_worst_from_the_best():
+    from hpcml.train.pbt import plan
+
+    assert plan([3.0, 1.0, 2.0, 4.0], 0.25, 0, 1) == {3: 1}
+    assert plan([float("nan"), 1.0, 2.0, 4.0], 0.25, 0, 1) == {0: 1}  # a diverged member ranks last
+    two = plan([5.0, 1.0, 2.0, 4.0, 3.0, 0.5, 6.0, 7.0], 0.25, 3, 2)
+    assert set(two) == {6, 7} and set(two.values()) <= {5, 1}
+    assert plan([1.0], 0.5, 0, 0) == {} and plan([2.0, 1.0], 0.5, 0, 0) == {0: 1}
+
+
+def test_pbt_copies_the_best_members_state_bit_for_bit_and_perturbs_its_hyperparameters(comm):
+    """2 members x dp2: after a round the worse member holds the better one's weights and moments
+    on every rank, its learning rate and weight decay are the better one's times a perturbation,
+    the history says so, and a checkpoint of it resumes with the new hyperparameters."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from hpcml.train.checkpointing import load_trainer, save_trainer
+    from hpcml.train.pbt import PBTConfig, PopulationBasedTraining, hyperparameters
+
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pbt-") if comm.rank == 0 else None))
+    grid = ProcessGrid(pop=2, dp=2)
+    cfg = replace(TRAIN, steps=4, seed=10 + grid.member, lr=3e-3 * (1 + 30 * grid.member))  # member 1 far too fast
+    trainer = build_llm_trainer(MODEL, cfg, ParallelConfig(), grid=grid)
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=77)
+    pbt = PopulationBasedTraining(grid, trainer, lambda: trainer.evaluate(val, 2),
+                                  config=PBTConfig(every=4, fraction=0.5, history=root / "pbt.jsonl", seed=1))
+    trainer.fit(4)
+    before = grid.pop_comm.allgather((_local_digest(trainer), hyperparameters(trainer)))
+    r = pbt.play(1)
+    worst = max(range(2), key=lambda m: r.scores[m])
+    best = 1 - worst
+    assert r.source == (best if grid.member == worst else None)
+    assert _local_digest(trainer) == before[best][0]  # weights and moments of the best, on every rank
+    mine = hyperparameters(trainer)
+    if grid.member == worst:
+        ratios = {h: mine[h] / before[best][1][h] for h in mine}
+        assert all(any(abs(x - f) < 1e-12 for f in (0.8, 1.25)) for x in ratios.values()), ratios
+        assert all(g["lr"] == pytest.approx(g["initial_lr"] * trainer.schedule(trainer.step))
+                   for g in trainer.optimizer.param_groups)
+    else:
+        assert mine == before[best][1]
+    assert r.hyperparameters[grid.member] == pytest.approx(mine)
+    comm.Barrier()
+    lines = [json.loads(x) for x in (root / "pbt.jsonl").read_text().splitlines()]
+    assert {m["member"]: m["copied"] for m in lines[0]["members"]} == {best: None, worst: best}
+    assert lines[0]["round"] == 1 and lines[0]["step"] == 4
+    save_trainer(trainer, root / f"member{grid.member}")
+    fresh = build_llm_trainer(MODEL, cfg, ParallelConfig(), grid=grid)
+    load_trainer(fresh, root / f"member{grid.member}")
+    assert hyperparameters(fresh) == pytest.approx(mine)  # the explored values survive a resume
+    trainer.close()
+    fresh.close()
+
+
+def test_pbt_config_is_checked():
+    from hpcml.train.pbt import PBTConfig
+
+    with pytest.raises(ConfigError, match=r"PBTConfig\(fraction=0.75\): expected a fraction in \(0, 0.5\]"):
+        PBTConfig(every=1, fraction=0.75)
+    with pytest.raises(ConfigError, match=r"PBTConfig\(hyperparameters=\('momentum',\)\): expected some of lr"):
+        PBTConfig(every=1, hyperparameters=("momentum",))
+    with pytest.raises(ConfigError, match=r"PBTConfig\(perturb=\(0.0,\)\): expected one or more positive"):
+        PBTConfig(every=1, perturb=(0.0,))
+
+
+def test_a_population_of_field_surrogates_plays_tournaments_bit_for_bit(comm):
+    """The surrogate trainer as members (FSDP over each member's dp 2): each on its own shard of
+    a simulation's samples; after every tournament both hold the winner's state, bit for bit."""
+    import numpy as np
+
+    from hpcml.models.surrogate import MLPSurrogate, MLPSurrogateConfig
+    from hpcml.stream.buffer import Sample
+    from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
+
+    nx = ny = 8
+    x, y = np.meshgrid(np.linspace(-1, 1, nx), np.linspace(-1, 1, ny), indexing="ij")
+
+    def blob(sim: int, v: float, w: float, t: float) -> Sample:
+        u = np.exp(-((x - v * t) ** 2 + y ** 2) / w).astype(np.float32)[None]
+        return Sample(sim=sim, step=int(t * 10), t=t, params=np.array([v, w], np.float32), fields=u)
+
+    rng = np.random.default_rng(0)
+    pool = [blob(s, v, w, t) for s, (v, w) in enumerate(zip(rng.uniform(0.2, 0.8, 24), rng.uniform(0.1, 0.4, 24)))
+            for t in np.linspace(0, 1, 5)]
+    grid = ProcessGrid(pop=2, dp=2)
+    mine, held_out = pool[grid.member:100:2], pool[100:]  # each member its own shard; one held-out set
+    torch.manual_seed(grid.member)  # the members start apart
+    model = MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=nx, ny=ny, hidden=32, depth=2))
+    cfg = FieldTrainConfig(steps=6, batch=4, lr=1e-3 * (1 + 9 * grid.member), progress=False, seed=grid.member)
+    trainer = FieldTrainer(model, grid, cfg, FieldScales(param_lo=(0.2, 0.1), param_hi=(0.8, 0.4), t_max=1.0),
+                           ParallelConfig(fsdp=True))
+    P, T, F = (np.stack([s.params for s in held_out]), np.array([s.t for s in held_out]),
+               np.stack([s.fields[0] for s in held_out]))
+    t = Tournament(grid, trainer.model, lambda: trainer.rel_l2(P, T, F), optimizer=trainer.optimizer,
+                   config=TournamentConfig(every=3))
+    digests = []
+
+    def after(tr, metrics):
+        if "tournament" in metrics:
+            digests.append(grid.pop_comm.allgather(_local_digest(tr)))
+
+    def next_batch(step: int) -> list[Sample]:
+        at = (step * 2 + grid.coords["dp"]) * 4
+        return [mine[(at + i) % len(mine)] for i in range(4)]
+
+    trainer.fit(next_batch, 6, hooks=[t, after])
+    assert [o.round for o in t.history] == [1, 2] and len(digests) == 2
+    assert all(d[0] == d[1] for d in digests)  # both members hold one model after each round
+    assert all(np.isfinite(o.own_score) for o in t.history)
+    trainer.close()

@@ -1,0 +1,66 @@
+"""``hpcml plan --pop K`` (issue 45): a member planned on its share of the devices, and the
+exchanges between members priced from the member's own state and the device's links."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpcml.cli import main
+from hpcml.errors import ConfigError
+from hpcml.plan.devices import DEVICES, GIB
+from hpcml.plan.population import member_gpus, price
+
+BASE = ["plan", "--model", "llama-7b", "--gpu", "h100-80gb", "--seq-len", "4096", "--global-batch", "64"]
+
+
+def test_a_member_is_planned_on_its_share_and_its_exchange_priced_from_its_state(capsys):
+    assert main([*BASE, "--gpus", "64", "--tp", "8", "--fsdp", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*BASE, "--gpus", "256", "--pop", "4", "--tp", "8", "--fsdp", "--exchange-every", "200", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["layout"] == alone["layout"] and got["step_s"] == alone["step_s"]  # a member is the 64-GPU run
+    pop = got["population"]
+    state = alone["memory_gib"]["params"] + alone["memory_gib"]["optimizer"]
+    dev = DEVICES["h100-80gb"]
+    assert pop["members"] == 4 and pop["gpus_per_member"] == 64
+    assert pop["exchange_gib_per_rank"] == pytest.approx(state, abs=2e-3)
+    assert pop["exchange_s"] == pytest.approx(state * GIB / (dev.inter_gbps * 1e9), rel=1e-3)
+    assert pop["evaluate_s"] == pytest.approx(2 * alone["step_s"] / 3, rel=1e-3)
+    assert pop["overhead"] == pytest.approx((pop["exchange_s"] + pop["evaluate_s"]) / (200 * alone["step_s"]), rel=1e-3)
+
+
+def test_the_text_says_what_an_exchange_costs(capsys):
+    assert main([*BASE, "--gpus", "64", "--pop", "4", "--tp", "8", "--fsdp", "--exchange-every", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("population: 4 members of 16 devices; an exchange moves ")
+    assert "every 100 steps that adds" in lines[1]
+
+
+def test_price_is_exact():
+    dev = DEVICES["h100-80gb"]
+    p = price({"params": 1.0, "optimizer": 3.0, "activations": 9.0}, 2.0, dev, members=2, gpus_per_member=8,
+              every=10, val_batches=3)
+    assert p.exchange_gib_per_rank == 4.0 and p.exchange_s == 4.0 * GIB / (dev.inter_gbps * 1e9)
+    assert p.evaluate_s == 2 * 3 * 2.0 / 3 and p.overhead == (p.exchange_s + p.evaluate_s) / 20.0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "64", "--pop", "3"], "--pop 3 does not divide --gpus 64: every member needs as many devices"),
+    (["--gpus", "64", "--pop", "0"], "--pop 0: expected a positive whole number of population members"),
+    (["--gpus", "64", "--exchange-every", "10"], "--exchange-every prices a population's exchanges: give --pop too"),
+    (["--gpus", "64", "--pop", "2", "--tp", "8", "--exchange-every", "0"],
+     "--exchange-every 0: expected a whole number of steps >= 1"),
+    (["--gpus", "64", "--pop", "2", "--emit", "args"], "--pop 2 plans one member's layout and prices the exchanges: "
+     "not with --emit (plan the member on --gpus / POP devices)"),
+])
+def test_population_mistakes_are_one_line(capsys, args, message):
+    assert main([*BASE, *args]) == 2
+    assert capsys.readouterr().err.strip() == f"hpcml: error: {message}"
+
+
+def test_member_gpus():
+    assert member_gpus(64, 4) == 16
+    with pytest.raises(ConfigError):
+        member_gpus(64, True)
