@@ -406,7 +406,9 @@ def test_an_fsdp_save_right_after_a_forward_without_backward_holds_every_moment(
     """A forward with no backward (a validation at the step a checkpoint is due, a user's own
     prediction) leaves FSDP's root -- embeddings, final norm, output -- gathered as plain full
     tensors until the next backward. A save then lost those parameters' optimizer moments and
-    the checkpoint could not be resumed ("missing optim/tok_embeddings.weight/exp_avg, ...")."""
+    the checkpoint could not be resumed ("missing optim/tok_embeddings.weight/exp_avg, ..."),
+    and the next step died ("Trying to resize storage that is not resizable"): llm_pretrain.py
+    --fsdp with --val-data and a checkpoint due at a validation step."""
     from hpcml.train.data import SyntheticTokens
 
     trainer = build_llm_trainer(MODEL, TRAIN, ParallelConfig(fsdp=True), dp=WORLD)
@@ -425,3 +427,5 @@ def test_an_fsdp_save_right_after_a_forward_without_backward_holds_every_moment(
     load_trainer(fresh, shared_dir / f"fsdp-after-{how}")
     got = {n: _global(t) for n, t in fresh.state_tensors().items() if not n.startswith("rank_state/")}
     assert set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
+    trainer.fit(3)  # and training goes on: the next step once died freeing storage the save had pinned
+    assert trainer.step == 3 == fresh.fit(3)[-1]["step"]
