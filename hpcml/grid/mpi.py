@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hpcml import env, log
@@ -115,6 +115,10 @@ def _members(pop, world_size: int) -> int:
     return pop
 
 
+def _not_degrees(m) -> Layout:
+    raise GridError(f"members entry {m!r}: expected degrees such as {{'tp': 2}}")
+
+
 def _agree(views: list[tuple[str | None, str | None]]) -> None:
     """Every rank's ``(arguments, problem)``: the same GridError on every rank unless all agree."""
     agree([p for _, p in views], [f"gave {m}" for m, _ in views], where="ProcessGrid arguments",
@@ -132,7 +136,7 @@ class ProcessGrid:
 
     def __init__(self, layout: Layout | None = None, *, comm: MPI.Comm | None = None,
                  combos: Iterable[Sequence[str]] = DEFAULT_COMBOS, node_name: str | None = None, pop: int = 1,
-                 **degrees: int) -> None:
+                 members: Sequence[Mapping[str, int]] | None = None, **degrees: int) -> None:
         from mpi4py import MPI
 
         self.world_comm = comm if comm is not None else MPI.COMM_WORLD
@@ -141,12 +145,15 @@ class ProcessGrid:
         self.rank, self.world_size, self.pop = world_rank, world_size, 1
         log.configure(world_rank)
         try:
-            self.pop = _members(pop, world_size)
+            self.pop = _members(len(members) if members is not None and pop == 1 else pop, world_size)
             self.world_size = world_size // self.pop  # a member's ranks: the layout's world
             self.rank = world_rank % self.world_size
-            layout, wanted = self._resolve(layout, combos, degrees)
+            self.member_layouts = self._member_layouts(members, layout, degrees)
+            layout, wanted = self._resolve(self.member_layouts[world_rank // self.world_size], combos, {})
             self._cpu_bind = cpus.bind_policy()
-            mine, problem = f"{layout.describe_degrees()}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
+            shown = (f"members {[m.describe_degrees() for m in self.member_layouts]}" if members is not None
+                     else layout.describe_degrees())
+            mine, problem = f"{shown}, combos {[list(k) for k in wanted[len(layout.axis_names):]]}", None
             mine += f", pop {self.pop}" if self.pop > 1 else ""
         except Exception as e:  # any bad argument (a str for a Layout...): still reach the allgather
             text = " ".join(str(e).split())  # one line, whatever the exception said
@@ -181,6 +188,18 @@ class ProcessGrid:
     def torch_rank_of(self, member: int) -> int:
         """The rank in ``world_comm`` (and torch.distributed) at this rank's place in ``member``."""
         return member * self.world_size + self.rank
+
+    def _member_layouts(self, members, layout: Layout | None, degrees: dict[str, int]) -> list[Layout]:
+        """Every member's layout (no communication): one per entry of ``members``, or this one for all."""
+        if members is None:
+            return [self._resolve(layout, (), degrees)[0]] * self.pop
+        if layout is not None or degrees:
+            raise GridError(f"give either members or a layout and degrees, not both (got members and "
+                            f"{'a layout' if layout is not None else sorted(degrees)})")
+        if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or len(members) != self.pop:
+            raise GridError(f"members {members!r}: expected a list of {self.pop} degree mappings, one a member")
+        return [Layout.from_degrees(self.world_size, dict(m)) if isinstance(m, Mapping) else _not_degrees(m)
+                for m in members]
 
     def _resolve(self, layout: Layout | None, combos, degrees: dict[str, int]) -> tuple[Layout, list[tuple[str, ...]]]:
         """The layout and the groups to build, from this rank's arguments (no communication):

@@ -181,6 +181,8 @@ def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     of the job's, so torch builds every group on every rank in one order (``new_group`` is
     collective over the job). Each layout's meshes are built once per process group."""
     lay, pg, pop = grid.layout, id(dist.distributed_c10d._get_default_group()), grid.pop
+    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
+        return _mixed_meshes(grid, device_type)
     key = (device_type, lay.mesh_shape, pop, pg)
     if key not in _MESHES:  # a mesh's sub-groups cost collectives
         if pop == 1:
@@ -199,6 +201,39 @@ def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh
             _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=("pop", *EXPERT_AXES))[EXPERT_AXES]
         expert_mesh = _MESHES[key]
     return mesh, expert_mesh, group, pop_group
+
+
+def _mixed_meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, None, Any, Any]:
+    """Members of different layouts: every group of every member built on every rank, in one
+    order (``new_group`` is collective over the job), and this member's mesh made of its own
+    (``DeviceMesh.from_group``). Not yet: experts (an expert mesh) or dp x cp both above one
+    (FSDP's flattened dp_cp group would be made by some members only) in any member."""
+    odd = [f"member {m}: {lay.describe_degrees()}" for m, lay in enumerate(grid.member_layouts)
+           if lay.moe or (lay.dp > 1 and lay.cp > 1)]
+    if odd:
+        raise ConfigError(f"members of different layouts cannot yet hold experts or both dp and cp above 1 "
+                          f"({'; '.join(odd)}): give every member one layout")
+    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts),
+           id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESHES:
+        n, mine, whole, places = grid.world_size, [], None, []
+        for m, lay in enumerate(grid.member_layouts):
+            ranks = m * n + torch.arange(n).reshape(lay.mesh_shape)
+            dims = []
+            for d in range(ranks.dim()):
+                for g in ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist():
+                    pg = dist.new_group(g)
+                    if m == grid.member and grid.global_rank(grid.rank) in g:
+                        dims.append(pg)
+            group = dist.new_group(list(range(m * n, (m + 1) * n)))
+            if m == grid.member:
+                mine, whole = DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=DENSE_AXES), group
+        for r in range(n):  # the ranks at one place of every member
+            g = dist.new_group([m * n + r for m in range(grid.pop)])
+            places.append(g)
+        _MESHES[key] = (mine, whole, places[grid.rank])
+    mesh, group, pop_group = _MESHES[key]
+    return mesh, None, group, pop_group
 
 
 def check_mesh(grid: ProcessGrid, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:

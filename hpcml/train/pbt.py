@@ -125,6 +125,9 @@ class PopulationBasedTraining:
             raise ConfigError(f"PopulationBasedTraining(config={config!r}): expected a PBTConfig")
         if grid.torch is None:
             raise ConfigError("PopulationBasedTraining: the grid has no torch.distributed yet: call grid.init_torch()")
+        if len(set(getattr(grid, "member_layouts", ()))) > 1:
+            raise ConfigError("PopulationBasedTraining: the members have different layouts, and a PBT copy moves "
+                              "shards between the ranks at one place: give every member one layout")
         writer = grid.world_comm.Get_rank() == 0
         missing = writer and config.history is not None and not Path(config.history).parent.is_dir()
         if grid.world_comm.allreduce(int(missing)):  # the writer's view, told to every rank (collective)

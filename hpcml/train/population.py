@@ -7,9 +7,11 @@ members are paired by a permutation drawn from ``(seed, round)`` -- the same on 
 with nothing communicated -- and partners swap weights (and optimizer state) between the
 ranks at the same place of the two grids (``grid.pop_comm``, torch's ``pop`` mesh axis). One
 layout means each rank's shards are its partner's: the swap is one send and one receive per
-rank, bit for bit, no gather and no reshard. Each member then scores its own model and its
-partner's on its own validation data (``evaluate``, collective over the member) and keeps the
-winner; a tie keeps its own, and a diverged model (a NaN or infinite loss) loses to any finite one.
+rank, bit for bit, no gather and no reshard. Members of different layouts
+(``ProcessGrid(members=[...])``) swap through checkpoints instead, resharded on load. Each
+member then scores its own model and its partner's on its own validation data (``evaluate``,
+collective over the member) and keeps the winner; a tie keeps its own, and a diverged model
+(a NaN or infinite loss) loses to any finite one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from hpcml import log
 from hpcml.ckpt.state import training_tensors
-from hpcml.errors import ConfigError
+from hpcml.errors import ConfigError, HpcmlError
 from hpcml.numeric import is_int
 from hpcml.parallel import dp
 
@@ -44,12 +47,18 @@ class TournamentConfig:
     optimizer: bool = True
     """Swap the optimizer state with the weights (a winner keeps training as it did); False:
     each member keeps its own moments (LBANN's default exchanges the model only)."""
+    scratch: str | Path | None = None
+    """A directory every rank reaches, for members of different layouts
+    (``ProcessGrid(members=[...])``): they swap through checkpoints written there -- one a
+    member, the last round's kept -- resharded on load. Required when such members meet."""
 
     def __post_init__(self) -> None:
         if not is_int(self.every) or self.every < 1:
             raise ConfigError(f"TournamentConfig(every={self.every!r}): expected a whole number of steps >= 1")
         if not is_int(self.seed):
             raise ConfigError(f"TournamentConfig(seed={self.seed!r}): expected a whole number")
+        if self.scratch is not None and not isinstance(self.scratch, (str, Path)):
+            raise ConfigError(f"TournamentConfig(scratch={self.scratch!r}): expected a directory path")
         if not isinstance(self.optimizer, bool):
             raise ConfigError(f"TournamentConfig(optimizer={self.optimizer!r}): expected True or False")
 
@@ -147,6 +156,9 @@ class Tournament:
             raise ConfigError(f"Tournament(config={config!r}): expected a TournamentConfig")
         if grid.torch is None:
             raise ConfigError("Tournament: the grid has no torch.distributed yet: call grid.init_torch() first")
+        if len(set(getattr(grid, "member_layouts", ()))) > 1 and config.scratch is None:
+            raise ConfigError("Tournament: the members have different layouts, so they swap through checkpoints: "
+                              "give TournamentConfig(scratch=DIR), a directory every rank reaches")
         self.grid, self.model, self.evaluate, self.config = grid, model, evaluate, config
         self.optimizer = optimizer if config.optimizer else None
         self.history: list[Outcome] = []
@@ -159,24 +171,74 @@ class Tournament:
     def play(self, round_: int) -> Outcome:
         """Round ``round_`` (collective over the whole population: every member calls it)."""
         g = self.grid
-        partner = pairing(g.pop, round_, self.config.seed)[g.member]
+        partners = pairing(g.pop, round_, self.config.seed)
+        partner, layouts = partners[g.member], g.member_layouts
+        differ = [layouts[m] != layouts[p] for m, p in enumerate(partners)]  # pairs that swap on disk
         tensors = member_tensors(self.model, self.optimizer)
-        check_alike(g, tensors, [partner])
+        check_alike(g, tensors, [partner] if not differ[g.member] else [])
         own = scored(self.evaluate, self.model, g.comm)
+        ours = None
+        if partner != g.member and not differ[g.member]:
+            ours = transfer(g, tensors, send_to=[partner], receive_from=partner)
+        if any(differ):  # every rank: the disk swap's agreements are over the whole population
+            self._swap_on_disk(partner, round_, differ[g.member])
         if partner == g.member:
             out = Outcome(round_, partner, own, own, "alone")
         else:
-            ours = transfer(g, tensors, send_to=[partner], receive_from=partner)
             theirs = scored(self.evaluate, self.model, g.comm)
             take = beats(theirs, own)
             if not take:
-                unpack(tensors, ours)
+                unpack(tensors, ours) if ours is not None else self._load_on_disk(g.member)
             out = Outcome(round_, partner, own, theirs, "partner" if take else "own")
         self.history.append(out)
         if g.rank == 0:
             logger.info("tournament %d: member %d met %d: own %.6g, partner's %.6g on its data: kept %s",
                         round_, g.member, partner, own, out.partner_score, out.kept)
         return out
+
+    # -- members of different layouts: through checkpoints, resharded on load --------------------
+    def _named(self) -> dict[str, torch.Tensor]:
+        reshard(self.model)
+        return training_tensors(self.model.named_parameters(), self.optimizer, create=self.optimizer is not None)
+
+    def _attrs(self) -> dict | None:
+        plan = getattr(self.model, "plan", None)
+        return plan.tensor_attrs() if plan is not None else None
+
+    def _swap_on_disk(self, partner: int, round_: int, mine: bool) -> None:
+        """Members whose partner has another layout save their state, everyone waits for every
+        save, then they load the partner's (resharded to their layout). An error in any member
+        is the same ConfigError on every rank of the population."""
+        from hpcml import ckpt
+
+        g = self.grid
+        problem = None
+        if mine:
+            try:
+                ckpt.save(Path(self.config.scratch) / f"member{g.member:05d}", round_, self._named(), comm=g.comm,
+                          tensor_attrs=self._attrs(), keep=1)
+            except (OSError, HpcmlError) as e:  # raised alike on the member's ranks (ckpt.save agrees)
+                problem = f"member {g.member} could not save its state for the swap: {e}"
+        _agreed(g, problem)
+        if mine:
+            try:
+                self._load_on_disk(partner)
+            except (OSError, HpcmlError) as e:
+                problem = f"member {g.member} could not load member {partner}'s state: {e}"
+        _agreed(g, problem)
+
+    def _load_on_disk(self, member: int) -> None:
+        from hpcml import ckpt
+
+        ckpt.load(Path(self.config.scratch) / f"member{member:05d}", self._named(), comm=self.grid.comm,
+                  tensor_attrs=self._attrs())
+
+
+def _agreed(grid: Any, problem: str | None) -> None:
+    """Raise on every rank of the population the first problem any rank met (one allgather)."""
+    found = [p for p in grid.world_comm.allgather(problem) if p is not None]
+    if found:
+        raise ConfigError(f"tournament: {found[0]}")
 
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this: a slice views back as any dtype

@@ -315,3 +315,60 @@ def test_a_population_of_field_surrogates_plays_tournaments_bit_for_bit(comm):
     assert all(d[0] == d[1] for d in digests)  # both members hold one model after each round
     assert all(np.isfinite(o.own_score) for o in t.history)
     trainer.close()
+
+
+def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm):
+    """tp 2 against FSDP over dp 2 (ProcessGrid(members=...)): the swap goes through each
+    member's checkpoint, loaded into the other layout; afterwards both hold the winner's full
+    weights and moments bit for bit."""
+    import tempfile
+    from pathlib import Path
+
+    scratch = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pop-mixed-") if comm.rank == 0 else None))
+    grid = ProcessGrid(members=[{"tp": 2}, {"dp": 2}])
+    assert grid.pop == 2 and grid.layout.describe_degrees() == ("pp(1) x dp(1) x cp(1) x tp(2)" if grid.member == 0
+                                                                  else "pp(1) x dp(2) x cp(1) x tp(1)")
+    trainer = build_llm_trainer(MODEL, replace(TRAIN, seed=10 + grid.member), ParallelConfig(fsdp=grid.member == 1),
+                                grid=grid)
+    trainer.fit()
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=99)
+
+    def full() -> str:  # the member's whole state, the same on its ranks whatever the layout
+        from hpcml.ckpt.state import training_tensors
+
+        named = training_tensors(trainer.model.named_parameters(), trainer.optimizer)
+        h = hashlib.sha256()
+        for n in sorted(named):
+            t = named[n]
+            h.update(n.encode() + (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().tobytes())
+        return h.hexdigest()
+
+    before = grid.pop_comm.allgather(full())
+    t = Tournament(grid, trainer.model, lambda: trainer.evaluate(val, 2), optimizer=trainer.optimizer,
+                   config=TournamentConfig(every=3, scratch=scratch))
+    out = t.play(1)
+    scores = grid.pop_comm.allgather(out.own_score)
+    winner = min(range(2), key=lambda k: (scores[k], k))
+    after = grid.pop_comm.allgather(full())
+    assert before[0] != before[1] and after[0] == after[1] == before[winner]
+    assert out.kept == ("own" if winner == grid.member else "partner")
+    trainer.fit(5)  # and both train on
+    trainer.close()
+
+
+def test_members_of_different_layouts_need_a_scratch_directory(comm):
+    grid = ProcessGrid(members=[{"tp": 2}, {"dp": 2}])
+    grid.init_torch()
+    with pytest.raises(ConfigError, match=r"^Tournament: the members have different layouts.*\(scratch=DIR\)"):
+        Tournament(grid, torch.nn.Linear(2, 2), lambda: 0.0, config=TournamentConfig(every=1))
+    from hpcml.train.pbt import PBTConfig, PopulationBasedTraining
+
+    with pytest.raises(ConfigError, match=r"^PopulationBasedTraining: the members have different layouts"):
+        PopulationBasedTraining(grid, None, lambda: 0.0, config=PBTConfig(every=1))
+    with pytest.raises(GridError, match=r"^members \[\{'tp': 2\}\]: expected a list of 2 degree mappings"):
+        ProcessGrid(pop=2, members=[{"tp": 2}])
+    with pytest.raises(GridError, match=r"^give either members or a layout and degrees, not both \(got members and "
+                                        r"\['tp'\]\)"):
+        ProcessGrid(members=[{"tp": 2}, {"dp": 2}], tp=2)
+    with pytest.raises(GridError, match=r"^members entry 'tp=2': expected degrees such as \{'tp': 2\}"):
+        ProcessGrid(members=["tp=2", {"dp": 2}])
