@@ -145,14 +145,15 @@ def main(argv=None) -> None:
             "bad_member_replaced_at": replaced, "members": k, "steps_per_member": args.steps,
             "tournaments": args.steps // args.every,
             "seconds": {mode: results[mode]["seconds"] for mode in results} | {"single": single["seconds"]}}
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-        print(json.dumps(last))
-    else:
-        for r in rows:
-            print(f"{r['mode']:12s} member {r['member']} lr {r['lr']:.1e}: test loss {r['test_loss']:.4f}")
-        print(last)
+    emit(rows, last, args.json, lambda r: f"{r['mode']:12s} member {r['member']} lr {r['lr']:.1e}: test loss "
+                                          f"{r['test_loss']:.4f}")
+
+
+def emit(rows: list[dict], last: dict, as_json: bool, line) -> None:
+    """Every row and then the summary: JSON lines, or a line a row (``line(row)``) and the summary."""
+    for r in rows:
+        print(json.dumps(r) if as_json else line(r))
+    print(json.dumps(last) if as_json else last)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ class Tournament:
         if partner != g.member and not differ[g.member]:
             ours = transfer(g, tensors, send_to=[partner], receive_from=partner)
         if any(differ):  # every rank: the disk swap's agreements are over the whole population
-            self._swap_on_disk(partner, round_, differ[g.member])
+            self.swap_through_checkpoints(partner, round_, differ[g.member])
         if partner == g.member:
             out = Outcome(round_, partner, own, own, "alone")
         else:
@@ -205,10 +205,10 @@ class Tournament:
         plan = getattr(self.model, "plan", None)
         return plan.tensor_attrs() if plan is not None else None
 
-    def _swap_on_disk(self, partner: int, round_: int, mine: bool) -> None:
-        """Members whose partner has another layout save their state, everyone waits for every
-        save, then they load the partner's (resharded to their layout). An error in any member
-        is the same ConfigError on every rank of the population."""
+    def swap_through_checkpoints(self, partner: int, round_: int, mine: bool = True) -> None:
+        """Members whose partner has another layout (``mine``) save their state, everyone waits for
+        every save, then they load the partner's (resharded to their layout). Collective over the
+        population. An error in any member is the same ConfigError on every rank of it."""
         from hpcml import ckpt
 
         g = self.grid
@@ -257,7 +257,7 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes in one buffer (one message per swap, whatever the tensor count)."""
     spans, size = _spans(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
-    flat = torch.zeros(size, dtype=torch.uint8, device=device)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)  # the alignment padding is never read
     for t, (at, n) in zip(tensors, spans):
         flat[at:at + n].copy_(t.detach().reshape(-1).view(torch.uint8))
     return flat
