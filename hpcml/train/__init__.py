@@ -1,16 +1,17 @@
 """Training: one loop (:mod:`hpcml.train.loop`) under the LLM trainer and the field
 surrogates' trainer, their checkpoints, online training from sample sources, and
 deterministic data; a campaign's training job in one call (:func:`train_surrogate`);
-tournaments of a population of trainers (:class:`Tournament`)."""
+tournaments of a population of trainers (:class:`Tournament`). Every name loads its module
+on first use (:func:`hpcml.lazy.lazy_names`)."""
 
-from hpcml.train.data import SyntheticTokens
-from hpcml.train.fields import FieldScales, FieldTrainConfig, FieldTrainer
-from hpcml.train.loop import LoopConfig, Stateful, TrainLoop
-from hpcml.train.online import OnlineConfig, OnlineResult, train_online
-from hpcml.train.population import Tournament, TournamentConfig
-from hpcml.train.surrogate_job import train_surrogate
-from hpcml.train.trainer import TrainConfig, Trainer
+from hpcml.lazy import lazy_names
 
-__all__ = ["FieldScales", "FieldTrainConfig", "FieldTrainer", "LoopConfig", "OnlineConfig", "OnlineResult", "Stateful",
-           "SyntheticTokens", "Tournament", "TournamentConfig", "TrainConfig", "TrainLoop", "Trainer", "train_online",
-           "train_surrogate"]
+_LAZY = {"SyntheticTokens": "data", "FieldScales": "fields", "FieldTrainConfig": "fields", "FieldTrainer": "fields",
+         "LoopConfig": "loop", "Stateful": "loop", "TrainLoop": "loop", "OnlineConfig": "online",
+         "OnlineResult": "online", "train_online": "online", "Tournament": "population",
+         "TournamentConfig": "population", "train_surrogate": "surrogate_job", "TrainConfig": "trainer",
+         "Trainer": "trainer"}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_names(__name__, _LAZY)
