@@ -159,13 +159,12 @@ class PopulationBasedTraining:
             set_hyperparameters(tr, hypers[g.member])
         out = Round(round_, scores, source, hypers)
         self.history.append(out)
-        self._record(out, tr.step)
+        self._record(out, copies, tr.step)
         return out
 
-    def _record(self, r: Round, step: int) -> None:
+    def _record(self, r: Round, copies: dict[int, int], step: int) -> None:
         if self.grid.world_comm.Get_rank() != 0:
             return
-        copies = plan(r.scores, self.config.fraction, self.config.seed, r.round)
         line = {"round": r.round, "step": step, "members": [
             {"member": m, "score": r.scores[m] if math.isfinite(r.scores[m]) else None, "copied": copies.get(m),
              **r.hyperparameters[m]} for m in range(len(r.scores))]}

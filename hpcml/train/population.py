@@ -97,11 +97,17 @@ def reshard(model: Any) -> None:
     dp.reshard(getattr(model, "parts", None) or [model])
 
 
-def member_tensors(model: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """This rank's shards of the model's weights (and the optimizer's state), in name order:
-    what moves between members. With one layout, the same list on the same place of every member."""
+def member_state(model: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """The model's weights (and the optimizer's state) by name, FSDP sharded first: what a swap
+    moves (in memory as this rank's shards, or through a checkpoint)."""
     reshard(model)
-    named = training_tensors(model.named_parameters(), optimizer, create=optimizer is not None)
+    return training_tensors(model.named_parameters(), optimizer, create=optimizer is not None)
+
+
+def member_tensors(model: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """This rank's shards of :func:`member_state`, in name order. With one layout, the same
+    list on the same place of every member."""
+    named = member_state(model, optimizer)
     return [named[n].to_local() if hasattr(named[n], "to_local") else named[n] for n in sorted(named)]
 
 
@@ -197,10 +203,6 @@ class Tournament:
         return out
 
     # -- members of different layouts: through checkpoints, resharded on load --------------------
-    def _named(self) -> dict[str, torch.Tensor]:
-        reshard(self.model)
-        return training_tensors(self.model.named_parameters(), self.optimizer, create=self.optimizer is not None)
-
     def _attrs(self) -> dict | None:
         plan = getattr(self.model, "plan", None)
         return plan.tensor_attrs() if plan is not None else None
@@ -215,8 +217,8 @@ class Tournament:
         problem = None
         if mine:
             try:
-                ckpt.save(Path(self.config.scratch) / f"member{g.member:05d}", round_, self._named(), comm=g.comm,
-                          tensor_attrs=self._attrs(), keep=1)
+                ckpt.save(Path(self.config.scratch) / f"member{g.member:05d}", round_,
+                          member_state(self.model, self.optimizer), comm=g.comm, tensor_attrs=self._attrs(), keep=1)
             except (OSError, HpcmlError) as e:  # raised alike on the member's ranks (ckpt.save agrees)
                 problem = f"member {g.member} could not save its state for the swap: {e}"
         _agreed(g, problem)
@@ -230,8 +232,8 @@ class Tournament:
     def _load_on_disk(self, member: int) -> None:
         from hpcml import ckpt
 
-        ckpt.load(Path(self.config.scratch) / f"member{member:05d}", self._named(), comm=self.grid.comm,
-                  tensor_attrs=self._attrs())
+        ckpt.load(Path(self.config.scratch) / f"member{member:05d}", member_state(self.model, self.optimizer),
+                  comm=self.grid.comm, tensor_attrs=self._attrs())
 
 
 def _agreed(grid: Any, problem: str | None) -> None:
