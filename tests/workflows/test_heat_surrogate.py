@@ -214,28 +214,33 @@ def test_resume_after_a_hard_kill_runs_again_what_the_checkpoint_lacks(tmp_path)
     import time
 
     run_dir = tmp_path / "run"
-    # training ends (and saves) at step 60, early; the trainer then takes in the rest of the
+    # training ends (and saves) at step 30, early; the trainer then takes in the rest of the
     # stream without saving until the end: simulations that finish meanwhile are in no checkpoint
+    # (at step 60 with simulations a quarter as long, the save came after every simulation in some
+    # runs on a loaded host: nothing left to test)
     cmd = [sys.executable, str(ROOT / "workflows" / "heat_surrogate.py"), "--run-dir", str(run_dir), *SMALL,
-           "--steps", "60", "--ckpt-every", "60", "--watermark", "4", "--max-concurrent", "1", "--resume",
-           "--sim-steps", "1200", "--every", "120"]  # slower simulations: the save comes during the first ones
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, at_save, done = time.monotonic() + 200, None, 0
-    while time.monotonic() < deadline:  # the save at step 60, then one more simulation done after it
-        prov = run_dir / "provenance.jsonl"
-        done = sum(json.loads(x)["status"] == "ok" and json.loads(x)["sim_id"] < 6
-                   for x in prov.read_text().splitlines() if x.endswith("}")) if prov.exists() else 0
-        if at_save is None and (run_dir / "checkpoints" / "latest").exists():
-            at_save = done
-        if at_save is not None and done >= at_save + 1 or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None and at_save is not None and at_save < done < 6, \
-        f"no moment to kill: saved after {at_save} simulations, {done} done, run exit {proc.poll()}"
-    assert _kill_everything_of(run_dir) >= 2
-    proc.wait(timeout=30)
+           "--steps", "30", "--ckpt-every", "30", "--watermark", "4", "--max-concurrent", "1", "--resume",
+           "--sim-steps", "4800", "--every", "480"]  # slow simulations: the save comes while they run
     from hpcml.train.online import simulations_in
 
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, held, finished = time.monotonic() + 200, None, set()
+    # the save at step 30, then a simulation finished that it does not hold (one whose provenance line
+    # came after the save may still be all in it; all six may be done while the trainer still ingests)
+    while time.monotonic() < deadline:
+        prov = run_dir / "provenance.jsonl"
+        finished = {json.loads(x)["sim_id"] for x in prov.read_text().splitlines()
+                    if x.endswith("}") and json.loads(x)["status"] == "ok" and json.loads(x)["sim_id"] < 6} \
+            if prov.exists() else set()
+        if held is None and (run_dir / "checkpoints" / "latest").exists():
+            held = simulations_in(run_dir / "checkpoints", OUTPUTS)  # what the save holds
+        if held is not None and finished - held or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None and held is not None and finished - held, \
+        f"no moment to kill: the save holds {held}, {sorted(finished)} done, run exit {proc.poll()}"
+    assert _kill_everything_of(run_dir) >= 2
+    proc.wait(timeout=30)
     held = simulations_in(run_dir / "checkpoints", OUTPUTS)  # what the last save holds
     finished = {r["sim_id"] for r in provenance(run_dir) if r["status"] == "ok" and r["sim_id"] < 6}
     n_before = len(provenance(run_dir))
