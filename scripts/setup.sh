@@ -10,13 +10,15 @@
 #              MPICC=cc HDF5_DIR=$HDF5_ROOT HPCML_SKIP_APT=1 make setup
 #
 # Variables: VENV, PYTHON, MPICC, HDF5_DIR, HPCML_SKIP_APT=1, HPCML_TORCH_SPEC (pip
-# arguments for torch), HPCML_VENV_ARGS (e.g. --system-site-packages to see a site torch).
+# arguments for torch), HPCML_VENV_ARGS (e.g. --system-site-packages to see a site torch),
+# HPCML_BUILD_CFLAGS (the C flags of the mpi4py and h5py builds; default -O1 -g0).
 set -euo pipefail
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${HPCML_TORCH_SPEC:-torch==2.13.0}
 MPICC=${MPICC:-mpicc}
+BUILD_CFLAGS=${HPCML_BUILD_CFLAGS:--O1 -g0}  # after Python's -O3 -g, so these win
 APT_PACKAGES=(mpich libmpich-dev libhdf5-mpich-dev)
 
 log() { printf '[setup %5ss] %s\n' "$SECONDS" "$*"; }
@@ -65,10 +67,12 @@ print("\n".join(sorted({r for r in reqs if re.split(r"[<>=!~\[; ]", r, maxsplit=
 PY
 }
 
-# A cold set-up is mostly the two source builds, ~190 s (mpi4py: one C file) and ~240 s (h5py)
-# on one core of this machine. mpi4py's wheel is built in the background while torch and the
-# pure-Python dependencies install; h5py's extensions compile on every core (setuptools'
-# build_ext --parallel, through DIST_EXTRA_CONFIG). Cold: 366 s, against 522 s one after the other.
+# A cold set-up is mostly the two source builds: at Python's own flags (-O3 -g), ~200 s for
+# mpi4py (one C file, one core) and ~240 s for h5py on one core of this machine. Three things
+# cut it: both compile at -O1 without debug info (HPCML_BUILD_CFLAGS; mpi4py 103 s against
+# ~200 s, h5py 72 s against 126 s, with calls and I/O as fast: docs/install.md), mpi4py's wheel
+# is built in the background while torch and the pure-Python dependencies install, and h5py's
+# extensions compile on every core (setuptools' build_ext --parallel, through DIST_EXTRA_CONFIG).
 main() {
     install_system_packages
     local hdf5_dir=${HDF5_DIR:-/usr/lib/$(multiarch)/hdf5/mpich}
@@ -89,7 +93,7 @@ main() {
     local mpi4py_pid=
     if ! "$py" -c "import mpi4py" 2>/dev/null; then
         log "building mpi4py from source against $MPICC (beside the installs below)"
-        MPICC="$MPICC" "$py" -m pip wheel --disable-pip-version-check -q --no-deps --no-binary=mpi4py \
+        MPICC="$MPICC" CFLAGS="$BUILD_CFLAGS" "$py" -m pip wheel --disable-pip-version-check -q --no-deps --no-binary=mpi4py \
             -w "$work" "mpi4py>=4.0,<5" >"$work/mpi4py.log" 2>&1 &
         mpi4py_pid=$!
     fi
@@ -110,7 +114,7 @@ main() {
         log "building h5py from source against parallel HDF5 in $hdf5_dir ($(nproc) compile jobs)"
         "$py" -m pip uninstall -y -q h5py 2>/dev/null || true
         printf '[build_ext]\nparallel = %s\n' "$(nproc)" >"$work/build.cfg"
-        CC="$MPICC" HDF5_MPI=ON HDF5_DIR="$hdf5_dir" DIST_EXTRA_CONFIG="$work/build.cfg" \
+        CC="$MPICC" CFLAGS="$BUILD_CFLAGS" HDF5_MPI=ON HDF5_DIR="$hdf5_dir" DIST_EXTRA_CONFIG="$work/build.cfg" \
             "${pip[@]}" --no-binary=h5py --no-build-isolation "h5py>=3.11,<4"
     fi
 

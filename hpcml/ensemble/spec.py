@@ -29,8 +29,13 @@ class SimSpec:
     a stream. False: it writes files (e.g. held-out simulations), and the trainer does not
     wait for its samples. A streaming simulation that completes without having streamed
     (no Producer: run without its stream flag) fails the campaign at once, naming it."""
+    identity_args: bool = True
+    """Append ``--sim-id N --params-json '{...}'`` to ``argv``. False: a program that takes
+    its parameters in ``argv`` already (a search's trial, :mod:`hpcml.ensemble.search`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.identity_args, bool):
+            raise ConfigError(f"sim {self.sim_id}: identity_args must be True or False, got {self.identity_args!r}")
         if self.stream is not None and not isinstance(self.stream, bool):
             raise ConfigError(f"sim {self.sim_id}: stream must be True, False or None, got {self.stream!r}")
         if not is_int(self.sim_id) or self.sim_id < 0:
@@ -55,6 +60,8 @@ class SimSpec:
         """The full program argv (still without the MPI prefix); an entry's: the entry."""
         if self.entry is not None:
             return [f"entry:{self.entry}"]
+        if not self.identity_args:
+            return list(self.argv)
         return [*self.argv, "--sim-id", str(self.sim_id), "--params-json", json.dumps(dict(self.params))]
 
 
