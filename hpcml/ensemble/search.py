@@ -90,6 +90,8 @@ class Search:
             raise ConfigError(f"retries={self.retries!r}: expected an int >= 0")
         if self.timeout_s is not None and not (is_real(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r}: expected seconds > 0 or None")
+        if self.parsl_config is None:
+            self.site = load_site(self.site)  # an unknown site is refused before the run directory is touched
         self.run_dir = Path(self.run_dir).resolve()
         self.trials = configurations(self.config)
         self.restarted: list[int] = []
@@ -252,8 +254,8 @@ class Search:
         if self.parsl_config is not None:
             cfg = self.parsl_config() if callable(self.parsl_config) else self.parsl_config
         else:
-            cfg = load_site(self.site).parsl_config(run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
-                                                    sim_ranks=self.ranks, retries=self.retries, **self.site_options)
+            cfg = self.site.parsl_config(run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
+                                         sim_ranks=self.ranks, retries=self.retries, **self.site_options)
         if getattr(cfg, "run_dir", None) == "runinfo":
             cfg.run_dir = str(self.run_dir / "parsl")
         return cfg

@@ -157,6 +157,9 @@ def test_the_command_fills_every_placeholder_and_a_wrong_one_is_refused(tmp_path
         _search(tmp_path, max_concurrent=0)
     with pytest.raises(ConfigError, match="argv must be a non-empty list of strings"):
         _search(tmp_path, argv="train.py --steps {steps}")
+    with pytest.raises(ConfigError, match="nosuchsite"):
+        _search(tmp_path, site="nosuchsite")
+    assert not (tmp_path / "run").exists()  # nothing created by a refused search
 
 
 def test_the_score_is_the_metric_at_the_rungs_last_step_of_an_untrusted_file(tmp_path):
