@@ -179,7 +179,7 @@ class Search:
             while True:
                 while len(running) < self.max_concurrent and (job := state.next_job()) is not None:
                     state.start(*job)
-                    self.trial_dir(job[0]).mkdir(parents=True, exist_ok=True)
+                    self._make_trial_dir(job[0])
                     running[apps.simulation(self.spec(*job), run_dir=self.run_dir, site=self.site,
                                             timeout_s=self.timeout_s, executors=[label])] = job
                     logger.info("trial %d rung %d (%d steps) started: %s", *job, self.config.rungs[job[1]],
@@ -195,6 +195,14 @@ class Search:
                 (self.run_dir / "sims" / attempts.CANCEL_FILE).touch()
                 concurrent.futures.wait(running, timeout=30)
             raise
+
+    def _make_trial_dir(self, trial: int) -> None:
+        """The trial's directory, inside the run directory: a link planted on the way (the
+        group may write the run directory) would send its checkpoints anywhere."""
+        for path in (self.run_dir / "trials", self.trial_dir(trial)):
+            if path.is_symlink():
+                raise ConfigError(f"{path} is a symbolic link, not a directory of the search: refused")
+            path.mkdir(exist_ok=True)
 
     def _ended(self, state: Asha, trial: int, rung: int, f: concurrent.futures.Future) -> None:
         if f.exception() is not None:

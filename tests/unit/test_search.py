@@ -181,6 +181,12 @@ def test_the_score_is_the_metric_at_the_rungs_last_step_of_an_untrusted_file(tmp
     (other / "metrics.jsonl").symlink_to(tmp_path / "outside.jsonl")
     with pytest.raises(ConfigError):  # never read through a link
         s.score(2, 0)
+    (tmp_path / "elsewhere").mkdir()
+    s.trial_dir(3).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="trial_0003 is a symbolic link, not a directory of the search"):
+        s._make_trial_dir(3)  # its checkpoints would go elsewhere
+    s._make_trial_dir(4)
+    assert s.trial_dir(4).is_dir() and not s.trial_dir(4).is_symlink()
 
 
 def test_a_trial_whose_program_did_not_resume_is_named(tmp_path):
