@@ -107,16 +107,25 @@ def test_a_second_job_on_the_checkpoint_directory_is_one_line_on_every_rank(tmp_
 
 
 SAVER = textwrap.dedent("""
-    import sys, torch
+    # torch imported once (~1.5 s of CPU); each line on stdin forks a saver, which prints its pid
+    # and then each step it saved, until it is killed; the parent reaps it and says so
+    import os, sys, torch
     from hpcml import ckpt
     root = sys.argv[1]
-    torch.manual_seed(0)
-    state = {f"model/w{i}": torch.randn(512, 1024) for i in range(6)}   # 12 MB a save
-    for step in range(1, 10_000):
-        for t in state.values():
-            t.fill_(float(step))
-        ckpt.save(root, step, state, keep=2, extra={"step": step})
-        print(step, flush=True)
+    for _ in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            print("pid", os.getpid(), flush=True)
+            torch.manual_seed(0)
+            state = {f"model/w{i}": torch.randn(512, 1024) for i in range(6)}   # 12 MB a save
+            for step in range(1, 10_000):
+                for t in state.values():
+                    t.fill_(float(step))
+                ckpt.save(root, step, state, keep=2, extra={"step": step})
+                print(step, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
 """)
 
 
@@ -127,13 +136,17 @@ def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
     root = tmp_path / "ck"
     (tmp_path / "saver.py").write_text(SAVER)
     checked = 0
-    for trial in range(8):  # each trial a fresh process that imports torch (~3 s): 8 kills, >= 5 checked
-        proc = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), str(root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
-        assert proc.stdout.readline().strip().isdigit()  # past start-up: the first save is done
+    forks = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), str(root)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT, text=True)
+    for trial in range(8):  # each trial a fresh saver process (forked): 8 kills, >= 5 checked
+        forks.stdin.write("go\n")
+        forks.stdin.flush()
+        word, pid = forks.stdout.readline().split()
+        assert word == "pid" and forks.stdout.readline().strip().isdigit()  # the first save is done
         time.sleep(rng.random() * 1.5)  # then anywhere inside a later save (each takes ~0.1 s)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(int(pid), signal.SIGKILL)
+        while (line := forks.stdout.readline().strip()) != "reaped":  # the steps it saved before the kill
+            assert line.isdigit(), line
         if not (root / "latest").exists():
             continue
         path, step, extra = ckpt.read_extra(root)
@@ -142,6 +155,8 @@ def test_kill_9_at_random_moments_never_breaks_latest(tmp_path):
         assert report.step == step == extra["step"]
         assert all(bool((t == float(step)).all()) for t in target.values())  # a whole, consistent save
         checked += 1
+    forks.stdin.close()
+    assert forks.wait(timeout=30) == 0
     assert checked >= 5
 
 
