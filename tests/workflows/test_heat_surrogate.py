@@ -115,13 +115,13 @@ def test_trainer_killed_twice_on_another_rank_then_restarts_exhausted(tmp_path):
     """Issue 12: the summary after restarts matches the checkpointed stream state on 2 trainer
     ranks (it said 28 ingested with 158 in the checkpoint); the restart policy is explicit
     (--trainer-restarts), and past it the run writes summary.json with the reason and fails."""
-    long = ["--ckpt-every", "20", "--steps", "120", "--sim-steps", "4000", "--every", "400", "--crash-trainer-at", "30",
+    long = ["--ckpt-every", "20", "--steps", "60", "--sim-steps", "4000", "--every", "400", "--crash-trainer-at", "30",
             "--crash-trainer-times", "2", "--crash-trainer-rank", "1"]
     s, run_dir = run(tmp_path, *long, "--trainer-restarts", "2", ok=False)
     out = (run_dir / "train.out").read_text()
     resumed = (run_dir / "train.err").read_text().count("INFO hpcml.train.online: resumed at step 20 from")
     assert "killing trainer rank 1 after step 30 (crash 2 of 2)" in out and resumed == 2
-    assert s["gradient_steps"] == 120 and s["sims_completed"] == 6
+    assert s["gradient_steps"] == 60 and s["sims_completed"] == 6
     assert s["samples_ingested"] == _checkpointed_samples(run_dir) and s["duplicate_samples"] == 0
     assert s["samples_ingested"] + s["samples_missing"] == 60
     assert (s["_returncode"], s["status"]) == ((1, "failed") if s["samples_missing"] else (0, "ok")), s["_stderr"]
