@@ -12,9 +12,10 @@ from hpcml.ensemble.sampling import FullFactorial, Halton, LatinHypercube, Sampl
 from hpcml.ensemble.site import Site, list_sites, load_site
 from hpcml.ensemble.run_report import workflow_summary
 from hpcml.ensemble.asha import SearchConfig
-from hpcml.ensemble.search import Search, SearchError, SearchResult
+from hpcml.ensemble.search import Search, SearchError, SearchInterrupted, SearchResult
 from hpcml.ensemble.spec import CampaignResult, SimSpec, TrainingJob
 
 __all__ = ["Breed", "Campaign", "CampaignResult", "FullFactorial", "Halton", "LatinHypercube", "Members", "Sampler",
-           "Search", "SearchConfig", "SearchError", "SearchResult", "SimSpec", "SimStats", "Site", "SiteHardware", "TrainingJob", "design", "full_factorial", "latin_hypercube",
-           "list_sites", "load_site", "sobol", "workflow_summary"]
+           "Search", "SearchConfig", "SearchError", "SearchInterrupted", "SearchResult", "SimSpec", "SimStats", "Site",
+           "SiteHardware", "TrainingJob", "design", "full_factorial", "latin_hypercube", "list_sites", "load_site",
+           "sobol", "workflow_summary"]

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcml import safeio
+from hpcml import safeio, stop
 from hpcml.ensemble import apps, attempts
 from hpcml.ensemble.asha import Asha, SearchConfig, configurations
 from hpcml.ensemble.parsl_build import executor_label
 from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec
+from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.log import get_logger
 from hpcml.numeric import is_int, is_real
@@ -50,6 +51,14 @@ _MAX_LINE = 1 << 16  # a metrics or record line longer than this is not one of o
 
 class SearchError(HpcmlError, RuntimeError):
     """The search ended without every trial done: a trial's program failed, or wrote no score."""
+
+
+class SearchInterrupted(HpcmlError, RuntimeError):
+    """The walltime warning (SIGUSR1) or SIGTERM stopped the search: its running trials were
+    ended and what finished is recorded. Exit with ``exit_code`` (75: ``hpcml job --driver``
+    requeues the job) and run it again with ``resume=True``."""
+
+    exit_code = NOT_FINISHED
 
 
 @dataclass(kw_only=True)
@@ -143,6 +152,7 @@ class Search:
         """Run the search to its end (or the rest of it, ``resume``); its result, also in
         ``run_dir/search_result.json``. SearchError when a trial failed (after the others)."""
         t0 = time.monotonic()
+        stop.install()  # the walltime warning: before anything is started
         apps.claim(self.run_dir, resume=resume, stream=False)
         self._check_definition()
         state = Asha(self.config, len(self.trials))
@@ -186,9 +196,13 @@ class Search:
                                 self.trials[job[0]])
                 if not running:
                     return
-                done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                done, _ = concurrent.futures.wait(running, timeout=0.5,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
                 for f in done:
                     self._ended(state, *running.pop(f), f)
+                if (why := stop.requested()) is not None:
+                    raise SearchInterrupted(f"stopped by {why}: {len(running)} running trial(s) ended, every finished "
+                                            f"job recorded in {self.run_dir / RECORD}; run again with resume=True")
         except BaseException:
             if running:  # the attempts' wrappers end their trial on CANCEL within a second
                 logger.warning("cancelling %d running trial(s)", len(running))
@@ -313,4 +327,4 @@ def _json_score(score: float) -> float | None:
     return None if math.isnan(score) else score
 
 
-__all__ = ["Search", "SearchError", "SearchResult"]
+__all__ = ["Search", "SearchError", "SearchInterrupted", "SearchResult"]

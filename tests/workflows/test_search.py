@@ -55,7 +55,7 @@ TRAINER = textwrap.dedent("""
 
 DRIVER = textwrap.dedent("""
     import json, sys
-    from hpcml.ensemble import Search, SearchConfig, SearchError
+    from hpcml.ensemble import Search, SearchConfig, SearchError, SearchInterrupted
     run_dir, method, trainer, resume, metric, at_once = sys.argv[1:3] + [sys.argv[3], sys.argv[4] == "1", sys.argv[5],
                                                          int(sys.argv[6])]
     cfg = SearchConfig(method=method, space={"lr": [0.001, 0.003, 0.01, 0.03], "momentum": [0.0, 0.5, 0.8, 0.9]},
@@ -68,6 +68,9 @@ DRIVER = textwrap.dedent("""
     except SearchError as e:
         print("FAILED", e, flush=True)
         sys.exit(1)
+    except SearchInterrupted as e:
+        print("INTERRUPTED", e, flush=True)
+        sys.exit(e.exit_code)
     print("RESULT", json.dumps(r.__dict__), flush=True)
 """)
 
@@ -138,6 +141,20 @@ def test_asha_finds_the_grids_best_for_a_fraction_of_its_steps_and_resumes_after
     assert sorted((r["trial"], r["rung"]) for r in after) == sorted((r["trial"], r["rung"]) for r in recs)
     assert (resumed["best_params"], resumed["trial_steps"]) == (asha["best_params"], asha["trial_steps"])
     assert resumed["best_score"] == pytest.approx(asha["best_score"], rel=1e-12)
+
+    # the walltime warning: SIGUSR1 to the driver ends its running trial, exits 75 (hpcml job requeues)
+    proc = drive(tmp_path, "warned", "asha", popen=True, at_once=1)
+    run = tmp_path / "warned"
+    while not (run / "search.jsonl").exists() or len((run / "search.jsonl").read_text().splitlines()) < 4:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "INTERRUPTED stopped by SIGUSR1: " in out, out
+    assert not _trainers(run)
+    warned = result(drive(tmp_path, "warned", "asha", resume=True, at_once=1))
+    assert (warned["best_params"], warned["trial_steps"]) == (asha["best_params"], asha["trial_steps"])
+    assert sorted((r["trial"], r["rung"]) for r in records(run)) == sorted((r["trial"], r["rung"]) for r in recs)
 
 
 def _trainers(run: Path) -> list[int]:
