@@ -221,16 +221,12 @@ class Campaign:
         return found
 
     def make_config(self, sims: Sequence[SimSpec], sim_nodes: Sequence[str] = ()) -> parsl.Config:
-        if self.config is not None:
-            cfg = self.config() if callable(self.config) else self.config
-        else:
-            options = {k: v for k, v in self.site_options.items() if v is not None}
-            cfg = self.site.parsl_config(run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
-                                         sim_ranks=_max_ranks(sims), retries=self.retries,
-                                         sim_nodes=tuple(sim_nodes), **options)
-        if getattr(cfg, "run_dir", None) == "runinfo":  # Parsl's default: keep everything in the run directory
-            cfg.run_dir = str(self.run_dir / "parsl")
-        return cfg
+        from hpcml.ensemble.parsl_build import resolve_config
+
+        options = {k: v for k, v in self.site_options.items() if v is not None}
+        return resolve_config(self.config, self.run_dir, lambda: self.site.parsl_config(
+            run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent, sim_ranks=_max_ranks(sims),
+            retries=self.retries, sim_nodes=tuple(sim_nodes), **options))
 
     # --- the run --------------------------------------------------------------------------
 

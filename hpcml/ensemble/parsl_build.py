@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,16 @@ def thread_config(site: Site, request: SiteRequest) -> Config:
     executor = ThreadPoolExecutor(label=SIMS_LABEL, max_threads=request.max_concurrent_sims)
     return Config(executors=[executor], run_dir=request.parsl_run_dir, retries=request.retries,
                   usage_tracking=0, strategy="none")
+
+
+def resolve_config(given: Any, run_dir: Path, make: Callable[[], Config]) -> Config:
+    """The Parsl Config a driver loads: ``given`` (a Config, or a zero-argument callable making
+    one), else ``make()`` (the site's); one whose ``run_dir`` is Parsl's default keeps its
+    files in the campaign's or search's run directory."""
+    cfg = (given() if callable(given) else given) if given is not None else make()
+    if getattr(cfg, "run_dir", None) == "runinfo":
+        cfg.run_dir = str(run_dir / "parsl")
+    return cfg
 
 
 def executor_label(cfg: Any) -> str:

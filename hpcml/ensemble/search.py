@@ -34,7 +34,7 @@ from typing import Any
 from hpcml import safeio, stop
 from hpcml.ensemble import apps, attempts
 from hpcml.ensemble.asha import Asha, SearchConfig, configurations
-from hpcml.ensemble.parsl_build import executor_label
+from hpcml.ensemble.parsl_build import executor_label, resolve_config
 from hpcml.ensemble.site import Site, load_site
 from hpcml.ensemble.spec import SimSpec
 from hpcml.env import NOT_FINISHED
@@ -273,14 +273,9 @@ class Search:
                               f"resume it unchanged, or use a new run directory")
 
     def _parsl_config(self):
-        if self.parsl_config is not None:
-            cfg = self.parsl_config() if callable(self.parsl_config) else self.parsl_config
-        else:
-            cfg = self.site.parsl_config(run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
-                                         sim_ranks=self.ranks, retries=self.retries, **self.site_options)
-        if getattr(cfg, "run_dir", None) == "runinfo":
-            cfg.run_dir = str(self.run_dir / "parsl")
-        return cfg
+        return resolve_config(self.parsl_config, self.run_dir, lambda: self.site.parsl_config(
+            run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent, sim_ranks=self.ranks,
+            retries=self.retries, **self.site_options))
 
     def _result(self, state: Asha, resumed: int, wall_s: float) -> SearchResult:
         best = state.best()
