@@ -1,5 +1,5 @@
-"""What document masking costs a training step, against plain causal attention and against the
-documents run one by one.
+"""What document masking (and ALiBi's biases) cost a training step, against plain causal
+attention and against the documents run one by one.
 
     python benchmarks/doc_mask.py --json                  # sequences of 1024, the shipped corpus
     python benchmarks/doc_mask.py --json --seq-len 2048 --repeat 5
@@ -12,11 +12,14 @@ sequences, forward and backward, in three ways on the same batch, alternating, b
 - ``causal``: plain causal attention over the packed sequence (nanoGPT's, Megatron's default):
   the peer, and the most that masking could give back;
 - ``masked``: hpcml's document masking (``doc_ids``: a boolean mask built once per forward);
+- ``alibi``: the same model with ALiBi positions (a float mask of per-head biases built once
+  per forward, in place of rotary positions and SDPA's causal flag);
 - ``alone``: every document through the model by itself, no mask (the test reference): the
   same result with no attention across documents computed at all -- the limit a block-sparse
   kernel (FlexAttention) approaches, where the dense mask computes every pair and drops it.
 
-Last line: ``masked_over_causal`` (step time: the mask's cost over plain attention) and
+Last line: ``masked_over_causal`` (step time: the mask's cost over plain attention),
+``alibi_over_causal`` and
 ``alone_over_masked`` (< 1: what skipping the masked blocks could save). On GPUs the mask takes
 SDPA's memory-efficient kernel instead of flash: not measured here (no GPU lent).
 """
@@ -61,12 +64,17 @@ def main(argv=None) -> int:
     cfg = TransformerConfig(vocab_size=384, dim=256, n_layers=4, n_heads=8, max_seq_len=args.seq_len)
     torch.manual_seed(0)
     model = Transformer(cfg)
+    alibi = Transformer(cfg.with_blocks(positions="alibi"))
+    alibi.load_state_dict(model.state_dict())
 
     def step(kind: str) -> float:
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         if kind == "causal":
             loss = cross_entropy(model(x), y)
+        elif kind == "alibi":
+            alibi.zero_grad(set_to_none=True)
+            loss = cross_entropy(alibi(x), y)
         elif kind == "masked":
             loss = cross_entropy(model(x, doc_ids=docs), y)
         else:
@@ -74,7 +82,7 @@ def main(argv=None) -> int:
         loss.backward()
         return time.perf_counter() - t0
 
-    kinds = ("causal", "masked", "alone")
+    kinds = ("causal", "masked", "alibi", "alone")
     for k in kinds:  # warm-up
         step(k)
     best = {k: float("inf") for k in kinds}
@@ -86,6 +94,7 @@ def main(argv=None) -> int:
            round(float((docs[:, -1] + 1).float().mean()), 2),
            **{f"{k}_tokens_per_s": round(n / best[k]) for k in kinds},
            "masked_over_causal": round(best["masked"] / best["causal"], 3),
+           "alibi_over_causal": round(best["alibi"] / best["causal"], 3),
            "alone_over_masked": round(best["alone"] / best["masked"], 3)}
     print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
     return 0

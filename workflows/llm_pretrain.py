@@ -75,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation", choices=("swiglu", "gelu"), default=None,
                    help="the blocks' MLP, where not the preset's (its width kept): gelu for GPT/MPT blocks")
     p.add_argument("--norm", choices=("rmsnorm", "layernorm"), default=None, help="the blocks' norm")
-    p.add_argument("--positions", choices=("rope", "learned"), default=None,
-                   help="rotary, or a learned table added to the embedding (GPT's, MPT's)")
+    p.add_argument("--positions", choices=("rope", "learned", "alibi"), default=None,
+                   help="rotary, a learned table added to the embedding (GPT-2's), or ALiBi's linear biases of the "
+                        "scores (BLOOM's, MPT's)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--fused-qkv", action="store_true", help="one wqkv weight per layer (checkpointed in logical order)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
-from hpcml.parallel.docmask import DocMask
+from hpcml.parallel.docmask import AttentionMask
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -50,13 +50,13 @@ class AllGatherAttention(torch.nn.Module):
         super().__init__()
         self.group, self.index = group, index
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocMask | None = None
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: AttentionMask | None = None
                 ) -> torch.Tensor:
-        """``docs``: the whole sequence's document mask, if any (this rank takes its queries' rows)."""
+        """``docs``: the whole sequence's mask, if any (documents, ALiBi: this rank takes its queries' rows)."""
         k, v = gather_seq(k, self.group), gather_seq(v, self.group)
         s = q.shape[1]
         if docs is not None:
-            mask = docs.rows(self.index * s, s)
+            mask = docs.rows(self.index * s, s, q.dtype)
         else:
             mask = causal_offset_mask(s, k.shape[1], self.index * s, q.dtype, q.device)
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

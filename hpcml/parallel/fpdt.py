@@ -203,7 +203,8 @@ class FPDTAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs=None) -> torch.Tensor:
         if docs is not None:  # its chunked kernel takes no mask
-            raise ConfigError(NO_DOC_MASK)
+            raise ConfigError(NO_DOC_MASK if docs.slopes is None else "ALiBi under FPDT is not built (its chunked "
+                              "kernel takes no biases): drop --fpdt-chunk, or use rotary positions")
         c, n = self.chunk, _chunks(q, self.chunk, "FPDTAttention")
         if self.group is None:
             return chunked_attention(q, k, v, c)

@@ -49,9 +49,12 @@ class UlyssesAttention(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, group) -> None:
         super().__init__()
         self.inner, self.group = inner, group
+        self.index, self.count = dist.get_rank(group), dist.get_world_size(group)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs=None) -> torch.Tensor:
-        """``docs``: the :class:`~hpcml.parallel.docmask.DocMask` of the whole sequence, if any
-        (the inner attention sees every position)."""
+        """``docs``: the :class:`~hpcml.parallel.docmask.AttentionMask` of the whole sequence, if
+        any (the inner attention sees every position, for this rank's part of the heads)."""
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        if docs is not None:
+            docs = docs.heads(self.index, self.count)
         return heads_to_seq(self.inner(q, k, v, docs), self.group)

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
                    "the model's config: swiglu or gelu (its width kept)")
     p.add_argument("--norm", choices=NORMS, default=None, help="the blocks' norm: rmsnorm or layernorm")
     p.add_argument("--positions", choices=POSITIONS, default=None, help="rope, learned (a table added to the "
-                   "embedding) or alibi (planned only)")
+                   "embedding) or alibi (linear biases of the scores)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                    help="biases on every projection and norm (GPT's, MPT's)")
     p.add_argument("--loss", choices=LOSSES, default=None, help="eager (default: the fp32 log-softmax kept) or fused "

@@ -196,6 +196,8 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
     per_mb *= tokens
+    if lay.framework == "hpcml":  # its ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
+        per_mb += len(mine) * fp.bias_saved(cfg, lay.seq_len, how)
     saved = per_mb * in_flight(lay, pp_rank) + fp.head_constant(cfg, how, last=n_stages - 1 in mine)
     if lay.framework == "hpcml" and lay.precision != "fp32":
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the

@@ -114,8 +114,8 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")
-    if lay.positions == "alibi":
-        bad.append("positions alibi (hpcml's trainer: rope or learned)")
+    if lay.positions == "alibi" and lay.fpdt_chunk:
+        bad.append("positions alibi with FPDT (its chunked kernel takes no biases)")
     if lay.precision == "fp8":
         bad.append("precision fp8 (hpcml's trainer: bf16 or fp32)")
     if lay.loss != "eager":

@@ -28,6 +28,8 @@ MOE = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, n_kv_head
                         n_experts=4, moe_top_k=2, moe_hidden=48, moe_every=2)
 GPT = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, ffn_hidden=96, max_seq_len=64,
                         activation="gelu", norm="layernorm", bias=True)
+ALIBI = TransformerConfig(vocab_size=250, dim=64, n_layers=4, n_heads=8, ffn_hidden=96, max_seq_len=64,
+                          positions="alibi")
 TRAIN = TrainConfig(steps=1, global_batch=8, micro_batch=1, seq_len=32, progress=False)
 
 LAYOUTS = {
@@ -96,10 +98,12 @@ SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2
              ("cp2xtp2-fpdt", {"cp": 2, "tp": 2}, {"fpdt_chunk": 4}), ("cp4-fpdt", {"cp": 4}, {"fpdt_chunk": 2}),
              ("gpt-tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("gpt-cp2xdp2", {"cp": 2}, {}),
              ("cp4-allgather", {"cp": 4}, {"cp_kind": "allgather"}),
-             ("cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"})],
+             ("cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"}),
+             ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}), ("alibi-cp2xdp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}),
+             ("alibi-fsdp4", {"dp": 4}, {"fsdp": True})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
              ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
-             ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"})]}
+             ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}), ("alibi-tp2", {"tp": 2}, {})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", SAVED.get(WORLD, []), ids=[x[0] for x in SAVED.get(WORLD, [])])
@@ -109,7 +113,7 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
     and DTensor's included as parameters), summed, against :func:`activation_bytes` for one
     micro-batch in flight."""
     pcfg = ParallelConfig(**pkw)
-    cfg = GPT if name.startswith("gpt") else MODEL
+    cfg = GPT if name.startswith("gpt") else ALIBI if name.startswith("alibi") else MODEL
     trainer = build_llm_trainer(cfg, TRAIN, pcfg, **degrees)
     model = trainer.model.parts[0]
     account = SavedBytes({}, [model])  # the training loop's memory account

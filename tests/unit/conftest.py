@@ -27,3 +27,14 @@ def _signals_restored():
         if signal.getsignal(s) is not handler and handler is not None:
             signal.signal(s, handler)
     stop.clear()
+
+
+@pytest.fixture
+def fp64():
+    """A test in float64 (torch's default dtype), restored after: the exact comparisons."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -8,7 +8,7 @@ import torch
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer import Transformer, TransformerConfig, cross_entropy
-from hpcml.parallel.docmask import DocMask, document_ids
+from hpcml.parallel.docmask import AttentionMask, document_ids
 from hpcml.train import TrainConfig
 from tests.reference import document_by_document_loss
 
@@ -16,12 +16,7 @@ EOD = 0
 CFG = TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
 
-@pytest.fixture(autouse=True)
-def _fp64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def _packed(seed: int = 0) -> torch.Tensor:
@@ -41,13 +36,13 @@ def test_document_ids_count_the_ends_before_each_position():
 
 def test_the_mask_is_causal_within_documents_and_its_rows_are_cut_for_a_context_parallel_rank():
     ids = document_ids(torch.tensor([[5, 0, 7, 7, 0, 3]]), 0)
-    full = DocMask(ids).rows(0, 6)[0, 0].int().tolist()
+    full = AttentionMask(ids).rows(0, 6)[0, 0].int().tolist()
     assert full == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0],
                     [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
-    m = DocMask(ids)
+    m = AttentionMask(ids)
     assert m.rows(3, 3)[0, 0].int().tolist() == full[3:]
     assert m.rows(3, 3) is m.rows(3, 3)  # one mask per forward, shared by every layer
-    with pytest.raises(ConfigError, match="rows 4..8: outside the sequence of 6"):
+    with pytest.raises(ConfigError, match="mask rows 4..8: outside the sequence of 6"):
         m.rows(4, 4)
 
 

@@ -202,6 +202,15 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
 
 
+def bias_saved(cfg: TransformerConfig, seq_len: int, how: Saved) -> float:
+    """Bytes of ALiBi's mask in one micro-batch's forward of a stage: ``[heads, rows, S]`` in the
+    attention's dtype, one tensor shared by the stage's layers and saved by SDPA for backward
+    (a rank holds heads / tp, and under cp either heads / cp -- Ulysses -- or rows S / cp)."""
+    if cfg.positions != "alibi":
+        return 0.0
+    return how.act_bytes * cfg.n_heads * seq_len * seq_len / (how.tp * how.cp)
+
+
 def head_constant(cfg: TransformerConfig, how: Saved, *, last: bool) -> float:
     """Bytes outside the blocks that do not grow with the tokens: FPDT's chunked loss keeps the
     final norm's and the output layer's gradients (fp32) from forward to backward."""

@@ -24,9 +24,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcml.errors import ConfigError
+from hpcml.models.transformer.alibi import alibi_slopes
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rope import apply_rope, rope_tables
-from hpcml.parallel.docmask import DocMask
+from hpcml.parallel.docmask import AttentionMask
 from hpcml.parallel.fpdt import chunked, chunked_loss, local_positions
 
 
@@ -69,8 +70,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.bias)
         self.core: nn.Module = CausalAttention()
         """q, k, v [B, S, H, D] -> out; a context-parallel plan wraps it (no parameters: names stay)."""
+        self.head_part = (0, 1)
+        """(index, count): this module holds part ``index`` of ``count`` of the query heads (set by
+        its tensor-parallel plan; ALiBi's biases are per head)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: AttentionMask | None = None
                 ) -> torch.Tensor:
         b, s, _ = x.shape
         # heads are inferred from the (possibly tensor-parallel, column-sharded) projections
@@ -83,16 +87,18 @@ class Attention(nn.Module):
         q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         if cos is not None:  # rotary positions (learned ones were added to the embedding)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if docs is not None:
+            docs = docs.heads(*self.head_part)
         return self.wo(self.core(q, k, v, docs).reshape(b, s, -1))
 
 
 class CausalAttention(nn.Module):
     """Scaled dot-product attention with a causal mask over [B, S, H, D] (grouped kv heads
-    allowed), or within the documents of ``docs`` (the whole sequence's rows)."""
+    allowed), or ``docs``' (the whole sequence's rows: within documents, ALiBi's biases)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocMask | None = None
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: AttentionMask | None = None
                 ) -> torch.Tensor:
-        mask = None if docs is None else docs.rows(0, q.shape[1])
+        mask = None if docs is None else docs.rows(0, q.shape[1], q.dtype)
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
@@ -141,12 +147,12 @@ class TransformerBlock(nn.Module):
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h))
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: AttentionMask | None = None
                  ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, docs)
         return h + (chunked(self._mlp, h, self.mlp_chunk) if self.mlp_chunk else self._mlp(h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocMask | None = None
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: AttentionMask | None = None
                 ) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, docs, use_reentrant=False)
@@ -159,8 +165,6 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.config = cfg
-        if cfg.positions == "alibi":
-            raise ConfigError("positions alibi is planned (hpcml plan), not built: the model runs rope or learned")
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.padded_vocab, cfg.dim)
         self.pos_embeddings: nn.Embedding | None = \
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
@@ -173,6 +177,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_llama3)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.alibi_slopes = alibi_slopes(cfg.n_heads) if cfg.positions == "alibi" else None
+        """ALiBi: every query head's slope, float64 on the host (no buffer: neither saved, nor cast by ``to``)."""
         self.seq_shard = (0, 1)
         """(index, count): this module is rank ``index`` of ``count`` on cp; set by its context-parallel plan."""
         self.fpdt_chunk = 0
@@ -212,19 +218,19 @@ class Transformer(nn.Module):
         index, count = self.seq_shard
         if s * count > self.rope_cos.shape[0]:
             raise ConfigError(f"sequence length {s * count} exceeds max_seq_len {self.config.max_seq_len}")
-        docs = None
-        if doc_ids is not None:  # (FPDT's attention refuses it: its chunked kernel takes no mask)
-            if tuple(doc_ids.shape) != (h.shape[0], s * count):
-                raise ConfigError(f"doc_ids of shape {tuple(doc_ids.shape)}: expected [{h.shape[0]}, {s * count}] "
-                                  f"(every position of the sequence)")
-            docs = DocMask(doc_ids)
+        docs = None  # the mask of this forward, shared by the layers (FPDT's attention refuses one)
+        if doc_ids is not None and tuple(doc_ids.shape) != (h.shape[0], s * count):
+            raise ConfigError(f"doc_ids of shape {tuple(doc_ids.shape)}: expected [{h.shape[0]}, {s * count}] "
+                              f"(every position of the sequence)")
+        if doc_ids is not None or self.alibi_slopes is not None:
+            docs = AttentionMask(doc_ids, seq_len=s * count, slopes=self.alibi_slopes, device=h.device)
         if self.fpdt_chunk:  # FPDT's strided chunks: the angles gathered per position
             pos = local_positions(s * count, index, count, self.fpdt_chunk).to(self.rope_cos.device)
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         else:  # Ulysses: this rank holds positions [index * s, (index + 1) * s), a view of the tables
             pos = torch.arange(index * s, (index + 1) * s, device=self.rope_cos.device)
             cos, sin = self.rope_cos[index * s:(index + 1) * s], self.rope_sin[index * s:(index + 1) * s]
-        if self.config.positions == "learned":
+        if self.config.positions != "rope":  # learned (added to the embedding) or ALiBi (biases of the scores)
             if self.pos_embeddings is not None:  # the first stage (under sequence parallelism: refused by the plan)
                 h = h + self.pos_embeddings(pos)
             cos = sin = None

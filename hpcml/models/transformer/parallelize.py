@@ -80,6 +80,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
         if sp:
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, mesh, block_plan)
+        block.attention.head_part = (mesh.get_local_rank(), mesh.size())  # colwise q: a contiguous part of the heads
     model.sp_size = mesh.size() if sp else 1  # hidden states hold S / tp positions between regions
 
 

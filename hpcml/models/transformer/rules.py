@@ -32,6 +32,9 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
     if config.sequence_parallel and model.positions == "learned":
         raise ConfigError("sequence_parallel with learned positions is not supported: the embedding's output is "
                           "already split over tp there; use tp without it, or rotary positions")
+    if model.positions == "alibi" and config.fpdt_chunk:
+        raise ConfigError(f"positions alibi with fpdt_chunk {config.fpdt_chunk}: FPDT's chunked attention takes no "
+                          f"biases; use cp_kind ulysses or allgather without fpdt_chunk, or rotary positions")
     if config.sequence_parallel and cp > 1:
         raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
     if model.n_experts:
