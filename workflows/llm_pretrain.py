@@ -44,6 +44,11 @@ from hpcml.train.checkpointing import CheckpointHook, load_trainer
 from hpcml.train.recipe import build_llm_trainer
 
 
+def replicas(text: str) -> int | str:
+    """``--dp-replicate``: a number of replicas, or ``node`` (argparse names the flag on a bad value)."""
+    return text if text == "node" else int(text)
+
+
 def moe_fields(spec: str) -> dict:
     """``--moe 8x2`` -> n_experts 8, top-2 (``8``: top-2)."""
     parts = spec.lower().split("x")
@@ -71,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-capacity", type=float, default=None, help="capacity factor (default: dropless)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters over dp (FSDP2); default replicates (DDP)")
     p.add_argument("--zero2", action="store_true", help="with --fsdp: keep parameters gathered after forward")
+    p.add_argument("--dp-replicate", type=replicas, default=1, metavar="R|node",
+                   help="with --fsdp: HSDP, R replicas each sharding over its dp / R ranks ('node': one per node)")
+    p.add_argument("--hpz", action="store_true", help="with --fsdp: ZeRO++ hpZ, backward gathers inside the node")
+    p.add_argument("--qwz", action="store_true", help="with --fsdp: ZeRO++ qwZ, weights all-gathered in int8")
+    p.add_argument("--qgz", action="store_true", help="with --fsdp: ZeRO++ qgZ, gradients reduced in int8 across nodes")
+    p.add_argument("--quant-block", type=int, default=256, help="qwZ/qgZ: values per int8 block and its scale")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
     p.add_argument("--activation", choices=("swiglu", "gelu"), default=None,
                    help="the blocks' MLP, where not the preset's (its width kept): gelu for GPT/MPT blocks")
@@ -163,7 +174,8 @@ def main(argv=None) -> int:
         parallel = ParallelConfig(fsdp=args.fsdp, reshard_after_forward=not args.zero2,
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
-                                  cp_kind=args.cp_kind)
+                                  cp_kind=args.cp_kind, hpz=args.hpz, qwz=args.qwz, qgz=args.qgz,
+                                  quant_block=args.quant_block, dp_replicate=args.dp_replicate)
         data = open_tokens(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
         if args.doc_mask and data is None:
             raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")

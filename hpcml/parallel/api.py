@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hpcml import log
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.mpi import ProcessGrid
-from hpcml.parallel import clip, dp, pp
+from hpcml.parallel import clip, dp, hsdp, pp, zeropp
 from hpcml.parallel.config import ParallelConfig
 from hpcml.parallel.model_plan import DataParallelPlan, ParallelPlan, checked_plan, plan_of
 
@@ -61,11 +61,17 @@ class ParallelModel:
     tp_enabled: bool = False
     computes_loss: bool = False
     """The model's forward takes ``targets=`` and returns the loss (its plan's :meth:`computes_loss`)."""
+    comm_bytes: hsdp.CommBytes | None = None
+    """FSDP's collectives' bytes inside and across nodes (None without FSDP)."""
     _params: list[nn.Parameter] = field(default_factory=list)
     _pipeline_warm: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
+
+    def take_comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank's FSDP collectives sent inside and across nodes since the last call."""
+        return self.comm_bytes.take() if self.comm_bytes is not None else {}
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(name in the unparallelised model, local parameter), over all local parts."""
@@ -201,6 +207,9 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     plan = checked_plan(plan) if plan is not None else plan_of(model)
     lay = grid.layout
     plan.check(lay, config)
+    n_replicas = hsdp.replicas(grid, config)  # the node map's checks, before any collective
+    hsdp.hpz_size(grid, config)
+    zeropp.check(grid, config)
     computes_loss = loss_fn is None and lay.pp == 1 and plan.computes_loss(config)
     loss_fn = loss_fn or plan.loss_fn
     if loss_fn is None:
@@ -208,6 +217,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     if grid.torch is None:
         raise LaunchError("parallelize() needs torch.distributed: call grid.init_torch() first")
     mesh, device = grid.torch.mesh, grid.torch.device
+    hybrid = hsdp.hybrid_meshes(grid, n_replicas) if n_replicas > 1 else None  # HSDP: tp and FSDP on one root
     model = model.to(device)
 
     stage_ids = [0]
@@ -219,13 +229,13 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     else:
         parts = [model]
 
-    data_mesh = dp_mesh(mesh, lay)
+    data_mesh = hybrid.data if hybrid else dp_mesh(mesh, lay)
     if isinstance(plan, DataParallelPlan) and data_mesh is not None:  # a plain module: start equal, as DDP does
         dp.broadcast_params(list(model.parameters()), data_mesh.get_group())
     expert_params: list[nn.Parameter] = []
     for part in parts:
         if lay.tp > 1:
-            plan.apply_tp(part, mesh["tp"], config)
+            plan.apply_tp(part, hybrid.tp if hybrid else mesh["tp"], config)
         expert_params += plan.apply_moe(part, grid, data_mesh)
         if config.fpdt_chunk:
             plan.apply_fpdt(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp,
@@ -237,7 +247,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         if config.activation_checkpointing:
             plan.apply_activation_checkpointing(part)
         if config.fsdp and data_mesh is not None:
-            plan.apply_fsdp(part, grid, data_mesh, config)
+            plan.apply_fsdp(part, grid, hybrid.fsdp if hybrid else data_mesh, config)
 
     params = [p for part in parts for p in part.parameters()]  # after FSDP: its sharded parameters
     result = ParallelModel(parts=parts, grid=grid, config=config, plan=plan, loss_fn=loss_fn,
@@ -245,8 +255,11 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if not config.fsdp:
         result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)
-    else:
+    elif data_mesh is not None:
         result.grad_syncs = plan.fsdp_grad_syncs(parts, lay)
+        result.comm_bytes = hsdp.CommBytes(grid)
+        gather, scatter = zeropp.collectives(grid, config, result.comm_bytes)
+        hsdp.install(parts, gather, scatter, result.comm_bytes, hybrid.fsdp.get_group("dp_replicate") if hybrid else None)
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
                                             config.pp_schedule, n_microbatches, loss_fn)

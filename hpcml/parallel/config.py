@@ -18,6 +18,23 @@ class ParallelConfig:
     """dp: shard parameters, gradients and optimizer state with FSDP2 (ZeRO-3-like); False: replicate and all-reduce gradients (DDP)."""
     reshard_after_forward: bool = True
     """FSDP only: False keeps parameters gathered from forward to backward (ZeRO-2-like: more memory, fewer all-gathers)."""
+    dp_replicate: int | str = 1
+    """FSDP only: HSDP (hybrid sharding) -- the data ranks in this many replicas, each sharding the
+    parameters over its own ranks (the shard groups consecutive: inside a node when the node map
+    allows), gradients all-reduced across the replicas. ``"node"``: a replica per node of the
+    data group. 1: plain FSDP over every data rank."""
+    hpz: bool = False
+    """FSDP only (ZeRO++'s hpZ): after forward, keep the parameters sharded over the data ranks of
+    this rank's node instead of all of them, so backward's all-gathers stay inside the node (at the
+    memory of a node's shard of every block until its backward)."""
+    qwz: bool = False
+    """FSDP only (ZeRO++'s qwZ): all-gather weights in int8, ``quant_block`` values a scale
+    (:mod:`hpcml.parallel.zeropp`); compute sees them rounded, the optimizer's stay exact."""
+    qgz: bool = False
+    """FSDP only (ZeRO++'s qgZ): reduce-scatter gradients inside the node in full precision, then
+    across nodes in int8 (data ranks in equal consecutive blocks per node; not with dp_replicate)."""
+    quant_block: int = 256
+    """qwZ / qgZ: values per quantization block (each with its fp32 scale: 4 / block bytes a value)."""
     sequence_parallel: bool = False
     """tp: shard norms and residuals along the sequence between tensor-parallel regions (Megatron-SP)."""
     pp_schedule: str = "1f1b"
@@ -37,6 +54,27 @@ class ParallelConfig:
     the sequence; 0: plain Ulysses. Works on cp 1 too (chunking alone)."""
 
     def __post_init__(self) -> None:
+        if self.dp_replicate != "node" and (not is_int(self.dp_replicate) or self.dp_replicate < 1):
+            raise ConfigError(f"dp_replicate {self.dp_replicate!r}: expected a whole number >= 1 of replicas, or "
+                              f"'node' (one per node)")
+        if (self.dp_replicate != 1 or self.hpz) and not self.fsdp:
+            raise ConfigError(f"dp_replicate {self.dp_replicate!r}, hpz {self.hpz}: hybrid sharding and hpZ shard "
+                              f"parameters; set fsdp=True (without FSDP the data ranks already replicate)")
+        if (self.qwz or self.qgz) and not self.fsdp:
+            raise ConfigError(f"qwz {self.qwz}, qgz {self.qgz}: quantized all-gathers and reduce-scatters are "
+                              f"FSDP's; set fsdp=True")
+        if self.qgz and self.dp_replicate != 1:
+            raise ConfigError(f"qgz with dp_replicate {self.dp_replicate!r}: hybrid sharding reduce-scatters inside "
+                              f"the node and all-reduces across replicas in full precision; use qgz with FSDP over "
+                              f"every data rank (with hpz), or HSDP without it")
+        if not is_int(self.quant_block) or self.quant_block < 1:
+            raise ConfigError(f"quant_block {self.quant_block!r}: expected a whole number >= 1 of values a scale")
+        if self.hpz and not self.reshard_after_forward:
+            raise ConfigError("hpz with reshard_after_forward=False: hpZ reshards after forward to the node's "
+                              "ranks, ZeRO-2 does not reshard at all; use one of them")
+        if self.hpz and self.dp_replicate != 1:
+            raise ConfigError(f"hpz with dp_replicate {self.dp_replicate!r}: hybrid sharding already keeps its "
+                              f"shards inside the node; hpZ is for FSDP over every data rank")
         if not is_int(self.fpdt_chunk) or self.fpdt_chunk < 0:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk!r}: expected a whole number of positions >= 0 (0: off)")
         if self.cp_kind not in ("ulysses", "allgather"):

@@ -11,12 +11,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
+               reshard_after_forward: bool | int = True) -> None:
     """``fully_shard`` each unit (a transformer block), then the rest of the model (torchtitan's wrapping).
 
     Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
     ``reshard_after_forward=False`` keeps each block's parameters gathered until backward
-    (ZeRO-2-like). The root keeps its parameters gathered after forward: they are needed
+    (ZeRO-2-like), an int N reshards them over N consecutive ranks (hpZ). The root keeps its parameters gathered after forward: they are needed
     first in backward anyway.
     """
     for unit in units:
@@ -25,7 +26,7 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, resha
 
 
 def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Module], mesh: DeviceMesh,
-                   expert_mesh: DeviceMesh | None, reshard_after_forward: bool = True) -> None:
+                   expert_mesh: DeviceMesh | None, reshard_after_forward: bool | int = True) -> None:
     """:func:`apply_fsdp` for a model whose ``experts`` are sharded over ep: each experts module
     is its own unit over the expert-data-parallel mesh (edp; its DTensors on ep make the FSDP
     + EP 2-D layout torchtitan uses). FSDP averages their gradients over edp; they need the
@@ -37,7 +38,8 @@ def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Mo
         if expert_mesh is None:
             ignored |= set(ex.parameters())
             continue
-        fully_shard(ex, mesh=expert_mesh, reshard_after_forward=reshard_after_forward)
+        # (hpZ's int counts the dense data ranks of a node: the experts reshard over all of edp)
+        fully_shard(ex, mesh=expert_mesh, reshard_after_forward=reshard_after_forward is not False)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     ignored_params=(ignored & set(unit.parameters())) or None)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
-from hpcml.parallel import dp
+from hpcml.parallel import dp, hsdp
 from hpcml.parallel.config import ParallelConfig
 
 #: The member a plan overrides to support each axis (and ``check`` refuses the axis without it).
@@ -105,13 +105,14 @@ class ParallelPlan:
         return []
 
     def apply_fsdp(self, part: nn.Module, grid, data_mesh: DeviceMesh, config: ParallelConfig) -> None:
-        """FSDP2 over dp x cp; with experts laid out apart (ep, or etp != tp), the experts over edp."""
+        """FSDP2 over dp x cp (``data_mesh`` 2-D under HSDP: replicate, shard); with experts laid
+        out apart (ep, or etp != tp), the experts over edp. hpZ: reshard after forward to a node's ranks."""
+        reshard = hsdp.hpz_size(grid, config)
         if grid.layout.moe:
             edp = grid.torch.expert_mesh["edp"] if grid.layout.edp > 1 else None
-            dp.apply_fsdp_moe(part, self.fsdp_units(part), self.expert_modules(part), data_mesh, edp,
-                              config.reshard_after_forward)
+            dp.apply_fsdp_moe(part, self.fsdp_units(part), self.expert_modules(part), data_mesh, edp, reshard)
         else:
-            dp.apply_fsdp(part, self.fsdp_units(part), data_mesh, config.reshard_after_forward)
+            dp.apply_fsdp(part, self.fsdp_units(part), data_mesh, reshard)
 
     def fsdp_grad_syncs(self, parts: list[nn.Module], layout: Layout) -> list[dp.GradAllReduce]:
         """What FSDP leaves to reduce: the experts' gradients, FSDP's mean over edp turned into the

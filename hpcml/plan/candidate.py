@@ -99,6 +99,16 @@ class PlanLayout:
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
     loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
+    dp_replicate: int = 1
+    """HSDP (``zero`` 2 or 3): the data ranks in this many replicas, each sharding over its own
+    consecutive dp x cp / dp_replicate ranks, gradients all-reduced across replicas."""
+    hpz: bool = False
+    """ZeRO++'s hpZ (``zero`` 3): backward gathers a secondary shard over the node's data ranks."""
+    qwz: bool = False
+    """ZeRO++'s qwZ (``zero`` 2 or 3): weights all-gathered in int8, a scale per ``quant_block``."""
+    qgz: bool = False
+    """ZeRO++'s qgZ (``zero`` 2 or 3): gradients reduce-scattered inside the node, int8 across."""
+    quant_block: int = 256
     overlap: bool = False
     """Communication overlapped by the framework beyond what its schedule does anyway: tensor-
     parallel traffic with the matmuls (async TP, userbuffers) and data-parallel gradients and
@@ -128,6 +138,17 @@ class PlanLayout:
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 64):
                 raise ConfigError(f"{name}={repr(value)[:40]}: expected a name")
         _int("zero", self.zero, least=0)
+        _int("dp_replicate", self.dp_replicate)
+        _int("quant_block", self.quant_block)
+        for name in ("hpz", "qwz", "qgz"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
+        if (self.dp_replicate > 1 or self.qwz or self.qgz) and self.zero < 2 or self.hpz and self.zero != 3:
+            raise ConfigError(f"dp_replicate {self.dp_replicate}, hpz {self.hpz}, qwz {self.qwz}, qgz {self.qgz} "
+                              f"with zero {self.zero}: they shard FSDP's collectives (zero 2 or 3; hpz: zero 3)")
+        if self.hpz and self.dp_replicate > 1 or self.qgz and self.dp_replicate > 1:
+            raise ConfigError(f"dp_replicate {self.dp_replicate} with hpz {self.hpz}, qgz {self.qgz}: hybrid "
+                              f"sharding keeps its shards inside the node; hpz and qgz are for FSDP over every rank")
         _int("fpdt_chunk", self.fpdt_chunk, least=0)
         if self.fpdt_chunk and self.cp_kind != "ulysses":
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with cp_kind {self.cp_kind}: FPDT runs on Ulysses")
@@ -169,6 +190,8 @@ class PlanLayout:
         if self.seq_len % self.cp or (self.sequence_parallel and self.seq_len % (self.cp * self.tp)):
             raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}"
                               + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
+        if self.dp % self.dp_replicate:
+            raise ConfigError(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}")
         if self.sequence_parallel and self.cp > 1:
             raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported: use cp alone")
         if self.fpdt_chunk and (self.sequence_parallel or self.seq_len % (self.cp * self.fpdt_chunk)):

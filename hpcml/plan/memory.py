@@ -60,7 +60,7 @@ def _chunk(n: int, ws: int, index: int = 0) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) -> dict[str, tuple[int, ...]]:
+def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) -> dict[str, tuple[int, ...]]:
     """Per holder -- ``"L<i>"`` for block i, else the parameter's name (embedding, norm, output) --
     the element counts (compute, at-rest shard, trainable compute, trainable shard, trainable
     tensors, unsharded gradient) after tp and ep, a shard being FSDP's dim-0 chunk over ``ws``
@@ -97,7 +97,8 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
     n_stages = lay.pp * lay.v
     stages = stage_layer_lists(cfg.n_layers, n_stages)
     mine = set(range(pp_rank, n_stages, lay.pp))
-    ws = lay.dp * lay.cp
+    ws = lay.dp * lay.cp // lay.dp_replicate
+    shard %= ws  # HSDP: the same shard in every replica
     out = {"params": 0, "grads": 0, "optimizer": 0, "tensors": 0}
     for name, shape in fp.param_shapes(cfg).items():
         if not mine.intersection(fp.stage_of(name, stages)):
@@ -130,13 +131,14 @@ def rank_classes(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
 
 def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
     """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
-    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp, lay.pp, lay.v, lay.zero, pp_rank)
+    # (HSDP shards over a replica's dp x cp / dp_replicate ranks)
+    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank)
 
 
 @lru_cache(maxsize=65536)
 def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: int, zero: int,
                 pp_rank: int) -> RankState:
-    parts = _parts(cfg, tp, ep, ws, ws // ep)
+    parts = holder_parts(cfg, tp, ep, ws, ws // ep)
     n_stages = pp * v
     stages = stage_layer_lists(cfg.n_layers, n_stages)
     holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]
@@ -251,7 +253,7 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 
 
-def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0) -> Memory:
+def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0, gpus_per_node: int = 8) -> Memory:
     """The memory of the fullest pipeline rank of ``lay``."""
     worst: Memory | None = None
     for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
@@ -261,6 +263,9 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0)
         compute_bytes = weight_bytes(lay)
         if lay.zero == 3:  # FSDP: a gathered block and the one prefetched, the root kept gathered, a block's grads
             buf += compute_bytes * (2 * st.largest_unit + st.root) + 4 * st.largest_unit
+            if lay.hpz:  # hpZ: every block's secondary shard over the node's data ranks, from forward to backward
+                local = max(1, min(lay.dp * lay.cp, (lay.gpus_per_node or gpus_per_node) // lay.tp))
+                buf += compute_bytes * (st.compute_params - st.root) / local
         elif lay.zero == 2:  # FSDP without resharding after forward: every block stays gathered until backward
             buf += compute_bytes * st.compute_params + 4 * st.largest_unit
         if lay.zero >= 2 and lay.framework == "hpcml" and lay.microbatches > 1:

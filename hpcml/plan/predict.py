@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.rules import check_plan
 from hpcml.numeric import is_real
 from hpcml.parallel.config import ParallelConfig
-from hpcml.plan import calibration, devfile
+from hpcml.plan import calibration, devfile, traffic
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
 from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
@@ -124,6 +124,8 @@ class Prediction:
     hfu: float
     why: str
     parts_s: dict[str, float]
+    dp_bytes: dict[str, float] = field(default_factory=dict)
+    """FSDP's bytes a data rank sends a step inside and across nodes (:mod:`hpcml.plan.traffic`)."""
 
     def to_dict(self) -> dict:
         r = {"layout": self.layout.to_dict(), "fits": self.fits,
@@ -131,6 +133,8 @@ class Prediction:
              "step_s": _sig(self.step_s) if math.isfinite(self.step_s) else None,
              "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),
              "hfu": round(self.hfu, 4), "why": self.why, "time_s": {k: _sig(v) for k, v in self.parts_s.items()}}
+        if self.dp_bytes:
+            r["dp_bytes"] = {k: int(v) for k, v in self.dp_bytes.items()}
         return r
 
 
@@ -160,7 +164,7 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     refused = model_rules(cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
-    mem = memory(cfg, lay, c.reserved_gib * (1 << 30))
+    mem = memory(cfg, lay, c.reserved_gib * (1 << 30), dev.gpus_per_node)
     gib = mem.gib()
     cap = dev.memory_gib
     fits = gib["total"] <= cap
@@ -180,7 +184,8 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     else:
         top = sorted(((v, k) for k, v in parts.items() if v > 0), reverse=True)[:3]
         why = (f"{gib['total']:.1f} of {cap:.1f} GiB; step " + ", ".join(f"{k} {v / t.step_s:.0%}" for v, k in top))
-    return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts)
+    sent = traffic.dp_bytes(cfg, lay, lay.gpus_per_node or dev.gpus_per_node)
+    return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts, sent if any(sent.values()) else {})
 
 
 MEASURED = ("step_s", "tokens_per_s")

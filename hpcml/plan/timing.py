@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
+from hpcml.plan import traffic
 from hpcml.plan.devices import Device
 from hpcml.plan.memory import (RankState, rank_classes, rank_state, saved_how, stage_layer_lists, state_bytes,
                                weight_bytes)
@@ -127,6 +128,20 @@ def _fpdt_mlp(cfg: TransformerConfig, lay: PlanLayout, layer: int) -> float:
     return 0.0 if not lay.fpdt_chunk or cfg.is_moe(layer) else 2 * cfg.mlp_matrices * cfg.dim * cfg.hidden / lay.tp
 
 
+def _node_aware_share(cfg: TransformerConfig, lay: PlanLayout, dev: Device, pp_rank: int, across_bw: float) -> float:
+    """HSDP's, hpZ's, qwZ's and qgZ's data-parallel time over plain FSDP's on the same layout:
+    their bytes inside and across nodes (:func:`hpcml.plan.traffic.dp_bytes`) each at its link's
+    rate, over FSDP's the same way, so plain FSDP's fitted time stays as it is."""
+    nodes = lay.gpus_per_node or dev.gpus_per_node
+    inside = 1e9 * dev.intra_gbps
+
+    def cost(d: dict) -> float:
+        return d["dp_bytes_intra_node"] / inside + d["dp_bytes_inter_node"] / across_bw
+
+    plain = cost(traffic.dp_bytes(cfg, replace(lay, dp_replicate=1, hpz=False, qwz=False, qgz=False), nodes, pp_rank))
+    return cost(traffic.dp_bytes(cfg, lay, nodes, pp_rank)) / plain if plain > 0 else 1.0
+
+
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:
     """The step time of the slowest pipeline rank. Ranks sharing fewer cores (``dev.shared_cores``,
     a CPU) give their core away while they wait, so the step is the longer of the critical path
@@ -236,6 +251,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         rs = _ring(grad_full, ws, dp_bw, c, 1.0)
         # hpcml syncs gradients after the last micro-batch only; torch's default after each
         comm = m * ag + rs if lay.framework == "hpcml" else m * (ag + rs)
+        if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
+            comm *= _node_aware_share(cfg, lay, dev, pp_rank, dp_bw)
         dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + _ring(gathered, ws, dp_bw, c, 1.0) / max(1, len(layers)) \
             + m * (len(layers) + 1) * c.fsdp_unit_s
     else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients

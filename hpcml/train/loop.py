@@ -227,7 +227,8 @@ class TrainLoop:
         self.step += 1
         m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
                              **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
-                             "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)), **(extra or {}),
+                             "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)),
+                             **self.model.take_comm_bytes(), **(extra or {}),
                              **self.after_update()}
         if self.account is not None:
             m.update(memory.summary(self.account.take()))

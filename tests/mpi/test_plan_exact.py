@@ -41,7 +41,8 @@ LAYOUTS = {
         ("pp4", {"pp": 4}, {}), ("cp2xtp2", {"cp": 2, "tp": 2}, {"fsdp": True}),
         ("moe-ep2xdp2", {"ep": 2}, {}), ("moe-ep2-fsdp", {"ep": 2}, {"fsdp": True}),
         ("moe-ep4-fsdp", {"ep": 4}, {"fsdp": True}), ("moe-tp2xep2", {"tp": 2, "ep": 2}, {}),
-        ("gpt-tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("gpt-pp2xdp2", {"pp": 2}, {}), ("gpt-tp4", {"tp": 4}, {})],
+        ("gpt-tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("gpt-pp2xdp2", {"pp": 2}, {}), ("gpt-tp4", {"tp": 4}, {}),
+        ("hsdp2x2", {"dp": 4}, {"fsdp": True, "dp_replicate": 2}), ("hsdp-cp2", {"cp": 2}, {"fsdp": True, "dp_replicate": 2})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
         ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("zero2-2", {"dp": 2}, {"fsdp": True,
         "reshard_after_forward": False}), ("moe-ep2", {"ep": 2}, {"fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
@@ -54,7 +55,7 @@ def _plan_layout(degrees: dict, pcfg: ParallelConfig, model: TransformerConfig =
     return PlanLayout(model=model, gpus=WORLD, ep=degrees.get("ep", 1), gpu="a100-80gb", seq_len=TRAIN.seq_len,
                       global_batch=TRAIN.global_batch, micro_batch=TRAIN.micro_batch, tp=degrees.get("tp", 1),
                       pp=degrees.get("pp", 1), cp=degrees.get("cp", 1), zero=zero, sequence_parallel=pcfg.sequence_parallel,
-                      schedule=pcfg.pp_schedule, precision="fp32", **kw)
+                      schedule=pcfg.pp_schedule, precision="fp32", dp_replicate=pcfg.dp_replicate, **kw)
 
 
 def _local(t) -> torch.Tensor:

@@ -143,6 +143,12 @@ def test_rank_state_is_the_first_shard_of_rank_elements():
     ({"fpdt_chunk": -1}, "fpdt_chunk=-1: expected an integer in [0, 2^40]"),
     ({"pp": 2, "schedule": "interleaved1f1b", "global_batch": 20, "framework": "megatron"},
      "needs micro-batches (5) divisible by its rounds (2 = micro-batches // pp 2, torch's rule)"),
+    ({"hpz": True, "zero": 2}, "dp_replicate 1, hpz True, qwz False, qgz False with zero 2: they shard FSDP's"),
+    ({"dp_replicate": 2}, "dp_replicate 2, hpz False, qwz False, qgz False with zero 0"),
+    ({"dp_replicate": 3, "zero": 3}, "dp_replicate 3 does not divide dp 8"),
+    ({"dp_replicate": 2, "zero": 3, "qgz": True}, "dp_replicate 2 with hpz False, qgz True: hybrid sharding"),
+    ({"qwz": 1, "zero": 3}, "qwz=1: expected true or false"),
+    ({"quant_block": 0, "zero": 3}, "quant_block=0: expected an integer in [1, 2^40]"),
 ])
 def test_layout_refused_in_one_line(kw, message):
     base = {"model": "llama3-8b", "gpus": 8, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 16}
@@ -448,3 +454,29 @@ def test_a_search_leaves_headroom_and_emit_refuses_a_layout_at_the_edge(capsys):
     assert cli(["plan", "--model", "tiny", "--gpus", "1", "--gpu", "a100-80gb", "--seq-len", "64", "--global-batch",
                 "8", "--headroom", "0.95"]) == 2
     assert "--headroom 0.95: expected a fraction of device memory in [0, 0.9)" in capsys.readouterr().err
+
+
+def test_node_aware_data_parallelism_moves_bytes_off_the_network():
+    """Llama 3 8B on 4 nodes of 8: HSDP's bytes across nodes are its all-reduce's alone, hpZ's
+    about two thirds of FSDP's, hpZ + qwZ + qgZ under a quarter; HSDP holds a replica's shard
+    (4x FSDP's optimizer state here) and hpZ a node's secondary shard of the weights."""
+    from hpcml.plan.traffic import dp_bytes
+
+    base = {"model": "llama3-8b", "gpus": 32, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 32, "zero": 3}
+    cfg = load_model("llama3-8b")
+    got = {name: dp_bytes(cfg, PlanLayout(**base, **kw), 8) for name, kw in (
+        ("fsdp", {}), ("hsdp", {"dp_replicate": 4}), ("hpz", {"hpz": True}),
+        ("zeropp", {"hpz": True, "qwz": True, "qgz": True}))}
+    across = {k: v["dp_bytes_inter_node"] for k, v in got.items()}
+    assert got["fsdp"]["dp_bytes_inter_node"] == pytest.approx(24 / 7 * got["fsdp"]["dp_bytes_intra_node"], rel=1e-3)
+    # (FSDP: ~3 collectives of P/32 to 24 peers -- the root is gathered once, not twice; HSDP: the
+    # all-reduce of P/8 over 4 replicas)
+    assert across["hsdp"] / across["fsdp"] == pytest.approx((2 * 3 / 4 / 8) / (3 * 24 / 32), rel=0.06)
+    assert across["hpz"] / across["fsdp"] == pytest.approx(2 / 3, rel=0.06)  # (the root again)
+    assert across["zeropp"] < 0.25 * across["fsdp"]
+    mem = {name: predict(PlanLayout(**base, **kw)).memory_gib for name, kw in (
+        ("fsdp", {}), ("hsdp", {"dp_replicate": 4}), ("hpz", {"hpz": True}))}
+    assert mem["hsdp"]["optimizer"] == pytest.approx(4 * mem["fsdp"]["optimizer"], rel=0.01)
+    st = rank_state(cfg, PlanLayout(**base), 0)  # the blocks' weights, fp32 in hpcml, over a node's 8 ranks
+    assert mem["hpz"]["buffers"] - mem["fsdp"]["buffers"] == pytest.approx(
+        (st.compute_params - st.root) * 4 / 8 / 2 ** 30, rel=1e-3)

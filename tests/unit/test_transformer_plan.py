@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -116,6 +117,24 @@ def test_parallel_config_validation():
     with pytest.raises(ConfigError, match="interleaved1f1b needs stages_per_rank >= 2, got 1"):
         ParallelConfig(pp_schedule="interleaved1f1b", stages_per_rank=1)
     assert ParallelConfig(pp_schedule="interleaved1f1b").n_stages_per_rank == 2
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"fsdp": True, "dp_replicate": 0}, "dp_replicate 0: expected a whole number >= 1 of replicas, or 'node'"),
+    ({"fsdp": True, "dp_replicate": "nodes"}, "dp_replicate 'nodes': expected a whole number >= 1"),
+    ({"fsdp": True, "dp_replicate": True}, "dp_replicate True: expected a whole number >= 1"),
+    ({"dp_replicate": 2}, "dp_replicate 2, hpz False: hybrid sharding and hpZ shard parameters; set fsdp=True"),
+    ({"hpz": True}, "dp_replicate 1, hpz True: hybrid sharding and hpZ shard parameters; set fsdp=True"),
+    ({"fsdp": True, "hpz": True, "reshard_after_forward": False}, "hpz with reshard_after_forward=False"),
+    ({"fsdp": True, "hpz": True, "dp_replicate": "node"}, "hpz with dp_replicate 'node': hybrid sharding already"),
+    ({"qwz": True}, "qwz True, qgz False: quantized all-gathers and reduce-scatters are FSDP's; set fsdp=True"),
+    ({"fsdp": True, "qgz": True, "dp_replicate": 2}, "qgz with dp_replicate 2: hybrid sharding reduce-scatters"),
+    ({"fsdp": True, "qwz": True, "quant_block": 0}, "quant_block 0: expected a whole number >= 1 of values a scale"),
+])
+def test_hybrid_sharding_config_refusals(kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ParallelConfig(**kw)
+    assert ParallelConfig(fsdp=True, dp_replicate="node").dp_replicate == "node"
 
 
 def test_train_config_layout_checks():
