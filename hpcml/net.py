@@ -23,10 +23,3 @@ def interface_address(ifname: str) -> str:
             raise LaunchError(f"network interface {ifname!r} has no IPv4 address ({e.strerror}); "
                               f"interfaces here: {names}") from None
     return socket.inet_ntoa(packed[20:24])
-
-
-def free_port(addr: str) -> int:
-    """A TCP port that is free on ``addr`` now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]

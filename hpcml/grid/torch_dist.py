@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hpcml import env, log
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.layout import DENSE_AXES, EXPERT_AXES
-from hpcml.net import free_port, interface_address
+from hpcml.net import interface_address
 
 if TYPE_CHECKING:
     from hpcml.grid.mpi import ProcessGrid
@@ -63,7 +63,7 @@ def default_backend() -> tuple[str, str]:
 
 
 def _pick_address(grid: ProcessGrid, interface: str | None) -> tuple[str, int]:
-    """Run on rank 0 only: address and port for the rendezvous."""
+    """Run on rank 0 only: address and port for the rendezvous (port 0: the store picks one)."""
     addr = os.environ.get("HPCML_MASTER_ADDR")
     if addr is None:
         if interface:
@@ -72,8 +72,15 @@ def _pick_address(grid: ProcessGrid, interface: str | None) -> tuple[str, int]:
             addr = "127.0.0.1"  # one node: stay on loopback
         else:
             addr = socket.gethostbyname(socket.gethostname())
-    port = int(os.environ.get("HPCML_MASTER_PORT", 0)) or free_port(addr)
-    return addr, port
+    return addr, int(os.environ.get("HPCML_MASTER_PORT", 0))
+
+
+def _store(addr: str, port: int, world_size: int, master: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: rank 0 listens before any rank is told the port (a port picked
+    free, released and bound again later can be taken in between by another process on the
+    node: EADDRINUSE, seen in CI), the others connect to it."""
+    return dist.TCPStore(addr, port, world_size, is_master=master, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True)
 
 
 def available_backends() -> list[str]:
@@ -146,11 +153,13 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     (it once left the others in the rendezvous until ``timeout_s``).
     """
     interface = interface or os.environ.get("HPCML_SOCKET_IFNAME") or None
-    device, joined, addr, port, problem = torch.device("cpu"), None, "", 0, None
+    device, joined, addr, port, problem, store = torch.device("cpu"), None, "", 0, None, None
     try:
         backend, device, joined = _setup(grid, backend, interface)
         if grid.world_comm.Get_rank() == 0 and joined is None:
             addr, port = _pick_address(grid, interface)
+            store = _store(addr, port, grid.world_comm.Get_size(), True, timeout_s)
+            port = store.port
     except Exception as e:  # whatever failed here, every rank must still reach the allgather
         problem = ("ConfigError" if isinstance(e, ConfigError) else "LaunchError", " ".join(str(e).split()))
     setup = f"gave backend {backend} on {device.type}, {'in' if joined else 'not in'} a process group"
@@ -159,10 +168,11 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     addr, port = views[0][4], views[0][5]
     world_rank, world_size = grid.world_comm.Get_rank(), grid.world_comm.Get_size()
     if joined is None:
-        host = f"[{addr}]" if ":" in addr else addr
         logger.info("torch.distributed: %s rendezvous at %s:%d, %d ranks", backend, addr, port, world_size)
-        dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}", rank=world_rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        if store is None:
+            store = _store(addr, port, world_size, False, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=world_rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
     mesh, expert_mesh, group, pop_group = _meshes(grid, device.type)
     first = grid.global_rank(0)

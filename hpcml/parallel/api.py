@@ -259,7 +259,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         result.grad_syncs = plan.fsdp_grad_syncs(parts, lay)
         result.comm_bytes = hsdp.CommBytes(grid)
         gather, scatter = zeropp.collectives(grid, config, result.comm_bytes)
-        hsdp.install(parts, gather, scatter, result.comm_bytes, hybrid.fsdp.get_group("dp_replicate") if hybrid else None)
+        hsdp.install(parts, gather, scatter, result.comm_bytes,
+                     hybrid.fsdp.get_group("dp_replicate") if hybrid else None)
     if lay.pp > 1:
         result.schedule = pp.build_schedule(parts, stage_ids, n_stages, device, mesh.get_group("pp"),
                                             config.pp_schedule, n_microbatches, loss_fn)

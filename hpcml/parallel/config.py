@@ -59,10 +59,11 @@ class ParallelConfig:
                               f"'node' (one per node)")
         if (self.dp_replicate != 1 or self.hpz) and not self.fsdp:
             raise ConfigError(f"dp_replicate {self.dp_replicate!r}, hpz {self.hpz}: hybrid sharding and hpZ shard "
-                              f"parameters; set fsdp=True (without FSDP the data ranks already replicate)")
+                              f"parameters; set fsdp=True (llm_pretrain.py --fsdp): without FSDP the data ranks "
+                              f"already replicate")
         if (self.qwz or self.qgz) and not self.fsdp:
             raise ConfigError(f"qwz {self.qwz}, qgz {self.qgz}: quantized all-gathers and reduce-scatters are "
-                              f"FSDP's; set fsdp=True")
+                              f"FSDP's; set fsdp=True (llm_pretrain.py --fsdp)")
         if self.qgz and self.dp_replicate != 1:
             raise ConfigError(f"qgz with dp_replicate {self.dp_replicate!r}: hybrid sharding reduce-scatters inside "
                               f"the node and all-reduces across replicas in full precision; use qgz with FSDP over "

@@ -51,6 +51,23 @@ def _blocks_on_nodes(grid: ProcessGrid, ranks: list[int], size: int) -> bool:
     return all(len({grid.node_names[r] for r in ranks[i:i + size]}) == 1 for i in range(0, len(ranks), size))
 
 
+def node_blocks(grid: ProcessGrid, what: str) -> int:
+    """The data ranks a node holds of every data group, when every group lies in equal
+    consecutive blocks, one per node; else a ConfigError naming ``what`` and the first group
+    that does not. Every group is looked at, so every rank decides alike."""
+    size = None
+    for ranks in grid.layout.groups(("dp", "cp")):
+        per = sum(grid.node_names[r] == grid.node_names[ranks[0]] for r in ranks)
+        blocks = [ranks[i:i + per] for i in range(0, len(ranks), per)]
+        if len(ranks) % per or not _blocks_on_nodes(grid, ranks, per) or size not in (None, per) \
+                or len({grid.node_names[b[0]] for b in blocks}) != len(blocks):
+            raise ConfigError(f"{what}: the data ranks {ranks} lie on nodes {[grid.node_names[r] for r in ranks]}, "
+                              f"not in equal consecutive blocks, one per node (as every data group's); launch the "
+                              f"same ranks per node")
+        size = per
+    return size
+
+
 def replicas(grid: ProcessGrid, config: ParallelConfig) -> int:
     """HSDP's number of replicas for ``config.dp_replicate`` on this grid (1: plain FSDP).
     Pure arithmetic on the node map every rank holds alike: raised before any collective."""
@@ -61,11 +78,7 @@ def replicas(grid: ProcessGrid, config: ParallelConfig) -> int:
         raise ConfigError(f"dp_replicate {want!r} with members of different layouts: give every member one layout")
     ranks = data_group(grid)
     if want == "node":
-        want = len({grid.node_names[r] for r in ranks})
-        if not _blocks_on_nodes(grid, ranks, len(ranks) // want) or len(ranks) % want:
-            nodes = [grid.node_names[r] for r in ranks]
-            raise ConfigError(f"dp_replicate 'node': the data ranks {ranks} lie on nodes {nodes}, not in equal "
-                              f"consecutive blocks; give dp_replicate a number, or launch the same ranks per node")
+        want = len(ranks) // node_blocks(grid, "dp_replicate 'node'")
     if lay.dp % want:
         raise ConfigError(f"dp_replicate {want} does not divide dp {lay.dp}: each replica takes dp / dp_replicate "
                           f"of the data ranks (cp stays inside the replica)")
@@ -84,15 +97,12 @@ def hpz_size(grid: ProcessGrid, config: ParallelConfig) -> bool | int:
         return config.reshard_after_forward
     lay = grid.layout
     if lay.tp * lay.pp * grid.pop > 1:
-        raise ConfigError(f"hpz with tp {lay.tp}, pp {lay.pp}, pop {grid.pop}: torch's hpZ (FSDP2's reshard_after_forward"
-                          f"=N) makes each data group's node groups on that group's ranks alone, and with "
+        raise ConfigError(f"hpz with tp {lay.tp}, pp {lay.pp}, pop {grid.pop}: torch's hpZ (FSDP2's "
+                          f"reshard_after_forward=N) makes each data group's node groups on that group's ranks alone, and with "
                           f"{lay.tp * lay.pp * grid.pop} data groups the ranks' group calls disagree (a hang); use hpz "
                           f"with tp 1, pp 1 and one member, or dp_replicate (HSDP), or qwz/qgz without hpz")
     ranks = data_group(grid)
-    here = sum(grid.node_names[r] == grid.node_names[grid.rank] for r in ranks)
-    if not _blocks_on_nodes(grid, ranks, here) or len(ranks) % here:
-        raise ConfigError(f"hpz: the data ranks {ranks} lie on nodes {[grid.node_names[r] for r in ranks]}, not "
-                          f"in equal consecutive blocks; launch the same ranks per node")
+    here = node_blocks(grid, "hpz")
     if here == len(ranks):
         logger.info("hpz: every data rank on one node; the secondary shard is FSDP's own")
         return True

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpcml.errors import ConfigError
-from hpcml.parallel.hsdp import CommBytes, CountingAllGather, CountingReduceScatter
+from hpcml.parallel.hsdp import CommBytes, CountingAllGather, CountingReduceScatter, node_blocks
 
 QMAX = 127.0
 
@@ -108,18 +108,7 @@ def check(grid, config) -> None:
         return
     if len({m.mesh_shape for m in grid.member_layouts}) > 1:
         raise ConfigError("qgz with members of different layouts: give every member one layout")
-    _blocks(grid, grid.layout.group_of(grid.rank, ("dp", "cp")))
-
-
-def _blocks(grid, ranks: list[int]) -> list[list[int]]:
-    names = grid.node_names
-    per = sum(names[r] == names[ranks[0]] for r in ranks)
-    blocks = [ranks[i:i + per] for i in range(0, len(ranks), per)]
-    if len(ranks) % per or any(len({names[r] for r in b}) != 1 for b in blocks) or \
-            len({names[b[0]] for b in blocks}) != len(blocks):
-        raise ConfigError(f"qgz: the data ranks {ranks} lie on nodes {[names[r] for r in ranks]}, not in equal "
-                          f"consecutive blocks per node; launch the same ranks per node")
-    return blocks
+    node_blocks(grid, "qgz")
 
 
 def collectives(grid, config, counter: CommBytes) -> tuple[CountingAllGather, CountingReduceScatter]:
@@ -128,14 +117,15 @@ def collectives(grid, config, counter: CommBytes) -> tuple[CountingAllGather, Co
     every data group of every member -- are made on every rank in one order (``new_group`` is
     collective over the job)."""
     gather = QuantizedAllGather(counter, config.quant_block) if config.qwz else CountingAllGather(counter)
-    shape = _blocks(grid, grid.layout.group_of(grid.rank, ("dp", "cp"))) if config.qgz else []
-    if len(shape) < 2:  # (one node: nothing crosses, nothing to quantize)
+    per = node_blocks(grid, "qgz") if config.qgz else 0
+    n_data = grid.layout.dp * grid.layout.cp
+    if not per or per == n_data:  # (one node: nothing crosses, nothing to quantize)
         return gather, CountingReduceScatter(counter)
     n, me = grid.world_size, grid.global_rank(grid.rank)
     mine_node = mine_cross = None
     for member in range(grid.pop):
         for ranks in grid.layout.groups(("dp", "cp")):
-            blocks = [[member * n + r for r in b] for b in _blocks(grid, ranks)]
+            blocks = [[member * n + r for r in ranks[i:i + per]] for i in range(0, len(ranks), per)]
             for b in blocks:
                 g = dist.new_group(b)
                 mine_node = g if me in b else mine_node
@@ -143,5 +133,4 @@ def collectives(grid, config, counter: CommBytes) -> tuple[CountingAllGather, Co
                 cross = [b[j] for b in blocks]
                 g = dist.new_group(cross)
                 mine_cross = g if me in cross else mine_cross
-    return gather, HierarchicalReduceScatter(counter, config.quant_block, mine_node, mine_cross,
-                                             len(shape), len(shape[0]))
+    return gather, HierarchicalReduceScatter(counter, config.quant_block, mine_node, mine_cross, n_data // per, per)

@@ -136,6 +136,9 @@ def emit(lay: PlanLayout) -> list[str]:
         args += ["--ep", str(lay.ep)]
     if lay.zero >= 2:
         args += ["--fsdp"] + (["--zero2"] if lay.zero == 2 else [])
+        args += ["--dp-replicate", str(lay.dp_replicate)] if lay.dp_replicate > 1 else []
+        args += [f"--{k}" for k in ("hpz", "qwz", "qgz") if getattr(lay, k)]
+        args += ["--quant-block", str(lay.quant_block)] if (lay.qwz or lay.qgz) and lay.quant_block != 256 else []
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     if lay.pp > 1:

@@ -309,6 +309,12 @@ def test_search_ranks_valid_fitting_layouts_and_emits_them():
     assert args.activation_checkpointing == (best.recompute == "full") and args.bf16
     with pytest.raises(ConfigError, match="cannot emit this layout for llm_pretrain.py: zero 1"):
         emit(dataclasses.replace(best, zero=1))
+    # data parallelism across nodes: the flags the trainer takes
+    fsdp = dataclasses.replace(best, zero=3, tp=1, pp=1, cp=1)
+    zpp = llm_pretrain.parse_args(emit(dataclasses.replace(fsdp, hpz=True, qwz=True, qgz=True, quant_block=128)))
+    assert (zpp.hpz, zpp.qwz, zpp.qgz, zpp.quant_block, zpp.dp_replicate) == (True, True, True, 128, 1)
+    hsdp = llm_pretrain.parse_args(emit(dataclasses.replace(fsdp, dp_replicate=fsdp.dp)))
+    assert (hsdp.dp_replicate, hsdp.hpz, hsdp.quant_block) == (fsdp.dp, False, 256)
 
 
 def test_model_from_config_files(tmp_path):
