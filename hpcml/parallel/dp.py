@@ -17,8 +17,8 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
 
     Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
     ``reshard_after_forward=False`` keeps each block's parameters gathered until backward
-    (ZeRO-2-like), an int N reshards them over N consecutive ranks (hpZ). The root keeps its parameters gathered after forward: they are needed
-    first in backward anyway.
+    (ZeRO-2-like), an int N reshards them over N consecutive ranks (hpZ). The root keeps its
+    parameters gathered after forward: they are needed first in backward anyway.
     """
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)

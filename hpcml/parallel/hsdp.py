@@ -68,14 +68,19 @@ def node_blocks(grid: ProcessGrid, what: str) -> int:
     return size
 
 
+def one_layout(grid: ProcessGrid, what: str) -> None:
+    """Refuse ``what`` for a population whose members differ in layout (its groups are made per layout)."""
+    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
+        raise ConfigError(f"{what} with members of different layouts: give every member one layout")
+
+
 def replicas(grid: ProcessGrid, config: ParallelConfig) -> int:
     """HSDP's number of replicas for ``config.dp_replicate`` on this grid (1: plain FSDP).
     Pure arithmetic on the node map every rank holds alike: raised before any collective."""
     lay, want = grid.layout, config.dp_replicate
     if want == 1 or not config.fsdp:
         return 1
-    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
-        raise ConfigError(f"dp_replicate {want!r} with members of different layouts: give every member one layout")
+    one_layout(grid, f"dp_replicate {want!r}")
     ranks = data_group(grid)
     if want == "node":
         want = len(ranks) // node_blocks(grid, "dp_replicate 'node'")
@@ -98,9 +103,9 @@ def hpz_size(grid: ProcessGrid, config: ParallelConfig) -> bool | int:
     lay = grid.layout
     if lay.tp * lay.pp * grid.pop > 1:
         raise ConfigError(f"hpz with tp {lay.tp}, pp {lay.pp}, pop {grid.pop}: torch's hpZ (FSDP2's "
-                          f"reshard_after_forward=N) makes each data group's node groups on that group's ranks alone, and with "
-                          f"{lay.tp * lay.pp * grid.pop} data groups the ranks' group calls disagree (a hang); use hpz "
-                          f"with tp 1, pp 1 and one member, or dp_replicate (HSDP), or qwz/qgz without hpz")
+                          f"reshard_after_forward=N) makes each data group's node groups on that group's ranks "
+                          f"alone, and with {lay.tp * lay.pp * grid.pop} data groups the ranks' group calls "
+                          f"disagree (a hang); use hpz with tp 1, pp 1 and one member, or dp_replicate (HSDP), or qwz/qgz without hpz")
     ranks = data_group(grid)
     here = node_blocks(grid, "hpz")
     if here == len(ranks):
@@ -177,28 +182,26 @@ class CommBytes:
         return out
 
 
-class CountingAllGather(AllGather):
-    """FSDP2's all-gather, counted."""
+class _Counted:
+    """What both counted collectives share: the counter, and buffers from torch's allocator."""
 
     def __init__(self, counter: CommBytes) -> None:
         self.counter = counter
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(_Counted, AllGather):
+    """FSDP2's all-gather, counted."""
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.counter.count(group, input_tensor.numel() * input_tensor.element_size())
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
+class CountingReduceScatter(_Counted, ReduceScatter):
     """FSDP2's reduce-scatter, counted."""
-
-    def __init__(self, counter: CommBytes) -> None:
-        self.counter = counter
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.counter.count(group, output_tensor.numel() * output_tensor.element_size())

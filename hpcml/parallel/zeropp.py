@@ -22,26 +22,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpcml.errors import ConfigError
-from hpcml.parallel.hsdp import CommBytes, CountingAllGather, CountingReduceScatter, node_blocks
+from hpcml.parallel.hsdp import CommBytes, CountingAllGather, CountingReduceScatter, node_blocks, one_layout
 
 QMAX = 127.0
 
 
 def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` -> (int8 values, padded to whole blocks; fp32 scale of each block)."""
-    n = x.numel()
-    pad = -n % block
-    xf = torch.nn.functional.pad(x.reshape(-1).float(), (0, pad)).view(-1, block)
-    scale = xf.abs().amax(dim=1) / QMAX
+    """``x`` (flat, or rows) -> (int8 values along the last dimension, padded to whole blocks;
+    the fp32 scale of each block), each row quantized on its own."""
+    pad = -x.shape[-1] % block
+    xf = torch.nn.functional.pad(x.float(), (0, pad))
+    blocks = xf.view(*xf.shape[:-1], -1, block)
+    scale = blocks.abs().amax(dim=-1) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q.view(-1), scale
+    q = torch.round(blocks / scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.view(xf.shape), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of :func:`quantize`: the first ``n`` values in ``dtype``."""
-    return (q.view(scale.numel(), -1).float() * scale[:, None]).view(-1)[:n].to(dtype)
+    """The inverse of :func:`quantize`: the first ``n`` values of each row, in ``dtype``."""
+    blocks = q.view(*scale.shape, -1).float() * scale[..., None]
+    return blocks.view(q.shape)[..., :n].to(dtype)
 
 
 class QuantizedAllGather(CountingAllGather):
@@ -62,9 +63,7 @@ class QuantizedAllGather(CountingAllGather):
         self.counter.count(group, q.numel() + scale.numel() * scale.element_size())
         dist.all_gather_single(qs, q, group=group)
         dist.all_gather_single(ss, scale, group=group)
-        out = output_tensor.view(world, n)
-        for r, (qr, sr) in enumerate(zip(qs.view(world, -1), ss.view(world, -1))):
-            out[r].copy_(dequantize(qr, sr, n, out.dtype))
+        output_tensor.view(world, n).copy_(dequantize(qs.view(world, -1), ss.view(world, -1), n, output_tensor.dtype))
         return None
 
 
@@ -88,13 +87,12 @@ class HierarchicalReduceScatter(CountingReduceScatter):
         self.counter.count(self.node_group, n_nodes * m * input_tensor.element_size())
         dist.all_to_all_single(got, by_place, group=self.node_group)
         partial = got.sum(dim=0)  # [N, m]: this node's sums for my place on every node
-        q, scale = zip(*(quantize(partial[b], self.block) for b in range(n_nodes)))
-        q, scale = torch.stack(q), torch.stack(scale)
+        q, scale = quantize(partial, self.block)  # each node's row on its own
         q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
         self.counter.count(self.cross_group, q[0].numel() + scale[0].numel() * scale.element_size())
         dist.all_to_all_single(q_in, q, group=self.cross_group)
         dist.all_to_all_single(s_in, scale, group=self.cross_group)
-        total = sum(dequantize(q_in[b], s_in[b], m, torch.float32) for b in range(n_nodes))
+        total = dequantize(q_in, s_in, m, torch.float32).sum(dim=0)
         if op == dist.ReduceOp.AVG:
             total = total / (n_nodes * n_local)
         output_tensor.copy_(total.to(output_tensor.dtype))
@@ -106,8 +104,7 @@ def check(grid, config) -> None:
     what every rank holds alike: raised before any collective."""
     if not config.qgz:
         return
-    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
-        raise ConfigError("qgz with members of different layouts: give every member one layout")
+    one_layout(grid, "qgz")
     node_blocks(grid, "qgz")
 
 

@@ -170,6 +170,11 @@ def in_flight(lay: PlanLayout, pp_rank: int) -> float:
     return min(warmup + 1, m * lay.v) / lay.v
 
 
+def node_ranks(lay: PlanLayout, gpus_per_node: int) -> int:
+    """Data ranks (dp x cp, ``tp`` apart) on one node: hpZ's secondary shard, qgZ's first exchange."""
+    return max(1, min(lay.dp * lay.cp, gpus_per_node // lay.tp))
+
+
 def weight_bytes(lay: PlanLayout) -> int:
     """Bytes of a weight as compute sees it (what FSDP gathers): bf16 where the framework casts
     its weights (Megatron, torchtitan), fp32 in hpcml (autocast casts after the gather)."""
@@ -264,7 +269,7 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
         if lay.zero == 3:  # FSDP: a gathered block and the one prefetched, the root kept gathered, a block's grads
             buf += compute_bytes * (2 * st.largest_unit + st.root) + 4 * st.largest_unit
             if lay.hpz:  # hpZ: every block's secondary shard over the node's data ranks, from forward to backward
-                local = max(1, min(lay.dp * lay.cp, (lay.gpus_per_node or gpus_per_node) // lay.tp))
+                local = node_ranks(lay, lay.gpus_per_node or gpus_per_node)
                 buf += compute_bytes * (st.compute_params - st.root) / local
         elif lay.zero == 2:  # FSDP without resharding after forward: every block stays gathered until backward
             buf += compute_bytes * st.compute_params + 4 * st.largest_unit

@@ -17,7 +17,7 @@ import math
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.memory import holder_parts, stage_layer_lists, weight_bytes
+from hpcml.plan.memory import holder_parts, node_ranks, stage_layer_lists, weight_bytes
 
 
 def _units(cfg: TransformerConfig, lay: PlanLayout, ws: int, pp_rank: int) -> tuple[list[int], list[int]]:
@@ -37,11 +37,6 @@ def _quantized(values: int, block: int) -> int:
     """Bytes of ``values`` sent as int8 blocks with a 4-byte scale each."""
     blocks = math.ceil(values / block)
     return blocks * block + 4 * blocks
-
-
-def node_ranks(lay: PlanLayout, gpus_per_node: int) -> int:
-    """Data ranks (dp x cp, ``tp`` apart) on one node."""
-    return max(1, min(lay.dp * lay.cp, gpus_per_node // lay.tp)) if lay.tp <= gpus_per_node else 1
 
 
 def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_rank: int = 0) -> dict[str, float]:
