@@ -84,6 +84,8 @@ def replicas(grid: ProcessGrid, config: ParallelConfig) -> int:
     ranks = data_group(grid)
     if want == "node":
         want = len(ranks) // node_blocks(grid, "dp_replicate 'node'")
+        if want == 1:
+            logger.info("dp_replicate 'node': every data rank on one node, so one replica: plain FSDP")
     if lay.dp % want:
         raise ConfigError(f"dp_replicate {want} does not divide dp {lay.dp}: each replica takes dp / dp_replicate "
                           f"of the data ranks (cp stays inside the replica)")
