@@ -2,6 +2,12 @@
 against one trainer K times longer -- the same total compute, on the same data.
 
     mpiexec -n 4 python benchmarks/population.py --json            # 4 members of 1 rank
+    mpiexec -n 4 python benchmarks/population.py --json --model heat
+
+``--model heat``: the heat surrogate (``FieldTrainer`` with the shipped MLP) on samples of
+``kernels.heat2d`` (alpha and the four wall temperatures drawn per simulation; 16 x 16, 10
+outputs each): member m trains on its own simulations, scores tournaments on its own held-out
+simulations, and every model is scored (relative L2) on test simulations no member saw.
 
 The reference transformer (``tiny``) learns one Markov chain (``SyntheticTokens``, one seed):
 member m trains on its own shard of the samples (steps m, m+K, m+2K, ... of the source) and
@@ -82,8 +88,16 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pbt-history", help="write the PBT run's history here (then: python -m "
                     "hpcml.train.population_report HISTORY OUT.png)")
+    ap.add_argument("--model", choices=("tiny", "heat"), default="tiny")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.model == "heat":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the kernels and this directory
+        from benchmarks.population_heat import main as heat
+
+        return heat(args, emit)
 
     import torch
     from mpi4py import MPI

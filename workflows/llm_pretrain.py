@@ -41,7 +41,8 @@ from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import CheckpointHook, load_trainer
-from hpcml.train.recipe import build_llm_trainer
+from hpcml.train.population_online import member_path, member_resume
+from hpcml.train.recipe import build_llm_member, build_llm_trainer
 
 
 def replicas(text: str) -> int | str:
@@ -134,6 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-overlap", choices=("auto", "on", "off"), nargs="?", const="on", default="auto",
                    help="with --async-save: the snapshot copy runs beside the next forward/backward too "
                         "(auto, the default: on where the model is on a GPU)")
+    p.add_argument("--pop", type=int, default=1, help="a population of POP members of this layout, each on its own "
+                   "share of the data, checkpoints in CKPT_DIR/member_K (docs/populations.md)")
+    p.add_argument("--tournament-every", type=int, default=0, help="with --pop: LTFB tournaments every N steps")
+    p.add_argument("--pbt-every", type=int, default=0, help="with --pop: population-based training every N steps")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -189,17 +194,30 @@ def main(argv=None) -> int:
             degrees["dp"] = args.dp
         if (args.resume or args.auto_resume) and not args.ckpt_dir:
             raise ConfigError(f"--{'resume' if args.resume else 'auto-resume'} needs --ckpt-dir")
-        if args.auto_resume and args.ckpt_dir and (Path(args.ckpt_dir) / "latest").exists():
+        if args.auto_resume and args.ckpt_dir and args.pop == 1 and (Path(args.ckpt_dir) / "latest").exists():
             args.resume = True
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
-        if args.resume:
+        if args.resume and args.pop == 1:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)
         val = TokenDataset(args.val_data, seq_len=args.seq_len, seed=args.seed) if args.val_data else None
-        trainer = build_llm_trainer(model_cfg, train, parallel, data=data, **degrees)
+        resume_from = None
+        if (args.tournament_every or args.pbt_every) and args.pop < 2:
+            raise ConfigError("--tournament-every and --pbt-every select among the members of a population: give "
+                              "--pop K >= 2")
+        if args.pop > 1:
+            trainer = build_llm_member(model_cfg, train, parallel, pop=args.pop, data=data, val=val,
+                                       tournament_every=args.tournament_every, pbt_every=args.pbt_every,
+                                       val_batches=args.val_batches, **degrees)
+            args.ckpt_dir = member_path(args.ckpt_dir, trainer.grid)
+            if args.resume or args.auto_resume:  # the newest step every member holds
+                resume_from = member_resume(args.ckpt_dir, trainer.grid, required=args.resume)
+                args.resume = resume_from is not None
+        else:
+            trainer = build_llm_trainer(model_cfg, train, parallel, data=data, **degrees)
         if val is not None:  # its checks raise alike on every rank
             trainer.validate_on(val, every=args.val_every, batches=args.val_batches)
         if args.ckpt_dir:
@@ -209,7 +227,7 @@ def main(argv=None) -> int:
             hook.claim(trainer.grid.comm)  # another job saving there: one line on every rank, no traceback
             trainer.hooks.append(hook)
             if args.resume:
-                load_trainer(trainer, args.ckpt_dir)
+                load_trainer(trainer, resume_from or args.ckpt_dir)
         if args.init_from and not args.resume:  # a requeued job resumes its own checkpoint instead
             hf.load_hf_into(trainer, args.init_from)
     except HpcmlError as e:  # raised alike on every rank, before any collective

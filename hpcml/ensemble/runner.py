@@ -335,7 +335,8 @@ class Run:
             return
         train = None
         if self.trainer is not None and self.trainer.proc is not None:
-            rec = last_json_line(self.run_dir / "metrics.jsonl")
+            rec = (last_json_line(self.run_dir / "metrics.jsonl")  # a population's: its first member's
+                   or last_json_line(self.run_dir / "member_0" / "metrics.jsonl"))
             step = rec.get("step") if rec else None
             train = f"train step {step if step is not None else '-'}"
             if self.trainer.poll() is not None:

@@ -163,9 +163,9 @@ def _population(args: argparse.Namespace, given: dict):
         if args.exchange_every is not None:
             raise ConfigError("--exchange-every prices a population's exchanges: give --pop too")
         return None
-    if args.layouts or args.emit:
+    if args.layouts:
         raise ConfigError(f"--pop {args.pop} plans one member's layout and prices the exchanges: not with "
-                          f"{'--layouts' if args.layouts else '--emit'} (plan the member on --gpus / POP devices)")
+                          f"--layouts (plan the member on --gpus / POP devices)")
     if "gpus" not in given:
         raise ConfigError("--pop needs --gpus: the devices of the whole population")
     per = population.member_gpus(given["gpus"], args.pop)
@@ -260,12 +260,16 @@ def _emit(args: argparse.Namespace, lay: PlanLayout, step_s: float | None = None
 
     from hpcml.plan.search import emit, emit_job
 
+    members = args.pop or 1
+    pop = ["--pop", str(members), *(["--tournament-every", str(args.exchange_every)] if args.exchange_every else [])] \
+        if members > 1 else []
     if args.emit == "job":
         print(emit_job(lay, args.walltime, steps=args.steps, account=args.account, ckpt_dir=args.ckpt_dir,
-                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site))
+                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site,
+                       members=members, population=pop))
     else:
         extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
-        print(shlex.join([*emit(lay), *extra]))
+        print(shlex.join([*emit(lay), *pop, *extra]))
     return 0
 
 

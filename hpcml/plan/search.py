@@ -170,12 +170,15 @@ CKPT_EVERY_S = 600.0
 
 def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, account: str | None = None,
              ckpt_dir: str = "checkpoints", ckpt_every: int | None = None, data: str | None = None,
-             step_s: float | None = None, site: str | None = None) -> str:
+             step_s: float | None = None, site: str | None = None, members: int = 1,
+             population: list[str] = ()) -> str:
     """The ``hpcml job --submit`` command line that submits ``lay`` on its site (or ``site``: a
     machine the device was given for) and runs to completion:
     the steps of the whole run, a checkpoint every ``ckpt_every`` steps (default: about every
     :data:`CKPT_EVERY_S` of the predicted ``step_s``), ``--auto-resume`` (the job requeues at the
-    walltime warning and the next one resumes), the account the site requires, the data."""
+    walltime warning and the next one resumes), the account the site requires, the data.
+    ``members``: a population of that many members of ``lay`` (``lay.gpus`` each) in one job,
+    ``population`` the trainer's arguments for it (``--pop K`` ...)."""
     from hpcml.ensemble.site import load_site
 
     site = site or lay.site
@@ -192,10 +195,11 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
     if ckpt_every is None:
         ckpt_every = max(1, min(steps, round(CKPT_EVERY_S / step_s))) if step_s else max(1, steps // 20)
     dev = resolve_device(lay)
-    nodes = -(-lay.gpus // (lay.gpus_per_node or dev.gpus_per_node))
-    run = [*emit(lay), "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
+    ranks = lay.gpus * members
+    nodes = -(-ranks // (lay.gpus_per_node or dev.gpus_per_node))
+    run = [*emit(lay), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
            "--auto-resume", *(["--data", data] if data else [])]
     script = Path(__file__).resolve().parents[2] / "workflows" / "llm_pretrain.py"  # submitted from anywhere
     return shlex.join(["hpcml", "job", "--site", site, "--nodes", str(nodes), "--walltime", walltime,
-                       *(["--account", account] if account else []), "--ranks", str(lay.gpus), "--submit", "--",
+                       *(["--account", account] if account else []), "--ranks", str(ranks), "--submit", "--",
                        "python", str(script) if script.is_file() else "workflows/llm_pretrain.py", *run])

@@ -8,7 +8,8 @@ from hpcml.lazy import lazy_names
 
 _LAZY = {"SyntheticTokens": "data", "FieldScales": "fields", "FieldTrainConfig": "fields", "FieldTrainer": "fields",
          "LoopConfig": "loop", "Stateful": "loop", "TrainLoop": "loop", "OnlineConfig": "online",
-         "OnlineResult": "online", "train_online": "online", "Tournament": "population",
+         "OnlineResult": "online", "train_online": "online", "PopulationConfig": "population_online",
+         "Tournament": "population",
          "TournamentConfig": "population", "train_surrogate": "surrogate_job", "TrainConfig": "trainer",
          "Trainer": "trainer"}
 

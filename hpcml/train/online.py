@@ -143,9 +143,12 @@ class OnlineRun:
 
     def __init__(self, trainer: TrainLoop, source: SampleSource, *, grid, config: OnlineConfig,
                  on_step: Callable[[dict], None] | None = None,
-                 validate: Callable[[], dict[str, float]] | None = None) -> None:
+                 validate: Callable[[], dict[str, float]] | None = None, comm=None) -> None:
         """``validate()``: run-wide figures (a held-out error), every ``config.val_every`` steps
-        on every rank (it may be collective), published with the feedback."""
+        on every rank (it may be collective), published with the feedback. ``comm``: the ranks
+        that share the data (the loader's agreement, the endpoints, the summary), numbered as
+        the source's trainer ranks; default ``grid.comm`` (a population's: the whole job,
+        :func:`hpcml.train.population_online.stream_comm`)."""
         from hpcml.stream.loader import StreamLoader
         from hpcml.train.checkpointing import CheckpointHook
 
@@ -158,7 +161,8 @@ class OnlineRun:
                               f"the trainer's config (FieldTrainConfig(batch=...)), an integer >= 1")
         self.trainer, self.source, self.grid, self.config, self.on_step = trainer, source, grid, config, on_step
         self.validate = validate
-        self.comm, self.rank = grid.comm, grid.rank
+        self.comm = comm if comm is not None else grid.comm
+        self.rank = self.comm.Get_rank()
         self.steps = trainer.config.steps
         capacity = source.buffer.config.capacity
         if self.batch > capacity:
@@ -217,10 +221,21 @@ class OnlineRun:
         from hpcml.train.checkpointing import load_trainer
 
         cfg = self.config
-        if not (cfg.resume and (Path(cfg.ckpt_dir) / "latest").exists()):
+        if not cfg.resume:
             return
-        check_campaign(cfg.ckpt_dir, cfg.campaign)  # every rank, before any collective
-        report = load_trainer(self.trainer, cfg.ckpt_dir)
+        path: str | Path = cfg.ckpt_dir
+        if self.comm is not self.grid.comm:  # a population: the newest step every member holds
+            from hpcml.ckpt.format import step_dir
+            from hpcml.train.population_online import resume_step
+
+            step = resume_step(cfg.ckpt_dir, self.comm)
+            if step is None:
+                return
+            path = Path(cfg.ckpt_dir) / step_dir(step)
+        elif not (Path(cfg.ckpt_dir) / "latest").exists():
+            return
+        check_campaign(path, cfg.campaign)  # every rank, before any collective
+        report = load_trainer(self.trainer, path)
         if self.trainer.step > self.steps:  # every rank read the same step: all raise, nothing hangs
             raise ConfigError(f"resumed at step {self.trainer.step} from {report.path}, past steps={self.steps}: "
                               f"nothing would be trained; give steps >= {self.trainer.step} (the learning-rate "
@@ -354,7 +369,7 @@ class OnlineRun:
         if self.rank == 0:
             history = self.trainer.history
             result.summary = summarize(stats, steps=self.trainer.step, batch=self.batch,
-                                       world=self.grid.layout.world_size,
+                                       world=self.comm.Get_size(),
                                        final_loss=history[-1]["loss"] if history else None)
             result.problems, result.notes = problems(result.summary, stats, self.trainer.step)
             for note in result.notes:

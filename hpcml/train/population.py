@@ -177,6 +177,11 @@ class Tournament:
     def play(self, round_: int) -> Outcome:
         """Round ``round_`` (collective over the whole population: every member calls it)."""
         g = self.grid
+        views = set(g.world_comm.allgather((self.config.seed, self.config.every, round_)))
+        if len(views) > 1:  # the pairings would differ: ranks would wait on partners that never come
+            raise ConfigError(f"Tournament: the members disagree on (seed, every, round): {sorted(views)[:4]}; every "
+                              f"member must pass the same TournamentConfig (a member's own seed goes in its trainer's "
+                              f"config, not here)")
         partners = pairing(g.pop, round_, self.config.seed)
         partner, layouts = partners[g.member], g.member_layouts
         differ = [layouts[m] != layouts[p] for m, p in enumerate(partners)]  # pairs that swap on disk

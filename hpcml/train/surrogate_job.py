@@ -50,7 +50,7 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                     val_files: Sequence[str | Path] | Callable[[], Sequence[str | Path]] = (), report: bool = False,
                     server: Mapping[str, Any] | None = None, on_step: Callable[[dict], None] | None = None,
                     contract: Contract | None = None, torch_threads: int | None = None,
-                    shape: Sequence[int] | None = None) -> int:
+                    shape: Sequence[int] | None = None, population=None) -> int:
     """Train ``model`` on the campaign's samples (see the module docstring); the exit status.
 
     ``params``/``fields``: the names a sample carries, in the model's order. ``steps`` and
@@ -63,7 +63,9 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     ``shape``: the simulation's grid (as ``ServerConfig.shape``). It bounds what one producer
     connection may make a trainer hold to a few samples; without it the bound is ``hwm``
     samples of ``max_sample_bytes`` (8 GiB, and the server says so), and the first sample
-    fixes the grid.
+    fixes the grid. ``population``: a
+    :class:`~hpcml.train.population_online.PopulationConfig`, K members in this job, each
+    training on its own simulations, selected by tournaments or PBT (docs/populations.md).
     """
     stop.install()  # idempotent: the script should have done it first
     try:
@@ -76,7 +78,7 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         result, run, grid = _run(model, c, params=params, fields=fields, scales=scales, steps=steps, batch=batch,
                                  config=config, buffer=buffer, online=online, parallel=parallel, loss_fn=loss_fn,
                                  files=files, server=_with_shape(server, shape), on_step=on_step,
-                                 torch_threads=torch_threads, val_files=val_files)
+                                 torch_threads=torch_threads, val_files=val_files, population=population)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         _close_stream(c, str(e))
@@ -84,13 +86,13 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     finally:
         stop.finished()
     if result.status == "stopped":
-        if grid.rank == 0:
+        if run.comm.Get_rank() == 0:
             print(f"[train] stopped at step {result.steps} after saving", flush=True)
         return NOT_FINISHED
-    _report(run, result, val_files, params, fields, report, grid.rank)  # every rank: prediction may be collective
+    _report(run, result, val_files, params, fields, report, grid)  # every rank: prediction may be collective
     if result.status == "ok":
         return 0
-    if grid.rank == 0:
+    if run.comm.Get_rank() == 0:
         print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
     return INCOMPLETE if result.incomplete else 1
 
@@ -123,7 +125,7 @@ def _close_stream(c: Contract, why: str) -> None:
 
 
 def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, buffer, online, parallel, loss_fn,
-         files, server, on_step, torch_threads, val_files=()):
+         files, server, on_step, torch_threads, val_files=(), population=None):
     import torch
 
     from hpcml.grid import ProcessGrid, install_abort_handler
@@ -134,11 +136,21 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
     cfg = config or FieldTrainConfig(run_dir=c.run_dir)
     cfg = replace(cfg, **{k: v for k, v in (("steps", steps), ("batch", batch)) if v is not None},
                   run_dir=cfg.run_dir or c.run_dir)
-    grid = ProcessGrid(dp=-1)
+    from hpcml.train import population_online as pop
+
+    if population is not None and not isinstance(population, pop.PopulationConfig):
+        raise ConfigError(f"train_surrogate(population={population!r}): expected a PopulationConfig")
+    if population is not None and (population.tournament or population.pbt) and not val_files:
+        raise ConfigError("train_surrogate(population=...) selects members by their held-out error: give val_files "
+                          "(the campaign's held-out simulations' files)")
+    grid = ProcessGrid(pop=population.members if population else 1, dp=-1)
     grid.init_torch()  # one rank per GPU with the device's backend; gloo on CPU
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    rank, world = grid.rank, grid.layout.world_size
+    if grid.pop > 1:  # each member its own seed, directory and (configure) settings
+        cfg = replace(cfg, seed=cfg.seed + grid.member, run_dir=pop.member_dir(cfg.run_dir, grid))
+        cfg = population.configure(grid.member, cfg) if population.configure else cfg
+    rank, world, comm = pop.stream_rank(grid), grid.layout.world_size * grid.pop, pop.stream_comm(grid)
     from hpcml.stream import Buffer
 
     buf = Buffer(replace(buffer or BufferConfig(policy="reservoir", capacity=256, watermark=16),
@@ -156,10 +168,18 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
     ocfg = online or OnlineConfig.from_campaign(c, ckpt_every=max(1, cfg.steps // 20))
     if files is not None:
         ocfg = replace(ocfg, endpoints_file=None)
-    run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step,
-                    validate=_validator(trainer, grid.comm, val_files, params, fields) if val_files else None)
+    validate = _validator(trainer, grid.comm, val_files, params, fields) if val_files else None
+    if grid.pop > 1:
+        ocfg = replace(ocfg, ckpt_dir=pop.member_path(ocfg.ckpt_dir, grid))
+        validate = _best_of(grid, validate) if validate else None
+        share = _validator(trainer, grid.comm, lambda: pop.member_share(_listed(val_files), grid), params, fields)
+        hook = pop.selection_hook(grid, trainer, lambda: share().get("val_rel_l2", float("nan")), population,
+                                  record=Path(cfg.run_dir) / "tournaments.jsonl" if cfg.run_dir else None)
+        if hook is not None:
+            trainer.hooks.append(hook)
+    run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step, validate=validate, comm=comm)
     result = run.run()
-    if rank == 0 and result.resumed_at is not None:
+    if comm.Get_rank() == 0 and result.resumed_at is not None:
         print(f"[train] resumed at step {result.resumed_at} from {ocfg.ckpt_dir}", flush=True)
     return result, run, grid
 
@@ -196,7 +216,18 @@ def _validator(trainer, comm, val_files, params, fields) -> Callable[[], dict[st
     return validate
 
 
-def _report(run, result, val_files, params, fields, report: bool, rank: int) -> None:
+def _listed(val_files) -> list:
+    return list(val_files() if callable(val_files) else val_files)
+
+
+def _best_of(grid, validate: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
+    """A population's held-out figures: the best member's (what an adaptive campaign steers by)."""
+    from hpcml.train.population_online import best_of
+
+    return lambda: best_of(grid, validate())[0]
+
+
+def _report(run, result, val_files, params, fields, report: bool, grid) -> None:
     """The held-out error (every rank predicts: collective under FSDP); rank 0 writes the
     summary file again with it, the report, and a line."""
     import numpy as np
@@ -212,15 +243,23 @@ def _report(run, result, val_files, params, fields, report: bool, rank: int) -> 
                  "val_samples": len(vals)}
         last = max(vals, key=lambda v: v.t)
         pred = run.trainer.predict(last.params[None], np.array([last.t]))[0]
-    if rank != 0:
+    if grid.pop > 1:  # the population's best member speaks for it
+        from hpcml.train.population_online import best_of
+
+        extra, errs = best_of(grid, extra)
+        if vals:
+            extra["val_rel_l2_members"] = errs
+            pred = grid.pop_comm.bcast(pred, root=int(extra.get("val_best_member", 0)))
+    if run.comm.Get_rank() != 0:
         return
     result.summary.update(extra)
     if run.config.summary_file:
         run.write_summary(result, **extra)
-    if report and vals and run.trainer.config.run_dir:
+    run_dir = run.trainer.config.run_dir
+    if report and vals and run_dir:
         from hpcml.train.field_report import write_report
 
-        write_report(run.trainer.config.run_dir, last, pred, result.summary)
+        write_report(Path(run_dir).parent if grid.pop > 1 else run_dir, last, pred, result.summary)
     keys = ("samples_ingested", "samples_missing", "duplicate_samples", "gradient_steps", "final_loss", "val_rel_l2")
     print("[train] summary: " + ", ".join(f"{k}={result.summary[k]}" for k in keys if k in result.summary),
           flush=True)

@@ -159,6 +159,19 @@ def test_a_diverged_member_takes_its_partners_model(comm):
     assert torch.equal(model.weight, theirs[0])  # both hold member 0's weights now
 
 
+def test_members_with_different_tournament_seeds_are_refused_on_every_rank_not_left_waiting(comm):
+    """A seed per member would pair the members differently in each: before, a silent hang in
+    the swap (4 members); now one line on every rank before anything moves."""
+    grid = ProcessGrid(pop=2)
+    grid.init_torch()
+    trainer = build_llm_trainer(MODEL, replace(TRAIN, steps=2), ParallelConfig(), grid=grid)
+    t = Tournament(grid, trainer.model, lambda: 0.0, optimizer=trainer.optimizer,
+                   config=TournamentConfig(every=1, seed=grid.member))
+    with pytest.raises(ConfigError, match=r"members disagree on \(seed, every, round\): \[\(0, 1, 1\), \(1, 1, 1\)\]"):
+        t.play(1)
+    trainer.close()
+
+
 def test_tournament_config_is_checked():
     with pytest.raises(ConfigError, match=r"TournamentConfig\(every=0\): expected a whole number of steps >= 1"):
         TournamentConfig(every=0)
@@ -372,3 +385,75 @@ def test_members_of_different_layouts_need_a_scratch_directory(comm):
         ProcessGrid(members=[{"tp": 2}, {"dp": 2}], tp=2)
     with pytest.raises(GridError, match=r"^members entry 'tp=2': expected degrees such as \{'tp': 2\}"):
         ProcessGrid(members=["tp=2", {"dp": 2}])
+
+
+def _llm_pretrain():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    return llm_pretrain
+
+
+def test_llm_pretrain_runs_a_population_that_stops_as_one_and_resumes_the_step_all_members_hold(comm):
+    """``llm_pretrain.py --pop 2 --tournament-every 2`` (what ``hpcml plan --pop --emit`` writes):
+    each member saves to member_K and records its tournaments; a walltime warning seen by one
+    member stops both at the same step (before, the other ran on into a tournament and waited
+    forever); an auto-resume where one member lost its newest save resumes both at the step
+    both hold, and plays the same rounds on."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from hpcml import stop
+    from hpcml.env import NOT_FINISHED
+
+    lp = _llm_pretrain()
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-llmpop-") if comm.rank == 0 else None))
+    member = comm.rank // (comm.size // 2)
+    base = ["--pop", "2", "--tournament-every", "2", "--global-batch", "4", "--seq-len", "32", "--no-progress",
+            "--ckpt-dir", str(root / "ckpt"), "--ckpt-every", "2", "--run-dir", str(root / "run")]
+    assert lp.main([*base, "--steps", "4"]) == 0
+    comm.Barrier()
+    rounds = [[json.loads(x) for x in (root / "run" / f"member_{m}" / "tournaments.jsonl").read_text().splitlines()]
+              for m in (0, 1)]
+    assert [[(r["step"], r["partner"]) for r in rs] for rs in rounds] == [[(2, 1), (4, 1)], [(2, 0), (4, 0)]]
+    assert all((root / "ckpt" / f"member_{m}" / "step_00000004").is_dir() for m in (0, 1))
+    comm.Barrier()
+    if comm.rank == 0:  # member 1's newest save lost: both resume at step 2
+        shutil.rmtree(root / "ckpt" / "member_1" / "step_00000004")
+        (root / "ckpt" / "member_1" / "latest").write_text("step_00000002\n")
+    comm.Barrier()
+    if member == 0:
+        stop.request("SIGUSR1")  # the warning reaches member 0's ranks only
+    try:
+        rc = lp.main([*base, "--steps", "8", "--auto-resume"])
+    finally:
+        stop.clear()
+        for s in stop.STOP_SIGNALS:
+            import signal
+
+            signal.signal(s, signal.SIG_DFL)
+    comm.Barrier()
+    assert rc == NOT_FINISHED  # both members stopped after step 3, and saved
+    assert all((root / "ckpt" / f"member_{m}" / "step_00000003").is_dir() for m in (0, 1))
+    assert lp.main([*base, "--steps", "6", "--auto-resume"]) == 0
+    comm.Barrier()
+    rounds = [[json.loads(x) for x in (root / "run" / f"member_{m}" / "tournaments.jsonl").read_text().splitlines()]
+              for m in (0, 1)]
+    assert [[r["step"] for r in rs] for rs in rounds] == [[2, 4, 4, 6]] * 2  # step 4 played again after the rollback
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_llm_pretrain_selection_without_a_population_is_refused_in_one_line(comm, capsys):
+    lp = _llm_pretrain()
+    assert lp.main(["--tournament-every", "2", "--steps", "2", "--no-progress"]) == 2
+    if comm.rank == 0:
+        assert "--tournament-every and --pbt-every select among the members of a population: give --pop K >= 2" \
+            in capsys.readouterr().err

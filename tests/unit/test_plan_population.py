@@ -52,8 +52,8 @@ def test_price_is_exact():
     (["--gpus", "64", "--exchange-every", "10"], "--exchange-every prices a population's exchanges: give --pop too"),
     (["--gpus", "64", "--pop", "2", "--tp", "8", "--exchange-every", "0"],
      "--exchange-every 0: expected a whole number of steps >= 1"),
-    (["--gpus", "64", "--pop", "2", "--emit", "args"], "--pop 2 plans one member's layout and prices the exchanges: "
-     "not with --emit (plan the member on --gpus / POP devices)"),
+    (["--gpus", "64", "--pop", "2", "--layouts", "x"], "--pop 2 plans one member's layout and prices the exchanges: "
+     "not with --layouts (plan the member on --gpus / POP devices)"),
 ])
 def test_population_mistakes_are_one_line(capsys, args, message):
     assert main([*BASE, *args]) == 2
@@ -64,3 +64,34 @@ def test_member_gpus():
     assert member_gpus(64, 4) == 16
     with pytest.raises(ConfigError):
         member_gpus(64, True)
+
+
+def test_a_population_is_emitted_as_one_job_of_every_members_ranks(capsys, monkeypatch):
+    """``--pop K --emit``: the member's layout as llm_pretrain.py arguments with ``--pop K`` and
+    the tournaments; ``--emit job``: one job of K x the member's devices, resumed member by member."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.delenv("HPCML_ACCOUNT", raising=False)
+    base = ["plan", "--model", "llama3-8b", "--gpus", "32", "--site", "polaris", "--seq-len", "4096",
+            "--global-batch", "64", "--pop", "2", "--exchange-every", "200"]
+    assert main([*base, "--emit", "args"]) == 0
+    run = shlex.split(capsys.readouterr().out.strip())
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--site", "polaris", "--seq-len", "4096",
+                 "--global-batch", "64", "--emit", "args"]) == 0
+    alone = shlex.split(capsys.readouterr().out.strip())
+    assert run == [*alone, "--pop", "2", "--tournament-every", "200"]  # a member is the 16-GPU run
+    assert main([*base, "--emit", "job", "--steps", "1000", "--account", "P"]) == 0
+    line = shlex.split(capsys.readouterr().out.strip())
+    cut = line.index("--")
+    job = line[:cut]
+    assert (job[job.index("--ranks") + 1], job[job.index("--nodes") + 1]) == ("32", "8")  # 4 GPUs a Polaris node
+    sys.path.insert(0, str(root / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    args = llm_pretrain.parse_args(line[cut + 3:])
+    assert (args.pop, args.tournament_every, args.auto_resume, args.steps) == (2, 200, True, 1000)

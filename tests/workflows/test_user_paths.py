@@ -196,6 +196,52 @@ def test_a_trainer_killed_without_a_checkpoint_fails_the_run_naming_what_is_miss
 
 
 @pytest.mark.timeout(300)
+def test_an_online_campaign_feeds_a_population_each_member_its_own_simulations_once(tmp_path):
+    """Issue 45: a training job of 2 members (TrainingJob(ranks=2), train_surrogate(population=...)):
+    the simulations stream to the member their id routes them to (sim % 2), every sample once;
+    tournaments leave both members with one model; the summary speaks for the best member."""
+    import numpy as np
+
+    from hpcml import ckpt
+    from hpcml.train.online import load_source_states
+
+    val = tmp_path / "val"
+    val.mkdir()
+    for i, (nu, amp) in enumerate([(0.02, 0.7), (0.04, 0.9)]):  # two held-out simulations, written offline
+        subprocess.run(["mpiexec", "-n", "1", sys.executable, SIM, "--sim-id", str(100 + i), "--nx", "32",
+                        "--steps", "400", "--every", "100", "--params-json", json.dumps({"nu": nu, "amp": amp}),
+                        "--out", str(val / f"sim_{i}.h5")], check=True, capture_output=True, timeout=60)
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)
+    run = tmp_path / "run"
+    flags = {"sim": ["--steps", "400", "--every", "100", "--stream"], "steps": 20,
+             "train": ["--t-max", repr(t_max(400)), "--ckpt-every", "10", "--watermark", "2", "--pop", "2",
+                       "--every", "5", "--val", str(val)]}
+    out = subprocess.run([sys.executable, str(driver), str(run), json.dumps(flags)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + _why(run)
+    res = json.loads(_line(out.stdout, "RESULT"))
+    assert res["status"] == "ok" and (res["samples"]["expected"], res["samples"]["ingested"],
+                                      res["samples"]["missing"]) == (16, 16, 0)
+    s = json.loads((run / "train_summary.json").read_text())
+    assert (s["gradient_steps"], s["duplicate_samples"], s["train_ranks"]) == (20, 0, 2)
+    assert len(s["val_rel_l2_members"]) == 2 and s["val_rel_l2"] == min(s["val_rel_l2_members"])
+    members = [run / "checkpoints" / f"member_{m}" for m in (0, 1)]
+    keys, kept = [], []
+    for m, c in enumerate(members):
+        seen = np.concatenate([st["seen"] for st in load_source_states(c)])
+        assert {int(k[0]) % 2 for k in seen.tolist()} == {m}  # a member's own simulations only
+        keys += [tuple(k) for k in seen.tolist()]
+        rounds = [json.loads(x) for x in (run / f"member_{m}" / "tournaments.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["round"], r["partner"]) for r in rounds] == [(5 * i, i, 1 - m) for i in (1, 2, 3, 4)]
+        assert all(r["kept"] == ("partner" if r["partner_score"] < r["own_score"] else "own") for r in rounds)
+        kept.append(rounds[-1]["kept"])
+    assert len(keys) == len(set(keys)) == 16
+    a, b = ckpt.read_tensors(members[0], "model/"), ckpt.read_tensors(members[1], "model/")
+    same = a and all(np.array_equal(a[n].numpy(), b[n].numpy()) for n in a)
+    assert same == (sorted(kept) == ["own", "partner"]), kept  # one model after the last round iff they agreed
+
+
+@pytest.mark.timeout(300)
 def test_a_watchdog_killed_by_sigkill_is_relaunched_and_nothing_of_the_first_job_outlives_it(tmp_path):
     driver = _script(tmp_path, "my_campaign.py", DRIVER)
     run = tmp_path / "run"

@@ -20,7 +20,7 @@ from torch import nn
 
 from hpcml.contract import Contract
 from hpcml.stream import BufferConfig
-from hpcml.train import FieldScales, FieldTrainConfig, train_surrogate
+from hpcml.train import FieldScales, FieldTrainConfig, PopulationConfig, TournamentConfig, train_surrogate
 from hpcml.train.online import OnlineConfig
 
 PARAMS = ("nu", "amp")  # the order of each sample's parameter vector
@@ -56,6 +56,9 @@ p.add_argument("--stop-at", type=int, default=0, help="rank 0 sends itself SIGUS
 p.add_argument("--crash-at", type=int, default=0, help="rank 0 SIGKILLs the job after this step (first launch)")
 p.add_argument("--hold-at", type=int, default=0, help="the output the simulations hold before (burgers1d.py)")
 p.add_argument("--release", help="the file the simulations wait for at --hold-at; a resumed launch writes it")
+p.add_argument("--pop", type=int, default=1, help="members of a population in this job (tournaments)")
+p.add_argument("--every", type=int, default=5, help="--pop: steps between tournaments")
+p.add_argument("--val", help="held-out simulations: the directory of their sim_*.h5 files")
 p.add_argument("--crash-after-hold", action="store_true", help="once every sample sent before the hold is in a "
                                                                "checkpoint, SIGKILL the job (first launch)")
 args = p.parse_args()
@@ -96,4 +99,7 @@ sys.exit(train_surrogate(
     config=FieldTrainConfig(lr=3e-3, log_every=50, seed=0, batch=4), on_step=reliability, torch_threads=1,
     buffer=BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark),
     online=OnlineConfig.from_campaign(contract, ckpt_every=args.ckpt_every, keep=args.keep),
-    files=sorted(Path(args.data).glob("sim_*.h5")) if args.mode == "offline" else None, server={"end_grace_s": 10.0}))
+    files=sorted(Path(args.data).glob("sim_*.h5")) if args.mode == "offline" else None, server={"end_grace_s": 10.0},
+    val_files=sorted(Path(args.val).glob("sim_*.h5")) if args.val else (),
+    population=PopulationConfig(members=args.pop, tournament=TournamentConfig(every=args.every)) if args.pop > 1
+    else None))
