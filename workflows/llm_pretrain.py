@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning)
     if trainer.grid.rank == 0:
         moe = {k: [m[k] for m in history] for k in trainer.model.stat_names}  # MoE balancing, per step
-        print(json.dumps({"layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
+        member = {"member": trainer.grid.member} if trainer.grid.pop > 1 else {}  # a line a member
+        print(json.dumps({**member, "layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
                           "steps": [m["step"] for m in history], **moe}))
         if unfinished and args.ckpt_dir:
             print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, checkpoint saved: "

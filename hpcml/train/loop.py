@@ -211,10 +211,6 @@ class TrainLoop:
         share = share.to(self.device)
         dist.all_reduce(share, group=self.grid.torch.group)  # the step's one collective beyond the engines' own
         sq_norm, global_loss, stop, *stats = share.tolist()
-        if agree_stop and getattr(self.grid, "pop", 1) > 1:  # a population stops as one: its rounds wait for all
-            flag = torch.tensor([stop], dtype=torch.float64, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: the whole job
-            stop = flag.item()
         grad_norm = math.sqrt(sq_norm)
         if cfg.grad_clip > 0:
             from hpcml.parallel.clip import scale_grads

@@ -25,7 +25,7 @@ import numpy as np
 from hpcml import log, safeio
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
-from hpcml.train.population import check_alike, member_tensors, scored, transfer
+from hpcml.train.population import agree_stop, check_alike, member_tensors, scored, transfer
 
 logger = log.get_logger(__name__)
 
@@ -136,6 +136,7 @@ class PopulationBasedTraining:
         self.history: list[Round] = []
 
     def __call__(self, trainer: Any, metrics: dict) -> None:
+        agree_stop(self.grid, metrics)
         if trainer.step % self.config.every == 0:
             r = self.play(trainer.step // self.config.every)
             metrics["pbt"] = {"round": r.round, "source": r.source, **r.hyperparameters[self.grid.member]}

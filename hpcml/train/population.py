@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 from hpcml import log
 from hpcml.ckpt.state import training_tensors
@@ -83,6 +84,14 @@ class Outcome:
     partner_score: float
     kept: str
     """``own``, ``partner`` (its model now holds the partner's weights) or ``alone`` (no partner this round)."""
+
+
+def agree_stop(grid: Any, metrics: dict) -> None:
+    """A stop (the walltime warning) seen by any member stops every member after this step: a
+    member that ran on would wait forever in its next round for one that had stopped. The
+    selection hooks call it after every step (collective over the job; hooks before it see the
+    member's own flag, hooks after it the population's)."""
+    metrics["stop"] = bool(grid.world_comm.allreduce(int(bool(metrics.get("stop"))), op=MPI.MAX))
 
 
 def beats(theirs: float, own: float) -> bool:
@@ -171,6 +180,7 @@ class Tournament:
 
     def __call__(self, trainer: Any, metrics: dict) -> None:
         """The fit hook: a round after every ``every`` steps; its outcome lands in the step's metrics."""
+        agree_stop(self.grid, metrics)
         if trainer.step % self.config.every == 0:
             metrics["tournament"] = asdict(self.play(trainer.step // self.config.every))
 

@@ -457,3 +457,16 @@ def test_llm_pretrain_selection_without_a_population_is_refused_in_one_line(comm
     if comm.rank == 0:
         assert "--tournament-every and --pbt-every select among the members of a population: give --pop K >= 2" \
             in capsys.readouterr().err
+
+
+def test_a_member_without_a_selection_hook_trains_alone(comm):
+    """Members stay independent unless a tournament or PBT ties them: member 0 trains while the
+    others wait (the benchmark's one long trainer; a stop agreed in the loop itself hung it)."""
+    grid = ProcessGrid(pop=2)
+    grid.init_torch()
+    if grid.member == 0:
+        trainer = build_llm_trainer(MODEL, replace(TRAIN, steps=2), ParallelConfig(), grid=grid)
+        trainer.fit()
+        assert trainer.step == 2
+        trainer.close()
+    assert comm.allreduce(1) == comm.size
