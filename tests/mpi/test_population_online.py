@@ -61,7 +61,8 @@ def _train(run_dir: Path, files, val, *, steps: int, resume: bool, on_step=None,
         configure=lambda m, cfg: replace(cfg, lr=cfg.lr * (1 + 9 * m)))
     return train_surrogate(model, params=("v", "w"), fields=("u",), scales=SCALES, steps=steps, batch=4,
                            config=FieldTrainConfig(lr=1e-3, progress=False), files=files, val_files=val,
-                           online=OnlineConfig.from_campaign(contract, ckpt_every=2, keep=3), contract=contract,
+                           online=OnlineConfig.from_campaign(contract, ckpt_every=2, keep=3, val_every=3),
+                           contract=contract,
                            on_step=on_step, torch_threads=1, population=pop)
 
 
@@ -103,6 +104,10 @@ def test_each_member_trains_its_own_simulations_once_across_a_stop_and_an_uneven
     assert (s["samples_ingested"], s["samples_missing"], s["duplicate_samples"]) == (N_SIMS * N_OUT, 0, 0)
     assert s["val_best_member"] in (0.0, 1.0) and len(s["val_rel_l2_members"]) == 2
     assert s["val_rel_l2"] == min(s["val_rel_l2_members"])
+    # what an adaptive campaign steers by during training: the best member's error, the same
+    # figure as the summary's after the last step (the same models, the same held-out files)
+    fb = json.loads((run_dir / "feedback.json").read_text())["metrics"]
+    assert (fb["val_step"], fb["val_best_member"], fb["val_rel_l2"]) == (9.0, s["val_best_member"], s["val_rel_l2"])
     # each member's own simulations, every sample once across both
     keys = []
     for m, c in enumerate(ck):
