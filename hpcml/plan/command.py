@@ -92,6 +92,10 @@ def add_parser(sub) -> None:
                    "planned on --gpus / POP devices, and an exchange between members priced")
     p.add_argument("--exchange-every", type=int, metavar="STEPS", help="with --pop: steps between tournaments or PBT "
                    "rounds, to price the exchanges against the steps")
+    p.add_argument("--member", action="append", metavar="JSON", help="with --pop: one member's layout keys over the "
+                   "others (e.g. '{\"tp\": 4}'), once a member: members of different layouts")
+    p.add_argument("--scratch-gbps", type=float, help="with --member: the file-system rate (GB/s) the job's members "
+                   "swap through checkpoints at")
 
 
 def _given(args: argparse.Namespace) -> dict:
@@ -126,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top}: expected at least 1")
     pop = _population(args, given)
+    if args.member:
+        return _run_members(args, given)
     if args.layouts:
         if args.emit or args.top is not None:
             raise ConfigError("--layouts predicts every line: --emit and --top apply to one layout or a search")
@@ -162,6 +168,8 @@ def _population(args: argparse.Namespace, given: dict):
     if args.pop is None:
         if args.exchange_every is not None:
             raise ConfigError("--exchange-every prices a population's exchanges: give --pop too")
+        if args.member or args.scratch_gbps is not None:
+            raise ConfigError(f"{'--member' if args.member else '--scratch-gbps'} prices a population: give --pop too")
         return None
     if args.layouts:
         raise ConfigError(f"--pop {args.pop} plans one member's layout and prices the exchanges: not with "
@@ -175,6 +183,41 @@ def _population(args: argparse.Namespace, given: dict):
         return population.price(p.memory_gib, p.step_s, resolve_device(p.layout), members=args.pop,
                                 gpus_per_member=per, every=args.exchange_every) if p.memory_gib else None
     return priced
+
+
+def _run_members(args: argparse.Namespace, given: dict) -> int:
+    """``--pop K --member JSON`` x K: each member's layout predicted on its share of the devices,
+    the population priced at the slowest member's step, its swaps through checkpoints."""
+    if len(args.member) != args.pop:
+        raise ConfigError(f"--member given {len(args.member)} times for --pop {args.pop}: one layout a member")
+    if args.emit:
+        raise ConfigError("--emit writes one layout for llm_pretrain.py --pop, which runs one layout: not with "
+                          "--member")
+    members = []
+    for i, text in enumerate(args.member):
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--member {text[:60]!r}: not JSON ({e}); expected an object such as '{{\"tp\": 4}}'") \
+                from None
+        fixed = sorted({"model", "gpus", "gpu", "site"} & set(d)) if isinstance(d, dict) else []
+        if fixed:
+            raise ConfigError(f"--member {i} sets {fixed}: a member's layout keys only (the model and the devices "
+                              f"are the population's: --model, --gpus / --pop)")
+        try:
+            members.append(predict(PlanLayout.from_dict(d, **given)))
+        except ConfigError as e:
+            raise ConfigError(f"--member {i} ({text[:60]}): {e}") from None
+    from hpcml.plan.predict import load_model
+
+    mp = population.price_mixed([p.step_s for p in members], load_model(members[0].layout.model),
+                                gpus_per_member=given["gpus"], every=args.exchange_every,
+                                scratch_gbps=args.scratch_gbps)
+    if args.json:
+        print(json.dumps({"members": [p.to_dict() for p in members], "population": mp.to_dict()}))
+    else:
+        print("\n".join(f"member {i}: {_line(p)}" for i, p in enumerate(members)) + "\n" + population.mixed_line(mp))
+    return 0 if all(p.fits for p in members) else 1
 
 
 def _run_calibrate(args: argparse.Namespace, given: dict) -> int:

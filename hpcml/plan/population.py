@@ -65,3 +65,64 @@ def line(pp: PopulationPrice) -> str:
     return (f"population: {pp.members} members of {pp.gpus_per_member} devices; an exchange moves "
             f"{pp.exchange_gib_per_rank:.2f} GiB a rank each way ({pp.exchange_s:.3g} s off the node) and scores "
             f"both models ({pp.evaluate_s:.3g} s){every}")
+
+
+@dataclass(frozen=True)
+class MixedPrice:
+    """K members of different layouts: they step together (the selection hooks agree on every
+    step), so at the slowest member's pace, and swap through checkpoints, resharded on load."""
+
+    members: int
+    gpus_per_member: int
+    step_s: float
+    """The slowest member's step: the population's."""
+    slowest: int
+    checkpoint_gib: float
+    """A member's whole state -- fp32 weights and Adam's two moments -- that a swap writes and
+    the partner reads."""
+    scratch_gbps: float | None
+    exchange_s: float | None
+    """Every member writing its state at once, then reading its partner's, at ``scratch_gbps``
+    (the job's file-system rate; None: not priced)."""
+    evaluate_s: float
+    every: int | None
+    overhead: float | None
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def state_gib(model) -> float:
+    """Weights (fp32) and Adam's two moments of every trainable one: a member's checkpoint."""
+    import math
+
+    from hpcml.models.transformer import footprint as fp
+
+    n = {name: math.prod(shape) for name, shape in fp.param_shapes(model).items()}
+    return sum(4 * v + 8 * v * fp.trainable(name) for name, v in n.items()) / GIB
+
+
+def price_mixed(step_s: list[float], model, *, gpus_per_member: int, every: int | None = None,
+                scratch_gbps: float | None = None, val_batches: int = 1) -> MixedPrice:
+    """The price of members of different layouts from each one's predicted step."""
+    if every is not None and (not is_int(every) or every < 1):
+        raise ConfigError(f"--exchange-every {every!r}: expected a whole number of steps >= 1")
+    if scratch_gbps is not None and not (isinstance(scratch_gbps, (int, float)) and 0 < scratch_gbps < float("inf")):
+        raise ConfigError(f"--scratch-gbps {scratch_gbps!r}: expected the file system's rate in GB/s, > 0")
+    k, slowest = len(step_s), max(range(len(step_s)), key=lambda i: step_s[i])
+    step, state = step_s[slowest], state_gib(model)
+    exchange = 2 * k * state * GIB / (scratch_gbps * 1e9) if scratch_gbps else None
+    evaluate = 2 * val_batches * step / 3
+    overhead = (exchange + evaluate) / (every * step) if every and exchange is not None and step > 0 else None
+    return MixedPrice(k, gpus_per_member, step, slowest, state, scratch_gbps, exchange, evaluate, every, overhead)
+
+
+def mixed_line(mp: MixedPrice) -> str:
+    """The sentence under the members' lines."""
+    swap = (f"{mp.exchange_s:.3g} s at --scratch-gbps {mp.scratch_gbps:g}" if mp.exchange_s is not None
+            else "not priced: give --scratch-gbps, the job's file-system rate")
+    every = (f"; every {mp.every} steps that adds {mp.overhead:.1%} to the steps" if mp.overhead is not None else "")
+    return (f"population: {mp.members} members of {mp.gpus_per_member} devices, different layouts, stepping "
+            f"together at the slowest's {mp.step_s:.3g} s (member {mp.slowest}); an exchange goes through "
+            f"checkpoints, {mp.checkpoint_gib:.2f} GiB a member written and read ({swap}), and scores both "
+            f"models ({mp.evaluate_s:.3g} s){every}")

@@ -25,7 +25,8 @@ import numpy as np
 from hpcml import log, safeio
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
-from hpcml.train.population import agree_stop, check_alike, member_tensors, scored, transfer
+from hpcml.train.population import (agree_stop, check_alike, member_tensors, scored, through_checkpoints,
+                                    transfer)
 
 logger = log.get_logger(__name__)
 
@@ -47,10 +48,16 @@ class PBTConfig:
     seed: int = 0
     history: str | Path | None = None
     """JSON lines, one a round (the job's rank 0 appends); None: kept in memory only."""
+    scratch: str | Path | None = None
+    """A directory every rank reaches, for members of different layouts: a copy between two of
+    them goes through the source's checkpoint, resharded on load. Required when such members
+    can copy from each other."""
 
     def __post_init__(self) -> None:
         if not is_int(self.every) or self.every < 1:
             raise ConfigError(f"PBTConfig(every={self.every!r}): expected a whole number of steps >= 1")
+        if self.scratch is not None and not isinstance(self.scratch, (str, Path)):
+            raise ConfigError(f"PBTConfig(scratch={self.scratch!r}): expected a directory path")
         if not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 0.5:
             raise ConfigError(f"PBTConfig(fraction={self.fraction!r}): expected a fraction in (0, 0.5]: the worst "
                               f"copy from the best, two parts that must not overlap")
@@ -125,9 +132,10 @@ class PopulationBasedTraining:
             raise ConfigError(f"PopulationBasedTraining(config={config!r}): expected a PBTConfig")
         if grid.torch is None:
             raise ConfigError("PopulationBasedTraining: the grid has no torch.distributed yet: call grid.init_torch()")
-        if len(set(getattr(grid, "member_layouts", ()))) > 1:
-            raise ConfigError("PopulationBasedTraining: the members have different layouts, and a PBT copy moves "
-                              "shards between the ranks at one place: give every member one layout")
+        if len(set(getattr(grid, "member_layouts", ()))) > 1 and config.scratch is None:
+            raise ConfigError("PopulationBasedTraining: the members have different layouts, so a copy between two of "
+                              "them goes through a checkpoint: give PBTConfig(scratch=DIR), a directory every rank "
+                              "reaches")
         writer = grid.world_comm.Get_rank() == 0
         missing = writer and config.history is not None and not Path(config.history).parent.is_dir()
         if grid.world_comm.allreduce(int(missing)):  # the writer's view, told to every rank (collective)
@@ -150,8 +158,15 @@ class PopulationBasedTraining:
         hypers = g.pop_comm.allgather(hyperparameters(tr))
         tensors = member_tensors(tr.model, tr.optimizer)
         source = copies.get(g.member)
-        check_alike(g, tensors, [source] if source is not None else [])
-        transfer(g, tensors, send_to=sorted(c for c, s in copies.items() if s == g.member), receive_from=source)
+        layouts = g.member_layouts
+        on_disk = {c: s for c, s in copies.items() if layouts[c] != layouts[s]}  # copies between two layouts
+        near = source if source is not None and g.member not in on_disk else None
+        check_alike(g, tensors, [near] if near is not None else [])
+        transfer(g, tensors, send_to=sorted(c for c, s in copies.items() if s == g.member and c not in on_disk),
+                 receive_from=near)
+        if on_disk:  # every rank: the agreements are over the whole population
+            through_checkpoints(g, tr.model, tr.optimizer, cfg.scratch, round_, save=g.member in on_disk.values(),
+                                load_from=on_disk.get(g.member), what="PBT")
         for copier, src in copies.items():  # every rank works out every member's new values alike
             rng = np.random.default_rng([cfg.seed, round_, copier, 1])
             hypers[copier] = {h: (hypers[src][h] * float(rng.choice(cfg.perturb)) if h in cfg.hyperparameters

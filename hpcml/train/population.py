@@ -218,44 +218,58 @@ class Tournament:
         return out
 
     # -- members of different layouts: through checkpoints, resharded on load --------------------
-    def _attrs(self) -> dict | None:
-        plan = getattr(self.model, "plan", None)
-        return plan.tensor_attrs() if plan is not None else None
-
     def swap_through_checkpoints(self, partner: int, round_: int, mine: bool = True) -> None:
         """Members whose partner has another layout (``mine``) save their state, everyone waits for
         every save, then they load the partner's (resharded to their layout). Collective over the
         population. An error in any member is the same ConfigError on every rank of it."""
-        from hpcml import ckpt
-
-        g = self.grid
-        problem = None
-        if mine:
-            try:
-                ckpt.save(Path(self.config.scratch) / f"member{g.member:05d}", round_,
-                          member_state(self.model, self.optimizer), comm=g.comm, tensor_attrs=self._attrs(), keep=1)
-            except (OSError, HpcmlError) as e:  # raised alike on the member's ranks (ckpt.save agrees)
-                problem = f"member {g.member} could not save its state for the swap: {e}"
-        _agreed(g, problem)
-        if mine:
-            try:
-                self._load_on_disk(partner)
-            except (OSError, HpcmlError) as e:
-                problem = f"member {g.member} could not load member {partner}'s state: {e}"
-        _agreed(g, problem)
+        through_checkpoints(self.grid, self.model, self.optimizer, self.config.scratch, round_, save=mine,
+                            load_from=partner if mine else None, what="tournament")
 
     def _load_on_disk(self, member: int) -> None:
-        from hpcml import ckpt
-
-        ckpt.load(Path(self.config.scratch) / f"member{member:05d}", member_state(self.model, self.optimizer),
-                  comm=self.grid.comm, tensor_attrs=self._attrs())
+        _disk_load(self.grid, self.model, self.optimizer, self.config.scratch, member)
 
 
-def _agreed(grid: Any, problem: str | None) -> None:
+def _attrs(model: Any) -> dict | None:
+    plan = getattr(model, "plan", None)
+    return plan.tensor_attrs() if plan is not None else None
+
+
+def _disk_load(grid: Any, model: Any, optimizer: torch.optim.Optimizer | None, scratch, member: int) -> None:
+    from hpcml import ckpt
+
+    ckpt.load(Path(scratch) / f"member{member:05d}", member_state(model, optimizer), comm=grid.comm,
+              tensor_attrs=_attrs(model))
+
+
+def through_checkpoints(grid: Any, model: Any, optimizer: torch.optim.Optimizer | None, scratch, round_: int, *,
+                        save: bool, load_from: int | None, what: str) -> None:
+    """Members of different layouts exchange state on disk: those that ``save`` write theirs to
+    ``scratch/memberK``, everyone waits for every save, then those with ``load_from`` load that
+    member's, resharded to their layout. Collective over the population; an error in any member
+    is one ConfigError (``what: ...``) on every rank."""
+    from hpcml import ckpt
+
+    problem = None
+    if save:
+        try:
+            ckpt.save(Path(scratch) / f"member{grid.member:05d}", round_, member_state(model, optimizer),
+                      comm=grid.comm, tensor_attrs=_attrs(model), keep=1)
+        except (OSError, HpcmlError) as e:  # raised alike on the member's ranks (ckpt.save agrees)
+            problem = f"member {grid.member} could not save its state for the exchange: {e}"
+    _agreed(grid, problem, what)
+    if load_from is not None:
+        try:
+            _disk_load(grid, model, optimizer, scratch, load_from)
+        except (OSError, HpcmlError) as e:
+            problem = f"member {grid.member} could not load member {load_from}'s state: {e}"
+    _agreed(grid, problem, what)
+
+
+def _agreed(grid: Any, problem: str | None, what: str = "tournament") -> None:
     """Raise on every rank of the population the first problem any rank met (one allgather)."""
     found = [p for p in grid.world_comm.allgather(problem) if p is not None]
     if found:
-        raise ConfigError(f"tournament: {found[0]}")
+        raise ConfigError(f"{what}: {found[0]}")
 
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this: a slice views back as any dtype

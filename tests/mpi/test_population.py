@@ -84,6 +84,18 @@ def _local_digest(trainer) -> str:
     return _weights(trainer) + _moments(trainer)
 
 
+def _full_digest(trainer) -> str:
+    """The member's whole state (weights and moments, gathered), the same on its ranks whatever the layout."""
+    from hpcml.ckpt.state import training_tensors
+
+    named = training_tensors(trainer.model.named_parameters(), trainer.optimizer)
+    h = hashlib.sha256()
+    for n in sorted(named):
+        t = named[n]
+        h.update(n.encode() + (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _member_trainer(degrees: dict, pkw: dict):
     grid = ProcessGrid(pop=2, **degrees)
     trainer = build_llm_trainer(MODEL, replace(TRAIN, seed=10 + grid.member), ParallelConfig(**pkw), grid=grid)
@@ -346,15 +358,8 @@ def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm)
     trainer.fit()
     val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=99)
 
-    def full() -> str:  # the member's whole state, the same on its ranks whatever the layout
-        from hpcml.ckpt.state import training_tensors
-
-        named = training_tensors(trainer.model.named_parameters(), trainer.optimizer)
-        h = hashlib.sha256()
-        for n in sorted(named):
-            t = named[n]
-            h.update(n.encode() + (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().tobytes())
-        return h.hexdigest()
+    def full() -> str:
+        return _full_digest(trainer)
 
     before = grid.pop_comm.allgather(full())
     t = Tournament(grid, trainer.model, lambda: trainer.evaluate(val, 2), optimizer=trainer.optimizer,
@@ -369,6 +374,43 @@ def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm)
     trainer.close()
 
 
+def test_pbt_copies_between_members_of_different_layouts_through_the_reshard_bit_for_bit(comm):
+    """tp 2 against FSDP over dp 2: the worse member's copy of the better one goes through the
+    better one's checkpoint, loaded into the copier's layout: its whole state then is the
+    better one's, bit for bit, its hyperparameters the better one's times a perturbation, and
+    both train on."""
+    import tempfile
+    from pathlib import Path
+
+    from hpcml.train.pbt import PBTConfig, PopulationBasedTraining, hyperparameters
+
+    scratch = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pbt-mixed-") if comm.rank == 0 else None))
+    grid = ProcessGrid(members=[{"tp": 2}, {"dp": 2}])
+    cfg = replace(TRAIN, seed=10 + grid.member, lr=3e-3 * (1 + 30 * grid.member))  # member 1 far too fast
+    trainer = build_llm_trainer(MODEL, cfg, ParallelConfig(fsdp=grid.member == 1), grid=grid)
+    trainer.fit()
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=77)
+
+    def full() -> str:
+        return _full_digest(trainer)
+
+    before = grid.pop_comm.allgather((full(), hyperparameters(trainer)))
+    pbt = PopulationBasedTraining(grid, trainer, lambda: trainer.evaluate(val, 2),
+                                  config=PBTConfig(every=3, fraction=0.5, seed=1, scratch=scratch))
+    r = pbt.play(1)
+    worst = max(range(2), key=lambda m: r.scores[m])
+    best = 1 - worst
+    assert before[0][0] != before[1][0] and full() == before[best][0]
+    mine = hyperparameters(trainer)
+    if grid.member == worst:
+        assert r.source == best
+        assert all(any(abs(mine[h] / before[best][1][h] - f) < 1e-12 for f in (0.8, 1.25)) for h in mine)
+    else:
+        assert r.source is None and mine == before[best][1]
+    trainer.fit(5)  # and both train on
+    trainer.close()
+
+
 def test_members_of_different_layouts_need_a_scratch_directory(comm):
     grid = ProcessGrid(members=[{"tp": 2}, {"dp": 2}])
     grid.init_torch()
@@ -376,7 +418,8 @@ def test_members_of_different_layouts_need_a_scratch_directory(comm):
         Tournament(grid, torch.nn.Linear(2, 2), lambda: 0.0, config=TournamentConfig(every=1))
     from hpcml.train.pbt import PBTConfig, PopulationBasedTraining
 
-    with pytest.raises(ConfigError, match=r"^PopulationBasedTraining: the members have different layouts"):
+    with pytest.raises(ConfigError, match=r"^PopulationBasedTraining: the members have different layouts.*"
+                                          r"PBTConfig\(scratch=DIR\)"):
         PopulationBasedTraining(grid, None, lambda: 0.0, config=PBTConfig(every=1))
     with pytest.raises(GridError, match=r"^members \[\{'tp': 2\}\]: expected a list of 2 degree mappings"):
         ProcessGrid(pop=2, members=[{"tp": 2}])

@@ -95,3 +95,52 @@ def test_a_population_is_emitted_as_one_job_of_every_members_ranks(capsys, monke
         sys.path.pop(0)
     args = llm_pretrain.parse_args(line[cut + 3:])
     assert (args.pop, args.tournament_every, args.auto_resume, args.steps) == (2, 200, True, 1000)
+
+
+def test_members_of_different_layouts_step_at_the_slowest_and_swap_through_checkpoints(capsys):
+    """``--member`` once a member: each predicted as the run of its share alone; the population
+    steps at the slowest member's pace; a swap writes and reads each member's whole fp32 state
+    at ``--scratch-gbps`` (without it, not priced: no rate is invented)."""
+    import math
+
+    from hpcml.models.transformer import footprint as fp
+    from hpcml.plan.predict import load_model
+
+    alone = []
+    for tp in (8, 4):
+        assert main([*BASE, "--gpus", "32", "--tp", str(tp), "--fsdp", "--json"]) == 0
+        alone.append(json.loads(capsys.readouterr().out))
+    assert main([*BASE, "--gpus", "64", "--fsdp", "--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}',
+                 "--exchange-every", "200", "--scratch-gbps", "100", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [m["step_s"] for m in got["members"]] == [a["step_s"] for a in alone]
+    assert [m["layout"] for m in got["members"]] == [a["layout"] for a in alone]
+    pop = got["population"]
+    slowest = max(range(2), key=lambda i: alone[i]["step_s"])
+    assert pop["slowest"] == slowest and pop["step_s"] == pytest.approx(alone[slowest]["step_s"], rel=1e-4)
+    shapes = fp.param_shapes(load_model("llama-7b"))
+    state = sum(math.prod(s) * (4 + 8 * fp.trainable(n)) for n, s in shapes.items()) / GIB
+    assert pop["checkpoint_gib"] == pytest.approx(state, rel=1e-6)
+    assert pop["exchange_s"] == pytest.approx(2 * 2 * state * GIB / 100e9, rel=1e-6)
+    assert pop["overhead"] == pytest.approx((pop["exchange_s"] + pop["evaluate_s"]) / (200 * pop["step_s"]), rel=1e-4)
+    assert main([*BASE, "--gpus", "64", "--fsdp", "--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}']) == 0
+    assert "not priced: give --scratch-gbps, the job's file-system rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pop", "2", "--member", '{"tp": 8}'], "--member given 1 times for --pop 2: one layout a member"),
+    (["--member", '{"tp": 8}'], "--member prices a population: give --pop too"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"gpus": 8}'],
+     "--member 1 sets ['gpus']: a member's layout keys only (the model and the devices are the population's: "
+     "--model, --gpus / --pop)"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", "tp=4"],
+     "--member 'tp=4': not JSON (Expecting value: line 1 column 1 (char 0)); expected an object such as "
+     "'{\"tp\": 4}'"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}', "--scratch-gbps", "0"],
+     "--scratch-gbps 0.0: expected the file system's rate in GB/s, > 0"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}', "--emit", "args"],
+     "--emit writes one layout for llm_pretrain.py --pop, which runs one layout: not with --member"),
+])
+def test_member_mistakes_are_one_line(capsys, args, message):
+    assert main([*BASE, "--gpus", "64", "--fsdp", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"hpcml: error: {message}"
