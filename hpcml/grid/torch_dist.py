@@ -184,13 +184,20 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     return result
 
 
+def default_group_key() -> Any:
+    """The default process group itself, for the caches of meshes built on it: held in the key,
+    never its ``id()``, which a group made after ``destroy_process_group`` can reuse (a cached
+    mesh's destroyed groups then fail to resolve in the next collective)."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, Any, Any]:
     """The member's dense and expert meshes, its whole group and the population's group.
 
     A population is one more mesh axis, ``pop``, outermost: each member's meshes are slices
     of the job's, so torch builds every group on every rank in one order (``new_group`` is
     collective over the job). Each layout's meshes are built once per process group."""
-    lay, pg, pop = grid.layout, id(dist.distributed_c10d._get_default_group()), grid.pop
+    lay, pg, pop = grid.layout, default_group_key(), grid.pop
     if len({m.mesh_shape for m in grid.member_layouts}) > 1:
         return _mixed_meshes(grid, device_type)
     key = (device_type, lay.mesh_shape, pop, pg)
@@ -223,8 +230,7 @@ def _mixed_meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, None
     if odd:
         raise ConfigError(f"members of different layouts cannot yet hold experts or both dp and cp above 1 "
                           f"({'; '.join(odd)}): give every member one layout")
-    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts),
-           id(dist.distributed_c10d._get_default_group()))
+    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts), default_group_key())
     if key not in _MESHES:
         n, mine, whole, places = grid.world_size, [], None, []
         for m, lay in enumerate(grid.member_layouts):

@@ -31,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from hpcml import log
 from hpcml.errors import ConfigError
+from hpcml.grid.torch_dist import default_group_key
 
 if TYPE_CHECKING:
     from hpcml.grid.mpi import ProcessGrid
@@ -135,7 +136,7 @@ def hybrid_meshes(grid: ProcessGrid, n_replicas: int) -> HybridMeshes:
     dp ranks and cp, which lie consecutive between them). Built on every rank in one order,
     once per layout (a mesh's groups cost collectives)."""
     lay, pop, device_type = grid.layout, grid.pop, grid.torch.device.type
-    key = (device_type, lay.mesh_shape, pop, n_replicas, id(dist.distributed_c10d._get_default_group()))
+    key = (device_type, lay.mesh_shape, pop, n_replicas, default_group_key())
     if key not in _MESHES:
         pp, dp, cp, tp = lay.mesh_shape
         names = ("pp", "dp_replicate", "dp_shard", "tp")
