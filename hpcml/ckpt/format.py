@@ -47,6 +47,17 @@ def numpy_dtype(dtype_name: str) -> type:
     return STORED_DTYPES[dtype_name]
 
 
+def step_dirs(root: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) ``step_N`` directories of ``root``, oldest first: real directories
+    only (a link is never one), complete when they hold a manifest."""
+    root = Path(root)
+    if not root.is_dir():
+        return [], []
+    steps = sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir())
+    complete = [p for p in steps if (p / MANIFEST).is_file()]
+    return complete, [p for p in steps if p not in complete]
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory: ``path`` itself if it holds ``manifest.json``, else the step
     that ``path/latest`` names -- a plain ``step_N`` name of a real directory beside it,

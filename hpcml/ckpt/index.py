@@ -120,10 +120,8 @@ def _point_latest(root: Path, name: str) -> None:
 def _steps(root: Path, but: Path) -> tuple[list[Path], list[Path]]:
     """(complete, incomplete) step directories of ``root`` other than ``but``: an incomplete
     one (no manifest) is what a save killed while pruning leaves, never a commit."""
-    steps = sorted(p for p in root.iterdir() if fmt.STEP_RE.match(p.name) and p != but and not p.is_symlink()
-                   and p.is_dir())
-    complete = [p for p in steps if (p / fmt.MANIFEST).is_file()]
-    return complete, [p for p in steps if p not in complete]
+    complete, broken = fmt.step_dirs(root)
+    return [p for p in complete if p != but], [p for p in broken if p != but]
 
 
 def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:

@@ -223,16 +223,14 @@ class OnlineRun:
         cfg = self.config
         if not cfg.resume:
             return
-        path: str | Path = cfg.ckpt_dir
-        if self.comm is not self.grid.comm:  # a population: the newest step every member holds
-            from hpcml.ckpt.format import step_dir
-            from hpcml.train.population_online import resume_step
+        path: str | Path | None = cfg.ckpt_dir
+        if getattr(self.grid, "pop", 1) > 1:  # a population: the newest step every member holds
+            from hpcml.train.population_online import member_resume
 
-            step = resume_step(cfg.ckpt_dir, self.comm)
-            if step is None:
-                return
-            path = Path(cfg.ckpt_dir) / step_dir(step)
+            path = member_resume(cfg.ckpt_dir, self.grid, required=False)
         elif not (Path(cfg.ckpt_dir) / "latest").exists():
+            path = None
+        if path is None:
             return
         check_campaign(path, cfg.campaign)  # every rank, before any collective
         report = load_trainer(self.trainer, path)

@@ -148,7 +148,6 @@ def selection_hook(grid: Any, trainer: Any, score: Callable[[], float], config: 
 
             safeio.append(record, json.dumps({"step": tr.step, **metrics["tournament"]}) + "\n", lines=True)
 
-    play.tournament = tournament  # its history
     return play
 
 
@@ -156,16 +155,9 @@ def resume_step(root: str | Path, comm) -> int | None:
     """The newest checkpoint step every rank of ``comm`` finds complete in its ``root`` (each
     member's own directory); None when some member has none (then every member starts anew).
     Collective over ``comm``."""
-    from hpcml.ckpt.format import MANIFEST, STEP_RE
+    from hpcml.ckpt.format import STEP_RE, step_dirs
 
-    root = Path(root)
-    mine: set[int] = set()
-    if root.is_dir() and not root.is_symlink():
-        for p in root.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and not p.is_symlink() and (p / MANIFEST).is_file():
-                mine.add(int(m.group(1)))
-    views = comm.allgather(sorted(mine))
+    views = comm.allgather([int(STEP_RE.match(p.name).group(1)) for p in step_dirs(root)[0]])
     common = set(views[0]).intersection(*map(set, views[1:]))
     if not common:
         if any(views) and comm.Get_rank() == 0:

@@ -198,8 +198,7 @@ def _validator(trainer, comm, val_files, params, fields) -> Callable[[], dict[st
     def validate() -> dict[str, float]:
         new = {}
         if comm.Get_rank() == 0:
-            files = val_files() if callable(val_files) else val_files
-            for f in sorted(str(v) for v in files):
+            for f in sorted(str(v) for v in _listed(val_files)):
                 if f not in seen and Path(f).is_file():
                     try:
                         new[f] = read_samples(f, fields, params)
@@ -235,8 +234,7 @@ def _report(run, result, val_files, params, fields, report: bool, grid) -> None:
     from hpcml.stream.files import read_samples
 
     extra: dict[str, Any] = {}
-    files = val_files() if callable(val_files) else val_files
-    vals = [s for f in sorted(Path(v) for v in files) for s in read_samples(f, fields, params)]
+    vals = [s for f in sorted(Path(v) for v in _listed(val_files)) for s in read_samples(f, fields, params)]
     if vals:
         extra = {"val_rel_l2": run.trainer.rel_l2(np.stack([s.params for s in vals]), np.array([s.t for s in vals]),
                                                   np.stack([s.fields[0] for s in vals])),
