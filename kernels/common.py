@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hpcml import log
+from hpcml import log, waiting
 from hpcml.errors import ConfigError
 from kernels.grid import (DT_SAFETY, Decomposition, Halo, Stencil, block, decompose, global_indices, grid_dims,
                           new_state, split_extent, stable_dt)
@@ -231,6 +231,7 @@ def main(spec: KernelSpec, argv: Sequence[str] | None = None) -> int:
         sink = make_sink(args, decomp, cfg.params, spec.fields, cfg.n_outputs)
     except ConfigError as e:  # e.g. --stream without the campaign's environment, maybe on some ranks only
         error = str(e)
+    waiting.barrier(comm)  # a sink's set-up (a connection to the trainer) takes its own time on each rank
     errors = [e for e in comm.allgather(error) if e]  # so that all ranks stop, or none
     if errors:
         if comm.Get_rank() == 0:

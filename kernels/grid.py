@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcml.errors import ConfigError
+from hpcml.waiting import wait_all
 
 #: Fraction of the explicit stability limit used when no ``dt`` is given.
 DT_SAFETY = 0.8
@@ -118,7 +119,8 @@ class Halo:
             self._plan.append((axis, lo, hi, *sends, *recvs))
 
     def exchange(self, state: np.ndarray) -> None:
-        """Post every receive and send, then wait; ``state`` must be C-contiguous float64."""
+        """Post every receive and send, then wait (without spinning a core: a neighbour may be
+        held up by the stream's backpressure); ``state`` must be C-contiguous float64."""
         reqs = []
         for axis, lo, hi, send_lo, send_hi, recv_lo, recv_hi in self._plan:
             up, down = 2 * axis, 2 * axis + 1  # tags: a rank may be both neighbours, or itself
@@ -126,7 +128,7 @@ class Halo:
             reqs.append(self.comm.Irecv([state, 1, recv_hi], source=hi, tag=down))
             reqs.append(self.comm.Isend([state, 1, send_hi], dest=hi, tag=up))
             reqs.append(self.comm.Isend([state, 1, send_lo], dest=lo, tag=down))
-        MPI.Request.Waitall(reqs)
+        wait_all(reqs)
 
     def free(self) -> None:
         for _, _, _, *types in self._plan:

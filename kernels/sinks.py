@@ -13,7 +13,7 @@ from typing import Protocol
 import h5py
 import numpy as np
 
-from hpcml import log
+from hpcml import log, waiting
 from kernels.grid import Decomposition
 
 logger = log.get_logger("kernels.common")  # the kernels' one log name, as before the split
@@ -113,14 +113,14 @@ class H5Sink:
         self._file.close()
         self._file = None
         complete = self._written == self.n_outputs
-        self.comm.Barrier()  # every rank's data is in the file before it gets its final name
+        waiting.barrier(self.comm)  # every rank's data is in the file before it gets its final name
         if self.comm.Get_rank() == 0:
             if complete:
                 os.replace(self.tmp, self.path)
             else:
                 logger.warning("%s: %d of %d outputs written; left as %s", self.path, self._written,
                                self.n_outputs, self.tmp)
-        self.comm.Barrier()  # the final name exists on return, on every rank
+        waiting.barrier(self.comm)  # the final name exists on return, on every rank
 
 
 def make_sink(args: argparse.Namespace, decomp: Decomposition, params: dict[str, float], field_names: list[str],

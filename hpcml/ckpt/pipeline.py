@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hpcml import __version__, log
+from hpcml import __version__, log, waiting
 from hpcml.ckpt import chunkmac, codec, format as fmt, keys as keyring_, lock, rollback
 from hpcml.ckpt.index import commit, finish_manifest, write_index
 from hpcml.ckpt.chunks import ChunkMeta, assign_owners, check_fused, fused_boxes, fused_spec
@@ -146,6 +146,7 @@ def agree(comm, local: Callable[[], Any], what: str, share: Callable[[Any], Any]
         mine, error = local(), None
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         mine, error = None, str(e) if isinstance(e, HpcmlError) else f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
+    waiting.barrier(comm)  # ranks prepare their parts at their own pace: wait without spinning
     parts, errors = zip(*comm.allgather((None if error else share(mine), error)))
     errors = [e for e in errors if e]
     if errors:
@@ -230,10 +231,12 @@ def finish(p: Pending, status: tuple, write_s: float = 0.0) -> SaveResult:
     comm, rank = p.comm, p.rank
     # each rank reports the placement of the tensors it writes: rank 0 may hold none of a
     # tensor (a later pipeline stage's), and every written tensor has one owner
+    waiting.barrier(comm)  # ranks finish their shards at their own pace
     gathered = comm.gather((status, {n: p.placements[n] for n in {c.name for c in p.mine}}), root=0)
     outcome = index_and_commit(p, gathered) if rank == 0 else None
     if p.unlock:
         lock.release(p.root)
+    waiting.barrier(comm)  # rank 0 writes the index and commits meanwhile
     outcome = comm.bcast(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(f"saving {p.final} failed: {outcome}")

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hpcml import env, log
+from hpcml import env, log, waiting
 from hpcml.errors import GridError
 from hpcml.grid import cpus
 from hpcml.grid.layout import AXES, Layout
@@ -161,6 +161,7 @@ class ProcessGrid:
         # -- the first collective: every rank's arguments and node, so that all raise the same
         # error or none does (one allgather; a rank-dependent argument would otherwise build
         # inconsistent groups or hang in a Split some rank never calls)
+        waiting.barrier(self.world_comm)  # ranks import torch and friends at their own pace: no spinning meanwhile
         views = self.world_comm.allgather((mine, problem, node_name or env.detect().node))
         _agree([(m, p) for m, p, _ in views])
         self.member = world_rank // self.world_size

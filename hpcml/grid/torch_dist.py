@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpcml import env, log
+from hpcml import env, log, waiting
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.layout import DENSE_AXES, EXPERT_AXES
 from hpcml.net import interface_address
@@ -163,6 +163,7 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     except Exception as e:  # whatever failed here, every rank must still reach the allgather
         problem = ("ConfigError" if isinstance(e, ConfigError) else "LaunchError", " ".join(str(e).split()))
     setup = f"gave backend {backend} on {device.type}, {'in' if joined else 'not in'} a process group"
+    waiting.barrier(grid.world_comm)  # rank 0 starts the store meanwhile
     views = grid.world_comm.allgather((str(device), problem, setup, joined, addr, port))  # every member's ranks
     _agree(grid, views)
     addr, port = views[0][4], views[0][5]

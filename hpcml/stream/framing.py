@@ -3,8 +3,8 @@
     magic: u32 | n: u32 | len_0 .. len_{n-1}: u64 | pad to 64 B | frame_0 | pad | ... | frame_{n-1} | pad
 
 A sender builds each message in one buffer (:func:`frame_buffer`), so the receiver can read
-it into one buffer too, every frame an aligned view. After each whole message the server
-sends an acknowledgement: the count of this connection's messages it has taken (u64), so a
+it into one buffer too, every frame an aligned view. For the whole messages it takes the server
+sends acknowledgements: the count of this connection's messages it has taken (u64), so a
 producer knows what a cut connection lost and sends exactly that again.
 """
 

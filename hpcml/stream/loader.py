@@ -33,20 +33,16 @@ import numpy as np
 from hpcml.errors import LaunchError
 from hpcml.stream.buffer import Sample
 from hpcml.stream.source import SampleSource
-
-#: Sleep between tests of the agreement all-reduce while others are not there yet.
-AGREE_NAP_S = 0.0005
+from hpcml.waiting import wait_all
 
 
-def agree_min(comm, flags: np.ndarray, nap_s: float = AGREE_NAP_S) -> None:
-    """``flags`` <- their MIN over ``comm``, in place, waiting without spinning a core."""
+def agree_min(comm, flags: np.ndarray) -> None:
+    """``flags`` <- their MIN over ``comm``, in place, waiting without spinning a core
+    (:func:`hpcml.waiting.wait_all`)."""
     from mpi4py import MPI
 
-    if comm.Get_size() == 1:
-        return
-    req = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
-    while not req.Test():
-        time.sleep(nap_s)
+    if comm.Get_size() > 1:
+        wait_all([comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MIN)])
 
 
 class StreamLoader:

@@ -46,7 +46,7 @@ S_HELLO, S_HEAD, S_TABLE, S_TPAD, S_WAIT, S_BODY, S_SKIP = range(7)
 
 class Conn:
     __slots__ = ("sock", "peer", "state", "nonce", "head", "frames", "left", "lengths", "total", "body", "view",
-                 "fill", "skip", "opened", "seen", "taken", "acked", "out", "started", "lowat", "queued")
+                 "fill", "skip", "opened", "seen", "taken", "acked", "owed_since", "out", "started", "lowat", "queued")
 
     def __init__(self, sock: socket.socket, peer: int, nonce: bytes) -> None:
         self.sock, self.peer, self.nonce, self.state = sock, peer, nonce, S_HELLO
@@ -54,6 +54,7 @@ class Conn:
         self.head, self.frames, self.left, self.lengths, self.total = bytearray(), 0, 0, (), 0
         self.body, self.view, self.fill, self.skip, self.taken = None, None, 0, 0, 0
         self.acked, self.out = 0, bytearray()  # the count sent so far; bytes due to the producer (a reply, acks)
+        self.owed_since = 0.0  # when the oldest message not yet acknowledged was taken
         self.lowat = 1  # the socket's SO_RCVLOWAT now
         self.queued = 0  # bytes the kernel held for it when last asked (:meth:`progress`)
 

@@ -69,6 +69,12 @@ STALL_S = 30.0
 IDLE_EVICT_S = 2.0
 #: Bytes a second below which a message holding memory others wait for is too slow.
 MIN_RATE = 1 << 20
+#: While messages flow, a connection's acknowledgement goes out once this many of its messages are
+#: unacknowledged (a Producer holds ``hwm`` = 4 by default): each one is a loopback send that cost
+#: as much as the rest of a message's reading. All that are due go out before the server waits.
+ACK_EVERY = 2
+#: ... or once the oldest of them has waited this long (a producer's close waits for them all).
+ACK_DELAY_S = 0.005
 
 
 def raise_fd_limit() -> int:
@@ -157,6 +163,7 @@ class Receiver(MessageReader):
     def wait(self, timeout_s: float) -> None:
         """Block until some socket is ready (or ``timeout_s``); :meth:`recv` reads them."""
         if not self._ready and self._events is None:
+            self.flush()  # nothing more to read now: no producer waits on an acknowledgement while we wait
             self._resume_accepting()
             self._events = self._sel.select(timeout_s)
 
@@ -176,6 +183,8 @@ class Receiver(MessageReader):
                 return None
         c, got = self._ready.popleft()
         if c is not None and c.sock.fileno() >= 0:  # acknowledged once the server has it in hand
+            if c.taken == c.acked:
+                c.owed_since = time.monotonic()
             c.taken += 1
             self._ack_due[c.sock.fileno()] = c  # the count goes out at the next flush
         if isinstance(got, message.MessageError):
@@ -216,15 +225,22 @@ class Receiver(MessageReader):
             elif (fd := k.data.sock.fileno()) >= 0 and (self._conns.get(fd) or self._pending.get(fd)) is k.data:
                 self._read(k.data)
         self._place_waiting()
-        self.flush()
+        self.flush(ACK_EVERY)
 
-    def flush(self) -> None:
+    def flush(self, every: int = 1) -> None:
         """Send what is due to producers -- acknowledgements, the rest of a handshake reply -- as
-        far as their sockets take it (the server calls it too when it stops reading)."""
+        far as their sockets take it; an acknowledgement once ``every`` messages or
+        :data:`ACK_DELAY_S` wait for it (1: all now; :meth:`wait`, and the server when it stops reading)."""
+        now = time.monotonic() if every > 1 else 0.0
         for fd, c in list(self._ack_due.items()):
-            if c.taken > c.acked:
+            owed = c.taken - c.acked
+            if owed and (owed >= every or c.out or now - c.owed_since >= ACK_DELAY_S):
                 c.out += ACK.pack(c.taken)
                 c.acked = c.taken
+            if not c.out:
+                if c.taken == c.acked:
+                    del self._ack_due[fd]
+                continue  # its acknowledgement later
             try:
                 n = c.sock.send(c.out)
             except BlockingIOError:
@@ -233,7 +249,7 @@ class Receiver(MessageReader):
                 self._drop(c)
                 continue
             del c.out[:n]
-            if not c.out:
+            if not c.out and c.taken == c.acked:
                 del self._ack_due[fd]
 
     def _send(self, c: Conn, data: bytes) -> None:
@@ -385,6 +401,7 @@ class Receiver(MessageReader):
                 "fd_limit": self.fd_limit}
 
     def close(self) -> None:
+        self.flush()  # what the server took is acknowledged before it goes: not sent again to the next
         for c in [*self._pending.values(), *self._conns.values(), *self._waiting]:
             self._close(c)
         self._sel.close()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcml import lifeline, log, safeio
+from hpcml import lifeline, log, safeio, waiting
 from hpcml.contract import Contract
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
@@ -254,6 +254,7 @@ class OnlineRun:
 
         self.source.start()
         endpoint = self.source.endpoint
+        waiting.barrier(self.comm)  # the ranks' servers start at their own pace: wait without spinning
         endpoints = self.comm.gather(endpoint)
         caps = self.comm.gather(self.source.max_connections)
         if self.rank == 0 and self.config.endpoints_file and endpoint is not None:
@@ -298,6 +299,7 @@ class OnlineRun:
         problem = self.trainer.check_batch(batch)
         first = batch[0] if batch else None
         shape = (first.sim, list(np.shape(first.fields))) if hasattr(first, "fields") else None
+        waiting.barrier(self.comm)
         views = self.comm.allgather((problem, shape))
         found = [p for p, _ in views if p]
         shapes = {tuple(s[1]): s[0] for _, s in views if s is not None}
@@ -351,11 +353,12 @@ class OnlineRun:
         if self.feedback is not None and self.feedback.published_at != self.trainer.step:
             self.feedback.publish(self.trainer.step)  # collective: the last word on every simulation
         changed = self._saved != (self.trainer.step, int(self.source.stats()["samples"])) or self.drained
-        if self.hook is not None and self.comm.allreduce(int(bool(changed))):
+        if self.hook is not None and waiting.allreduce(self.comm, int(bool(changed))):
             self._save()  # the last periodic save holds this state otherwise
         if self.hook is not None:
             self.hook.close()
         loader = self.loader
+        waiting.barrier(self.comm)  # a rank still draining or saving: the others wait without spinning
         stats = self.comm.gather({**self.source.stats(), "accounting": self.source.accounting(),
                                   "unused": loader.unused() + self.drained, "drained": self.drained,
                                   "starved_s": loader.starved_s,
@@ -372,6 +375,7 @@ class OnlineRun:
             result.problems, result.notes = problems(result.summary, stats, self.trainer.step)
             for note in result.notes:
                 logger.warning(note)
+        waiting.barrier(self.comm)
         result.problems, result.notes, result.missing = self.comm.bcast(  # one outcome on every rank
             (result.problems, result.notes, result.summary.get("samples_missing", 0)))
         result.status = "failed" if result.problems else "ok"

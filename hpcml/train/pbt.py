@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcml import log, safeio
+from hpcml import log, safeio, waiting
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
 from hpcml.train.population import (agree_stop, check_alike, member_tensors, scored, through_checkpoints,
@@ -138,7 +138,7 @@ class PopulationBasedTraining:
                               "reaches")
         writer = grid.world_comm.Get_rank() == 0
         missing = writer and config.history is not None and not Path(config.history).parent.is_dir()
-        if grid.world_comm.allreduce(int(missing)):  # the writer's view, told to every rank (collective)
+        if waiting.allreduce(grid.world_comm, int(missing)):  # the writer's view, told to every rank (collective)
             raise ConfigError(f"PBTConfig(history={str(config.history)!r}): its directory does not exist")
         self.grid, self.trainer, self.evaluate, self.config = grid, trainer, evaluate, config
         self.history: list[Round] = []

@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
-from hpcml import log
+from hpcml import log, waiting
 from hpcml.ckpt.state import training_tensors
 from hpcml.errors import ConfigError, HpcmlError
 from hpcml.numeric import is_int
@@ -91,7 +90,7 @@ def agree_stop(grid: Any, metrics: dict) -> None:
     member that ran on would wait forever in its next round for one that had stopped. The
     selection hooks call it after every step (collective over the job; hooks before it see the
     member's own flag, hooks after it the population's)."""
-    metrics["stop"] = bool(grid.world_comm.allreduce(int(bool(metrics.get("stop"))), op=MPI.MAX))
+    metrics["stop"] = bool(waiting.allreduce(grid.world_comm, int(bool(metrics.get("stop")))))
 
 
 def beats(theirs: float, own: float) -> bool:
@@ -124,7 +123,9 @@ def scored(evaluate: Callable[[], float], model: Any, comm: Any) -> float:
     """``evaluate()``, the same on every rank of the member (its rank 0's), with FSDP sharded
     again after it: a forward leaves the root's parameters gathered, and a transfer moves shards."""
     try:
-        return float(comm.bcast(float(evaluate()), root=0))
+        score = float(evaluate())
+        waiting.barrier(comm)  # rank 0's evaluation may take longer than the others'
+        return float(comm.bcast(score, root=0))
     finally:
         reshard(model)
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpcml import log, stop
+from hpcml import log, stop, waiting
 from hpcml.contract import CONFIG_ERROR, INCOMPLETE, Contract
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import ConfigError
@@ -204,6 +204,7 @@ def _validator(trainer, comm, val_files, params, fields) -> Callable[[], dict[st
                         new[f] = read_samples(f, fields, params)
                     except Exception:  # noqa: BLE001 -- being written: the next validation reads it
                         continue
+        waiting.barrier(comm)  # rank 0 reads the files
         seen.update(comm.bcast(new))
         vals = [s for f in sorted(seen) for s in seen[f]]
         if not vals:

@@ -26,6 +26,17 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
+def together():
+    """Every rank starts a test when all have finished the last one, waiting without spinning
+    (MPICH busy-polls in a blocking collective: on 2 cores a rank that waits for another in a
+    test's first collective takes its time slice)."""
+    from hpcml import waiting
+
+    waiting.barrier(MPI.COMM_WORLD)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def stacks_before_timeout(request):
     """A hung test prints every rank's Python stacks (stderr, headed by its rank) shortly
     before pytest-timeout ends the job: pytest-timeout's own dump goes to stdout, which only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 from mpi4py import MPI
@@ -235,3 +236,26 @@ def test_the_same_combos_in_any_order_agree_and_build_the_same_groups(comm):
         grid.free()
     assert _raised_everywhere(comm, combos=[("dp", "cp"), ()]) == ("an empty combination of axes in combos: expected "
                                                                   "one or more of pp, dp, cp, tp, edp, ep, etp")
+
+
+def test_waiting_for_a_late_rank_costs_no_core_and_reduces_exactly(comm):
+    """hpcml.waiting: a rank that waits 1 s for the last one in ``barrier`` spends a few ms of
+    CPU, not the second MPICH's blocking Barrier spins away; ``allreduce`` gives the exact max,
+    min and sum of ints and arrays on every rank."""
+    import numpy as np
+
+    from hpcml import waiting
+
+    late = comm.size - 1
+    if comm.rank == late:
+        time.sleep(1.0)
+    cpu = time.process_time()
+    waiting.barrier(comm)
+    spent = time.process_time() - cpu
+    if comm.rank != late:
+        assert spent < 0.3, spent
+    assert waiting.allreduce(comm, comm.rank) == comm.size - 1
+    assert waiting.allreduce(comm, comm.rank + 5, "min") == 5
+    assert waiting.allreduce(comm, 2**40 + comm.rank, "sum") == comm.size * 2**40 + sum(range(comm.size))
+    got = waiting.allreduce(comm, np.array([comm.rank, -comm.rank]), "max")
+    assert got.tolist() == [comm.size - 1, 0]

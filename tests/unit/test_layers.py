@@ -17,7 +17,7 @@ LAYERS = [
     ["errors", "stop", "lazy", "numeric"],
     ["safeio"],  # the one file layer: every file hpcml reads or writes for a user
     ["idset"],  # simulation ids as runs, and records written a chunk at a time
-    ["env", "net", "contract"],
+    ["env", "net", "contract", "waiting"],
     ["log", "info", "outcome"],
     ["grid", "stream", "lifeline", "data"],
     ["parallel", "ckpt"],

@@ -571,3 +571,42 @@ def test_an_unknown_integrity_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^ServerConfig.integrity='none': expected 'connection' \(a challenge per "
                                           r"connection\) or 'message' \(a MAC on every message too\)$"):
         ServerConfig(field_names=("T",), integrity="none")
+
+
+def test_acknowledgements_go_out_in_pairs_yet_a_producer_of_one_message_in_flight_never_waits(monkeypatch):
+    """The server owes a connection its count until two messages are taken (or 5 ms pass, or it
+    waits for input): half the loopback sends of one per message, and a producer with
+    ``hwm=1`` -- each send waiting for the last one's acknowledgement -- still streams."""
+    import struct
+
+    from hpcml.stream import transport
+
+    packed = []
+
+    class Counting:
+        def pack(self, n):
+            packed.append(n)
+            return struct.pack("<Q", n)
+
+    monkeypatch.setattr(transport, "ACK", Counting())
+    field = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    srv = _server(capacity=256)
+    try:
+        p = Producer(endpoint=srv.endpoint, secret=SECRET, campaign=CAMPAIGN, sim_id=0, attempt=0, rank=0, nranks=1,
+                     params={"alpha": 0.5}, global_shape=field.shape, offset=(0, 0), local_shape=field.shape, hwm=1)
+        t0 = time.monotonic()
+        for step in range(30):
+            p.send(step, 0.0, {"T": field + step})
+        p.close()  # returns once every message is acknowledged
+        assert time.monotonic() - t0 < 10
+        assert packed == list(range(1, 32))  # each alone (and the end marker): one owed, then the wait
+        packed.clear()
+        (q, _), = _producers(srv, 1, 0, field, nranks=1)
+        for step in range(200):
+            q.send(step, 0.0, {"T": field + step})
+        q.close()
+        assert packed[-1] == 201 and len(packed) <= 120, len(packed)  # ~100 (pairs), not 201
+        _wait(lambda: len(srv.seen) == 230)
+        assert srv.dropped == {}
+    finally:
+        srv.stop()
