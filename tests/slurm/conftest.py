@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import getpass
-import os
 import subprocess
 
 import pytest
@@ -22,29 +21,11 @@ def cluster():
     yield
 
 
-def _lane_jobs() -> list[str]:
-    """The ids of the queued or running jobs of this lane: scripts/slurm_tests.sh runs the walltime
-    test beside the others, and each lane cancels only its own (``HPCML_SLURM_ONLY``: job names
-    that are this lane's; ``HPCML_SLURM_SPARE``: job names that are the other lane's)."""
-    from tests.slurm.scenarios import sh
-
-    only = [n for n in os.environ.get("HPCML_SLURM_ONLY", "").split(",") if n]
-    spare = [n for n in os.environ.get("HPCML_SLURM_SPARE", "").split(",") if n]
-    rows = [line.split(None, 1) for line in sh("squeue", "-h", "-o", "%i %j").stdout.splitlines() if line.strip()]
-    return [i for i, *name in rows if (not only or (name and name[0] in only)) and not (name and name[0] in spare)]
-
-
 @pytest.fixture(autouse=True)
 def no_jobs_left():
     """A test's jobs end with it (a failed test must not leave one competing with the next)."""
     yield
     from tests.slurm.scenarios import sh, wait_until
 
-    if os.environ.get("HPCML_SLURM_ONLY") or os.environ.get("HPCML_SLURM_SPARE"):
-        jobs = _lane_jobs()
-        if jobs:
-            sh("scancel", *jobs)
-        wait_until(lambda: not _lane_jobs(), 60, "this lane's jobs to end")
-        return
     sh("scancel", "--user", getpass.getuser())
     wait_until(lambda: not sh("squeue", "-h").stdout.strip(), 60, "the queue to empty")

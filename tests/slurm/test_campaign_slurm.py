@@ -24,9 +24,10 @@ from tests.slurm.scenarios import ENV, HEAT, PY, ROOT, job, sh, submit, wait_don
 SIMS, OUTPUTS = 6, 400 // 40
 SMALL = ["--sims", str(SIMS), "--val-sims", "1", "--nx", "16", "--ny", "16", "--sim-steps", "400", "--every", "40",
          "--max-concurrent", "3", "--steps", "150", "--ckpt-every", "25", "--quiet", "--no-report"]
-# Simulations of a few seconds each (the same 10 outputs, further apart): the warning must
-# find one running, which sub-second ones on a loaded host did not always allow.
-LONG = [*SMALL[:SMALL.index("--sim-steps")], "--sim-steps", "200000", "--every", "20000",
+# Simulations of 1-3 s each (the same 10 outputs, further apart): the warning must find one
+# running, which sub-second ones on a loaded host did not always allow; 200,000 steps (3-6 s)
+# cost the suite ~200 CPU-seconds of its ~770, half of them in the simulations' steps.
+LONG = [*SMALL[:SMALL.index("--sim-steps")], "--sim-steps", "100000", "--every", "10000",
         *SMALL[SMALL.index("--every") + 2:]]
 
 
