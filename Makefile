@@ -41,7 +41,7 @@ test-mpi: setup
 	PY=$(PY) MPIEXEC="$(MPIEXEC)" MPI_TIMEOUT=$(MPI_TIMEOUT) bash scripts/mpi_tests.sh 4
 
 test-workflows: setup
-	$(PY) -m pytest tests/workflows -q || [ $$? -eq 5 ]
+	PY=$(PY) bash scripts/workflow_tests.sh
 
 # A real two-node Slurm cluster on this host (scripts/slurm_cluster.sh): started, tested, stopped.
 test-slurm: setup
