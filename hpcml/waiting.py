@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from hpcml.errors import ConfigError
+
 #: Seconds of testing before the first nap.
 SPIN_S = 1e-4
 #: The first nap and the longest.
@@ -48,8 +50,11 @@ def allreduce(comm, values, op: str = "max"):
     import numpy as np
     from mpi4py import MPI
 
+    ops = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}
+    if op not in ops:  # on every rank, before the collective
+        raise ConfigError(f"waiting.allreduce: op={op!r}, expected one of {', '.join(ops)}")
     scalar = np.ndim(values) == 0
     buf = np.array(values, np.int64, ndmin=1)
     if comm.Get_size() > 1:
-        wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op={"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])])
+        wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op=ops[op])])
     return int(buf[0]) if scalar else buf
