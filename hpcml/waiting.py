@@ -21,7 +21,7 @@ from hpcml.errors import ConfigError
 #: Seconds of testing before the first nap.
 SPIN_S = 1e-4
 #: The first nap and the longest.
-NAP_MIN_S, NAP_MAX_S = 5e-5, 2e-3
+NAP_MIN_S, NAP_MAX_S = 5e-5, 1e-3
 
 
 def wait_all(requests: Sequence, *, spin_s: float = SPIN_S, nap_max_s: float = NAP_MAX_S) -> None:
