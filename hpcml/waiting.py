@@ -58,3 +58,22 @@ def allreduce(comm, values, op: str = "max"):
     if comm.Get_size() > 1:
         wait_all([comm.Iallreduce(MPI.IN_PLACE, buf, op=ops[op])])
     return int(buf[0]) if scalar else buf
+
+
+def allgather(comm, obj):
+    """``comm.allgather(obj)``, entered once every rank is there (:func:`barrier`): the object
+    collectives have no non-blocking form, so the wait happens in the barrier."""
+    barrier(comm)
+    return comm.allgather(obj)
+
+
+def gather(comm, obj, root: int = 0):
+    """``comm.gather(obj, root)``, entered once every rank is there."""
+    barrier(comm)
+    return comm.gather(obj, root=root)
+
+
+def bcast(comm, obj, root: int = 0):
+    """``comm.bcast(obj, root)``, entered once every rank is there (the root may have worked longer)."""
+    barrier(comm)
+    return comm.bcast(obj, root=root)

@@ -231,8 +231,8 @@ def main(spec: KernelSpec, argv: Sequence[str] | None = None) -> int:
         sink = make_sink(args, decomp, cfg.params, spec.fields, cfg.n_outputs)
     except ConfigError as e:  # e.g. --stream without the campaign's environment, maybe on some ranks only
         error = str(e)
-    waiting.barrier(comm)  # a sink's set-up (a connection to the trainer) takes its own time on each rank
-    errors = [e for e in comm.allgather(error) if e]  # so that all ranks stop, or none
+    # so that all ranks stop, or none (a sink's set-up, a connection to the trainer, takes its own time on each)
+    errors = [e for e in waiting.allgather(comm, error) if e]
     if errors:
         if comm.Get_rank() == 0:
             print(f"{spec.name}: error: {errors[0]}", file=sys.stderr)

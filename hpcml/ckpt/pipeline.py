@@ -141,13 +141,12 @@ def agree(comm, local: Callable[[], Any], what: str, share: Callable[[Any], Any]
     """This rank's part of a plan, then one allgather of ``share(part)``: every rank gets
     every part, or every rank raises the first failure -- whatever fails before a collective
     (a declaration that does not fit, a directory that cannot be made) must not leave the
-    other ranks waiting in it for ever."""
+    other ranks waiting in it for ever (nor spinning: ranks prepare at their own pace)."""
     try:
         mine, error = local(), None
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         mine, error = None, str(e) if isinstance(e, HpcmlError) else f"rank {comm.Get_rank()}: {type(e).__name__}: {e}"
-    waiting.barrier(comm)  # ranks prepare their parts at their own pace: wait without spinning
-    parts, errors = zip(*comm.allgather((None if error else share(mine), error)))
+    parts, errors = zip(*waiting.allgather(comm, (None if error else share(mine), error)))
     errors = [e for e in errors if e]
     if errors:
         raise CheckpointError(f"{what} failed: {errors[0]}")
@@ -230,14 +229,13 @@ def finish(p: Pending, status: tuple, write_s: float = 0.0) -> SaveResult:
     ``write_s``: how long this rank's own shard write took (logged apart from the wait)."""
     comm, rank = p.comm, p.rank
     # each rank reports the placement of the tensors it writes: rank 0 may hold none of a
-    # tensor (a later pipeline stage's), and every written tensor has one owner
-    waiting.barrier(comm)  # ranks finish their shards at their own pace
-    gathered = comm.gather((status, {n: p.placements[n] for n in {c.name for c in p.mine}}), root=0)
+    # tensor (a later pipeline stage's), and every written tensor has one owner; ranks finish
+    # their shards at their own pace, and wait for the last without spinning
+    gathered = waiting.gather(comm, (status, {n: p.placements[n] for n in {c.name for c in p.mine}}))
     outcome = index_and_commit(p, gathered) if rank == 0 else None
     if p.unlock:
         lock.release(p.root)
-    waiting.barrier(comm)  # rank 0 writes the index and commits meanwhile
-    outcome = comm.bcast(outcome, root=0)
+    outcome = waiting.bcast(comm, outcome)  # rank 0 writes the index and commits meanwhile
     if outcome is not None:
         raise CheckpointError(f"saving {p.final} failed: {outcome}")
     written = sum(c.nbytes for c in p.mine)

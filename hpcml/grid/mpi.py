@@ -160,9 +160,9 @@ class ProcessGrid:
             mine, problem = None, text if isinstance(e, GridError) else f"{type(e).__name__}: {text}"
         # -- the first collective: every rank's arguments and node, so that all raise the same
         # error or none does (one allgather; a rank-dependent argument would otherwise build
-        # inconsistent groups or hang in a Split some rank never calls)
-        waiting.barrier(self.world_comm)  # ranks import torch and friends at their own pace: no spinning meanwhile
-        views = self.world_comm.allgather((mine, problem, node_name or env.detect().node))
+        # inconsistent groups or hang in a Split some rank never calls), waited for without
+        # spinning: ranks import torch and friends at their own pace
+        views = waiting.allgather(self.world_comm, (mine, problem, node_name or env.detect().node))
         _agree([(m, p) for m, p, _ in views])
         self.member = world_rank // self.world_size
         """This rank's member of the population (0 without ``pop``)."""

@@ -163,8 +163,8 @@ def init(grid: ProcessGrid, *, backend: str | None = None, interface: str | None
     except Exception as e:  # whatever failed here, every rank must still reach the allgather
         problem = ("ConfigError" if isinstance(e, ConfigError) else "LaunchError", " ".join(str(e).split()))
     setup = f"gave backend {backend} on {device.type}, {'in' if joined else 'not in'} a process group"
-    waiting.barrier(grid.world_comm)  # rank 0 starts the store meanwhile
-    views = grid.world_comm.allgather((str(device), problem, setup, joined, addr, port))  # every member's ranks
+    # every member's ranks (rank 0 started the store meanwhile)
+    views = waiting.allgather(grid.world_comm, (str(device), problem, setup, joined, addr, port))
     _agree(grid, views)
     addr, port = views[0][4], views[0][5]
     world_rank, world_size = grid.world_comm.Get_rank(), grid.world_comm.Get_size()

@@ -66,6 +66,17 @@ def fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        except (ValueError, OSError):
+            pass
+    return fd_limit()
+
+
 def field_limit(*, max_frame_bytes: int, max_sample_bytes: int, n_fields: int, shape: Sequence[int] | None) -> int:
     """The largest payload frame a valid message carries: one field of the whole grid in float64
     (``shape``, else the largest sample ``max_sample_bytes`` lets in), at most ``max_frame_bytes``."""

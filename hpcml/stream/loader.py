@@ -30,19 +30,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hpcml import waiting
 from hpcml.errors import LaunchError
 from hpcml.stream.buffer import Sample
 from hpcml.stream.source import SampleSource
-from hpcml.waiting import wait_all
 
 
 def agree_min(comm, flags: np.ndarray) -> None:
-    """``flags`` <- their MIN over ``comm``, in place, waiting without spinning a core
-    (:func:`hpcml.waiting.wait_all`)."""
-    from mpi4py import MPI
-
-    if comm.Get_size() > 1:
-        wait_all([comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MIN)])
+    """``flags`` <- their MIN over ``comm``, in place, waiting without spinning a core."""
+    flags[:] = waiting.allreduce(comm, flags, "min")
 
 
 class StreamLoader:

@@ -33,7 +33,6 @@ Each message is acknowledged once :meth:`Receiver.recv` has handed it to the ser
 from __future__ import annotations
 
 import errno
-import resource
 import selectors
 import socket
 import time
@@ -45,6 +44,7 @@ from zmq import Again
 from hpcml import log
 from hpcml.errors import ConfigError
 from hpcml.stream import handshake, message
+from hpcml.stream.budget import raise_fd_limit
 from hpcml.stream.framing import ACK, ALIGN
 from hpcml.stream.reading import ROUND_MESSAGES, S_BODY, S_HEAD, S_WAIT, SCRATCH, Conn, MessageReader
 
@@ -75,17 +75,6 @@ MIN_RATE = 1 << 20
 ACK_EVERY = 2
 #: ... or once the oldest of them has waited this long (a producer's close waits for them all).
 ACK_DELAY_S = 0.005
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's open-file limit to its hard limit; the limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-        except (ValueError, OSError):
-            pass
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def listen(host: str, port: int) -> tuple[socket.socket, str]:

@@ -254,8 +254,7 @@ class OnlineRun:
 
         self.source.start()
         endpoint = self.source.endpoint
-        waiting.barrier(self.comm)  # the ranks' servers start at their own pace: wait without spinning
-        endpoints = self.comm.gather(endpoint)
+        endpoints = waiting.gather(self.comm, endpoint)  # the ranks' servers start at their own pace
         caps = self.comm.gather(self.source.max_connections)
         if self.rank == 0 and self.config.endpoints_file and endpoint is not None:
             # last: the campaign starts no simulation before every server listens
@@ -299,8 +298,7 @@ class OnlineRun:
         problem = self.trainer.check_batch(batch)
         first = batch[0] if batch else None
         shape = (first.sim, list(np.shape(first.fields))) if hasattr(first, "fields") else None
-        waiting.barrier(self.comm)
-        views = self.comm.allgather((problem, shape))
+        views = waiting.allgather(self.comm, (problem, shape))
         found = [p for p, _ in views if p]
         shapes = {tuple(s[1]): s[0] for _, s in views if s is not None}
         if not found and len(shapes) > 1:
@@ -358,13 +356,11 @@ class OnlineRun:
         if self.hook is not None:
             self.hook.close()
         loader = self.loader
-        waiting.barrier(self.comm)  # a rank still draining or saving: the others wait without spinning
-        stats = self.comm.gather({**self.source.stats(), "accounting": self.source.accounting(),
-                                  "unused": loader.unused() + self.drained, "drained": self.drained,
-                                  "starved_s": loader.starved_s,
-                                  "agree_s": loader.agree_s, "train_s": train_s,
-                                  "since_first_batch_s": time.perf_counter() - loader.t_first_batch
-                                  if loader.t_first_batch else 0.0})
+        stats = waiting.gather(self.comm, {
+            **self.source.stats(), "accounting": self.source.accounting(),
+            "unused": loader.unused() + self.drained, "drained": self.drained, "starved_s": loader.starved_s,
+            "agree_s": loader.agree_s, "train_s": train_s,
+            "since_first_batch_s": time.perf_counter() - loader.t_first_batch if loader.t_first_batch else 0.0})
         self.source.stop()
         result = OnlineResult("ok", self.trainer.step, self.resumed_at)
         if self.rank == 0:
@@ -375,9 +371,8 @@ class OnlineRun:
             result.problems, result.notes = problems(result.summary, stats, self.trainer.step)
             for note in result.notes:
                 logger.warning(note)
-        waiting.barrier(self.comm)
-        result.problems, result.notes, result.missing = self.comm.bcast(  # one outcome on every rank
-            (result.problems, result.notes, result.summary.get("samples_missing", 0)))
+        result.problems, result.notes, result.missing = waiting.bcast(self.comm, (  # one outcome on every rank
+            result.problems, result.notes, result.summary.get("samples_missing", 0)))
         result.status = "failed" if result.problems else "ok"
         if self.rank == 0 and self.config.summary_file:
             self.write_summary(result)

@@ -123,9 +123,7 @@ def scored(evaluate: Callable[[], float], model: Any, comm: Any) -> float:
     """``evaluate()``, the same on every rank of the member (its rank 0's), with FSDP sharded
     again after it: a forward leaves the root's parameters gathered, and a transfer moves shards."""
     try:
-        score = float(evaluate())
-        waiting.barrier(comm)  # rank 0's evaluation may take longer than the others'
-        return float(comm.bcast(score, root=0))
+        return float(waiting.bcast(comm, float(evaluate())))  # rank 0's evaluation may take longer
     finally:
         reshard(model)
 

@@ -204,8 +204,7 @@ def _validator(trainer, comm, val_files, params, fields) -> Callable[[], dict[st
                         new[f] = read_samples(f, fields, params)
                     except Exception:  # noqa: BLE001 -- being written: the next validation reads it
                         continue
-        waiting.barrier(comm)  # rank 0 reads the files
-        seen.update(comm.bcast(new))
+        seen.update(waiting.bcast(comm, new))  # rank 0 reads the files
         vals = [s for f in sorted(seen) for s in seen[f]]
         if not vals:
             return {}
