@@ -137,10 +137,42 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(auto, the default: on where the model is on a GPU)")
     p.add_argument("--pop", type=int, default=1, help="a population of POP members of this layout, each on its own "
                    "share of the data, checkpoints in CKPT_DIR/member_K (docs/populations.md)")
+    p.add_argument("--member", action="append", metavar="JSON", help="a population member's own layout, once a "
+                   "member (e.g. '{\"tp\": 2}' '{\"dp\": 2, \"fsdp\": true}'): degrees, ParallelConfig fields, "
+                   "micro_batch; sets --pop")
+    p.add_argument("--pop-scratch", metavar="DIR", help="where members of different layouts exchange models "
+                   "(checkpoints resharded on load; default CKPT_DIR/exchange)")
     p.add_argument("--tournament-every", type=int, default=0, help="with --pop: LTFB tournaments every N steps")
     p.add_argument("--pbt-every", type=int, default=0, help="with --pop: population-based training every N steps")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | None:
+    """``--member`` JSON objects, one a member (``--pop`` set from their number), or None."""
+    if not args.member:
+        if args.pop_scratch and args.pop < 2:
+            raise ConfigError("--pop-scratch is where a population's members exchange models: give --pop or --member")
+        return None
+    if len(args.member) < 2:
+        raise ConfigError("--member gives one member's layout of a population: give it once a member, twice or more "
+                          "(one trainer takes the layout flags, --tp ...)")
+    if args.pop not in (1, len(args.member)):
+        raise ConfigError(f"--member given {len(args.member)} times for --pop {args.pop}: one layout a member")
+    flags = sorted(f"--{k}" for k, v in degrees.items() if v != 1 or k == "dp")
+    if flags:
+        raise ConfigError(f"--member sets each member's layout: not with {', '.join(flags)}")
+    members = []
+    for i, text in enumerate(args.member):
+        try:
+            members.append(json.loads(text))
+        except ValueError as e:
+            raise ConfigError(f"--member {text[:60]!r}: not JSON ({e}); expected an object such as '{{\"tp\": 2}}'") \
+                from None
+        if not isinstance(members[-1], dict):
+            raise ConfigError(f"--member {i} {text[:60]!r}: expected a JSON object such as '{{\"tp\": 2}}'")
+    args.pop = len(members)
+    return members
 
 
 def main(argv=None) -> int:
@@ -192,6 +224,7 @@ def main(argv=None) -> int:
         degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
         if args.dp is not None:
             degrees["dp"] = args.dp
+        members = population_members(args, degrees)  # sets --pop
         if (args.resume or args.auto_resume) and not args.ckpt_dir:
             raise ConfigError(f"--{'resume' if args.resume else 'auto-resume'} needs --ckpt-dir")
         if args.auto_resume and args.ckpt_dir and args.pop == 1 and (Path(args.ckpt_dir) / "latest").exists():
@@ -209,9 +242,11 @@ def main(argv=None) -> int:
             raise ConfigError("--tournament-every and --pbt-every select among the members of a population: give "
                               "--pop K >= 2")
         if args.pop > 1:
+            scratch = args.pop_scratch or (str(Path(args.ckpt_dir) / "exchange") if args.ckpt_dir else None)
             trainer = build_llm_member(model_cfg, train, parallel, pop=args.pop, data=data, val=val,
                                        tournament_every=args.tournament_every, pbt_every=args.pbt_every,
-                                       val_batches=args.val_batches, **degrees)
+                                       val_batches=args.val_batches, members=members, scratch=scratch,
+                                       **({} if members else degrees))
             args.ckpt_dir = member_path(args.ckpt_dir, trainer.grid)
             if args.resume or args.auto_resume:  # the newest step every member holds
                 resume_from = member_resume(args.ckpt_dir, trainer.grid, required=args.resume)

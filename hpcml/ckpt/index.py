@@ -111,7 +111,7 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
-def _point_latest(root: Path, name: str) -> None:
+def point_latest(root: Path, name: str) -> None:
     """``latest`` names ``name`` (write + rename, fsynced)."""
     safeio.replace(root / fmt.LATEST, name + "\n", fsync=True)  # a link or FIFO put there is replaced, never followed
     fsync_path(root)
@@ -144,7 +144,7 @@ def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
     else:
         tmp.rename(final)
     fsync_path(root)
-    _point_latest(root, final.name)
+    point_latest(root, final.name)
     for suffix in (fmt.OLD_SUFFIX, ".tmp"):  # latest names a complete step now; one job owns the directory
         for old in root.glob(f"step_*{suffix}"):  # (hpcml.ckpt.lock), so no other save is in flight
             if fmt.STEP_RE.match(old.name[:-len(suffix)]) and not old.is_symlink() and old != tmp:

@@ -74,10 +74,10 @@ def kept(run_dir: Path, completed: set[int], streaming: set[int], done: dict[int
     last save runs again), and the non-streaming ones (their files were written whole)."""
     keep = completed - streaming
     need = {s: n for s, n in streamed(run_dir, completed & streaming, done).items() if n is not None}
-    if need and (run_dir / "checkpoints" / "latest").exists():
-        from hpcml.train.online_state import simulations_in
+    if need:  # one trainer's latest checkpoint, or the step every member of a population holds
+        from hpcml.train.online_state import simulations_kept
 
-        keep |= simulations_in(run_dir / "checkpoints", need)
+        keep |= simulations_kept(run_dir / "checkpoints", need)
     keep |= {s for s in completed & streaming if need.get(s, 1) == 0}  # streamed nothing: nothing to lose
     return keep
 

@@ -65,7 +65,9 @@ class SearchInterrupted(HpcmlError, RuntimeError):
 class Search:
     """``argv``: the trial's program (without the MPI prefix) with ``{steps}``,
     ``{trial_dir}``, ``{trial}`` and ``{<name>}`` of each hyperparameter in ``config.space``.
-    ``ranks``: each trial's MPI ranks; ``max_concurrent``: trials at once. ``site``: where
+    ``ranks``: each trial's MPI ranks, or ``"{name}"`` of a hyperparameter of whole numbers (a
+    search over layouts: ``space={"ranks": [2, 4], "tp": [1, 2]}``, ``argv=[..., "--tp", "{tp}"]``);
+    ``max_concurrent``: trials at once. ``site``: where
     (its Parsl config and launch line); ``parsl_config``: a Config (or a callable making one)
     instead of the site's. ``site_options``: pilot mode (nodes, walltime, account, queue)."""
 
@@ -73,7 +75,7 @@ class Search:
     argv: Sequence[str]
     run_dir: str | Path
     site: Site | str = "local"
-    ranks: int = 2
+    ranks: int | str = 2
     max_concurrent: int = 2
     retries: int = 2
     timeout_s: float | None = None
@@ -92,9 +94,14 @@ class Search:
                               f"{{trial_dir}}, {{trial}} and the space's {sorted(self.config.space)}")
         if "steps" not in used:
             raise ConfigError("argv has no {steps}: each rung trains the trial to its own number of steps")
-        for name in ("ranks", "max_concurrent"):
+        ranked = _PLACEHOLDER.fullmatch(self.ranks) if isinstance(self.ranks, str) else None
+        if ranked and ranked.group(1) not in self.config.space:
+            raise ConfigError(f"ranks={self.ranks!r}: the space has no {ranked.group(1)!r} (it has "
+                              f"{sorted(self.config.space)})")
+        for name in ("max_concurrent",) if ranked else ("ranks", "max_concurrent"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an int >= 1")
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an int >= 1"
+                                  + (" or '{name}' of a hyperparameter" if name == "ranks" else ""))
         if not is_int(self.retries) or self.retries < 0:
             raise ConfigError(f"retries={self.retries!r}: expected an int >= 0")
         if self.timeout_s is not None and not (is_real(self.timeout_s) and self.timeout_s > 0):
@@ -103,6 +110,11 @@ class Search:
             self.site = load_site(self.site)  # an unknown site is refused before the run directory is touched
         self.run_dir = Path(self.run_dir).resolve()
         self.trials = configurations(self.config)
+        if ranked:
+            odd = sorted({repr(t[ranked.group(1)]) for t in self.trials
+                          if not is_int(t[ranked.group(1)]) or t[ranked.group(1)] < 1})
+            if odd:
+                raise ConfigError(f"ranks={self.ranks!r}: its values {', '.join(odd)} are not whole numbers >= 1")
         self.restarted: list[int] = []
         """Trials whose program went back to step 1 at a promotion (it did not resume)."""
 
@@ -118,7 +130,13 @@ class Search:
     def spec(self, trial: int, rung: int) -> SimSpec:
         params = {**self.trials[trial], "trial": trial, "rung": rung, "steps": self.config.rungs[rung]}
         return SimSpec(sim_id=trial * len(self.config.rungs) + rung, params=params, argv=self.command(trial, rung),
-                       ranks=self.ranks, stream=False, identity_args=False)
+                       ranks=self.trial_ranks(trial), stream=False, identity_args=False)
+
+    def trial_ranks(self, trial: int) -> int:
+        """The MPI ranks of ``trial``'s jobs (its own where ``ranks`` names a hyperparameter)."""
+        if isinstance(self.ranks, str):
+            return int(self.trials[trial][self.ranks[1:-1]])
+        return self.ranks
 
     def score(self, trial: int, rung: int) -> float:
         """The trial's ``metric`` at the rung's last step, from its metrics.jsonl (untrusted:
@@ -274,7 +292,8 @@ class Search:
 
     def _parsl_config(self):
         return resolve_config(self.parsl_config, self.run_dir, lambda: self.site.parsl_config(
-            run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent, sim_ranks=self.ranks,
+            run_dir=str(self.run_dir), max_concurrent_sims=self.max_concurrent,
+            sim_ranks=max(self.trial_ranks(t) for t in range(len(self.trials))),
             retries=self.retries, **self.site_options))
 
     def _result(self, state: Asha, resumed: int, wall_s: float) -> SearchResult:

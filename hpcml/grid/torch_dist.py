@@ -199,7 +199,7 @@ def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     of the job's, so torch builds every group on every rank in one order (``new_group`` is
     collective over the job). Each layout's meshes are built once per process group."""
     lay, pg, pop = grid.layout, default_group_key(), grid.pop
-    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
+    if len(set(grid.member_layouts)) > 1:
         return _mixed_meshes(grid, device_type)
     key = (device_type, lay.mesh_shape, pop, pg)
     if key not in _MESHES:  # a mesh's sub-groups cost collectives
@@ -221,36 +221,65 @@ def _meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh
     return mesh, expert_mesh, group, pop_group
 
 
-def _mixed_meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, None, Any, Any]:
+def _mixed_meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, DeviceMesh | None, Any, Any]:
     """Members of different layouts: every group of every member built on every rank, in one
-    order (``new_group`` is collective over the job), and this member's mesh made of its own
-    (``DeviceMesh.from_group``). Not yet: experts (an expert mesh) or dp x cp both above one
-    (FSDP's flattened dp_cp group would be made by some members only) in any member."""
-    odd = [f"member {m}: {lay.describe_degrees()}" for m, lay in enumerate(grid.member_layouts)
-           if lay.moe or (lay.dp > 1 and lay.cp > 1)]
-    if odd:
-        raise ConfigError(f"members of different layouts cannot yet hold experts or both dp and cp above 1 "
-                          f"({'; '.join(odd)}): give every member one layout")
-    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts), default_group_key())
+    order (``new_group`` is collective over the job), and this member's meshes made of its own
+    (``DeviceMesh.from_group``): the dense mesh, the expert mesh where the member has experts,
+    and FSDP's flattened dp x cp dimension where both are above one -- which torch would make
+    on the member's ranks only, so every other rank makes the same number of groups beside it."""
+    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts),
+           tuple(m.expert_mesh_shape if m.moe else None for m in grid.member_layouts), default_group_key())
     if key not in _MESHES:
-        n, mine, whole, places = grid.world_size, [], None, []
+        n, mine, experts, whole, places = grid.world_size, None, None, None, []
         for m, lay in enumerate(grid.member_layouts):
-            ranks = m * n + torch.arange(n).reshape(lay.mesh_shape)
-            dims = []
-            for d in range(ranks.dim()):
-                for g in ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist():
-                    pg = dist.new_group(g)
-                    if m == grid.member and grid.global_rank(grid.rank) in g:
-                        dims.append(pg)
+            mesh = _member_mesh(grid, m, lay.mesh_shape, DENSE_AXES, device_type)
             group = dist.new_group(list(range(m * n, (m + 1) * n)))
+            if lay.moe:  # the same ranks in Megatron's expert order
+                expert = _member_mesh(grid, m, lay.expert_mesh_shape, EXPERT_AXES, device_type)
+                experts = expert if m == grid.member else experts
             if m == grid.member:
-                mine, whole = DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=DENSE_AXES), group
+                mine, whole = mesh, group
+        for m, lay in enumerate(grid.member_layouts):  # after every member's mesh, in member order
+            if lay.dp > 1 and lay.cp > 1:
+                if m == grid.member:
+                    mine["dp", "cp"]._flatten("dp_cp")
+                else:
+                    _groups_beside(torch.arange(m * n, (m + 1) * n).reshape(lay.mesh_shape)
+                                   .movedim((1, 2), (-2, -1)).reshape(-1, lay.dp * lay.cp).tolist())
         for r in range(n):  # the ranks at one place of every member
-            g = dist.new_group([m * n + r for m in range(grid.pop)])
-            places.append(g)
-        _MESHES[key] = (mine, whole, places[grid.rank])
-    mesh, group, pop_group = _MESHES[key]
-    return mesh, None, group, pop_group
+            places.append(dist.new_group([m * n + r for m in range(grid.pop)]))
+        _MESHES[key] = (mine, experts, whole, places[grid.rank])
+    return _MESHES[key]
+
+
+def _member_mesh(grid: ProcessGrid, member: int, shape: tuple[int, ...], names: tuple[str, ...],
+                 device_type: str) -> DeviceMesh | None:
+    """Member ``member``'s mesh of ``shape`` over its ranks: every dimension's groups made here
+    on every rank (collective over the job); the mesh on that member's ranks, None elsewhere."""
+    n = grid.world_size
+    ranks = member * n + torch.arange(n).reshape(shape)
+    me, dims = grid.global_rank(grid.rank), []
+    for d in range(ranks.dim()):
+        for g in ranks.movedim(d, -1).reshape(-1, ranks.shape[d]).tolist():
+            pg = dist.new_group(g)
+            if member == grid.member and me in g:
+                dims.append(pg)
+    if member != grid.member:
+        return None
+    return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=names)
+
+
+def _groups_beside(groups: list[list[int]]) -> None:
+    """The groups another member's ``DeviceMesh._flatten`` makes, made here too on a rank
+    outside them, by the call torch uses there (``split_group`` once where the default group
+    is bound to a device, as with NCCL given ``device_id``; else ``new_group`` a group), so
+    every rank has made as many groups in one order."""
+    default = dist.distributed_c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is not None and torch.accelerator.is_available():
+        dist.split_group(parent_pg=default, split_ranks=groups, group_desc="mesh_dp_cp")
+        return
+    for g in groups:
+        dist.new_group(ranks=g, group_desc="mesh_dp_cp")
 
 
 def check_mesh(grid: ProcessGrid, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:

@@ -71,7 +71,7 @@ def node_blocks(grid: ProcessGrid, what: str) -> int:
 
 def one_layout(grid: ProcessGrid, what: str) -> None:
     """Refuse ``what`` for a population whose members differ in layout (its groups are made per layout)."""
-    if len({m.mesh_shape for m in grid.member_layouts}) > 1:
+    if len(set(grid.member_layouts)) > 1:
         raise ConfigError(f"{what} with members of different layouts: give every member one layout")
 
 

@@ -190,9 +190,6 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
     the population priced at the slowest member's step, its swaps through checkpoints."""
     if len(args.member) != args.pop:
         raise ConfigError(f"--member given {len(args.member)} times for --pop {args.pop}: one layout a member")
-    if args.emit:
-        raise ConfigError("--emit writes one layout for llm_pretrain.py --pop, which runs one layout: not with "
-                          "--member")
     members = []
     for i, text in enumerate(args.member):
         try:
@@ -213,6 +210,11 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
     mp = population.price_mixed([p.step_s for p in members], load_model(members[0].layout.model),
                                 gpus_per_member=given["gpus"], every=args.exchange_every,
                                 scratch_gbps=args.scratch_gbps)
+    if args.emit:
+        bad = [f"member {i}: {p.why}" for i, p in enumerate(members) if not p.fits]
+        if bad:
+            raise ConfigError(f"not emitting a population whose members do not all run: {'; '.join(bad)}")
+        return _emit(args, [p.layout for p in members], max(p.step_s for p in members))
     if args.json:
         print(json.dumps({"members": [p.to_dict() for p in members], "population": mp.to_dict()}))
     else:
@@ -298,21 +300,26 @@ def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
     return 0
 
 
-def _emit(args: argparse.Namespace, lay: PlanLayout, step_s: float | None = None) -> int:
+def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: float | None = None) -> int:
+    """Print llm_pretrain.py's arguments (or the job submitting it) for ``lay``, or for a
+    population whose members have the layouts of the list ``lay``."""
     import shlex
 
-    from hpcml.plan.search import emit, emit_job
+    from hpcml.plan.search import emit, emit_job, emit_members
 
     members = args.pop or 1
-    pop = ["--pop", str(members), *(["--tournament-every", str(args.exchange_every)] if args.exchange_every else [])] \
-        if members > 1 else []
+    every = ["--tournament-every", str(args.exchange_every)] if args.exchange_every else []
+    if isinstance(lay, list):
+        run, lay, pop = emit_members(lay), lay[0], every  # --member sets --pop; the first member's devices
+    else:
+        run, pop = emit(lay), ["--pop", str(members), *every] if members > 1 else []
     if args.emit == "job":
         print(emit_job(lay, args.walltime, steps=args.steps, account=args.account, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site,
-                       members=members, population=pop))
+                       members=members, population=pop, run=run))
     else:
         extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
-        print(shlex.join([*emit(lay), *pop, *extra]))
+        print(shlex.join([*run, *pop, *extra]))
     return 0
 
 

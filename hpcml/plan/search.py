@@ -8,6 +8,7 @@ and torchtitan their own options (ZeRO-1, selective recompute) as well.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -154,6 +155,52 @@ def emit(lay: PlanLayout) -> list[str]:
     return args
 
 
+#: llm_pretrain.py flags that are a member's own in a population of layouts (each in its
+#: ``--member`` JSON), with the number of values each takes.
+MEMBER_FLAGS = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--cp-kind": 1, "--fsdp": 0, "--zero2": 0,
+                "--dp-replicate": 1, "--hpz": 0, "--qwz": 0, "--qgz": 0, "--quant-block": 1, "--sequence-parallel": 0,
+                "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--micro-batch": 1}
+
+
+def member_entry(lay: PlanLayout) -> dict:
+    """``lay``'s ``--member`` object for llm_pretrain.py: its degrees and ParallelConfig fields."""
+    entry = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, **({"ep": lay.ep} if lay.ep > 1 else {})}
+    entry |= {"cp_kind": lay.cp_kind} if lay.cp > 1 and lay.cp_kind != "ulysses" else {}
+    if lay.zero >= 2:
+        entry |= {"fsdp": True, **({"reshard_after_forward": False} if lay.zero == 2 else {})}
+        entry |= {"dp_replicate": lay.dp_replicate} if lay.dp_replicate > 1 else {}
+        entry |= {k: True for k in ("hpz", "qwz", "qgz") if getattr(lay, k)}
+        entry |= {"quant_block": lay.quant_block} if (lay.qwz or lay.qgz) and lay.quant_block != 256 else {}
+    entry |= {"sequence_parallel": True} if lay.sequence_parallel else {}
+    entry |= {"pp_schedule": lay.schedule} if lay.pp > 1 else {}
+    entry |= {"activation_checkpointing": True} if lay.recompute == "full" else {}
+    entry |= {"fpdt_chunk": lay.fpdt_chunk} if lay.fpdt_chunk else {}
+    return {**entry, "micro_batch": lay.micro_batch}
+
+
+def emit_members(lays: list[PlanLayout]) -> list[str]:
+    """llm_pretrain.py arguments running a population whose member ``i`` has layout ``lays[i]``:
+    the shared arguments once (one model, precision, global batch and sequence length, or a
+    one-line refusal), then a ``--member`` object each."""
+    shared = [_shared(emit(lay)) for lay in lays]
+    odd = [i for i, s in enumerate(shared) if s != shared[0]]
+    if odd:
+        raise ConfigError(f"members {odd} differ from member 0 in more than their layout ({shlex.join(shared[odd[0]])} "
+                          f"against {shlex.join(shared[0])}): a population trains one model at one precision, global "
+                          f"batch and sequence length")
+    return [*shared[0], *(x for lay in lays for x in ("--member", json.dumps(member_entry(lay), separators=(",", ":"))))]
+
+
+def _shared(args: list[str]) -> list[str]:
+    """``args`` without a member's own flags (:data:`MEMBER_FLAGS`) and their values."""
+    out, i = [], 0
+    while i < len(args):
+        n = MEMBER_FLAGS.get(args[i])
+        out += [args[i]] if n is None else []
+        i += 1 + (n or 0)
+    return out
+
+
 def _model_args(model) -> list[str] | None:
     """``--model PRESET`` or ``--init-from HF_DIR``; None for anything else."""
     from hpcml.models.transformer.presets import PRESETS
@@ -171,14 +218,15 @@ CKPT_EVERY_S = 600.0
 def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, account: str | None = None,
              ckpt_dir: str = "checkpoints", ckpt_every: int | None = None, data: str | None = None,
              step_s: float | None = None, site: str | None = None, members: int = 1,
-             population: list[str] = ()) -> str:
+             population: list[str] = (), run: list[str] | None = None) -> str:
     """The ``hpcml job --submit`` command line that submits ``lay`` on its site (or ``site``: a
     machine the device was given for) and runs to completion:
     the steps of the whole run, a checkpoint every ``ckpt_every`` steps (default: about every
     :data:`CKPT_EVERY_S` of the predicted ``step_s``), ``--auto-resume`` (the job requeues at the
     walltime warning and the next one resumes), the account the site requires, the data.
     ``members``: a population of that many members of ``lay`` (``lay.gpus`` each) in one job,
-    ``population`` the trainer's arguments for it (``--pop K`` ...)."""
+    ``population`` the trainer's arguments for it (``--pop K`` ...); ``run``: the trainer's
+    arguments in place of ``lay``'s (a population of layouts, :func:`emit_members`)."""
     from hpcml.ensemble.site import load_site
 
     site = site or lay.site
@@ -197,7 +245,7 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
     dev = resolve_device(lay)
     ranks = lay.gpus * members
     nodes = -(-ranks // (lay.gpus_per_node or dev.gpus_per_node))
-    run = [*emit(lay), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
+    run = [*(emit(lay) if run is None else run), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
            "--auto-resume", *(["--data", data] if data else [])]
     script = Path(__file__).resolve().parents[2] / "workflows" / "llm_pretrain.py"  # submitted from anywhere
     return shlex.join(["hpcml", "job", "--site", site, "--nodes", str(nodes), "--walltime", walltime,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from hpcml.errors import ConfigError
 from hpcml.stream.source import SampleSource
 
 _STATE = re.compile(r"^stream/rank_(\d{5})/(.+)$")
+_MEMBER = re.compile(r"^member_(\d{1,6})$")
 
 
 def source_tensors(source: SampleSource, rank: int) -> dict:
@@ -67,3 +70,36 @@ def check_campaign(ckpt_dir, campaign: str) -> None:
     if saved != campaign:
         raise ConfigError(f"checkpoint {path} (step {step}) belongs to campaign {saved or 'unknown'!r}, not "
                           f"{campaign!r}: resume that campaign, or use a new run directory")
+
+
+def member_roots(root) -> list[Path]:
+    """A population's member checkpoint roots under ``root`` (``member_K``, in K order; a link
+    there is never followed), or [] for one trainer's."""
+    try:
+        found = [(int(m.group(1)), p) for p in Path(root).iterdir()
+                 if (m := _MEMBER.match(p.name)) and not p.is_symlink() and p.is_dir()]
+    except OSError:
+        return []
+    return [p for _, p in sorted(found)]
+
+
+def common_step(views: Sequence[Sequence[int]]) -> int | None:
+    """The newest step found in every one of ``views`` (each member's complete steps), or None:
+    what a population resumes from -- a save killed in one member is never half resumed."""
+    common = set(views[0]).intersection(*map(set, views[1:])) if views else set()
+    return max(common) if common else None
+
+
+def simulations_kept(root, outputs: int | dict[int, int]) -> set[int]:
+    """Simulations whose every output (``outputs``, as :func:`simulations_in`) the trainer will
+    resume with from checkpoint root ``root``: one trainer's ``latest``, or a population's
+    (``member_K``) step that every member holds -- each simulation belongs to one member."""
+    from hpcml.ckpt.format import LATEST, STEP_RE, step_dir, step_dirs
+
+    members = member_roots(root)
+    if not members:
+        return simulations_in(root, outputs) if (Path(root) / LATEST).exists() else set()
+    step = common_step([[int(STEP_RE.match(p.name).group(1)) for p in step_dirs(m)[0]] for m in members])
+    if step is None:
+        return set()
+    return set().union(*(simulations_in(m / step_dir(step), outputs) for m in members))

@@ -156,15 +156,15 @@ def resume_step(root: str | Path, comm) -> int | None:
     member's own directory); None when some member has none (then every member starts anew).
     Collective over ``comm``."""
     from hpcml.ckpt.format import STEP_RE, step_dirs
+    from hpcml.train.online_state import common_step
 
     views = comm.allgather([int(STEP_RE.match(p.name).group(1)) for p in step_dirs(root)[0]])
-    common = set(views[0]).intersection(*map(set, views[1:]))
-    if not common:
+    step = common_step(views)
+    if step is None:
         if any(views) and comm.Get_rank() == 0:
             logger.warning("population: the members hold no checkpoint step in common (%s): every member starts "
                            "anew", "; ".join(f"{v[-3:] if v else 'none'}" for v in views[:8]))
         return None
-    step = max(common)
     if comm.Get_rank() == 0 and any(v[-1] != step for v in views):
         logger.warning("population: resuming every member at step %d, the newest all of them hold (some saved "
                        "later)", step)
@@ -198,3 +198,30 @@ def best_of(grid: Any, figures: dict[str, float]) -> tuple[dict[str, float], lis
         return figures, errs
     best = min(finite, key=lambda i: errs[i])
     return {**views[best], "val_best_member": float(best)}, errs
+
+
+#: The record of the best member's checkpoint made the run's own (:func:`export_best`).
+BEST_RECORD = "best.json"
+
+
+def export_best(root: str | Path, member: int) -> Path | None:
+    """Make member ``member``'s newest checkpoint the population's own: its step directory
+    hard-linked into ``root`` beside the ``member_K`` directories (:func:`hpcml.ckpt.linking.link_step`),
+    ``root/latest`` naming it and ``root/best.json`` saying whose it is, so anything that loads
+    the run's ``checkpoints/`` (``hpcml ckpt``, ``resolve``, a user's inference script) gets the
+    best model. A step directory of ``root`` that an earlier export did not make (one trainer's
+    save in a run directory used twice) is never replaced: None, with a warning."""
+    from hpcml import safeio
+    from hpcml.ckpt.format import resolve
+    from hpcml.ckpt.linking import link_step
+
+    root = Path(root)
+    src = resolve(root / f"member_{member}")
+    record = safeio.read_json(root / BEST_RECORD, 4096, error=None, expected="a population's best-member record")
+    ours = isinstance(record, dict) and record.get("step_dir") == src.name
+    if ((root / src.name).exists() or (root / src.name).is_symlink()) and not ours:
+        logger.warning("population: %s is not an earlier export of the best member: the best member's checkpoint "
+                       "stays in %s only", root / src.name, src.parent)
+        return None
+    safeio.replace(root / BEST_RECORD, json.dumps({"member": member, "step_dir": src.name}) + "\n", fsync=True)
+    return link_step(src, root, replace=ours)

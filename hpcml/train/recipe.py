@@ -4,6 +4,11 @@ Used by workflows/llm_pretrain.py."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
 import torch
 
 from hpcml.grid import Layout, ProcessGrid
@@ -51,33 +56,97 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
 HELD_OUT = 1_000_000
 
 
+class MemberConfig(NamedTuple):
+    degrees: dict[str, int]
+    layout: Layout
+    train: TrainConfig
+    parallel: ParallelConfig
+
+
+def member_configs(members: Sequence[Mapping[str, Any]], model_cfg: TransformerConfig, train_cfg: TrainConfig,
+                   parallel_cfg: ParallelConfig, world_size: int) -> list[MemberConfig]:
+    """Each member's degrees, layout, train and parallel configs from its entry of ``members``
+    (degrees such as ``{"tp": 2}``, any :class:`~hpcml.parallel.ParallelConfig` field such as
+    ``"fsdp": true``, and ``micro_batch``), over its share of ``world_size`` ranks. Every
+    member's plan is checked here, on every rank and with no collective: one member's mistake
+    is refused in one line by all of them, never after the others have entered torch's set-up."""
+    from hpcml.errors import ConfigError
+    from hpcml.grid.layout import DEGREE_AXES
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    if world_size % len(members):
+        raise ConfigError(f"{len(members)} members do not split {world_size} ranks evenly: every member needs as "
+                          f"many ranks")
+    out = []
+    for i, entry in enumerate(members):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"member {i}: {entry!r} is not a mapping: expected an object such as {{\"tp\": 2}}")
+        odd = sorted(str(k) for k in entry if k not in DEGREE_AXES and k not in fields and k != "micro_batch")
+        if odd:
+            raise ConfigError(f"member {i} ({dict(entry)}): unknown keys {odd}: expected degrees "
+                              f"({', '.join(DEGREE_AXES)}), ParallelConfig fields (fsdp, activation_checkpointing, "
+                              f"...) or micro_batch")
+        degrees = {k: v for k, v in entry.items() if k in DEGREE_AXES}
+        try:
+            par = dataclasses.replace(parallel_cfg, **{k: v for k, v in entry.items() if k in fields})
+            train = dataclasses.replace(train_cfg, **({"micro_batch": entry["micro_batch"]}
+                                                      if "micro_batch" in entry else {}))
+            layout = Layout.from_degrees(world_size // len(members), degrees)
+            check_plan(model_cfg, layout, par)
+            train.check_layout(layout, model_cfg.max_seq_len, par.fpdt_chunk)
+        except (ValueError, TypeError) as e:  # ConfigError and GridError are ValueErrors
+            raise ConfigError(f"member {i} ({dict(entry)}): {' '.join(str(e).split())}") from None
+        out.append(MemberConfig(degrees, layout, train, par))
+    return out
+
+
 def build_llm_member(model_cfg: TransformerConfig, train_cfg: TrainConfig, parallel_cfg: ParallelConfig | None = None,
                      *, pop: int, data=None, val=None, tournament_every: int = 0, pbt_every: int = 0,
-                     val_batches: int = 2, **degrees: int) -> Trainer:
+                     val_batches: int = 2, members: Sequence[Mapping[str, Any]] | None = None,
+                     scratch: str | Path | None = None, **degrees: int) -> Trainer:
     """This rank's member of a population of ``pop`` trainers of one layout (``degrees``
-    each): its own seed (the config's plus its index), its own share of ``data`` (every K-th
-    global batch, :class:`~hpcml.train.population_online.MemberShard`), its metrics in
-    ``run_dir/member_K``, and -- with ``tournament_every`` or ``pbt_every`` -- the selection hook,
-    scoring on its share of ``val`` (synthetic tokens: held-out batches of the same chain)."""
-    from dataclasses import replace
+    each) or of one layout each (``members``, :func:`member_configs`): its own seed (the
+    config's plus its index), its own share of ``data`` (every K-th global batch,
+    :class:`~hpcml.train.population_online.MemberShard`), its metrics in ``run_dir/member_K``,
+    and -- with ``tournament_every`` or ``pbt_every`` -- the selection hook, scoring on its share
+    of ``val`` (synthetic tokens: held-out batches of the same chain). Members of different
+    layouts exchange through checkpoints in ``scratch`` (resharded on load)."""
+    from mpi4py import MPI
 
     from hpcml.errors import ConfigError
     from hpcml.train.population_online import MemberShard, PopulationConfig, member_path, selection_hook
     from hpcml.train.pbt import PBTConfig
     from hpcml.train.population import TournamentConfig
 
+    parallel_cfg = parallel_cfg or ParallelConfig()
+    configs = None
+    if members is not None:
+        if degrees:
+            raise ConfigError(f"give each member's degrees in members, not {sorted(degrees)} beside them")
+        if isinstance(members, (str, bytes)) or not isinstance(members, Sequence) or len(members) != pop:
+            raise ConfigError(f"members {members!r}: expected a list of {pop} entries, one a member (pop {pop})")
+        configs = member_configs(members, model_cfg, train_cfg, parallel_cfg, MPI.COMM_WORLD.Get_size())
+        if len({c.layout for c in configs}) > 1 and (tournament_every or pbt_every) and scratch is None:
+            raise ConfigError("members of different layouts exchange their models through checkpoints: give a "
+                              "scratch directory every rank reaches (llm_pretrain.py --pop-scratch DIR)")
     history = f"{train_cfg.run_dir}/pbt.jsonl" if train_cfg.run_dir else None
-    config = PopulationConfig(members=pop, tournament=TournamentConfig(every=tournament_every, seed=train_cfg.seed)
+    config = PopulationConfig(members=pop, tournament=TournamentConfig(every=tournament_every, seed=train_cfg.seed,
+                                                                       scratch=scratch)
                               if tournament_every else None,
-                              pbt=PBTConfig(every=pbt_every, seed=train_cfg.seed, history=history)
+                              pbt=PBTConfig(every=pbt_every, seed=train_cfg.seed, history=history, scratch=scratch)
                               if pbt_every else None)
     if (tournament_every or pbt_every) and val is None and data is not None:
         raise ConfigError("a population's tournaments (or PBT rounds) score each member on held-out data: give "
                           "validation data (--val-data) beside a corpus")
     source = data if data is not None else SyntheticTokens(vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len,
                                                            seed=train_cfg.seed)  # one chain for every member
-    grid = ProcessGrid(pop=config.members, **degrees)
-    member = replace(train_cfg, seed=train_cfg.seed + grid.member, run_dir=member_path(train_cfg.run_dir, grid))
+    if configs is None:
+        grid = ProcessGrid(pop=config.members, **degrees)
+    else:
+        grid = ProcessGrid(members=[c.degrees for c in configs])
+        train_cfg, parallel_cfg = configs[grid.member].train, configs[grid.member].parallel
+    member = dataclasses.replace(train_cfg, seed=train_cfg.seed + grid.member,
+                                 run_dir=member_path(train_cfg.run_dir, grid))
     trainer = build_llm_trainer(model_cfg, member, parallel_cfg, grid=grid,
                                 data=MemberShard(source, grid.pop, grid.member))
     held = MemberShard(val, grid.pop, grid.member) if val is not None else MemberShard(source, grid.pop,

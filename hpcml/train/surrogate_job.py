@@ -250,6 +250,10 @@ def _report(run, result, val_files, params, fields, report: bool, grid) -> None:
             pred = grid.pop_comm.bcast(pred, root=int(extra.get("val_best_member", 0)))
     if run.comm.Get_rank() != 0:
         return
+    if "val_best_member" in extra and run.config.ckpt_dir and result.status == "ok":  # every member has saved
+        from hpcml.train.population_online import export_best
+
+        export_best(Path(run.config.ckpt_dir).parent, int(extra["val_best_member"]))
     result.summary.update(extra)
     if run.config.summary_file:
         run.write_summary(result, **extra)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from hpcml.train.data import SyntheticTokens
 from hpcml.errors import ConfigError, GridError
-from hpcml.grid import ProcessGrid
+from hpcml.grid import Layout, ProcessGrid
 from hpcml.models.transformer import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
@@ -342,19 +342,26 @@ def test_a_population_of_field_surrogates_plays_tournaments_bit_for_bit(comm):
     trainer.close()
 
 
-def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm):
-    """tp 2 against FSDP over dp 2 (ProcessGrid(members=...)): the swap goes through each
-    member's checkpoint, loaded into the other layout; afterwards both hold the winner's full
-    weights and moments bit for bit."""
+@pytest.mark.parametrize("members,model", [([{"tp": 2}, {"dp": 2}], "tiny"), ([{"ep": 2}, {"tp": 2}], "tiny-moe")],
+                         ids=["tp2-fsdp2", "experts-ep2-tp2"])
+def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm, members, model):
+    """tp 2 against FSDP over dp 2, and a MoE's experts over ep 2 against tp 2
+    (ProcessGrid(members=...)): the swap goes through each member's checkpoint, loaded into the
+    other layout; afterwards both hold the winner's full weights and moments bit for bit."""
+    import shutil
     import tempfile
     from pathlib import Path
 
     scratch = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pop-mixed-") if comm.rank == 0 else None))
-    grid = ProcessGrid(members=[{"tp": 2}, {"dp": 2}])
-    assert grid.pop == 2 and grid.layout.describe_degrees() == ("pp(1) x dp(1) x cp(1) x tp(2)" if grid.member == 0
-                                                                  else "pp(1) x dp(2) x cp(1) x tp(1)")
-    trainer = build_llm_trainer(MODEL, replace(TRAIN, seed=10 + grid.member), ParallelConfig(fsdp=grid.member == 1),
-                                grid=grid)
+    grid = ProcessGrid(members=members)
+    assert grid.pop == 2 and grid.layout.degrees == Layout.from_degrees(2, members[grid.member]).degrees
+    trainer = build_llm_trainer(TransformerConfig.preset(model), replace(TRAIN, seed=10 + grid.member),
+                                ParallelConfig(fsdp=members[grid.member] == {"dp": 2}), grid=grid)
+    if model == "tiny-moe":  # the expert member's mesh is its own, and its groups are MPI's
+        from hpcml.grid.torch_dist import check_mesh
+
+        assert (grid.torch.expert_mesh is not None) == (grid.member == 0)
+        check_mesh(grid, grid.torch.mesh, grid.torch.expert_mesh)
     trainer.fit()
     val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=99)
 
@@ -372,6 +379,9 @@ def test_members_of_different_layouts_swap_through_the_reshard_bit_for_bit(comm)
     assert out.kept == ("own" if winner == grid.member else "partner")
     trainer.fit(5)  # and both train on
     trainer.close()
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_pbt_copies_between_members_of_different_layouts_through_the_reshard_bit_for_bit(comm):
@@ -495,6 +505,56 @@ def test_llm_pretrain_runs_a_population_that_stops_as_one_and_resumes_the_step_a
     assert [[r["step"] for r in rs] for rs in rounds] == [[2, 4, 4, 6]] * 2  # step 4 played again after the rollback
     if comm.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_llm_pretrain_runs_members_of_different_layouts_that_swap_through_the_reshard(comm, monkeypatch, capsys):
+    """``llm_pretrain.py --member '{"tp": 2}' --member '{"dp": 2, "fsdp": true}'``: one job, two
+    layouts; each tournament goes through the members' checkpoints in ``--pop-scratch``: after
+    the last one (at the last step, saved after it) the members' checkpoints hold one model bit
+    for bit exactly when the two chose the same one; a member's plan that cannot run is refused
+    on every rank in one line."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from hpcml.ckpt import read_tensors
+
+    lp = _llm_pretrain()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)  # as in the test above
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-llmmix-") if comm.rank == 0 else None))
+    try:
+        base = ["--member", '{"tp": 2}', "--member", '{"dp": 2, "fsdp": true}', "--tournament-every", "2",
+                "--global-batch", "4", "--seq-len", "32", "--no-progress", "--steps", "4",
+                "--ckpt-dir", str(root / "ckpt"), "--ckpt-every", "4", "--run-dir", str(root / "run")]
+        assert lp.main(base) == 0
+        comm.Barrier()
+        out = capsys.readouterr().out
+        if comm.rank % 2 == 0:  # each member's rank 0 prints its line
+            line = json.loads(out.strip().splitlines()[-1])
+            assert line["member"] == comm.rank // 2 and line["layout"]["tp"] == (2 if comm.rank == 0 else 1)
+        rounds = [[json.loads(x) for x in (root / "run" / f"member_{m}" / "tournaments.jsonl")
+                   .read_text().splitlines()] for m in (0, 1)]
+        assert [[r["step"] for r in rs] for rs in rounds] == [[2, 4], [2, 4]]
+        assert sorted(p.name for p in (root / "ckpt" / "exchange").iterdir()) == ["member00000", "member00001"]
+        saved = [read_tensors(root / "ckpt" / f"member_{m}" / "step_00000004", "model/") for m in (0, 1)]
+        assert len(saved[0]) > 10 and saved[0].keys() == saved[1].keys()
+        kept = sorted(rs[-1]["kept"] for rs in rounds)  # each member judges on its own data: they may differ
+        same = all(torch.equal(saved[0][n], saved[1][n]) for n in saved[0])
+        assert same == (kept == ["own", "partner"]), kept  # one model after the last round iff they agreed
+        bad = ["--member", '{"tp": 3}', "--member", '{"dp": 2}', "--steps", "1", "--no-progress"]
+        assert lp.main(bad) == 2
+        if comm.rank == 0:
+            assert "member 0 ({'tp': 3}):" in capsys.readouterr().err
+        assert lp.main(["--member", '{"tp": 2}', "--member", '{"dp": 2}', "--tournament-every", "2", "--steps", "1",
+                        "--no-progress"]) == 2
+        if comm.rank == 0:
+            assert "members of different layouts exchange their models through checkpoints: give a scratch " \
+                   "directory" in capsys.readouterr().err
+    finally:
+        comm.Barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_llm_pretrain_selection_without_a_population_is_refused_in_one_line(comm, capsys):

@@ -144,6 +144,7 @@ def test_files_are_read_and_written_by_one_layer():
     renames = re.compile(r"os\.replace\(|os\.rename\(|\.rename\(")
     allowed = {"hpcml/ckpt/index.py": "a checkpoint's step directory committed by renaming it",
                "hpcml/ckpt/tools.py": "a consolidated HDF5 file h5py wrote, renamed once whole",
+               "hpcml/ckpt/linking.py": "a step directory of hard links to another root's, committed by renaming it",
                "hpcml/data/pack.py": "a token file the MPI ranks wrote in parallel, renamed once whole",
                "hpcml/ensemble/driver_lease.py": "a stale lease moved aside (of two drivers, one wins)"}
     found = []

@@ -138,9 +138,107 @@ def test_members_of_different_layouts_step_at_the_slowest_and_swap_through_check
      "'{\"tp\": 4}'"),
     (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}', "--scratch-gbps", "0"],
      "--scratch-gbps 0.0: expected the file system's rate in GB/s, > 0"),
-    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4}', "--emit", "args"],
-     "--emit writes one layout for llm_pretrain.py --pop, which runs one layout: not with --member"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 4, "precision": "fp32"}', "--emit", "args"],
+     "members [1] differ from member 0 in more than their layout"),
+    (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"tp": 1, "zero": 0}', "--emit", "args"],
+     "not emitting a population whose members do not all run: member 1:"),
 ])
 def test_member_mistakes_are_one_line(capsys, args, message):
     assert main([*BASE, "--gpus", "64", "--fsdp", *args]) == 2
-    assert capsys.readouterr().err.strip() == f"hpcml: error: {message}"
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hpcml: error: {message}") and "\n" not in err
+
+
+def test_members_of_different_layouts_are_emitted_as_llm_pretrain_members(capsys, monkeypatch):
+    """``--pop 2 --member A --member B --emit args|job``: the shared arguments once, then each
+    member's layout as the ``--member`` object llm_pretrain.py reads -- the same settings its
+    flags would give for that layout alone -- in one job of both members' ranks."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from hpcml.plan.search import MEMBER_FLAGS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    monkeypatch.delenv("HPCML_ACCOUNT", raising=False)
+    pop = [*BASE, "--gpus", "64", "--pop", "2", "--member", '{"tp": 8, "zero": 3}', "--member",
+           '{"tp": 2, "pp": 2, "zero": 0, "micro_batch": 2, "recompute": "full"}', "--exchange-every", "50"]
+    assert main([*pop, "--emit", "args"]) == 0
+    run = llm_pretrain.parse_args(shlex.split(capsys.readouterr().out.strip()))
+    members = [json.loads(m) for m in run.member]
+    assert run.tournament_every == 50 and len(members) == 2
+    for i, member in enumerate(members):  # each member's object is what its layout's own flags would set
+        one = [*BASE, "--gpus", "32", *(["--tp", "8", "--fsdp"] if i == 0 else
+                                         ["--tp", "2", "--pp", "2", "--micro-batch", "2", "--recompute", "full"])]
+        assert main([*one, "--emit", "args"]) == 0
+        alone = shlex.split(capsys.readouterr().out.strip())
+        flags = llm_pretrain.parse_args(alone)
+        assert {k: getattr(flags, k) for k in ("tp", "pp", "cp", "micro_batch", "fsdp", "activation_checkpointing")} \
+            == {"tp": member["tp"], "pp": member["pp"], "cp": member["cp"], "micro_batch": member["micro_batch"],
+                "fsdp": member.get("fsdp", False), "activation_checkpointing": member.get("activation_checkpointing",
+                                                                                          False)}
+        assert flags.zero2 == (member.get("reshard_after_forward") is False)
+        assert flags.schedule == member.get("pp_schedule", flags.schedule)
+        shared = [a for j, a in enumerate(alone) if a not in MEMBER_FLAGS and alone[j - 1] not in MEMBER_FLAGS]
+        assert all(x in shlex.split(shlex.join(shared)) for x in ("--model", "llama-7b", "--global-batch", "64"))
+    assert main([*pop, "--emit", "job", "--site", "polaris", "--steps", "100", "--account", "P"]) == 0
+    line = shlex.split(capsys.readouterr().out.strip())
+    cut = line.index("--")
+    assert line[line.index("--ranks") + 1] == "64"
+    again = llm_pretrain.parse_args(line[cut + 3:])
+    assert [json.loads(m) for m in again.member] == members and again.auto_resume and again.steps == 100
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--member", '{"tp": 2}'], "--member gives one member's layout of a population: give it once a member"),
+    (["--member", '{"tp": 2}', "--member", '{"dp": 2}', "--pop", "3"], "--member given 2 times for --pop 3"),
+    (["--member", '{"tp": 2}', "--member", '{"dp": 2}', "--tp", "2"], "--member sets each member's layout: not "
+                                                                      "with --tp"),
+    (["--member", '{"tp": 2}', "--member", "tp=2"], "--member 'tp=2': not JSON"),
+    (["--member", '{"tp": 2}', "--member", "[2]"], "--member 1 '[2]': expected a JSON object"),
+    (["--pop-scratch", "x"], "--pop-scratch is where a population's members exchange models"),
+])
+def test_llm_pretrain_member_mistakes_are_one_line(argv, message):
+    """``llm_pretrain.py --member``'s own mistakes, refused before any rank builds anything."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
+    try:
+        import llm_pretrain
+    finally:
+        sys.path.pop(0)
+    args = llm_pretrain.parse_args(argv)
+    degrees = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep}
+    with pytest.raises(ConfigError) as e:
+        llm_pretrain.population_members(args, degrees)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_member_configs_check_every_members_plan_before_any_collective():
+    """``member_configs``: each entry's degrees, ParallelConfig fields and micro-batch; a member
+    that cannot run is named, whichever rank reads it."""
+    from hpcml.models.transformer import TransformerConfig
+    from hpcml.parallel import ParallelConfig
+    from hpcml.train import TrainConfig
+    from hpcml.train.recipe import member_configs
+
+    model = TransformerConfig.preset("tiny")
+    train = TrainConfig(steps=2, global_batch=4, micro_batch=1, seq_len=32, progress=False)
+    got = member_configs([{"tp": 2}, {"dp": 2, "fsdp": True, "micro_batch": 2}], model, train, ParallelConfig(), 4)
+    assert [c.layout.degrees for c in got] == [{"pp": 1, "dp": 1, "cp": 1, "tp": 2}, {"pp": 1, "dp": 2, "cp": 1,
+                                                                                      "tp": 1}]
+    assert [c.parallel.fsdp for c in got] == [False, True] and [c.train.micro_batch for c in got] == [1, 2]
+    for members, message in (
+            ([{"tp": 2}, {"tp": 3}], r"^member 1 \({'tp': 3}\): "),
+            ([{"tp": 2}, {"dp": 2, "micro_batch": 3}], r"^member 1 .*global batch 4 is not divisible by dp 2 x "
+                                                         r"micro-batch 3"),
+            ([{"tp": 2}, {"tp": 2, "zero": 3}], r"^member 1 .*unknown keys \['zero'\]: expected degrees"),
+            ([{"tp": 2}, {"dp": 2}, {"dp": 1}], r"^3 members do not split 4 ranks evenly"),
+            ([{"tp": 2}, "dp=2"], r"^member 1: 'dp=2' is not a mapping")):
+        with pytest.raises(ConfigError, match=message):
+            member_configs(members, model, train, ParallelConfig(), 4)

@@ -162,6 +162,26 @@ def test_the_command_fills_every_placeholder_and_a_wrong_one_is_refused(tmp_path
     assert not (tmp_path / "run").exists()  # nothing created by a refused search
 
 
+def test_trials_of_different_layouts_run_on_their_own_ranks(tmp_path):
+    """``ranks="{ranks}"``: a search over layouts, each trial's jobs on the ranks its
+    configuration names (and its degrees through argv); the site sized for the largest."""
+    argv = ["python", "train.py", "--tp", "{tp}", "--steps", "{steps}", "--run-dir", "{trial_dir}"]
+    cfg = SearchConfig(space={"ranks": [2, 4], "tp": [1, 2]}, min_steps=2, max_steps=8, eta=2, metric="loss")
+    s = Search(config=cfg, argv=argv, run_dir=tmp_path / "run", ranks="{ranks}")
+    got = {(t["ranks"], t["tp"]): (s.spec(i, 0).ranks, s.spec(i, 2).command()[3]) for i, t in enumerate(s.trials)}
+    assert got == {(r, tp): (r, str(tp)) for r in (2, 4) for tp in (1, 2)}
+    assert max(s.trial_ranks(i) for i in range(len(s.trials))) == 4
+    for ranks, message in (("{nope}", r"ranks='\{nope\}': the space has no 'nope' \(it has \['ranks', 'tp'\]\)"),
+                           ("{tp}x", r"ranks='\{tp\}x': expected an int >= 1 or '\{name\}' of a hyperparameter"),
+                           (0, "ranks=0: expected an int >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            Search(config=cfg, argv=argv, run_dir=tmp_path / "run", ranks=ranks)
+    odd = SearchConfig(space={"ranks": [2, 2.5], "tp": [1]}, min_steps=2, max_steps=8, eta=2, metric="loss")
+    with pytest.raises(ConfigError, match=r"ranks='\{ranks\}': its values 2.5 are not whole numbers >= 1"):
+        Search(config=odd, argv=argv, run_dir=tmp_path / "run", ranks="{ranks}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_score_is_the_metric_at_the_rungs_last_step_of_an_untrusted_file(tmp_path):
     s = _search(tmp_path)
     d = s.trial_dir(1)

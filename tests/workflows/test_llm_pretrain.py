@@ -50,11 +50,11 @@ def test_cp2_fsdp2_matches_one_process(single):
 
 
 def test_bad_layout_is_one_line_on_every_rank_exit():
-    out = mpiexec(4, sys.executable, SCRIPT, "--tp", "8", *ARGS, timeout=120)
+    out = mpiexec(2, sys.executable, SCRIPT, "--tp", "4", *ARGS, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
-        "llm_pretrain: error: cannot infer dp: tp(8) * pp(1) = 8 does not divide world size 4; "
-        "4 ranks fit tp(4) (dp takes the rest), or run on a multiple of 8 ranks"]
+        "llm_pretrain: error: cannot infer dp: tp(4) * pp(1) = 4 does not divide world size 2; "
+        "2 ranks fit tp(2) (dp takes the rest), or run on a multiple of 4 ranks"]
 
 
 def test_moe_with_ep_matches_one_process_and_reports_balance():
@@ -125,3 +125,29 @@ def test_pretraining_on_a_corpus_packed_in_parallel_matches_one_process(tmp_path
                                timeout=120, cwd=ROOT)
     assert synthetic.returncode == 2 and synthetic.stderr.strip().splitlines() == [
         "llm_pretrain: error: --doc-mask needs --data: synthetic tokens have no documents"]
+
+
+def test_members_of_different_layouts_with_dp_x_cp_swap_through_the_reshard(tmp_path):
+    """Issue 45, 8 ranks: an FSDP member over dp 2 x cp 2 (its flattened dp_cp group, which
+    torch makes on that member's ranks only: every other rank makes as many beside it) and a
+    tp 2 x dp 2 member play a tournament at the last step; the checkpoints both then save hold
+    one model bit for bit exactly when the two chose the same."""
+    from hpcml import ckpt
+
+    ck = tmp_path / "ck"
+    out = mpiexec(8, sys.executable, SCRIPT, "--member", '{"dp": 2, "cp": 2, "fsdp": true}', "--member",
+                  '{"tp": 2, "dp": 2}', "--tournament-every", "2", "--steps", "2", "--global-batch", "4",
+                  "--seq-len", "32", "--no-progress", "--ckpt-dir", str(ck), "--ckpt-every", "2", "--run-dir",
+                  str(tmp_path / "run"), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted((json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")), key=lambda r: r["member"])
+    assert [(r["member"], r["layout"]["cp"], r["layout"]["tp"]) for r in lines] == [(0, 2, 1), (1, 1, 2)]
+    a, b = (ckpt.read_tensors(ck / f"member_{m}" / "step_00000002", "model/") for m in (0, 1))
+    assert len(a) > 10 and a.keys() == b.keys()
+    same = all(a[n].equal(b[n]) for n in a)
+    # each member judged on its own data; the saves hold one model exactly when they chose the same
+    rounds = [[json.loads(x) for x in (tmp_path / "run" / f"member_{m}" / "tournaments.jsonl").read_text()
+               .splitlines()] for m in (0, 1)]
+    assert [[r["step"] for r in rs] for rs in rounds] == [[2], [2]]
+    kept = sorted(rs[-1]["kept"] for rs in rounds)
+    assert same == (kept == ["own", "partner"]), (kept, same)

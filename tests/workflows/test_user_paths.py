@@ -239,6 +239,11 @@ def test_an_online_campaign_feeds_a_population_each_member_its_own_simulations_o
     a, b = ckpt.read_tensors(members[0], "model/"), ckpt.read_tensors(members[1], "model/")
     same = a and all(np.array_equal(a[n].numpy(), b[n].numpy()) for n in a)
     assert same == (sorted(kept) == ["own", "partner"]), kept  # one model after the last round iff they agreed
+    best = int(s["val_best_member"])  # and the run's own checkpoints/ is the best member's model
+    assert json.loads((run / "checkpoints" / "best.json").read_text())["member"] == best
+    ours = ckpt.read_tensors(run / "checkpoints", "model/")
+    assert ours.keys() == (a, b)[best].keys() and all(np.array_equal(ours[n].numpy(), (a, b)[best][n].numpy())
+                                                     for n in ours)
 
 
 @pytest.mark.timeout(300)
