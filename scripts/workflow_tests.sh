@@ -5,8 +5,8 @@
 # second is every other file (a new test file lands there). Both run even when one fails.
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
-FIRST=(test_heat_surrogate.py test_llm_pretrain.py test_campaign.py test_bundles.py test_hf_init.py
-       test_mistakes.py test_parsl_apps.py test_tutorial.py test_active_learning.py)
+FIRST=(test_heat_surrogate.py test_llm_pretrain.py test_campaign.py test_bundles.py
+       test_mistakes.py test_parsl_apps.py test_active_learning.py)
 first=() ignore=()
 for f in "${FIRST[@]}"; do
     first+=("tests/workflows/$f")

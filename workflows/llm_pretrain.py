@@ -33,7 +33,7 @@ from pathlib import Path
 from hpcml.ckpt import resolve
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import ConfigError, HpcmlError
+from hpcml.errors import CheckpointError, ConfigError, HpcmlError
 from hpcml.grid import install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
@@ -41,8 +41,8 @@ from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import CheckpointHook, load_trainer
-from hpcml.train.population_online import member_path, member_resume
-from hpcml.train.recipe import build_llm_member, build_llm_trainer
+from hpcml.train.population_online import export_best, member_path, member_resume
+from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
 
 
 def replicas(text: str) -> int | str:
@@ -278,13 +278,23 @@ def main(argv=None) -> int:
     for hook in trainer.hooks:
         if isinstance(hook, CheckpointHook):
             hook.close()  # exit waits for a save in flight
-    trainer.close()
     unfinished = trainer.step < train.steps  # stopped by a signal (the walltime warning)
+    best = {}
+    if trainer.grid.pop > 1 and not unfinished:  # every member saved: the best one's model is the run's
+        member, scores = best_member(trainer, val, args.val_batches)
+        best = {"best_member": member, "member_val_losses": scores}
+        if member is not None and args.ckpt_dir and trainer.grid.world_comm.Get_rank() == 0:
+            try:
+                export_best(Path(args.ckpt_dir).parent, member)
+            except CheckpointError as e:  # --ckpt-every 0: nothing saved to hand on
+                print(f"llm_pretrain: the best member's model is not in {Path(args.ckpt_dir).parent}: {e}",
+                      file=sys.stderr)
+    trainer.close()
     if trainer.grid.rank == 0:
         moe = {k: [m[k] for m in history] for k in trainer.model.stat_names}  # MoE balancing, per step
         member = {"member": trainer.grid.member} if trainer.grid.pop > 1 else {}  # a line a member
         print(json.dumps({**member, "layout": trainer.grid.layout.degrees, "losses": [m["loss"] for m in history],
-                          "steps": [m["step"] for m in history], **moe}))
+                          "steps": [m["step"] for m in history], **moe, **best}))
         if unfinished and args.ckpt_dir:
             print(f"llm_pretrain: stopped by a signal at step {trainer.step} of {train.steps}, checkpoint saved: "
                   f"exit {NOT_FINISHED} (not finished; rerun with --resume or --auto-resume)", file=sys.stderr)

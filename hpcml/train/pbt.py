@@ -30,8 +30,10 @@ from hpcml.train.population import (agree_stop, check_alike, member_tensors, sco
 
 logger = log.get_logger(__name__)
 
-#: Hyperparameters PBT knows how to read and set on a :class:`~hpcml.train.loop.TrainLoop`.
-HYPERPARAMETERS = ("lr", "weight_decay")
+#: Hyperparameters PBT knows how to read and set on a :class:`~hpcml.train.loop.TrainLoop`:
+#: the base learning rate, the weight decay, and the warmup's length in steps (a whole number;
+#: a longer warmup set after the ramp ended takes the rate back onto the ramp).
+HYPERPARAMETERS = ("lr", "weight_decay", "warmup")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +46,8 @@ class PBTConfig:
     """The worst this fraction of the members copy from the best this fraction (at least one each)."""
     perturb: tuple[float, ...] = (0.8, 1.25)
     """Each hyperparameter of a copier is multiplied by one of these, drawn per round and member."""
-    hyperparameters: tuple[str, ...] = HYPERPARAMETERS
+    hyperparameters: tuple[str, ...] = ("lr", "weight_decay")
+    """Those explored, of :data:`HYPERPARAMETERS`; the others are copied with the weights."""
     seed: int = 0
     history: str | Path | None = None
     """JSON lines, one a round (the job's rank 0 appends); None: kept in memory only."""
@@ -73,14 +76,21 @@ class PBTConfig:
 
 
 def hyperparameters(trainer: Any) -> dict[str, float]:
-    """The loop's base learning rate (before the schedule's factor) and its weight decay."""
+    """The loop's base learning rate (before the schedule's factor), its weight decay and its warmup."""
     decayed = [g["weight_decay"] for g in trainer.optimizer.param_groups if g["weight_decay"] > 0]
-    return {"lr": float(trainer.scheduler.base_lrs[0]), "weight_decay": float(decayed[0] if decayed else 0.0)}
+    return {"lr": float(trainer.scheduler.base_lrs[0]), "weight_decay": float(decayed[0] if decayed else 0.0),
+            "warmup": int(trainer.schedule.warmup)}
+
+
+def perturbed(name: str, value: float, factor: float) -> float:
+    """``value`` times ``factor``; a warmup stays a whole number of steps."""
+    return int(round(value * factor)) if name == "warmup" else value * factor
 
 
 def set_hyperparameters(trainer: Any, values: dict[str, float]) -> None:
-    """Set the base learning rate (the schedule's factor of this step kept) and the weight decay
-    of the decayed parameter groups; both are in the loop's checkpoint, so a resume keeps them."""
+    """Set the base learning rate (the schedule's factor of this step kept), the weight decay
+    of the decayed parameter groups and the warmup; all are in the loop's checkpoint, so a
+    resume keeps them."""
     if "lr" in values:
         f = values["lr"] / trainer.scheduler.base_lrs[0]
         trainer.scheduler.base_lrs = [b * f for b in trainer.scheduler.base_lrs]
@@ -92,6 +102,11 @@ def set_hyperparameters(trainer: Any, values: dict[str, float]) -> None:
         for g in trainer.optimizer.param_groups:
             if g["weight_decay"] > 0:
                 g["weight_decay"] = values["weight_decay"]
+    if "warmup" in values and int(values["warmup"]) != trainer.schedule.warmup:
+        trainer.schedule.set_warmup(int(values["warmup"]))
+        for g in trainer.optimizer.param_groups:  # this step's rate on the new schedule, as a resume sets it
+            g["lr"] = g["initial_lr"] * trainer.schedule(trainer.step)
+        trainer.scheduler._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]
 
 
 @dataclass(frozen=True)
@@ -169,8 +184,8 @@ class PopulationBasedTraining:
                                 load_from=on_disk.get(g.member), what="PBT")
         for copier, src in copies.items():  # every rank works out every member's new values alike
             rng = np.random.default_rng([cfg.seed, round_, copier, 1])
-            hypers[copier] = {h: (hypers[src][h] * float(rng.choice(cfg.perturb)) if h in cfg.hyperparameters
-                                  else hypers[src][h]) for h in HYPERPARAMETERS}
+            hypers[copier] = {h: (perturbed(h, hypers[src][h], float(rng.choice(cfg.perturb)))
+                                  if h in cfg.hyperparameters else hypers[src][h]) for h in HYPERPARAMETERS}
         if source is not None:
             set_hyperparameters(tr, hypers[g.member])
         out = Round(round_, scores, source, hypers)

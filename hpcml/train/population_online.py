@@ -209,19 +209,28 @@ def export_best(root: str | Path, member: int) -> Path | None:
     hard-linked into ``root`` beside the ``member_K`` directories (:func:`hpcml.ckpt.linking.link_step`),
     ``root/latest`` naming it and ``root/best.json`` saying whose it is, so anything that loads
     the run's ``checkpoints/`` (``hpcml ckpt``, ``resolve``, a user's inference script) gets the
-    best model. A step directory of ``root`` that an earlier export did not make (one trainer's
-    save in a run directory used twice) is never replaced: None, with a warning."""
+    best model; the earlier export, if another step, is removed. A step directory of ``root``
+    that an earlier export did not make (one trainer's save in a run directory used twice) is
+    never replaced: None, with a warning."""
     from hpcml import safeio
     from hpcml.ckpt.format import resolve
     from hpcml.ckpt.linking import link_step
 
+    import shutil
+
+    from hpcml.ckpt.format import STEP_RE
+
     root = Path(root)
     src = resolve(root / f"member_{member}")
     record = safeio.read_json(root / BEST_RECORD, 4096, error=None, expected="a population's best-member record")
-    ours = isinstance(record, dict) and record.get("step_dir") == src.name
-    if ((root / src.name).exists() or (root / src.name).is_symlink()) and not ours:
+    prev = record.get("step_dir") if isinstance(record, dict) else None
+    prev = prev if isinstance(prev, str) and STEP_RE.match(prev) else None  # the export before, if any
+    if ((root / src.name).exists() or (root / src.name).is_symlink()) and prev != src.name:
         logger.warning("population: %s is not an earlier export of the best member: the best member's checkpoint "
                        "stays in %s only", root / src.name, src.parent)
         return None
     safeio.replace(root / BEST_RECORD, json.dumps({"member": member, "step_dir": src.name}) + "\n", fsync=True)
-    return link_step(src, root, replace=ours)
+    dst = link_step(src, root, replace=prev == src.name)
+    if prev and prev != src.name and (root / prev).is_dir() and not (root / prev).is_symlink():
+        shutil.rmtree(root / prev)  # the earlier export, superseded: its files live on in the member's directory
+    return dst

@@ -67,9 +67,9 @@ def check_loop_extra(extra, step: int, path, scheduler_state: dict, param_groups
         anchor = schedule.get("anchor") if isinstance(schedule, dict) else None
         if not isinstance(schedule, dict) or not _steps(schedule.get("steps")) or not (
                 anchor is None or isinstance(anchor, list) and len(anchor) == 2 and _steps(anchor[0], 0)
-                and _number(anchor[1])):
+                and _number(anchor[1])) or not (schedule.get("warmup") is None or _steps(schedule["warmup"], 0)):
             raise CheckpointError(f"{_where(path, 'schedule')} is {_show(schedule)}: expected "
-                                  f"{{'steps': N >= 1, 'anchor': null or [step, factor]}}")
+                                  f"{{'steps': N >= 1, 'anchor': null or [step, factor], 'warmup' (if set): N >= 0}}")
     elif not isinstance(extra.get("train_config"), dict) or not _steps(extra["train_config"].get("steps")):
         raise CheckpointError(f"{_where(path, 'schedule')} is missing and extra['train_config']['steps'] is not a "
                               f"step count: nothing to resume the learning-rate schedule from")

@@ -25,6 +25,9 @@ class WarmupCosine:
     anchor: tuple[int, float] | None = None
     """(step, factor) the cosine starts from after a resume with a changed ``steps``; None:
     from the end of the warmup, at factor 1."""
+    warmup_set: bool = False
+    """``warmup`` was set during the run (PBT explores it), not taken from the config: saved
+    with the schedule, and a resume keeps it."""
 
     @classmethod
     def of(cls, cfg) -> WarmupCosine:
@@ -42,10 +45,18 @@ class WarmupCosine:
         return self.min_ratio + (top - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def state(self) -> dict:
-        return {"steps": self.steps, "anchor": list(self.anchor) if self.anchor else None}
+        return {"steps": self.steps, "anchor": list(self.anchor) if self.anchor else None,
+                **({"warmup": self.warmup} if self.warmup_set else {})}
+
+    def set_warmup(self, warmup: int) -> None:
+        """Warm up over ``warmup`` steps from now on (kept in :meth:`state`)."""
+        self.warmup, self.warmup_set = int(warmup), True
 
     def resume(self, step: int, saved: dict) -> None:
-        """Continue from ``step`` of the schedule ``saved`` (:meth:`state`) by the stretch rule."""
+        """Continue from ``step`` of the schedule ``saved`` (:meth:`state`) by the stretch rule;
+        a warmup set during the saved run (``saved["warmup"]``) is kept."""
+        if saved.get("warmup") is not None:
+            self.set_warmup(saved["warmup"])
         old = WarmupCosine(warmup=self.warmup, steps=int(saved["steps"]), min_ratio=self.min_ratio,
                            anchor=tuple(saved["anchor"]) if saved.get("anchor") else None)
         if old.steps == self.steps:

@@ -240,8 +240,9 @@ def test_pbt_plan_copies_the_worst_from_the_best():
 
 def test_pbt_copies_the_best_members_state_bit_for_bit_and_perturbs_its_hyperparameters(comm):
     """2 members x dp2: after a round the worse member holds the better one's weights and moments
-    on every rank, its learning rate and weight decay are the better one's times a perturbation,
-    the history says so, and a checkpoint of it resumes with the new hyperparameters."""
+    on every rank, its learning rate, weight decay and warmup are the better one's times a
+    perturbation (the warmup a whole number of steps, and the next step's rate follows it), the
+    history says so, and a checkpoint of it resumes with the new hyperparameters."""
     import json
     import tempfile
     from pathlib import Path
@@ -251,11 +252,13 @@ def test_pbt_copies_the_best_members_state_bit_for_bit_and_perturbs_its_hyperpar
 
     root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-pbt-") if comm.rank == 0 else None))
     grid = ProcessGrid(pop=2, dp=2)
-    cfg = replace(TRAIN, steps=4, seed=10 + grid.member, lr=3e-3 * (1 + 30 * grid.member))  # member 1 far too fast
+    cfg = replace(TRAIN, steps=4, seed=10 + grid.member, lr=3e-3 * (1 + 30 * grid.member),  # member 1 far too fast
+                  warmup_steps=4 + 2 * grid.member)
     trainer = build_llm_trainer(MODEL, cfg, ParallelConfig(), grid=grid)
     val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=77)
     pbt = PopulationBasedTraining(grid, trainer, lambda: trainer.evaluate(val, 2),
-                                  config=PBTConfig(every=4, fraction=0.5, history=root / "pbt.jsonl", seed=1))
+                                  config=PBTConfig(every=4, fraction=0.5, history=root / "pbt.jsonl", seed=1,
+                                                   hyperparameters=("lr", "weight_decay", "warmup")))
     trainer.fit(4)
     before = grid.pop_comm.allgather((_local_digest(trainer), hyperparameters(trainer)))
     r = pbt.play(1)
@@ -265,8 +268,10 @@ def test_pbt_copies_the_best_members_state_bit_for_bit_and_perturbs_its_hyperpar
     assert _local_digest(trainer) == before[best][0]  # weights and moments of the best, on every rank
     mine = hyperparameters(trainer)
     if grid.member == worst:
-        ratios = {h: mine[h] / before[best][1][h] for h in mine}
+        ratios = {h: mine[h] / before[best][1][h] for h in ("lr", "weight_decay")}
         assert all(any(abs(x - f) < 1e-12 for f in (0.8, 1.25)) for x in ratios.values()), ratios
+        assert mine["warmup"] in {round(before[best][1]["warmup"] * f) for f in (0.8, 1.25)}
+        assert mine["warmup"] != before[best][1]["warmup"] and trainer.schedule.warmup == mine["warmup"]
         assert all(g["lr"] == pytest.approx(g["initial_lr"] * trainer.schedule(trainer.step))
                    for g in trainer.optimizer.param_groups)
     else:
@@ -280,8 +285,14 @@ def test_pbt_copies_the_best_members_state_bit_for_bit_and_perturbs_its_hyperpar
     fresh = build_llm_trainer(MODEL, cfg, ParallelConfig(), grid=grid)
     load_trainer(fresh, root / f"member{grid.member}")
     assert hyperparameters(fresh) == pytest.approx(mine)  # the explored values survive a resume
+    assert fresh.schedule(5) == trainer.schedule(5)  # the warmup too, whatever the config said
     trainer.close()
     fresh.close()
+    comm.Barrier()
+    if comm.rank == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_pbt_config_is_checked():
@@ -414,11 +425,18 @@ def test_pbt_copies_between_members_of_different_layouts_through_the_reshard_bit
     mine = hyperparameters(trainer)
     if grid.member == worst:
         assert r.source == best
-        assert all(any(abs(mine[h] / before[best][1][h] - f) < 1e-12 for f in (0.8, 1.25)) for h in mine)
+        assert all(any(abs(mine[h] / before[best][1][h] - f) < 1e-12 for f in (0.8, 1.25))
+                   for h in ("lr", "weight_decay"))
+        assert mine["warmup"] == before[best][1]["warmup"]  # not explored: copied with the weights
     else:
         assert r.source is None and mine == before[best][1]
     trainer.fit(5)  # and both train on
     trainer.close()
+    comm.Barrier()
+    if comm.rank == 0:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_members_of_different_layouts_need_a_scratch_directory(comm):
@@ -542,6 +560,14 @@ def test_llm_pretrain_runs_members_of_different_layouts_that_swap_through_the_re
         kept = sorted(rs[-1]["kept"] for rs in rounds)  # each member judges on its own data: they may differ
         same = all(torch.equal(saved[0][n], saved[1][n]) for n in saved[0])
         assert same == (kept == ["own", "partner"]), kept  # one model after the last round iff they agreed
+        # the best member on held-out data common to both: its newest step is the run's checkpoints/ own
+        best = json.loads((root / "ckpt" / "best.json").read_text())["member"]
+        assert (root / "ckpt" / "latest").read_text().strip() == "step_00000004"
+        ours = read_tensors(root / "ckpt", "model/")
+        assert ours.keys() == saved[best].keys() and all(torch.equal(ours[n], saved[best][n]) for n in ours)
+        if comm.rank % 2 == 0:
+            assert line["best_member"] == best and len(line["member_val_losses"]) == 2
+            assert best == min(range(2), key=lambda m: (line["member_val_losses"][m], m))
         bad = ["--member", '{"tp": 3}', "--member", '{"dp": 2}', "--steps", "1", "--no-progress"]
         assert lp.main(bad) == 2
         if comm.rank == 0:

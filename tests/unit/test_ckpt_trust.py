@@ -396,7 +396,11 @@ def test_loop_extra_schema():
              "groups": ({**good, "param_groups": []}, "extra\\['param_groups'\\] is \\[\\]"),
              "lambda": ({**good, "scheduler": {**good["scheduler"], "lr_lambdas": [{"x": 1}]}}, "scheduler"),
              "key": ({**good, "scheduler": {**good["scheduler"], "evil": 1}}, "keys among"),
-             "schedule": ({**good, "schedule": {"steps": -1}}, "schedule")}
+             "schedule": ({**good, "schedule": {"steps": -1}}, "schedule"),
+             "warmup": ({**good, "schedule": {"steps": 10, "anchor": None, "warmup": -3}}, "'warmup' \\(if set\\)"),
+             "warmup-type": ({**good, "schedule": {"steps": 10, "anchor": None, "warmup": 2.5}}, "schedule")}
+    check_loop_extra({**good, "schedule": {"steps": 10, "anchor": None, "warmup": 3}}, 5, "ck", sched.state_dict(),
+                     opt.param_groups)  # a warmup PBT set is kept
     for what, (extra, msg) in cases.items():
         with pytest.raises(CheckpointError, match=msg):
             check_loop_extra(extra, 5, "ck", sched.state_dict(), opt.param_groups)

@@ -66,6 +66,10 @@ def test_the_best_members_model_becomes_the_runs_checkpoint(tmp_path):
     assert export_best(root, 0) == dst  # its own earlier export: replaced
     assert torch.equal(ckpt.read_tensors(root, "model/")["model/w"], torch.full((3, 4), 1.0))
     assert simulations_kept(root, {0: 1, 1: 1}) == {0, 1}  # the members still decide what a resume keeps
+    _save(root / "member_1", 8, [(1, 0)], w=3.0)
+    assert export_best(root, 1) == root / "step_00000008"  # a later step: the earlier export removed
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000008"]
+    assert (root / "member_1" / "step_00000006" / "rank_00000.h5").is_file()  # the member's own untouched
     other = tmp_path / "reused"
     _save(other, 6, [(9, 0)], w=5.0)  # one trainer's save in a run directory used twice
     _save(other / "member_0", 6, [(0, 0)], w=1.0)

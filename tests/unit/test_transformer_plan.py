@@ -182,6 +182,21 @@ def test_ulysses_volume_formula():
     assert bytes_per_layer(batch=1, seq=64, heads=8, kv_heads=2, head_dim=8, p=2) == 1 * 32 * 8 * (8 + 2 * 2 + 8) // 2 * 4
 
 
+def test_a_warmup_set_during_the_run_is_saved_and_kept_on_resume():
+    """PBT explores the warmup: set mid-run, it is in the schedule's state and a resume keeps it
+    over the config's; one never set is not saved, so a resume takes the config's."""
+    run = WarmupCosine(warmup=2, steps=20, min_ratio=0.1)
+    assert "warmup" not in run.state()
+    run.set_warmup(6)
+    assert run.state()["warmup"] == 6 and run(3) == pytest.approx(4 / 6)  # back on the longer ramp
+    again = WarmupCosine(warmup=2, steps=20, min_ratio=0.1)
+    again.resume(4, run.state())
+    assert again.warmup == 6 and [again(s) for s in range(21)] == [run(s) for s in range(21)]
+    plain = WarmupCosine(warmup=3, steps=20, min_ratio=0.1)
+    plain.resume(4, WarmupCosine(warmup=2, steps=20, min_ratio=0.1).state())
+    assert plain.warmup == 3 and "warmup" not in plain.state()
+
+
 def test_lr_schedule_stretched_from_the_saved_step_when_steps_change():
     old = WarmupCosine(warmup=2, steps=12, min_ratio=0.1)
     at8 = old(8)

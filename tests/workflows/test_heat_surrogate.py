@@ -125,10 +125,8 @@ def test_trainer_killed_twice_on_another_rank_then_restarts_exhausted(tmp_path):
     assert s["samples_ingested"] == _checkpointed_samples(run_dir) and s["duplicate_samples"] == 0
     assert s["samples_ingested"] + s["samples_missing"] == 60
     assert (s["_returncode"], s["status"]) == ((1, "failed") if s["samples_missing"] else (0, "ok")), s["_stderr"]
-    # one restart allowed, two crashes: the run stops, says why, and exits non-zero (crashing
-    # early, on the small simulations: what is tested is the policy, not the resume)
-    s, run_dir = run(tmp_path, "--steps", "20", "--crash-trainer-at", "2", "--crash-trainer-times", "2",
-                     "--crash-trainer-rank", "1", "--trainer-restarts", "1", name="exhausted", ok=False)
+    # one restart allowed, two crashes: the run stops, says why, and exits non-zero
+    s, run_dir = run(tmp_path, *long, "--trainer-restarts", "1", name="exhausted", ok=False)
     assert (s["_returncode"], s["status"]) == (1, "failed")
     (why,) = s["problems"]
     assert why.startswith("training job exited with code 9 after ") and "1 of 1 restart(s) used, none left" in why
