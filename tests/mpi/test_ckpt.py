@@ -31,7 +31,7 @@ from tests.mpi.test_parallel_train import LAYOUTS
 
 WORLD = MPI.COMM_WORLD.Get_size()
 MODEL = TransformerConfig.preset("tiny")
-TRAIN = TrainConfig(steps=4, global_batch=8, micro_batch=1, seq_len=32, progress=False)
+TRAIN = TrainConfig(steps=4, global_batch=8, micro_batch=2, seq_len=32, progress=False)
 CASES = [c for c in LAYOUTS.get(WORLD, []) if c[0] in {"dp4", "fsdp4", "tp2xdp2", "tp2xfsdp2", "pp2xdp2", "cp2xdp2",
                                                        "tp2xpp2", "cp2xtp2", "pp2xfsdp2-interleaved",
                                                        "dp2", "fsdp2", "tp2", "pp2", "cp2"}]

@@ -3,7 +3,7 @@
 The attention sub-block (projections, RoPE at the strided positions, per-chunk all-to-alls,
 chunked attention, output projection) against the plain one on the whole sequence: forward
 and every gradient, cp 2 and 4, 1..8 chunks per rank, GQA, float64 to 1e-10 and float32 to
-1e-5. Then whole runs: 10 training steps on cp x tp, cp alone, cp x dp, cp x FSDP and
+1e-5. Then whole runs: 5 training steps on cp x tp, cp alone, cp x dp, cp x FSDP and
 cp x pp give the one-process losses to 1e-4 (cp x ep: tests/mpi/test_moe.py), and a
 checkpoint saved with FPDT resumes without it and back.
 """
@@ -34,7 +34,7 @@ from tests.reference import reference_run
 
 WORLD = MPI.COMM_WORLD.Get_size()
 MODEL = TransformerConfig.preset("tiny")  # 8 heads, 4 kv heads: GQA
-TRAIN = TrainConfig(steps=10, global_batch=8, micro_batch=2, seq_len=32, progress=False)
+TRAIN = TrainConfig(steps=5, global_batch=8, micro_batch=2, seq_len=32, progress=False)
 
 
 @pytest.fixture(scope="module")

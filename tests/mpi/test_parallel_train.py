@@ -22,7 +22,7 @@ from tests.reference import reference_run
 
 WORLD = MPI.COMM_WORLD.Get_size()
 MODEL = TransformerConfig.preset("tiny")
-TRAIN = TrainConfig(steps=5, global_batch=8, micro_batch=1, seq_len=32, progress=False)
+TRAIN = TrainConfig(steps=5, global_batch=8, micro_batch=2, seq_len=32, progress=False)
 RTOL = 1e-4
 
 LAYOUTS = {
