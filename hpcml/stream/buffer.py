@@ -18,7 +18,7 @@ Thread-safe: the server thread puts, the training thread gets.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -94,6 +94,8 @@ class Buffer:
         self.error: str | None = None
         """Why the source filling it died (see :meth:`fail`)."""
         self.stats = BufferStats()
+        self.policy_set = False
+        """The policy was changed during the run (:meth:`set_policy`): saved, and a restore keeps it."""
         self._wants: list[int] = []
         """Samples each waiting :meth:`get` needs: a put wakes a getter only once it can be served
         (a wake-up per put cost the server thread ~0.1 ms a sample on 2 cores)."""
@@ -207,6 +209,16 @@ class Buffer:
             self.stats.batches -= 1
             self._cond.notify_all()
 
+    def set_policy(self, policy: str) -> None:
+        """Serve by ``policy`` from now on (PBT explores it): the samples held stay, each used
+        or not as before; a FIFO or FIRO buffer past its capacity makes producers wait again."""
+        if policy not in POLICIES:
+            raise ConfigError(f"buffer policy {policy!r} unknown: expected one of {', '.join(POLICIES)}")
+        with self._cond:
+            self.config = replace(self.config, policy=policy)
+            self.policy_set = True
+            self._cond.notify_all()
+
     # -- checkpointing: plain arrays and JSON, never pickle ---------------------------------
     def state(self, also: list[Sample] | tuple = ()) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, JSON) of the buffer's contents and counters; ``also``: samples on their
@@ -214,7 +226,8 @@ class Buffer:
         with self._cond:
             items = list(self._items) + list(also)
             meta = {"seq": self._seq, "ended": self.ended, "stats": self.stats.as_dict(),
-                    "rng": self._rng.bit_generator.state, "config": vars(self.config)}
+                    "rng": self._rng.bit_generator.state, "config": vars(self.config),
+                    **({"policy_set": self.config.policy} if self.policy_set else {})}
         if not items:
             return {}, meta
         arrays = {"keys": np.array([[s.sim, s.step, s.seq, s.reuse] for s in items], dtype=np.int64),
@@ -229,6 +242,8 @@ class Buffer:
         selects the simulations this rank now owns, ``counters`` whether this state's
         counters are this buffer's history). Every saved sample comes back, even past the
         capacity (fewer trainer ranks than saved them): a restore never drops data."""
+        if meta.get("policy_set") in POLICIES and meta["policy_set"] != self.config.policy:
+            self.set_policy(meta["policy_set"])  # changed during the saved run: kept
         with self._cond:
             self._seq = max(self._seq, int(meta.get("seq", 0)))
             if meta.get("rng") and not self._items:

@@ -31,9 +31,10 @@ from hpcml.train.population import (agree_stop, check_alike, member_tensors, sco
 logger = log.get_logger(__name__)
 
 #: Hyperparameters PBT knows how to read and set on a :class:`~hpcml.train.loop.TrainLoop`:
-#: the base learning rate, the weight decay, and the warmup's length in steps (a whole number;
-#: a longer warmup set after the ramp ended takes the rate back onto the ramp).
-HYPERPARAMETERS = ("lr", "weight_decay", "warmup")
+#: the base learning rate, the weight decay, the warmup's length in steps (a whole number; a
+#: longer warmup set after the ramp ended takes the rate back onto the ramp) and, for a trainer
+#: fed by a stream, its training buffer's policy (explored by switching to another policy).
+HYPERPARAMETERS = ("lr", "weight_decay", "warmup", "buffer_policy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,19 +76,26 @@ class PBTConfig:
             raise ConfigError(f"PBTConfig(seed={self.seed!r}): expected a whole number")
 
 
-def hyperparameters(trainer: Any) -> dict[str, float]:
-    """The loop's base learning rate (before the schedule's factor), its weight decay and its warmup."""
+def hyperparameters(trainer: Any, buffer: Any = None) -> dict[str, Any]:
+    """The loop's base learning rate (before the schedule's factor), its weight decay and its
+    warmup; with the stream's ``buffer``, its policy too."""
     decayed = [g["weight_decay"] for g in trainer.optimizer.param_groups if g["weight_decay"] > 0]
     return {"lr": float(trainer.scheduler.base_lrs[0]), "weight_decay": float(decayed[0] if decayed else 0.0),
-            "warmup": int(trainer.schedule.warmup)}
+            "warmup": int(trainer.schedule.warmup), **({"buffer_policy": buffer.config.policy} if buffer else {})}
 
 
-def perturbed(name: str, value: float, factor: float) -> float:
-    """``value`` times ``factor``; a warmup stays a whole number of steps."""
+def perturbed(name: str, value: Any, rng: np.random.Generator, factors: tuple[float, ...]) -> Any:
+    """``value`` times one of ``factors`` (a warmup stays a whole number of steps); a buffer
+    policy switched to one of the others."""
+    if name == "buffer_policy":
+        from hpcml.stream.buffer import POLICIES
+
+        return str(rng.choice([p for p in POLICIES if p != value]))
+    factor = float(rng.choice(factors))
     return int(round(value * factor)) if name == "warmup" else value * factor
 
 
-def set_hyperparameters(trainer: Any, values: dict[str, float]) -> None:
+def set_hyperparameters(trainer: Any, values: dict[str, Any], buffer: Any = None) -> None:
     """Set the base learning rate (the schedule's factor of this step kept), the weight decay
     of the decayed parameter groups and the warmup; all are in the loop's checkpoint, so a
     resume keeps them."""
@@ -98,6 +106,8 @@ def set_hyperparameters(trainer: Any, values: dict[str, float]) -> None:
             g["initial_lr"] *= f
             g["lr"] *= f
         trainer.scheduler._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]
+    if buffer is not None and values.get("buffer_policy") not in (None, buffer.config.policy):
+        buffer.set_policy(values["buffer_policy"])  # kept in the stream state a checkpoint saves
     if "weight_decay" in values:
         for g in trainer.optimizer.param_groups:
             if g["weight_decay"] > 0:
@@ -142,9 +152,13 @@ class PopulationBasedTraining:
     ``evaluate()``: the member's validation loss of the current weights, collective over the
     member (:meth:`Trainer.evaluate`); lower is better."""
 
-    def __init__(self, grid: Any, trainer: Any, evaluate: Callable[[], float], *, config: PBTConfig) -> None:
+    def __init__(self, grid: Any, trainer: Any, evaluate: Callable[[], float], *, config: PBTConfig,
+                 buffer: Any = None) -> None:
         if not isinstance(config, PBTConfig):
             raise ConfigError(f"PopulationBasedTraining(config={config!r}): expected a PBTConfig")
+        if "buffer_policy" in config.hyperparameters and buffer is None:
+            raise ConfigError("PBTConfig(hyperparameters=(..., 'buffer_policy')): this trainer has no training buffer "
+                              "to explore (a population fed by a stream has: train_surrogate(population=...))")
         if grid.torch is None:
             raise ConfigError("PopulationBasedTraining: the grid has no torch.distributed yet: call grid.init_torch()")
         if len(set(getattr(grid, "member_layouts", ()))) > 1 and config.scratch is None:
@@ -155,7 +169,7 @@ class PopulationBasedTraining:
         missing = writer and config.history is not None and not Path(config.history).parent.is_dir()
         if waiting.allreduce(grid.world_comm, int(missing)):  # the writer's view, told to every rank (collective)
             raise ConfigError(f"PBTConfig(history={str(config.history)!r}): its directory does not exist")
-        self.grid, self.trainer, self.evaluate, self.config = grid, trainer, evaluate, config
+        self.grid, self.trainer, self.evaluate, self.config, self.buffer = grid, trainer, evaluate, config, buffer
         self.history: list[Round] = []
 
     def __call__(self, trainer: Any, metrics: dict) -> None:
@@ -170,7 +184,7 @@ class PopulationBasedTraining:
         score = scored(self.evaluate, tr.model, g.comm)
         scores = g.pop_comm.allgather(score)
         copies = plan(scores, cfg.fraction, cfg.seed, round_)
-        hypers = g.pop_comm.allgather(hyperparameters(tr))
+        hypers = g.pop_comm.allgather(hyperparameters(tr, self.buffer))
         tensors = member_tensors(tr.model, tr.optimizer)
         source = copies.get(g.member)
         layouts = g.member_layouts
@@ -184,10 +198,10 @@ class PopulationBasedTraining:
                                 load_from=on_disk.get(g.member), what="PBT")
         for copier, src in copies.items():  # every rank works out every member's new values alike
             rng = np.random.default_rng([cfg.seed, round_, copier, 1])
-            hypers[copier] = {h: (perturbed(h, hypers[src][h], float(rng.choice(cfg.perturb)))
-                                  if h in cfg.hyperparameters else hypers[src][h]) for h in HYPERPARAMETERS}
+            hypers[copier] = {h: (perturbed(h, hypers[src][h], rng, cfg.perturb) if h in cfg.hyperparameters
+                                  else hypers[src][h]) for h in HYPERPARAMETERS if h in hypers[src]}
         if source is not None:
-            set_hyperparameters(tr, hypers[g.member])
+            set_hyperparameters(tr, hypers[g.member], self.buffer)
         out = Round(round_, scores, source, hypers)
         self.history.append(out)
         self._record(out, copies, tr.step)

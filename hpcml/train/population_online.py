@@ -125,14 +125,15 @@ def member_share(files: list, grid: Any) -> list:
 
 
 def selection_hook(grid: Any, trainer: Any, score: Callable[[], float], config: PopulationConfig,
-                   record: str | Path | None = None):
+                   record: str | Path | None = None, buffer: Any = None):
     """The trainer hook of ``config``'s selection (a Tournament or a PBT round), or None. With
     ``record``, the member's rank 0 appends each tournament's outcome there (a JSON line with
-    its step): the step's metrics are written before the hooks run."""
+    its step): the step's metrics are written before the hooks run. ``buffer``: the member's
+    training buffer, whose policy PBT may explore."""
     if config.pbt is not None:
         from hpcml.train.pbt import PopulationBasedTraining
 
-        return PopulationBasedTraining(grid, trainer, score, config=config.pbt)
+        return PopulationBasedTraining(grid, trainer, score, config=config.pbt, buffer=buffer)
     if config.tournament is None:
         return None
     from hpcml.train.population import Tournament

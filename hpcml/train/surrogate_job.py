@@ -174,7 +174,7 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
         validate = _best_of(grid, validate) if validate else None
         share = _validator(trainer, grid.comm, lambda: pop.member_share(_listed(val_files), grid), params, fields)
         hook = pop.selection_hook(grid, trainer, lambda: share().get("val_rel_l2", float("nan")), population,
-                                  record=Path(cfg.run_dir) / "tournaments.jsonl" if cfg.run_dir else None)
+                                  record=Path(cfg.run_dir) / "tournaments.jsonl" if cfg.run_dir else None, buffer=buf)
         if hook is not None:
             trainer.hooks.append(hook)
     run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step, validate=validate, comm=comm)

@@ -143,11 +143,22 @@ def test_pbt_rounds_run_in_a_population_of_surrogates(comm, tmp_path_factory):
 
     run_dir, files, val = _run_dir(comm, tmp_path_factory, "run_pbt")
     history = run_dir / "pbt.jsonl"
+    explore = ("lr", "buffer_policy")  # the training buffer's policy too: switched on a copy
     rc = _train(run_dir, files, val, steps=6, resume=False,
-                population=PopulationConfig(members=2, pbt=PBTConfig(every=3, history=str(history))))
+                population=PopulationConfig(members=2, pbt=PBTConfig(every=3, history=str(history),
+                                                                     hyperparameters=explore)))
     comm.Barrier()
     assert rc == 0
     rounds = [json.loads(x) for x in history.read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
+    before = {0: "reservoir", 1: "reservoir"}  # train_surrogate's default buffer
+    for r in rounds:  # a copier switches to another policy than its source's; the others keep theirs
+        now = {m["member"]: m["buffer_policy"] for m in r["members"]}
+        for m in r["members"]:
+            if m["copied"] is None:
+                assert now[m["member"]] == before[m["member"]], r
+            else:
+                assert now[m["member"]] in {"fifo", "firo", "reservoir"} - {before[m["copied"]]}, r
+        before = now
     s = json.loads((run_dir / "train_summary.json").read_text())
     assert (s["status"], s["samples_ingested"], s["gradient_steps"]) == ("ok", N_SIMS * N_OUT, 6)

@@ -58,3 +58,30 @@ def test_buffer_config_errors_name_the_values():
         BufferConfig(capacity=4, watermark=5)
     with pytest.raises(ConfigError, match="'lifo' unknown"):
         BufferConfig(policy="lifo")
+
+
+def test_a_policy_switched_during_the_run_serves_by_it_and_a_restore_keeps_it():
+    """PBT explores a member's buffer policy (issue 45): the samples held stay; from the switch
+    on batches follow the new policy; the switch is in the saved state and a restore into a
+    buffer configured otherwise keeps it; an unknown policy is refused in one line."""
+    from hpcml.train.pbt import perturbed
+
+    b = Buffer(BufferConfig(policy="reservoir", capacity=4, watermark=0, seed=1))
+    for i in range(3):
+        b.put(_sample(i))
+    b.get(2)  # reservoir: used and kept
+    assert len(b) == 3
+    b.set_policy("fifo")
+    assert [s.sim for s in b.get(2)] == [0, 1] and len(b) == 1  # FIFO now: the oldest, removed
+    arrays, meta = b.state()
+    again = Buffer(BufferConfig(policy="reservoir", capacity=4, watermark=0))
+    again.load_state(arrays, meta)
+    assert again.config.policy == "fifo" and len(again) == 1 and again.state()[1]["policy_set"] == "fifo"
+    plain = Buffer(BufferConfig(policy="firo", capacity=4, watermark=0))
+    plain.load_state(*Buffer(BufferConfig(policy="fifo")).state())
+    assert plain.config.policy == "firo"  # a policy never switched is the config's on restore
+    with pytest.raises(ConfigError, match="buffer policy 'lifo' unknown: expected one of fifo, firo, reservoir"):
+        b.set_policy("lifo")
+    draws = {perturbed("buffer_policy", "firo", np.random.default_rng([1, r, 0, 1]), (0.8, 1.25)) for r in range(20)}
+    assert draws == {"fifo", "reservoir"}  # always another policy, both drawn
+    assert perturbed("warmup", 4, np.random.default_rng(0), (0.8,)) == 3  # whole steps
