@@ -188,7 +188,8 @@ def emit_members(lays: list[PlanLayout]) -> list[str]:
         raise ConfigError(f"members {odd} differ from member 0 in more than their layout ({shlex.join(shared[odd[0]])} "
                           f"against {shlex.join(shared[0])}): a population trains one model at one precision, global "
                           f"batch and sequence length")
-    return [*shared[0], *(x for lay in lays for x in ("--member", json.dumps(member_entry(lay), separators=(",", ":"))))]
+    members = [json.dumps(member_entry(lay), separators=(",", ":")) for lay in lays]
+    return [*shared[0], *(x for m in members for x in ("--member", m))]
 
 
 def _shared(args: list[str]) -> list[str]:
@@ -245,8 +246,8 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
     dev = resolve_device(lay)
     ranks = lay.gpus * members
     nodes = -(-ranks // (lay.gpus_per_node or dev.gpus_per_node))
-    run = [*(emit(lay) if run is None else run), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir, "--ckpt-every", str(ckpt_every),
-           "--auto-resume", *(["--data", data] if data else [])]
+    run = [*(emit(lay) if run is None else run), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir,
+           "--ckpt-every", str(ckpt_every), "--auto-resume", *(["--data", data] if data else [])]
     script = Path(__file__).resolve().parents[2] / "workflows" / "llm_pretrain.py"  # submitted from anywhere
     return shlex.join(["hpcml", "job", "--site", site, "--nodes", str(nodes), "--walltime", walltime,
                        *(["--account", account] if account else []), "--ranks", str(ranks), "--submit", "--",
