@@ -89,3 +89,29 @@ def fp64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(before)
+
+
+#: What MPI tests name the directories rank 0 makes with ``tempfile.mkdtemp`` and shares.
+_SHARED_TMP = ("hpcml-ckpt-", "hpcml-fpdt-", "hpcml-hsdp-", "hpcml-moe-", "hpcml-pop-", "hpcml-pbt-",
+               "hpcml-data-", "hpcml-llmpop-", "hpcml-llmmix-")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_tmp_removed():
+    """The shared directories this session's tests made in the temporary directory are removed
+    at its end, by rank 0 once every rank is done (those there before it are left alone)."""
+    import shutil
+    import tempfile
+
+    from hpcml import waiting
+
+    root = tempfile.gettempdir()
+
+    def ours() -> set[str]:
+        return {n for n in os.listdir(root) if n.startswith(_SHARED_TMP)} if MPI.COMM_WORLD.rank == 0 else set()
+
+    before = ours()
+    yield
+    waiting.barrier(MPI.COMM_WORLD)
+    for name in ours() - before:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
