@@ -227,18 +227,16 @@ def _mixed_meshes(grid: ProcessGrid, device_type: str) -> tuple[DeviceMesh, Devi
     (``DeviceMesh.from_group``): the dense mesh, the expert mesh where the member has experts,
     and FSDP's flattened dp x cp dimension where both are above one -- which torch would make
     on the member's ranks only, so every other rank makes the same number of groups beside it."""
-    key = (device_type, "members", tuple(m.mesh_shape for m in grid.member_layouts),
-           tuple(m.expert_mesh_shape if m.moe else None for m in grid.member_layouts), default_group_key())
+    key = (device_type, "members", tuple(grid.member_layouts), default_group_key())
     if key not in _MESHES:
         n, mine, experts, whole, places = grid.world_size, None, None, None, []
         for m, lay in enumerate(grid.member_layouts):
             mesh = _member_mesh(grid, m, lay.mesh_shape, DENSE_AXES, device_type)
             group = dist.new_group(list(range(m * n, (m + 1) * n)))
-            if lay.moe:  # the same ranks in Megatron's expert order
-                expert = _member_mesh(grid, m, lay.expert_mesh_shape, EXPERT_AXES, device_type)
-                experts = expert if m == grid.member else experts
+            # the same ranks in Megatron's expert order
+            expert = _member_mesh(grid, m, lay.expert_mesh_shape, EXPERT_AXES, device_type) if lay.moe else None
             if m == grid.member:
-                mine, whole = mesh, group
+                mine, whole, experts = mesh, group, expert
         for m, lay in enumerate(grid.member_layouts):  # after every member's mesh, in member order
             if lay.dp > 1 and lay.cp > 1:
                 if m == grid.member:

@@ -194,11 +194,19 @@ def best_of(grid: Any, figures: dict[str, float]) -> tuple[dict[str, float], lis
 
     views = grid.pop_comm.allgather(figures)
     errs = [float(v.get("val_rel_l2", math.nan)) for v in views]
-    finite = [i for i, e in enumerate(errs) if math.isfinite(e)]
-    if not finite:
+    best = lowest(errs)
+    if best is None:
         return figures, errs
-    best = min(finite, key=lambda i: errs[i])
     return {**views[best], "val_best_member": float(best)}, errs
+
+
+def lowest(scores: list[float]) -> int | None:
+    """The member with the lowest score (ties: the first), a NaN or infinity never; None when
+    no score is finite."""
+    import math
+
+    finite = [m for m, x in enumerate(scores) if math.isfinite(x)]
+    return min(finite, key=lambda m: (scores[m], m)) if finite else None
 
 
 #: The record of the best member's checkpoint made the run's own (:func:`export_best`).
@@ -213,13 +221,11 @@ def export_best(root: str | Path, member: int) -> Path | None:
     best model; the earlier export, if another step, is removed. A step directory of ``root``
     that an earlier export did not make (one trainer's save in a run directory used twice) is
     never replaced: None, with a warning."""
-    from hpcml import safeio
-    from hpcml.ckpt.format import resolve
-    from hpcml.ckpt.linking import link_step
-
     import shutil
 
-    from hpcml.ckpt.format import STEP_RE
+    from hpcml import safeio
+    from hpcml.ckpt.format import STEP_RE, resolve
+    from hpcml.ckpt.linking import link_step
 
     root = Path(root)
     src = resolve(root / f"member_{member}")

@@ -162,12 +162,8 @@ def best_member(trainer: Trainer, val=None, batches: int = 2) -> tuple[int | Non
     """The population's best member and every member's score: each scores its model on one
     held-out set common to all (``val``; synthetic tokens: a stretch of the chain held out of
     every member's data and tournaments), lowest wins, a NaN never. Collective over the job."""
-    import math
+    from hpcml.train.population_online import MemberShard, lowest
 
-    from hpcml.train.population_online import MemberShard
-
-    grid = trainer.grid
     common = val if val is not None else MemberShard(getattr(trainer.data, "source", trainer.data), 1, 2 * HELD_OUT)
-    scores = [float(x) for x in grid.pop_comm.allgather(trainer.evaluate(common, batches))]
-    finite = [m for m, x in enumerate(scores) if math.isfinite(x)]
-    return (min(finite, key=lambda m: (scores[m], m)) if finite else None), scores
+    scores = [float(x) for x in trainer.grid.pop_comm.allgather(trainer.evaluate(common, batches))]
+    return lowest(scores), scores
