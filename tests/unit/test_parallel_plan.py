@@ -106,3 +106,22 @@ def test_a_plan_with_ulysses_but_no_fpdt_is_refused_fpdt():
     UlyssesOnly().check(Layout(world_size=2, cp=2), ParallelConfig())
     with pytest.raises(ConfigError, match=r"^UlyssesOnly does not implement apply_fpdt: it cannot run fpdt_chunk 8$"):
         UlyssesOnly().check(Layout(world_size=2, cp=2), ParallelConfig(fpdt_chunk=8))
+
+
+def test_a_run_without_a_pipeline_never_imports_torchs_pipelining():
+    """``torch.distributed.pipelining`` brings in torch's compiler stack (~0.5 CPU-s a rank at
+    every launch, measured on the reference run): imported only where a schedule is built, each
+    schedule name the config accepts naming a class torch has."""
+    import subprocess
+    import sys
+
+    from torch.distributed import pipelining
+
+    from hpcml.parallel import pp
+    from hpcml.parallel.config import PP_SCHEDULES
+
+    assert sorted(pp._CLASSES) == sorted(PP_SCHEDULES)
+    assert all(isinstance(getattr(pipelining, name), type) for name in pp._CLASSES.values())
+    code = "import sys, hpcml.parallel.api; print('torch.distributed.pipelining' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
