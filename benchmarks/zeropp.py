@@ -1,5 +1,6 @@
-"""Bytes across nodes for FSDP, HSDP, hpZ and hpZ + qwZ + qgZ (ZeRO++), measured from the
-collectives and against the planner's count, and what the quantization does to the loss (issue 46).
+"""Bytes across nodes for FSDP, HSDP, hpZ, hpZ + qwZ + qgZ (ZeRO++) and FSDP reducing gradients
+in bf16, measured from the collectives and against the planner's count, and what the
+quantization and the bf16 reduction do to the loss (issues 46, 42).
 
     mpiexec -n 4 python benchmarks/zeropp.py --json                  # 2 "nodes" x 2 by the node map
     srun -N 2 --ntasks-per-node 2 python benchmarks/zeropp.py --json --ranks-per-node 0   # real nodes
@@ -11,7 +12,8 @@ FSDP (torch's FSDP2 over every rank: the peer) and ZeRO++ train ``--steps`` step
 curve. On one host the "network" is loopback, so step times show the cost of the quantization's
 arithmetic, not the bytes saved. Last JSON line: ``internode_bytes_fsdp``,
 ``internode_bytes_zeropp``, ``ratio``, ``loss_rel_diff_200_steps`` (|ZeRO++ - FSDP| / FSDP at
-the last step), ``planner_max_rel_error`` and per kind ``kinds``.
+the last step), ``loss_rel_diff_bf16_reduce`` (the same for ``reduce_dtype="bf16"``),
+``bf16_reduce_bytes_over_fsdp``, ``planner_max_rel_error`` and per kind ``kinds``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 KINDS = {"fsdp": {}, "hsdp": {"dp_replicate": "node"}, "hpz": {"hpz": True},
-         "zeropp": {"hpz": True, "qwz": True, "qgz": True}}
+         "zeropp": {"hpz": True, "qwz": True, "qgz": True}, "bf16_reduce": {"reduce_dtype": "bf16"}}
 
 
 def main(argv=None) -> int:
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     out: dict = {"model": args.model, "ranks": world, "steps": args.steps, "kinds": {}}
     curves = {}
     for name, pkw in KINDS.items():
-        steps = args.steps if name in ("fsdp", "zeropp") else 5
+        steps = args.steps if name in ("fsdp", "zeropp", "bf16_reduce") else 5
         train = TrainConfig(steps=steps, global_batch=args.global_batch, micro_batch=args.global_batch // world,
                             seq_len=args.seq_len, progress=False)
         grid = ProcessGrid(Layout.from_degrees(world, {"dp": world}), node_name=node)
@@ -75,6 +77,10 @@ def main(argv=None) -> int:
                               "step_s_median": statistics.median(m["step_s"] for m in history[1:])}
         curves[name] = [m["loss"] for m in history]
     f, z = out["kinds"]["fsdp"], out["kinds"]["zeropp"]
+
+    def sent(kind: dict) -> int:  # a step's bytes to every other rank, inside and across nodes
+        return kind["dp_bytes_intra_node"] + kind["dp_bytes_inter_node"]
+
     errors = [abs(k[b] - k["planned"][b]) / max(1, k["planned"][b]) for k in out["kinds"].values()
               for b in k["planned"]]
     out.update({"loss_curve_every_20": {n: [round(c[i], 4) for i in range(0, len(c), 20)] + [round(c[-1], 4)]
@@ -82,6 +88,8 @@ def main(argv=None) -> int:
                 "internode_bytes_fsdp": f["dp_bytes_inter_node"], "internode_bytes_zeropp": z["dp_bytes_inter_node"],
                 "ratio": round(z["dp_bytes_inter_node"] / f["dp_bytes_inter_node"], 4),
                 "loss_rel_diff_200_steps": abs(curves["zeropp"][-1] - curves["fsdp"][-1]) / curves["fsdp"][-1],
+                "loss_rel_diff_bf16_reduce": abs(curves["bf16_reduce"][-1] - curves["fsdp"][-1]) / curves["fsdp"][-1],
+                "bf16_reduce_bytes_over_fsdp": round(sent(out["kinds"]["bf16_reduce"]) / sent(f), 4),
                 "planner_max_rel_error": max(errors)})
     if rank == 0:
         print(json.dumps(out) if args.json else json.dumps(out, indent=1), flush=True)

@@ -38,7 +38,7 @@ from hpcml.grid import install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
-from hpcml.parallel.config import PP_SCHEDULES
+from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import CheckpointHook, load_trainer
 from hpcml.train.population_online import export_best, member_path, member_resume
@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qgz", action="store_true", help="with --fsdp: ZeRO++ qgZ, gradients reduced in int8 across nodes")
     p.add_argument("--quant-block", type=int, default=256, help="qwZ/qgZ: values per int8 block and its scale")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
+                   help="the dtype gradients are reduced in over dp (bf16: half the bytes)")
     p.add_argument("--activation", choices=("swiglu", "gelu"), default=None,
                    help="the blocks' MLP, where not the preset's (its width kept): gelu for GPT/MPT blocks")
     p.add_argument("--norm", choices=("rmsnorm", "layernorm"), default=None, help="the blocks' norm")
@@ -212,7 +214,8 @@ def main(argv=None) -> int:
                                   sequence_parallel=args.sequence_parallel, pp_schedule=args.schedule,
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
                                   cp_kind=args.cp_kind, hpz=args.hpz, qwz=args.qwz, qgz=args.qgz,
-                                  quant_block=args.quant_block, dp_replicate=args.dp_replicate)
+                                  quant_block=args.quant_block, dp_replicate=args.dp_replicate,
+                                  reduce_dtype=args.reduce_dtype)
         data = open_tokens(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
         if args.doc_mask and data is None:
             raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")

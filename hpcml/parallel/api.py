@@ -254,7 +254,7 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
                            tp_enabled=lay.tp > 1, _params=params, computes_loss=computes_loss,
                            has_first=0 in stage_ids, has_last=n_stages - 1 in stage_ids)
     if not config.fsdp:
-        result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh)
+        result.grad_syncs = dp.data_parallel_syncs(params, expert_params, grid, data_mesh, config.reduce_dtype)
     elif data_mesh is not None:
         result.grad_syncs = plan.fsdp_grad_syncs(parts, lay)
         result.comm_bytes = hsdp.CommBytes(grid)

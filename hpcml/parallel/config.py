@@ -8,6 +8,8 @@ from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+#: The data-parallel gradient reduction's dtypes (the planner prices the same names).
+REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,10 @@ class ParallelConfig:
     """cp: FPDT (docs/parallel.md): each rank's sequence in strided chunks of this many positions,
     attention, MLP and logits + loss chunk by chunk, so activation memory follows the chunk, not
     the sequence; 0: plain Ulysses. Works on cp 1 too (chunking alone)."""
+    reduce_dtype: str = "fp32"
+    """dp: the dtype gradients cross the wire in. bf16 halves the reduction's bytes (FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, DDP's flat all-reduce cast): each rank's
+    gradient rounded to bf16 and summed in bf16, the result back in the parameters' dtype."""
 
     def __post_init__(self) -> None:
         if self.dp_replicate != "node" and (not is_int(self.dp_replicate) or self.dp_replicate < 1):
@@ -86,6 +92,8 @@ class ParallelConfig:
         if self.fpdt_chunk and self.sequence_parallel:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with sequence_parallel: FPDT chunks the sequence "
                               f"itself; use one of them")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"reduce_dtype {self.reduce_dtype!r}: expected one of {', '.join(REDUCE_DTYPES)}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"pp_schedule {self.pp_schedule!r} unknown: expected one of {', '.join(PP_SCHEDULES)}")
         if self.stages_per_rank is not None and self.stages_per_rank < 1:
@@ -98,7 +106,6 @@ class ParallelConfig:
     @property
     def n_stages_per_rank(self) -> int:
         return self.stages_per_rank or (2 if self.pp_schedule == "interleaved1f1b" else 1)
-
 
 def split_layers(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage: as even as possible; the remainder goes to the stages nearest the

@@ -7,12 +7,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+_WIRE = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def wire_dtype(reduce_dtype: str) -> torch.dtype | None:
+    """``ParallelConfig.reduce_dtype`` as the dtype gradients are cast to for their reduction;
+    None: the gradients' own."""
+    return _WIRE[reduce_dtype]
+
+
+def _policy(reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters and compute in their own dtype, the reduce-scatter (and HSDP's
+    all-reduce) in ``reduce_dtype``."""
+    return MixedPrecisionPolicy(reduce_dtype=wire_dtype(reduce_dtype))
 
 
 def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
-               reshard_after_forward: bool | int = True) -> None:
+               reshard_after_forward: bool | int = True, reduce_dtype: str = "fp32") -> None:
     """``fully_shard`` each unit (a transformer block), then the rest of the model (torchtitan's wrapping).
 
     Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
@@ -20,13 +34,15 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
     (ZeRO-2-like), an int N reshards them over N consecutive ranks (hpZ). The root keeps its
     parameters gathered after forward: they are needed first in backward anyway.
     """
+    mp = _policy(reduce_dtype)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
 
 
 def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Module], mesh: DeviceMesh,
-                   expert_mesh: DeviceMesh | None, reshard_after_forward: bool | int = True) -> None:
+                   expert_mesh: DeviceMesh | None, reshard_after_forward: bool | int = True,
+                   reduce_dtype: str = "fp32") -> None:
     """:func:`apply_fsdp` for a model whose ``experts`` are sharded over ep: each experts module
     is its own unit over the expert-data-parallel mesh (edp; its DTensors on ep make the FSDP
     + EP 2-D layout torchtitan uses). FSDP averages their gradients over edp; they need the
@@ -34,16 +50,17 @@ def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Mo
     PREMUL_SUM for ``set_gradient_divide_factor``). With edp 1 (``expert_mesh`` None) the
     experts stay out of FSDP (``ignored_params``)."""
     ignored: set[nn.Parameter] = set()
+    mp = _policy(reduce_dtype)
     for ex in experts:
         if expert_mesh is None:
             ignored |= set(ex.parameters())
             continue
         # (hpZ's int counts the dense data ranks of a node: the experts reshard over all of edp)
-        fully_shard(ex, mesh=expert_mesh, reshard_after_forward=reshard_after_forward is not False)
+        fully_shard(ex, mesh=expert_mesh, reshard_after_forward=reshard_after_forward is not False, mp_policy=mp)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    ignored_params=(ignored & set(unit.parameters())) or None)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+                    ignored_params=(ignored & set(unit.parameters())) or None, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None, mp_policy=mp)
 
 
 def reshard(modules: list[nn.Module]) -> None:
@@ -65,10 +82,14 @@ class GradAllReduce:
     Gradients are accumulated locally over all micro-batches and reduced once, after the
     last: one collective per step instead of one per parameter, which matters where every
     collective costs milliseconds. Tensor-parallel DTensor gradients reduce their local shards.
+    ``dtype``: what they cross the wire in (bf16: each rank's rounded, summed in bf16, then
+    divided in the gradients' own dtype), None: their own.
     """
 
-    def __init__(self, params: list[nn.Parameter], group, group_size: int, divide_by: int | None = None) -> None:
+    def __init__(self, params: list[nn.Parameter], group, group_size: int, divide_by: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.dtype = dtype
         self.group, self.group_size = group, group_size
         self.divide_by = group_size if divide_by is None else divide_by
         """Sum over the group, then divide by this: the group size for a mean; the data ranks
@@ -84,7 +105,11 @@ class GradAllReduce:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.group_size > 1:
+        if self.group_size > 1 and self.dtype not in (None, flat.dtype):
+            wire = flat.to(self.dtype)
+            dist.all_reduce(wire, group=self.group)
+            flat.copy_(wire)
+        elif self.group_size > 1:
             dist.all_reduce(flat, group=self.group)
         flat /= self.divide_by
         offset = 0
@@ -108,15 +133,15 @@ def broadcast_params(params: list[nn.Parameter], group) -> None:
 
 
 def data_parallel_syncs(params: list[nn.Parameter], expert_params: list[nn.Parameter], grid,
-                        data_mesh: DeviceMesh | None) -> list[GradAllReduce]:
+                        data_mesh: DeviceMesh | None, reduce_dtype: str = "fp32") -> list[GradAllReduce]:
     """The gradient reductions of a replicated (DDP) model: dense weights averaged over dp x cp;
     with MoE axes, the experts summed over edp (their replicas) and divided by dp x cp."""
-    lay = grid.layout
+    lay, dtype = grid.layout, wire_dtype(reduce_dtype)
     data = lay.dp * lay.cp
     experts = {id(p) for p in expert_params} if lay.moe else set()  # ep 1: experts are dense weights
     dense = [p for p in params if id(p) not in experts]
-    syncs = [GradAllReduce(dense, data_mesh.get_group(), data)] if data_mesh is not None else []
+    syncs = [GradAllReduce(dense, data_mesh.get_group(), data, dtype=dtype)] if data_mesh is not None else []
     if lay.moe:
         edp_group = grid.torch.expert_mesh.get_group("edp") if lay.edp > 1 else None
-        syncs.append(GradAllReduce(expert_params, edp_group, lay.edp, divide_by=data))
+        syncs.append(GradAllReduce(expert_params, edp_group, lay.edp, divide_by=data, dtype=dtype))
     return syncs

@@ -9,12 +9,11 @@ from dataclasses import InitVar, asdict, dataclass, fields
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int
-from hpcml.parallel.config import PP_SCHEDULES
+from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "eager")
 PRECISIONS = ("bf16", "fp32", "fp8")
-REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 CP_KINDS = ("ulysses", "allgather")

@@ -150,6 +150,8 @@ def emit(lay: PlanLayout) -> list[str]:
         args += ["--fpdt-chunk", str(lay.fpdt_chunk)]
     if lay.precision == "bf16":
         args.append("--bf16")
+    if lay.reduce_dtype != "fp32":
+        args += ["--reduce-dtype", lay.reduce_dtype]
     args += ["--micro-batch", str(lay.micro_batch), "--global-batch", str(lay.global_batch),
              "--seq-len", str(lay.seq_len)]
     return args
@@ -159,7 +161,8 @@ def emit(lay: PlanLayout) -> list[str]:
 #: ``--member`` JSON), with the number of values each takes.
 MEMBER_FLAGS = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--cp-kind": 1, "--fsdp": 0, "--zero2": 0,
                 "--dp-replicate": 1, "--hpz": 0, "--qwz": 0, "--qgz": 0, "--quant-block": 1, "--sequence-parallel": 0,
-                "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--micro-batch": 1}
+                "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--reduce-dtype": 1,
+                "--micro-batch": 1}
 
 
 def member_entry(lay: PlanLayout) -> dict:
@@ -175,6 +178,7 @@ def member_entry(lay: PlanLayout) -> dict:
     entry |= {"pp_schedule": lay.schedule} if lay.pp > 1 else {}
     entry |= {"activation_checkpointing": True} if lay.recompute == "full" else {}
     entry |= {"fpdt_chunk": lay.fpdt_chunk} if lay.fpdt_chunk else {}
+    entry |= {"reduce_dtype": lay.reduce_dtype} if lay.reduce_dtype != "fp32" else {}
     return {**entry, "micro_batch": lay.micro_batch}
 
 

@@ -24,7 +24,7 @@ from hpcml.models.transformer.presets import PRESETS
 from hpcml.plan import PlanLayout, load_model, predict
 from hpcml.plan.memory import rank_elements, rank_state
 from hpcml.plan.published import CALIBRATION, TABLES
-from hpcml.plan.search import candidates, emit, search
+from hpcml.plan.search import candidates, emit, member_entry, search
 from hpcml.train.memory import SavedBytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -315,6 +315,11 @@ def test_search_ranks_valid_fitting_layouts_and_emits_them():
     assert (zpp.hpz, zpp.qwz, zpp.qgz, zpp.quant_block, zpp.dp_replicate) == (True, True, True, 128, 1)
     hsdp = llm_pretrain.parse_args(emit(dataclasses.replace(fsdp, dp_replicate=fsdp.dp)))
     assert (hsdp.dp_replicate, hsdp.hpz, hsdp.quant_block) == (fsdp.dp, False, 256)
+    # a bf16 gradient reduction: priced at half the bytes, run by the trainer as it was priced
+    assert args.reduce_dtype == "fp32" and "--reduce-dtype" not in emit(fsdp)
+    half = dataclasses.replace(fsdp, reduce_dtype="bf16")
+    assert llm_pretrain.parse_args(emit(half)).reduce_dtype == "bf16"
+    assert member_entry(half)["reduce_dtype"] == "bf16" and "reduce_dtype" not in member_entry(fsdp)
 
 
 def test_model_from_config_files(tmp_path):
