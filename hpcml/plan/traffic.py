@@ -49,8 +49,6 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
     local = node_ranks(lay, gpus_per_node)
     shard_ws = ws // lay.dp_replicate
     w, g, m = weight_bytes(lay), 2 if lay.reduce_dtype == "bf16" else 4, lay.microbatches
-    if lay.framework == "hpcml" and lay.precision == "fp32":
-        g = w
 
     def send(n: int, per_peer: float, calls: float = 1.0) -> None:
         """``calls`` collectives over ``n`` consecutive data ranks, ``per_peer`` bytes to each."""

@@ -102,14 +102,17 @@ def _fp32_runs(kinds: dict[str, dict], steps: int) -> dict[str, list[dict]]:
 
 
 KINDS = {"fsdp": {}, "hsdp": {"dp_replicate": "node"}, "hpz": {"hpz": True}, "qwz": {"qwz": True},
-         "qgz": {"qgz": True}, "zeropp": {"hpz": True, "qwz": True, "qgz": True}}
+         "qgz": {"qgz": True}, "zeropp": {"hpz": True, "qwz": True, "qgz": True},
+         "fsdp-bf16-reduce": {"reduce_dtype": "bf16"},
+         "hsdp-bf16-reduce": {"dp_replicate": "node", "reduce_dtype": "bf16"}}
 
 
 def test_bytes_inside_and_across_nodes_are_the_planners_exactly(comm):
     """Per rank and step, fp32, as the collectives count them: FSDP over 2 nodes x 2 sends a third
     of its bytes inside the node (1 of its 3 peers); HSDP's all-gathers and reduce-scatters stay
     inside and only the all-reduce across replicas crosses (a third of FSDP's: P/2 against 1.5 P);
-    hpZ's backward all-gathers stay inside (2/3); every kind equals ``hpcml.plan``'s count."""
+    hpZ's backward all-gathers stay inside (2/3); a bf16 reduction halves HSDP's crossing; every kind
+    equals ``hpcml.plan``'s count."""
     from hpcml.plan.candidate import PlanLayout
     from hpcml.plan.traffic import dp_bytes
 
@@ -120,6 +123,9 @@ def test_bytes_inside_and_across_nodes_are_the_planners_exactly(comm):
     assert fsdp["dp_bytes_inter_node"] == 2 * fsdp["dp_bytes_intra_node"] > 0
     assert hsdp["dp_bytes_inter_node"] / fsdp["dp_bytes_inter_node"] == pytest.approx(1 / 3, rel=0.1)
     assert hpz["dp_bytes_inter_node"] / fsdp["dp_bytes_inter_node"] == pytest.approx(2 / 3, rel=0.1)
+    # gradients reduced in bf16: the reduce-scatter's (and HSDP's all-reduce's) bytes halve, the all-gathers' stay
+    assert sum(got["fsdp-bf16-reduce"].values()) < sum(fsdp.values())
+    assert got["hsdp-bf16-reduce"]["dp_bytes_inter_node"] * 2 == hsdp["dp_bytes_inter_node"]
     for name, pkw in KINDS.items():
         lay = PlanLayout(model=MODEL, gpus=4, gpu="a100-80gb", seq_len=TRAIN.seq_len, global_batch=TRAIN.global_batch,
                          micro_batch=TRAIN.micro_batch, zero=3, precision="fp32", gpus_per_node=2,
