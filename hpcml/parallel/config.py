@@ -107,6 +107,7 @@ class ParallelConfig:
     def n_stages_per_rank(self) -> int:
         return self.stages_per_rank or (2 if self.pp_schedule == "interleaved1f1b" else 1)
 
+
 def split_layers(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage: as even as possible; the remainder goes to the stages nearest the
     middle, and the first and last stages (which also hold the embedding and the output
