@@ -36,6 +36,12 @@ logger = log.get_logger(__name__)
 
 #: Seconds a connection attempt and its handshake may take.
 CONNECT_S = 10.0
+#: Seconds to wait for the server's first bytes once the kernel has taken the connection: it
+#: waits in the server's accept queue, which a flood of strangers fills. The server takes them at
+#: ``pending_max`` (>= 128) a ``PENDING_GRACE_S`` (1 s), so its 4,096-deep queue drains in <= 32 s:
+#: waiting keeps this producer's place, and giving up after CONNECT_S put it at the back again --
+#: under a sustained flood, for ever.
+HELLO_WAIT_S = 60.0
 #: Bytes one ``send`` call hands the kernel at most.
 SEND_MAX = 4 << 20
 
@@ -258,7 +264,9 @@ class Sender:
         sock = socket.create_connection(self._addr, timeout=CONNECT_S)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(HELLO_WAIT_S)
             hello = _recv_exact(sock, handshake.HELLO_BYTES)
+            sock.settimeout(CONNECT_S)
             answer, nonce_p = handshake.answer(self._key, hello)
             sock.sendall(answer)
             head = _recv_exact(sock, 1)

@@ -199,3 +199,34 @@ def test_many_connections_streaming_at_once_are_served_fairly():
     assert out["wall_s"] < 90, out  # no wait for a batch that never fills
     assert out["admitted"] == 1000 and out["refused"] == out["evicted"] == out["client_reconnects"] == 0, out
     assert out["fair_window_s"] > 0 and out["min_share_over_fair"] >= 0.75, out
+
+
+def test_a_producer_queued_behind_a_flood_keeps_its_place_rather_than_reconnecting(monkeypatch):
+    """A flood of strangers fills the server's accept queue, which it drains at ``pending_max``
+    a second: a producer whose connection the kernel took waits there for the server's first
+    bytes (HELLO_WAIT_S), where giving up after CONNECT_S would put it at the back again. With
+    CONNECT_S cut to 0.2 s and the server accepting only after 1.5 s, the producer's side made
+    exactly one connection, and it is the one the handshake then answers on."""
+    import socket
+
+    from hpcml.stream import handshake, sender
+
+    monkeypatch.setattr(sender, "CONNECT_S", 0.2)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    s = sender.Sender(SECRET, hwm=4, timeout_s=5)
+    try:
+        s.connect(f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+        time.sleep(1.5)  # the server is busy with the strangers ahead: nothing accepted yet
+        conn, _ = listener.accept()
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # no second connection: the producer did not give up and come back
+        first, _nonce = handshake.hello()
+        conn.sendall(first)
+        conn.settimeout(5)
+        answer = conn.recv(handshake.ANSWER_BYTES, socket.MSG_WAITALL)
+        assert len(answer) == handshake.ANSWER_BYTES  # it answers on the connection that waited
+        conn.close()
+    finally:
+        s.close(linger=0)
+        listener.close()
