@@ -167,7 +167,10 @@ class MLPSurrogate(nn.Module):
         if t.shape not in ((batch,), (batch, 1)):
             raise ValueError(f"t must have shape [B={batch}] or [B={batch}, 1], got {list(t.shape)}")
         x = torch.cat([params, t.reshape(batch, 1).to(params.dtype)], dim=1)
-        return self.net(x).view(batch, *self.config.shape)
+        out = self.net(x).view(batch, *self.config.shape)
+        # Under FSDP2 the root's output carries the pre-backward hook that gathers the weights
+        # again, and an in-place op on a view (a user's ``out += bias``) would drop it: a copy there.
+        return out.clone() if hasattr(self, "set_requires_gradient_sync") else out
 
     def output_shape(self) -> tuple[int, ...]:
         """One sample's field shape, without the batch axis: ``cfg.shape``, to check against the data."""
