@@ -105,12 +105,11 @@ class GradAllReduce:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.group_size > 1 and self.dtype not in (None, flat.dtype):
-            wire = flat.to(self.dtype)
+        if self.group_size > 1:
+            wire = flat if self.dtype in (None, flat.dtype) else flat.to(self.dtype)
             dist.all_reduce(wire, group=self.group)
-            flat.copy_(wire)
-        elif self.group_size > 1:
-            dist.all_reduce(flat, group=self.group)
+            if wire is not flat:
+                flat.copy_(wire)
         flat /= self.divide_by
         offset = 0
         for g in grads:

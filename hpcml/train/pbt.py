@@ -105,7 +105,6 @@ def set_hyperparameters(trainer: Any, values: dict[str, Any], buffer: Any = None
         for g in trainer.optimizer.param_groups:
             g["initial_lr"] *= f
             g["lr"] *= f
-        trainer.scheduler._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]
     if buffer is not None and values.get("buffer_policy") not in (None, buffer.config.policy):
         buffer.set_policy(values["buffer_policy"])  # kept in the stream state a checkpoint saves
     if "weight_decay" in values:
@@ -116,7 +115,7 @@ def set_hyperparameters(trainer: Any, values: dict[str, Any], buffer: Any = None
         trainer.schedule.set_warmup(int(values["warmup"]))
         for g in trainer.optimizer.param_groups:  # this step's rate on the new schedule, as a resume sets it
             g["lr"] = g["initial_lr"] * trainer.schedule(trainer.step)
-        trainer.scheduler._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]
+    trainer.scheduler._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ steers by -- the held-out error during and after training -- is the best member'
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,8 +191,6 @@ def member_resume(ckpt_dir: str | Path, grid: Any, *, required: bool) -> Path | 
 def best_of(grid: Any, figures: dict[str, float]) -> tuple[dict[str, float], list[float]]:
     """The population's best member's held-out figures (lowest ``val_rel_l2``; a NaN never
     wins) with ``val_best_member``, and every member's error; collective over the job."""
-    import math
-
     views = grid.pop_comm.allgather(figures)
     errs = [float(v.get("val_rel_l2", math.nan)) for v in views]
     best = lowest(errs)
@@ -203,8 +202,6 @@ def best_of(grid: Any, figures: dict[str, float]) -> tuple[dict[str, float], lis
 def lowest(scores: list[float]) -> int | None:
     """The member with the lowest score (ties: the first), a NaN or infinity never; None when
     no score is finite."""
-    import math
-
     finite = [m for m, x in enumerate(scores) if math.isfinite(x)]
     return min(finite, key=lambda m: (scores[m], m)) if finite else None
 
