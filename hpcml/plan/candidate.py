@@ -191,8 +191,9 @@ class PlanLayout:
                               + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
         if self.dp % self.dp_replicate:
             raise ConfigError(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}")
-        if self.sequence_parallel and self.cp > 1:
-            raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported: use cp alone")
+        if self.sequence_parallel and self.cp > 1 and self.framework == "hpcml":
+            raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported by hpcml's trainer: use cp "
+                              f"alone (framework megatron or torchtitan prices both)")
         if self.fpdt_chunk and (self.sequence_parallel or self.seq_len % (self.cp * self.fpdt_chunk)):
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk}: seq_len {self.seq_len} must be a multiple of cp "
                               f"{self.cp} x fpdt_chunk, without sequence_parallel")

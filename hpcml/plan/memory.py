@@ -191,6 +191,12 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
                     chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind)
 
 
+@lru_cache(maxsize=256)
+def _kept_whole(how: fp.Saved) -> fp.Saved:
+    """``how`` without recompute: the block that backward recomputes, as its forward keeps it."""
+    return replace(how, recompute="none")
+
+
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
     """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``."""
     n_stages = lay.pp * lay.v
@@ -199,8 +205,9 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     tokens = lay.micro_batch * lay.seq_len
     per_mb = 0.0
     mine = list(range(pp_rank, n_stages, lay.pp))
+    kinds = fp.layer_kinds(cfg, tuple(i for s in mine for i in stages[s]))  # this rank's blocks, alike counted once
+    per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in kinds.items())
     for s in mine:
-        per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
     per_mb *= tokens
     if lay.framework == "hpcml":  # its ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
@@ -216,13 +223,11 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         # a fused loss writes the gradient over the logits it kept)
         logit_rows = min(tokens / lay.cp, lay.micro_batch * lay.fpdt_chunk) if how.chunked_loss else tokens / lay.cp
         buffers += 2 * 4 * cfg.padded_vocab / lay.tp * logit_rows
-    moe = [i for s in mine for i in fp.layer_kinds(cfg, stages[s]) if cfg.is_moe(i)]
-    if moe and lay.ep > 1:  # all-to-all send and receive buffers of one MoE block
+    if lay.ep > 1 and any(cfg.is_moe(i) for i in kinds):  # all-to-all send and receive buffers of one MoE block
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes
     if lay.recompute != "none":
-        full = replace(how, recompute="none")
-        buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for s in mine
-                                 for i in fp.layer_kinds(cfg, stages[s])), default=0.0)
+        full = _kept_whole(how)
+        buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for i in kinds), default=0.0)
     return saved, buffers
 
 
@@ -273,8 +278,9 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
                 buf += compute_bytes * (st.compute_params - st.root) / local
         elif lay.zero == 2:  # FSDP without resharding after forward: every block stays gathered until backward
             buf += compute_bytes * st.compute_params + 4 * st.largest_unit
-        if lay.zero >= 2 and lay.framework == "hpcml" and lay.microbatches > 1:
+        if lay.zero >= 2 and (lay.framework == "hpcml" or lay.pp > 1) and lay.microbatches > 1:
             buf += 4 * st.compute_params  # unsharded gradients accumulate until the last micro-batch syncs
+            # (hpcml's own rule; under a pipeline torch.distributed.pipelining's, whatever the framework)
         elif lay.zero == 0 and lay.framework == "hpcml" and lay.dp * lay.cp > 1:
             buf += 4 * st.grads  # hpcml's DDP all-reduces one flat copy of every gradient
         m = Memory(p, g, o, act, buf, reserved_bytes, r)

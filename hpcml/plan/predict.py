@@ -96,7 +96,8 @@ def resolve_device(lay: PlanLayout) -> Device:
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
-    return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, lay.sequence_parallel,
+    sp = lay.sequence_parallel and (lay.cp == 1 or lay.framework == "hpcml")  # other frameworks run SP with cp
+    return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
                       lay.schedule, lay.stages_per_rank, lay.cp_kind)
 
 

@@ -122,6 +122,20 @@ class TransformerConfig:
 
             check_moe(self)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the planner's caches key on a config tens of thousands
+        of times a search (the generated hash rebuilt a 30-field tuple each time)."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        """The fields alone: a string's hash differs from process to process, so the cached one stays here."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def with_blocks(self, activation: str | None = None, norm: str | None = None,
                     bias: bool | None = None, positions: str | None = None) -> TransformerConfig:
         """This shape with other blocks (None: keep), the MLP's width kept: a GPT block of a

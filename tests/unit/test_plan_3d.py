@@ -1,0 +1,86 @@
+"""The planner on 3-D parallelism at scale (issue 42): FSDP under a pipeline synchronises once a
+step, as torch.distributed.pipelining runs it, and Llama 3 405B's published configurations on
+8,192-16,384 H100s, held out of every fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hpcml.errors import ConfigError
+from hpcml.plan import PlanLayout, predict
+from hpcml.plan.memory import memory, rank_state
+from hpcml.plan.predict import load_model
+from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES, llama3_405b
+
+
+def _pp_fsdp(framework: str, global_batch: int, zero: int = 2) -> PlanLayout:
+    cfg = replace(load_model("llama3-8b"), n_layers=8)
+    return PlanLayout(model=cfg, gpus=64, gpu="h100-80gb", seq_len=4096, global_batch=global_batch, tp=2, pp=4,
+                      zero=zero, framework=framework)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero):
+    """torch.distributed.pipelining keeps an FSDP stage's parameters gathered and its gradients
+    unreduced until the last micro-batch (``set_requires_gradient_sync(False)`` on every other
+    backward): the data-parallel time does not grow with the micro-batches, and the unsharded
+    fp32 gradients are held meanwhile. Without a pipeline torchtitan's FSDP syncs every one."""
+    few, many = predict(_pp_fsdp("torchtitan", 16, zero)), predict(_pp_fsdp("torchtitan", 64, zero))
+    assert many.parts_s["dp"] == pytest.approx(few.parts_s["dp"], rel=1e-9) and few.parts_s["dp"] > 0
+    cfg = _pp_fsdp("torchtitan", 16).model
+    flat = replace(_pp_fsdp("torchtitan", 16, zero), pp=1, tp=8)  # 8 data ranks, no pipeline
+    flat_many = replace(flat, global_batch=64)
+    assert predict(flat_many).parts_s["dp"] > 3 * predict(flat).parts_s["dp"]
+    lay = _pp_fsdp("torchtitan", 64, zero)
+    grads = 4 * rank_state(cfg, lay, memory(cfg, lay).pp_rank).compute_params
+    one_mb = replace(lay, global_batch=8)  # one micro-batch a data rank: nothing to accumulate
+    assert memory(cfg, lay).buffers - memory(cfg, one_mb).buffers == pytest.approx(grads, rel=1e-9)
+
+
+def test_sequence_parallel_with_cp_is_priced_for_other_frameworks_and_refused_for_hpcml():
+    base = dict(model="llama3-8b", gpus=64, gpu="h100-80gb", seq_len=32768, global_batch=16, tp=4, cp=2, pp=2,
+                zero=1, sequence_parallel=True)
+    sp = predict(PlanLayout(**base, framework="megatron"))
+    no_sp = predict(PlanLayout(**{**base, "sequence_parallel": False}, framework="megatron"))
+    assert sp.fits and sp.memory_gib["activations"] < no_sp.memory_gib["activations"]
+    with pytest.raises(ConfigError, match="sequence_parallel with cp 2 > 1 is not supported by hpcml's trainer"):
+        PlanLayout(**base, framework="hpcml")
+
+
+def test_llama3_405b_table_is_held_out_and_read_as_published():
+    cases = TABLES["llama3-405b-h100"]()
+    fitted = {t for ts in (*CALIBRATION.values(), *DEVICE_CALIBRATION.values(), *MEMORY_CALIBRATION.values())
+              for t in ts}
+    assert "llama3-405b-h100" not in fitted
+    assert [(c.layout.gpus, c.layout.tp, c.layout.cp, c.layout.pp, c.layout.dp) for c in cases] == [
+        (8192, 8, 1, 16, 64), (16384, 8, 1, 16, 128), (16384, 8, 16, 16, 8)]
+    assert all(c.layout.global_batch * c.layout.seq_len == 1 << 24 for c in cases)  # 16M tokens a step
+    assert [round(c.notes["mfu"], 3) for c in cases] == [0.435, 0.404, 0.384]
+    assert 400e9 < cases[0].layout.model.num_params() < 410e9
+
+
+def test_llama3_405b_at_8k_within_a_tenth_with_interleaving_and_priced_as_measured():
+    """The 8K rows with four virtual stages a rank (the publisher's interleaved schedule; its
+    count is not published) within 10%; plain 1F1B's bubble is the lower bound. Before the
+    once-a-step rule they were predicted 43-57% too slow. The 128K row is not met: flash
+    attention's efficiency fitted on llm-foundry's FA2 runs prices its attention ~3x slower
+    than Meta's kernels ran it."""
+    for c in llama3_405b(schedule="interleaved1f1b", stages_per_rank=4)[:2]:
+        err = predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1
+        assert abs(err) <= 0.10, (c.label, err)
+    plain = [predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1 for c in llama3_405b()[:2]]
+    assert all(-0.45 < e < -0.2 for e in plain), plain
+
+
+def test_a_config_hashes_its_fields_once_and_keeps_the_hash_to_itself():
+    import pickle
+    from dataclasses import fields
+
+    cfg = load_model("llama3-8b")
+    assert hash(cfg) == hash(tuple(getattr(cfg, f.name) for f in fields(cfg))) == hash(replace(cfg))
+    assert cfg.__dict__["_hash"] == hash(cfg) and replace(cfg) == cfg and replace(cfg, n_layers=3) != cfg
+    assert "_hash" not in repr(cfg) and "_hash" not in cfg.to_dict()
+    back = pickle.loads(pickle.dumps(cfg))
+    assert "_hash" not in back.__dict__ and back == cfg and hash(back) == hash(cfg)
