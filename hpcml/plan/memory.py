@@ -188,7 +188,8 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind)
+                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind,
+                    fused_blocks=lay.framework == "megatron")
 
 
 @lru_cache(maxsize=256)

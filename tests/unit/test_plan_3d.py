@@ -84,3 +84,21 @@ def test_a_config_hashes_its_fields_once_and_keeps_the_hash_to_itself():
     assert "_hash" not in repr(cfg) and "_hash" not in cfg.to_dict()
     back = pickle.loads(pickle.dumps(cfg))
     assert "_hash" not in back.__dict__ and back == cfg and hash(back) == hash(cfg)
+
+
+def test_megatrons_fused_blocks_keep_three_tensors_of_the_mlp_and_no_normalised_copy():
+    """Megatron-core's bias-SwiGLU saves its input (gate and up) and fc2 the product: three tensors
+    of the MLP's width, not eager torch's four (the SiLU too); Transformer Engine's RMSNorm its input
+    and 1/rms. The planner counts it for ``framework: megatron`` only."""
+    from hpcml.models.transformer import footprint as fp
+    from hpcml.plan.memory import saved_how
+
+    cfg = replace(load_model("llama3-8b"), n_layers=2)
+    lay = PlanLayout(model=cfg, gpus=8, gpu="h100-80gb", seq_len=4096, global_batch=8, tp=4, zero=1,
+                     sequence_parallel=True, framework="megatron")
+    how = saved_how(lay)
+    assert how.fused_blocks and not saved_how(replace(lay, framework="torchtitan")).fused_blocks
+    eager = replace(how, fused_blocks=False)
+    diff = fp.layer_saved(cfg, 0, 4096, eager) - fp.layer_saved(cfg, 0, 4096, how)
+    assert diff == pytest.approx(2 * cfg.hidden / 4 + 2 * 2 * cfg.dim / 4, rel=1e-12)  # bf16: a width / tp, two norms
+    assert memory(cfg, lay).activations < memory(cfg, replace(lay, framework="torchtitan")).activations

@@ -148,6 +148,10 @@ class Saved:
     cp_kind: str = "ulysses"
     """ulysses, or allgather: the keys and values of the whole sequence kept (no heads split; hpcml's
     one causal mask of the rank's slice, [S/cp, S] bytes shared by the layers, is not counted)."""
+    fused_blocks: bool = False
+    """Megatron-core's fused kernels (its bias-SwiGLU, Transformer Engine's norms): the MLP keeps
+    its gate and up projections and their product (three tensors of its width; the SiLU is
+    recomputed in backward), an RMSNorm its input and 1/rms (no normalised copy)."""
     loss: str = "eager"
     """eager: the log-softmax of every logit kept (fp32), its gradient made whole in backward;
     fused: the logits kept in ``act_bytes``, the gradient written over them (flash-attn's
@@ -177,7 +181,10 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
         return (r * cfg.dim / sp + a * (mm / 2 + cfg.dim) / tp + 4 * cfg.n_heads / tp) / cp
     # two sub-blocks: RMSNorm keeps its input, the normalised fp32 tensor and 1/rms; LayerNorm its input,
     # mean and 1/std (its output is the projections' input, counted there)
-    norm_side = 2 * (r * (cfg.dim + cfg.dim) + 4) if cfg.norm == "rmsnorm" else 2 * (r * cfg.dim + 8)
+    if cfg.norm == "rmsnorm":
+        norm_side = 2 * (r * cfg.dim * (1 if how.fused_blocks else 2) + 4)
+    else:
+        norm_side = 2 * (r * cfg.dim + 8)
     shared_in = 2 * cfg.dim  # the projections' input of each sub-block
     if how.sequence_parallel:
         norm_side /= tp
@@ -196,7 +203,8 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     if how.fpdt and not cfg.is_moe(layer):  # the MLP sub-block chunked and recomputed: its input h alone
         return (norm_side / 2 + a * (shared_in / 2 + attn + lse) + r * cfg.dim) / cp
     # SwiGLU keeps gate, up, silu(gate) and their product; GeLU the up projection and its GeLU
-    ffn = (4.0 if cfg.activation == "swiglu" else 2.0) * _ffn_width(cfg, layer) / tp
+    # (three under fused_blocks: the SiLU recomputed from the gate in backward)
+    ffn = (2.0 if cfg.activation != "swiglu" else 3.0 if how.fused_blocks else 4.0) * _ffn_width(cfg, layer) / tp
     if cfg.is_moe(layer):  # the router's fp32 scores, each assignment's permuted input and expert output
         ffn += 4 * cfg.n_experts / a + 2 * cfg.moe_top_k * cfg.dim
     return (norm_side + a * (shared_in + attn + lse + ffn)) / cp
@@ -257,7 +265,8 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
         out += how.stream_bytes * cfg.dim
     elif last:
         logit = how.act_bytes if how.loss == "fused" else 4  # the logits kept, or their fp32 log-softmax
-        norm = 2 * how.stream_bytes * cfg.dim + 4 if cfg.norm == "rmsnorm" else how.stream_bytes * cfg.dim + 8
+        norm = ((1 if how.fused_blocks else 2) * how.stream_bytes * cfg.dim + 4 if cfg.norm == "rmsnorm"
+                else how.stream_bytes * cfg.dim + 8)
         out += norm / (how.tp if how.sequence_parallel else 1) \
             + how.act_bytes * cfg.dim + logit * cfg.padded_vocab / how.tp
     return out / how.cp
