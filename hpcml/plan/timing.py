@@ -250,12 +250,16 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         ag = _ring(gathered, ws, dp_bw, c, 1.0) * (2 if lay.zero == 3 else 1)
         rs = _ring(grad_full, ws, dp_bw, c, 1.0)
         # hpcml syncs gradients after the last micro-batch only; torch's default after each. Under a
-        # pipeline, torch.distributed.pipelining (as Megatron) keeps FSDP's parameters gathered and its
-        # gradients unreduced from the first micro-batch to the last: once a step
+        # pipeline, torch.distributed.pipelining (as Megatron) neither reduces nor reshards after a
+        # backward but the last: one reduce-scatter a step, and the parameters a backward gathered
+        # serve the next forward -- gathered once a step without resharding after forward (ZeRO-2),
+        # again in each backward with it (ZeRO-3: m + 1 gathers)
         if lay.framework == "hpcml":
             comm = m * ag + rs
+        elif lay.pp > 1:
+            comm = _ring(gathered, ws, dp_bw, c, 1.0) * (m + 1 if lay.zero == 3 else 1) + rs
         else:
-            comm = ag + rs if lay.pp > 1 else m * (ag + rs)
+            comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
             comm *= _node_aware_share(cfg, lay, dev, pp_rank, dp_bw)
         dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + _ring(gathered, ws, dp_bw, c, 1.0) / max(1, len(layers)) \

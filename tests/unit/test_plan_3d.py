@@ -39,6 +39,19 @@ def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero):
     assert memory(cfg, lay).buffers - memory(cfg, one_mb).buffers == pytest.approx(grads, rel=1e-9)
 
 
+def test_zero3_under_a_pipeline_gathers_again_in_each_backward():
+    """Resharding after forward (ZeRO-3), each micro-batch's backward gathers the stage again (its
+    parameters then serve the next forward unsharded): m + 1 gathers a step, against ZeRO-2's one.
+    On 256 data ranks of short sequences the traffic is exposed, so the difference is m gathers."""
+    cfg = replace(load_model("llama3-8b"), n_layers=8)
+    extra = []
+    for batch in (256, 1024):
+        dp = [predict(PlanLayout(model=cfg, gpus=512, gpu="h100-80gb", seq_len=256, global_batch=batch, pp=2,
+                                 zero=zero, framework="torchtitan")).parts_s["dp"] for zero in (2, 3)]
+        extra.append(dp[1] - dp[0])
+    assert extra[0] > 0 and extra[1] == pytest.approx(4 * extra[0], rel=1e-9)  # 1 and 4 micro-batches
+
+
 def test_sequence_parallel_with_cp_is_priced_for_other_frameworks_and_refused_for_hpcml():
     base = dict(model="llama3-8b", gpus=64, gpu="h100-80gb", seq_len=32768, global_batch=16, tp=4, cp=2, pp=2,
                 zero=1, sequence_parallel=True)
