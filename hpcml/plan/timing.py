@@ -254,10 +254,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         # backward but the last: one reduce-scatter a step, and the parameters a backward gathered
         # serve the next forward -- gathered once a step without resharding after forward (ZeRO-2),
         # again in each backward with it (ZeRO-3: m + 1 gathers)
-        if lay.framework == "hpcml":
-            comm = m * ag + rs
-        elif lay.pp > 1:
+        if lay.pp > 1 and not lay.hpz:  # hpcml's stages are FSDP roots inside PipelineStage too
             comm = _ring(gathered, ws, dp_bw, c, 1.0) * (m + 1 if lay.zero == 3 else 1) + rs
+        elif lay.framework == "hpcml":
+            comm = m * ag + rs
         else:
             comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are

@@ -7,6 +7,9 @@ sends ``per_peer`` to each of ``a - 1`` ranks inside and ``n - a`` across. FSDP2
 unit (a block; the root -- embeddings, final norm, output -- apart) as one flat buffer of the
 ranks' padded dim-0 chunks, every micro-batch's forward and, resharded after forward, its
 backward (the root keeps its weights to backward); hpcml reduce-scatters gradients once a step.
+Under a pipeline ``torch.distributed.pipelining`` neither reshards nor reduces after a backward
+but the last: a stage is gathered once a step (once more in each backward if it reshards after
+forward), and reduced once, whatever the framework.
 qwZ sends 1 byte a value and a 4-byte scale a block of the flat buffer; qgZ sends the node's
 chunks in full precision inside it and int8 blocks across.
 """
@@ -60,15 +63,16 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
         return _quantized(values, lay.quant_block) if lay.qwz else values * w
 
     blocks, root = _units(cfg, lay, shard_ws, pp_rank)
+    piped = lay.pp > 1 and not lay.hpz  # torch.distributed.pipelining: no reshard after a backward but the last
     after_forward = 2 if lay.zero == 3 and not lay.hpz else 1
-    for u in blocks:
-        send(shard_ws, gathered(u), m * after_forward)
+    for u in blocks:  # under a pipeline the first forward gathers, and each backward again at ZeRO-3
+        send(shard_ws, gathered(u), (m + 1 if lay.zero == 3 else 1) if piped else m * after_forward)
     for r in root:
-        send(shard_ws, gathered(r), m)
+        send(shard_ws, gathered(r), 1 if piped else m)
     if lay.hpz and lay.zero == 3:  # backward gathers the secondary shards, over the node's ranks
         for u in _units(cfg, lay, min(local, ws), pp_rank)[0]:
             send(min(local, ws), gathered(u), m)
-    syncs = 1 if lay.framework == "hpcml" else m
+    syncs = 1 if lay.framework == "hpcml" or piped else m
     for u in blocks + root:
         if lay.qgz and local < shard_ws:  # the node's chunks in full precision, then int8 across
             nodes = shard_ws // local

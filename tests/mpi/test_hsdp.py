@@ -133,6 +133,31 @@ def test_bytes_inside_and_across_nodes_are_the_planners_exactly(comm):
         assert got[name] == dp_bytes(MODEL, lay, 2), name
 
 
+@pytest.mark.parametrize("zero", [3, 2])
+def test_fsdp_under_a_pipeline_sends_what_the_planner_counts(comm, zero):
+    """pp 2 x dp 2 (each stage's data ranks on one node), four micro-batches, fp32:
+    torch.distributed.pipelining reshards and reduces after the last backward only, so a stage is
+    gathered once a step (ZeRO-2) or once more in each backward (ZeRO-3: m + 1) and its gradients
+    reduce-scattered once; every rank's bytes equal ``hpcml.plan``'s count for its stage."""
+    from hpcml.plan.candidate import PlanLayout
+    from hpcml.plan.traffic import dp_bytes
+
+    train = TrainConfig(**{**TRAIN.__dict__, "steps": 2, "micro_batch": 1})
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        trainer = trainer_of(MODEL, {"pp": 2, "dp": 2}, {"reshard_after_forward": zero == 3}, train)
+        history, stage = trainer.fit(), trainer.grid.coords["pp"]
+        trainer.close()
+    finally:
+        torch.set_default_dtype(before)
+    got = {b: history[1][b] for b in ("dp_bytes_intra_node", "dp_bytes_inter_node")}
+    lay = PlanLayout(model=MODEL, gpus=4, gpu="a100-80gb", seq_len=TRAIN.seq_len, global_batch=TRAIN.global_batch,
+                     micro_batch=1, pp=2, zero=zero, precision="fp32", gpus_per_node=2)
+    assert lay.microbatches == 4 and got["dp_bytes_intra_node"] > 0
+    assert got == dp_bytes(MODEL, lay, 2, stage), (stage, got)
+
+
 @pytest.fixture(scope="module")
 def shared_dir(comm):
     return Path(comm.bcast(tempfile.mkdtemp(prefix="hpcml-hsdp-") if comm.rank == 0 else None))
