@@ -115,3 +115,14 @@ def test_megatrons_fused_blocks_keep_three_tensors_of_the_mlp_and_no_normalised_
     diff = fp.layer_saved(cfg, 0, 4096, eager) - fp.layer_saved(cfg, 0, 4096, how)
     assert diff == pytest.approx(2 * cfg.hidden / 4 + 2 * 2 * cfg.dim / 4, rel=1e-12)  # bf16: a width / tp, two norms
     assert memory(cfg, lay).activations < memory(cfg, replace(lay, framework="torchtitan")).activations
+
+
+def test_gradients_accumulated_unsharded_are_held_in_the_reduce_dtype():
+    """FSDP2 keeps a gradient that is not synchronised yet in its reduce dtype
+    (``FSDPParam.to_accumulated_grad_if_needed``): a bf16 reduction holds 2 bytes a parameter of the
+    stage between micro-batches, not 4."""
+    lay = _pp_fsdp("torchtitan", 64)
+    cfg = lay.model
+    grads = rank_state(cfg, lay, memory(cfg, lay).pp_rank).compute_params
+    bf16 = replace(lay, reduce_dtype="bf16")
+    assert memory(cfg, lay).buffers - memory(cfg, bf16).buffers == pytest.approx(2 * grads, rel=1e-9)
