@@ -64,6 +64,44 @@ def test_a_bf16_reduction_is_each_ranks_gradient_rounded_then_summed_in_bf16(com
     assert differs == len(list(alone.parameters()))
 
 
+@needs_world(2)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_micro_batches_accumulate_in_fp32_under_ddp_and_in_bf16_under_fsdp(comm, fsdp):
+    """Four micro-batches a rank, a bf16 reduction: DDP sums them in fp32 and rounds the sum once
+    for the wire; FSDP2 keeps a gradient not yet synchronised in its reduce dtype
+    (``FSDPParam.to_accumulated_grad_if_needed``), so each micro-batch's running sum is rounded to
+    bf16 -- exactly so, as docs/parallel.md says (a rounding per micro-batch, not per step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+    alone = copy.deepcopy(model)
+    grid = ProcessGrid(dp=2)
+    grid.init_torch()
+    pm = parallelize(model, grid, ParallelConfig(fsdp=fsdp, reduce_dtype="bf16"), loss_fn=nn.functional.mse_loss)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+    pm.forward_backward(x, y, n_micro=4)
+    pm.sync_grads()
+    per = []  # this rank's micro-batches' gradients, plain torch
+    for k in range(4):
+        alone.zero_grad()
+        (nn.functional.mse_loss(alone(x[2 * k:2 * k + 2]), y[2 * k:2 * k + 2]) / 4).backward()
+        per.append({n: p.grad.numpy().copy() for n, p in alone.named_parameters()})
+    ranks = comm.allgather(per)
+    for name, p in pm.named_parameters():
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        sums = []
+        for mine in ranks:
+            g = [torch.from_numpy(m[name]) for m in mine]
+            if fsdp:
+                acc = g[0].bfloat16()
+                for t in g[1:]:
+                    acc = (acc.float() + t).bfloat16()
+            else:
+                acc = (g[0] + g[1] + g[2] + g[3]).bfloat16()
+            sums.append(acc)
+        assert torch.equal(got, (sums[0] + sums[1]).float() / 2), name
+
+
 @needs_world(4)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_a_transformer_on_tp2_x_dp2_trains_within_bf16s_rounding_of_the_fp32_reduction(comm, fsdp):
