@@ -4,6 +4,7 @@ per axis. Validated in ``__post_init__`` with the numbers in the message, so a b
 
 from __future__ import annotations
 
+import copy
 from dataclasses import InitVar, asdict, dataclass, fields
 
 from hpcml.errors import ConfigError
@@ -209,6 +210,15 @@ class PlanLayout:
                                   f"({rounds} = micro-batches // pp {self.pp}, torch's rule)")
         elif self.stages_per_rank not in (None, 1):
             raise ConfigError(f"{self.schedule} runs one stage per rank, got stages_per_rank {self.stages_per_rank}")
+
+    def with_recompute(self, recompute: str) -> PlanLayout:
+        """This layout with another recompute mode, without checking the rest again: no other field's
+        rule depends on it (the search's inner loop: a full check per mode was a fifth of a search)."""
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+        out = copy.copy(self)
+        object.__setattr__(out, "recompute", recompute)
+        return out
 
     @property
     def dp(self) -> int:

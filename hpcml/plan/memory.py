@@ -192,6 +192,13 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
                     fused_blocks=lay.framework == "megatron")
 
 
+@lru_cache(maxsize=4096)
+def _rank_layers(n_layers: int, n_stages: int, pp: int, pp_rank: int) -> tuple[int, ...]:
+    """The blocks of every stage pipeline rank ``pp_rank`` holds, in order."""
+    stages = stage_layer_lists(n_layers, n_stages)
+    return tuple(i for s in range(pp_rank, n_stages, pp) for i in stages[s])
+
+
 @lru_cache(maxsize=256)
 def _kept_whole(how: fp.Saved) -> fp.Saved:
     """``how`` without recompute: the block that backward recomputes, as its forward keeps it."""
@@ -201,12 +208,11 @@ def _kept_whole(how: fp.Saved) -> fp.Saved:
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
     """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``."""
     n_stages = lay.pp * lay.v
-    stages = stage_layer_lists(cfg.n_layers, n_stages)
     how = saved_how(lay)
     tokens = lay.micro_batch * lay.seq_len
     per_mb = 0.0
     mine = list(range(pp_rank, n_stages, lay.pp))
-    kinds = fp.layer_kinds(cfg, tuple(i for s in mine for i in stages[s]))  # this rank's blocks, alike counted once
+    kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank))  # alike counted once
     per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in kinds.items())
     for s in mine:
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)

@@ -71,8 +71,9 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                                                           schedule, v, base.cp_kind):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
+                                    at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])
                                     for rc in RECOMPUTE[fw]:
-                                        yield replace(lay, zero=zero, recompute=rc)
+                                        yield at_zero.with_recompute(rc)
 
 
 @dataclass(frozen=True)

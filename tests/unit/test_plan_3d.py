@@ -126,3 +126,10 @@ def test_gradients_accumulated_unsharded_are_held_in_the_reduce_dtype():
     grads = rank_state(cfg, lay, memory(cfg, lay).pp_rank).compute_params
     bf16 = replace(lay, reduce_dtype="bf16")
     assert memory(cfg, lay).buffers - memory(cfg, bf16).buffers == pytest.approx(2 * grads, rel=1e-9)
+
+
+def test_with_recompute_is_replace_without_the_other_checks():
+    lay = _pp_fsdp("torchtitan", 64)
+    assert lay.with_recompute("full") == replace(lay, recompute="full") and lay.recompute == "none"
+    with pytest.raises(ConfigError, match="recompute='most': expected one of"):
+        lay.with_recompute("most")
