@@ -39,10 +39,6 @@ from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
-from hpcml.train import TrainConfig
-from hpcml.train.checkpointing import CheckpointHook, load_trainer
-from hpcml.train.population_online import export_best, member_path, member_resume
-from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
 
 
 def replicas(text: str) -> int | str:
@@ -178,7 +174,12 @@ def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | 
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
+    from hpcml.train import TrainConfig
+    from hpcml.train.checkpointing import CheckpointHook, load_trainer
+    from hpcml.train.population_online import export_best, member_path, member_resume
+    from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
+
     install_abort_handler()
     try:
         if args.init_from and args.model:
