@@ -1669,8 +1669,10 @@ def _ep_init_from(ctx, target, scratch):
     global _WF
     if _WF is None:
         _WF = _workflow()
+    from hpcml.train import recipe  # the script imports its trainer builder from here when main runs
+
     wf, seen = _WF, {}
-    build = wf.build_llm_trainer
+    build = recipe.build_llm_trainer
 
     def recording(*a, **k):
         tr = build(*a, **k)
@@ -1683,7 +1685,7 @@ def _ep_init_from(ctx, target, scratch):
         tr.fit = fit
         return tr
 
-    wf.build_llm_trainer = recording
+    recipe.build_llm_trainer = recording
     hook = sys.excepthook
     try:
         with captured() as io_:
@@ -1693,7 +1695,7 @@ def _ep_init_from(ctx, target, scratch):
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 1
     finally:
-        wf.build_llm_trainer = build
+        recipe.build_llm_trainer = build
         sys.excepthook = hook
     outcome, detail = _cli_outcome(rc, io_["err"], prog="llm_pretrain")
     if outcome != "ok":
