@@ -225,6 +225,13 @@ class PlanLayout:
         return self.gpus // (self.tp * self.cp * self.pp)
 
     @property
+    def fsdp_piped(self) -> bool:
+        """FSDP inside ``torch.distributed.pipelining``'s stages (hpZ apart; hpcml's, torchtitan's and
+        Megatron's alike): no backward but the last reshards or reduces, so a stage is gathered once a
+        step (once more in each backward at ZeRO-3) and its gradients reduced once."""
+        return self.zero >= 2 and self.pp > 1 and not self.hpz
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches per step on each pipeline (gradient accumulation without pp)."""
         return self.global_batch // (self.dp * self.micro_batch)

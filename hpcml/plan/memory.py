@@ -278,8 +278,8 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
         p, g, o = state_bytes(lay, st)
         act, buf = activation_bytes(cfg, lay, r, st)
         compute_bytes = weight_bytes(lay)
-        if lay.zero == 3 and (lay.pp == 1 or lay.hpz):  # FSDP: a gathered block and the one prefetched, the root
-            # kept gathered, a block's grads (under a pipeline no backward but the last reshards: every block gathered)
+        if lay.zero == 3 and not lay.fsdp_piped:  # FSDP: a gathered block and the one prefetched, the root kept
+            # gathered, a block's grads (under a pipeline no backward but the last reshards: every block gathered)
             buf += compute_bytes * (2 * st.largest_unit + st.root) + 4 * st.largest_unit
             if lay.hpz:  # hpZ: every block's secondary shard over the node's data ranks, from forward to backward
                 local = node_ranks(lay, lay.gpus_per_node or gpus_per_node)

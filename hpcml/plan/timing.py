@@ -246,23 +246,20 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     grad_full = (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.compute_params  # what the reduction sends
     backward_mb = compute_mb * 2 / 3
     if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
-        gathered = weight_bytes(lay) * st.compute_params
-        ag = _ring(gathered, ws, dp_bw, c, 1.0) * (2 if lay.zero == 3 else 1)
+        gather = _ring(weight_bytes(lay) * st.compute_params, ws, dp_bw, c, 1.0)  # the stage's parameters, once
+        ag = gather * (2 if lay.zero == 3 else 1)
         rs = _ring(grad_full, ws, dp_bw, c, 1.0)
         # hpcml syncs gradients after the last micro-batch only; torch's default after each. Under a
-        # pipeline, torch.distributed.pipelining (as Megatron) neither reduces nor reshards after a
-        # backward but the last: one reduce-scatter a step, and the parameters a backward gathered
-        # serve the next forward -- gathered once a step without resharding after forward (ZeRO-2),
-        # again in each backward with it (ZeRO-3: m + 1 gathers)
-        if lay.pp > 1 and not lay.hpz:  # hpcml's stages are FSDP roots inside PipelineStage too
-            comm = _ring(gathered, ws, dp_bw, c, 1.0) * (m + 1 if lay.zero == 3 else 1) + rs
+        # pipeline the parameters a backward gathered serve the next forward (``fsdp_piped``)
+        if lay.fsdp_piped:
+            comm = gather * (m + 1 if lay.zero == 3 else 1) + rs
         elif lay.framework == "hpcml":
             comm = m * ag + rs
         else:
             comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
             comm *= _node_aware_share(cfg, lay, dev, pp_rank, dp_bw)
-        dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + _ring(gathered, ws, dp_bw, c, 1.0) / max(1, len(layers)) \
+        dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + gather / max(1, len(layers)) \
             + m * (len(layers) + 1) * c.fsdp_unit_s
     else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients
         comm = _ring(grad_full, ws, dp_bw, c, 1.0) + _ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 \

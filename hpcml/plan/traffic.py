@@ -63,7 +63,7 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
         return _quantized(values, lay.quant_block) if lay.qwz else values * w
 
     blocks, root = _units(cfg, lay, shard_ws, pp_rank)
-    piped = lay.pp > 1 and not lay.hpz  # torch.distributed.pipelining: no reshard after a backward but the last
+    piped = lay.fsdp_piped
     after_forward = 2 if lay.zero == 3 and not lay.hpz else 1
     for u in blocks:  # under a pipeline the first forward gathers, and each backward again at ZeRO-3
         send(shard_ws, gathered(u), (m + 1 if lay.zero == 3 else 1) if piped else m * after_forward)
