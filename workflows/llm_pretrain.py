@@ -176,7 +176,7 @@ def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | 
 def main(argv=None) -> int:
     args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
     from hpcml.train import TrainConfig
-    from hpcml.train.checkpointing import CheckpointHook, load_trainer
+    from hpcml.train.checkpointing import CheckpointHook, load_trainer, refuse_saves_over
     from hpcml.train.population_online import export_best, member_path, member_resume
     from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
 
@@ -237,6 +237,11 @@ def main(argv=None) -> int:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         if args.resume and args.pop == 1:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
+        if args.ckpt_dir and not args.resume and (args.pop == 1 or not args.auto_resume):
+            members_dirs = sorted(Path(args.ckpt_dir).glob("member_*")) if args.pop > 1 else []
+            for where in (Path(args.ckpt_dir), *members_dirs):  # an earlier run's saves are never written over
+                refuse_saves_over(where, "rerun with --resume (or --auto-resume) to continue from it, or give "
+                                         "another --ckpt-dir to start over")
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)
@@ -262,7 +267,7 @@ def main(argv=None) -> int:
         if args.ckpt_dir:
             overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
             hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep, async_save=args.async_save,
-                                  overlap=overlap)
+                                  overlap=overlap, resumed=args.resume or args.auto_resume)
             hook.claim(trainer.grid.comm)  # another job saving there: one line on every rank, no traceback
             trainer.hooks.append(hook)
             if args.resume:

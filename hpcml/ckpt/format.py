@@ -58,6 +58,19 @@ def step_dirs(root: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     return complete, [p for p in steps if p not in complete]
 
 
+def held(root: str | os.PathLike) -> str | None:
+    """What ``root`` already holds of a run's saves, in words (its newest complete step, or a
+    ``latest`` file), ``None`` for nothing: a run that does not resume must not save over it."""
+    root = Path(root)
+    complete, _ = step_dirs(root)
+    if complete:
+        newest = complete[-1].name
+        return f"a checkpoint at step {int(STEP_RE.match(newest).group(1))} ({newest})"
+    if os.path.lexists(root / LATEST):
+        return f"a '{LATEST}' file"
+    return None
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory: ``path`` itself if it holds ``manifest.json``, else the step
     that ``path/latest`` names -- a plain ``step_N`` name of a real directory beside it,

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from hpcml import ckpt, log, stop
+from hpcml.ckpt import format as ckpt_format
+from hpcml.errors import CheckpointError
 from hpcml.train.loop import Stateful, TrainLoop
 
 logger = log.get_logger(__name__)
@@ -49,6 +51,16 @@ def load_trainer(trainer: Stateful, path: str | Path, strict: bool = True) -> ck
     return report
 
 
+def refuse_saves_over(root: str | Path, advice: str) -> None:
+    """A run that starts afresh where an earlier run saved would write over its saves (``latest``
+    pointed back at step 0's, the newest steps rotated out by ``keep``): refused on every rank,
+    before anything collective, naming what is there and ``advice`` (how to resume instead)."""
+    what = ckpt_format.held(root)
+    if what is not None:
+        raise CheckpointError(f"{root} already holds {what} from an earlier run, and this run starts at step 0: "
+                              f"its saves would replace that one; {advice}")
+
+
 class CheckpointHook:
     """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop).
 
@@ -60,14 +72,19 @@ class CheckpointHook:
     the compute) and off on CPU, where the copy would take the compute's cores (measured in
     docs/benchmarks.md). ``state``: what else each save holds,
     as ``(tensors, extra JSON)`` taken at the moment of the save (online training's sample
-    source). Call :meth:`close` before exit.
+    source). ``resumed``: the trainer resumed, or will before its first step, from what
+    ``root`` holds; without it a ``root`` holding an earlier run's saves is refused here
+    (:func:`refuse_saves_over`). Call :meth:`close` before exit.
     """
 
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
                  signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool | Literal["auto"] = "auto",
-                 state: Callable[[], tuple[dict[str, torch.Tensor], dict]] | None = None) -> None:
+                 state: Callable[[], tuple[dict[str, torch.Tensor], dict]] | None = None, *,
+                 resumed: bool = False) -> None:
         if overlap not in (True, False, "auto"):
             raise ValueError(f"CheckpointHook(overlap={overlap!r}): expected True, False or 'auto'")
+        if not resumed:
+            refuse_saves_over(root, "load them first (load_trainer) and pass resumed=True, or give an empty directory")
         self.root, self.every, self.keep = Path(root), every, keep
         self.async_save, self.overlap, self.state = async_save, overlap, state
         self.saver: ckpt.AsyncSaver | None = None

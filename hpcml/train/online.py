@@ -170,7 +170,7 @@ class OnlineRun:
                               f"be served; give a buffer of at least the batch")
         self.hook = None if not config.ckpt_dir else CheckpointHook(
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
-            state=self._source_state)
+            state=self._source_state, resumed=config.resume)
         self.feedback = None
         if config.feedback_file and trainer.per_sample_losses:
             from hpcml.train.feedback import SimFeedback
