@@ -144,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
     if searching:
         return _run_search(args, PlanLayout(**given, degrees_checked=False), pop)
     lay = PlanLayout(**given)
+    chosen = "micro_batch" not in given
+    if chosen:  # the other degrees given: the micro-batch a search would take for them
+        from hpcml.plan.search import fastest_micro_batch
+
+        lay = fastest_micro_batch(lay, headroom=args.headroom)
     p = predict(lay)
     priced = pop(p) if pop else None
     if args.emit:
@@ -156,9 +161,12 @@ def run(args: argparse.Namespace) -> int:
                               f"(--headroom {args.headroom:g}); lower the micro-batch or recompute, or --headroom 0")
         return _emit(args, lay, p.step_s)
     if args.json:
-        print(json.dumps({**p.to_dict(), **({"population": priced.to_dict()} if priced else {})}))
+        print(json.dumps({**p.to_dict(), **({"population": priced.to_dict()} if priced else {}),
+                          "micro_batch_chosen": chosen}))
     else:
-        print(_line(p) + (f"\n{population.line(priced)}" if priced else ""))
+        note = "" if not chosen else (f" (micro-batch {lay.micro_batch}: the fastest that fits; --micro-batch sets it)"
+                                      if p.fits else " (no micro-batch fits: shown at 1)")
+        print(_line(p) + note + (f"\n{population.line(priced)}" if priced else ""))
     return 0 if p.fits else 1
 
 
@@ -190,6 +198,8 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
     the population priced at the slowest member's step, its swaps through checkpoints."""
     if len(args.member) != args.pop:
         raise ConfigError(f"--member given {len(args.member)} times for --pop {args.pop}: one layout a member")
+    from hpcml.plan.search import fastest_micro_batch
+
     members = []
     for i, text in enumerate(args.member):
         try:
@@ -202,7 +212,10 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
             raise ConfigError(f"--member {i} sets {fixed}: a member's layout keys only (the model and the devices "
                               f"are the population's: --model, --gpus / --pop)")
         try:
-            members.append(predict(PlanLayout.from_dict(d, **given)))
+            lay = PlanLayout.from_dict(d, **given)
+            if "micro_batch" not in d and "micro_batch" not in given:  # as one layout alone: the fastest
+                lay = fastest_micro_batch(lay, headroom=args.headroom)
+            members.append(predict(lay))
         except ConfigError as e:
             raise ConfigError(f"--member {i} ({text[:60]}): {e}") from None
     from hpcml.plan.predict import load_model

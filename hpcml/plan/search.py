@@ -20,7 +20,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device
+from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, predict, resolve_device
 from hpcml.plan.candidate import PlanLayout
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
@@ -100,6 +100,29 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
             scored.append(p)
     scored.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib["total"]))
     return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
+
+
+def fastest_micro_batch(lay: PlanLayout, *, headroom: float = 0.0, max_micro_batch: int = 64) -> PlanLayout:
+    """``lay`` at the micro-batch a search would pick for it: the fastest that fits within
+    ``1 - headroom`` of the device (ties: less memory), among the divisors of its per-replica
+    batch; ``lay`` itself when none fits (its prediction then says why). A layout given
+    without a micro-batch asks about its other degrees: answered at micro-batch 1 it was
+    predicted (and ``--emit`` ran it) up to 7x slower than the search's choice."""
+    cap = resolve_device(lay).memory_gib * (1 - headroom)
+    best: tuple[tuple[float, float], PlanLayout] | None = None
+    for mb in divisors(lay.global_batch // lay.dp):
+        if mb > max_micro_batch:
+            break
+        try:  # the layout's own rules (a pipeline needs >= pp micro-batches, ...)
+            cand = replace(lay, micro_batch=mb)
+        except ConfigError:
+            continue
+        p = predict(cand)
+        if p.fits and p.memory_gib["total"] <= cap:
+            key = (-p.tokens_per_s, p.memory_gib["total"])
+            if best is None or key < best[0]:
+                best = (key, cand)
+    return lay if best is None else best[1]
 
 
 def emit(lay: PlanLayout) -> list[str]:

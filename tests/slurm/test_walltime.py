@@ -13,7 +13,8 @@ from tests.slurm.scenarios import BIN, ENV, LLM, PY, ROOT, final_losses, job, me
 # Long enough that the warning always lands mid-training: Slurm sends it by 60 s into the
 # 2-minute job, and 80 steps once finished in 51 s on a quiet host, before any warning came;
 # 100 take >= 64 s of training after ~10 s of start-up alone, and twice that beside the reference
-# run, which trains at the same time (160, once: 276 s of the Slurm suite's 580).
+# run, which trains at the same time (160, once: 276 s of the Slurm suite's 580). At micro-batch 1
+# (8 micro-steps a step, given: the plan would take 8, one micro-step, and the steps would end first).
 STEPS = 100
 ARGS = ["--tp", "2", "--steps", str(STEPS), "--seed", "0", "--no-progress"]
 
@@ -34,7 +35,8 @@ def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
     run = tmp_path / "run"
     plan = sh(str(BIN / "hpcml"), "plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--site",
               "slurm-local", "--gpus-per-node", "1", "--seq-len", "32", "--global-batch", "8", "--tp", "2",
-              "--precision", "fp32", "--emit", "job", "--steps", str(STEPS), "--walltime", "00:02:00", *data,
+              "--precision", "fp32", "--micro-batch", "1", "--emit", "job", "--steps", str(STEPS), "--walltime",
+              "00:02:00", *data,
               "--ckpt-every", "10", check=True)
     line = shlex.split(plan.stdout.strip())
     assert line[:2] == ["hpcml", "job"] and "--submit" in line and "--auto-resume" in line, line
