@@ -239,9 +239,12 @@ def main(argv=None) -> int:
             resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
         if args.ckpt_dir and not args.resume and (args.pop == 1 or not args.auto_resume):
             members_dirs = sorted(Path(args.ckpt_dir).glob("member_*")) if args.pop > 1 else []
+            advice = ("rerun with --resume (or --auto-resume) to continue from it, or give another --ckpt-dir to "
+                      "start over") if not args.auto_resume else (
+                      f"--auto-resume found no 'latest' there: write the step's name (e.g. step_00000100) into "
+                      f"{Path(args.ckpt_dir) / 'latest'} to resume it, or give another --ckpt-dir to start over")
             for where in (Path(args.ckpt_dir), *members_dirs):  # an earlier run's saves are never written over
-                refuse_saves_over(where, "rerun with --resume (or --auto-resume) to continue from it, or give "
-                                         "another --ckpt-dir to start over")
+                refuse_saves_over(where, advice)
         if data is not None and data.vocab_size > model_cfg.vocab_size and not args.init_from:
             # a preset's embedding grows to the corpus's tokenizer, padded to a multiple of 128 (any tp splits it)
             model_cfg = replace(model_cfg, vocab_size=-(-data.vocab_size // 128) * 128)

@@ -71,3 +71,21 @@ def test_llm_pretrain_refuses_a_reused_ckpt_dir_without_resume(tmp_path, capsys,
                    "that one; rerun with --resume (or --auto-resume) to continue from it, or give another "
                    "--ckpt-dir to start over"]
     assert _snapshot(tmp_path) == before  # nothing written, nothing moved
+
+
+def test_auto_resume_without_latest_is_refused_with_advice_that_works(tmp_path, capsys):
+    """Steps saved but ``latest`` gone (deleted by hand, a copy without it): --auto-resume sees
+    nothing to resume and would start over them; refused, and the advice given resumes."""
+    ckpt.save(tmp_path, 4, {"model/w": torch.ones(3)})
+    (tmp_path / "latest").unlink()
+    before = _snapshot(tmp_path)
+    script = _llm_pretrain()
+    assert script.main(["--steps", "2", "--ckpt-dir", str(tmp_path), "--auto-resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"llm_pretrain: error: {tmp_path} already holds a checkpoint at step 4 (step_00000004) from an "
+                   "earlier run, and this run starts at step 0: its saves would replace that one; --auto-resume found "
+                   f"no 'latest' there: write the step's name (e.g. step_00000100) into {tmp_path / 'latest'} to "
+                   "resume it, or give another --ckpt-dir to start over"]
+    assert _snapshot(tmp_path) == before
+    (tmp_path / "latest").write_text("step_00000004")  # the advice, followed: a resume finds the step
+    assert fmt.resolve(tmp_path) == tmp_path / "step_00000004"
