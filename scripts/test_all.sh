@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: every suite, each stage's time printed at the end (docs/testing.md keeps them).
-# The Slurm suite runs beside the unit suite -- one pytest process on one core, niced, while the
-# Slurm jobs mostly wait on the scheduler and a real walltime -- and the MPI and workflow suites after
-# both, one after another: on 2 cores the Slurm suite beside the MPI suites doubled the 4-rank
+# The Slurm suite runs beside the unit suite and then the 2-rank MPI suite -- niced, while the Slurm
+# jobs mostly wait on the scheduler and a real walltime -- and the 4-rank MPI and workflow suites after
+# them, one after another: on 2 cores the Slurm suite beside the 4-rank suite doubled the 4-rank
 # suite (oversubscribed ranks) and stretched the Slurm suite past the time saved. The workflow
 # suite runs as two halves side by side (scripts/workflow_tests.sh). Every stage
 # runs even when one fails, so one CI run reports them all; any failure fails the run.
@@ -37,9 +37,11 @@ beside bash scripts/slurm_tests.sh
 # The unit suite at a lower priority (nice 5): the Slurm suite's jobs -- a real walltime, a lost
 # node, campaigns with heartbeats -- take the cores when they need them, and the unit suite the
 # cycles they leave while they wait on the scheduler (the stage 634 -> 526 s, docs/testing.md).
+# The 2-rank MPI suite follows it, niced too, beside the Slurm suite's end (its campaigns): the
+# two stages took 532 s together against ~552-587 s one after the other the same day.
 stage unit bash -c "nice -n ${UNIT_NICE:-5} $PY -m pytest tests/unit -q || [ \$? -eq 5 ]"
+stage mpi2 nice -n "${UNIT_NICE:-5}" bash scripts/mpi_tests.sh 2
 joined slurm
-stage mpi2 bash scripts/mpi_tests.sh 2
 stage mpi4 bash scripts/mpi_tests.sh 4
 stage workflows bash scripts/workflow_tests.sh
 
