@@ -20,7 +20,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, predict, resolve_device
+from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device
 from hpcml.plan.candidate import PlanLayout
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
@@ -95,11 +95,21 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
     for lay in candidates(base, cfg, dev, refused=refused):
         n += 1
         p = evaluate(cfg, dev, c, lay, time_if_oom=False)
-        if p.fits and p.memory_gib["total"] <= dev.memory_gib * (1 - headroom):
+        if _fits(p, dev, headroom):
             fitting += 1
             scored.append(p)
-    scored.sort(key=lambda p: (-p.tokens_per_s, p.memory_gib["total"]))
+    scored.sort(key=_faster)
     return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
+
+
+def _fits(p: Prediction, dev: Device, headroom: float) -> bool:
+    """Runs, with ``headroom`` of the device's memory to spare."""
+    return p.fits and p.memory_gib["total"] <= dev.memory_gib * (1 - headroom)
+
+
+def _faster(p: Prediction) -> tuple[float, float]:
+    """The search's order: more tokens/s first, then less memory."""
+    return -p.tokens_per_s, p.memory_gib["total"]
 
 
 def fastest_micro_batch(lay: PlanLayout, *, headroom: float = 0.0, max_micro_batch: int = 64) -> PlanLayout:
@@ -108,21 +118,19 @@ def fastest_micro_batch(lay: PlanLayout, *, headroom: float = 0.0, max_micro_bat
     batch; ``lay`` itself when none fits (its prediction then says why). A layout given
     without a micro-batch asks about its other degrees: answered at micro-batch 1 it was
     predicted (and ``--emit`` ran it) up to 7x slower than the search's choice."""
-    cap = resolve_device(lay).memory_gib * (1 - headroom)
-    best: tuple[tuple[float, float], PlanLayout] | None = None
+    cfg, dev = load_model(lay.model), resolve_device(lay)
+    c = calibration.constants(dev)
+    fitting = []
     for mb in divisors(lay.global_batch // lay.dp):
         if mb > max_micro_batch:
             break
         try:  # the layout's own rules (a pipeline needs >= pp micro-batches, ...)
-            cand = replace(lay, micro_batch=mb)
+            p = evaluate(cfg, dev, c, replace(lay, micro_batch=mb), time_if_oom=False)
         except ConfigError:
             continue
-        p = predict(cand)
-        if p.fits and p.memory_gib["total"] <= cap:
-            key = (-p.tokens_per_s, p.memory_gib["total"])
-            if best is None or key < best[0]:
-                best = (key, cand)
-    return lay if best is None else best[1]
+        if _fits(p, dev, headroom):
+            fitting.append(p)
+    return min(fitting, key=_faster).layout if fitting else lay
 
 
 def emit(lay: PlanLayout) -> list[str]:
