@@ -11,14 +11,17 @@
 #
 # Variables: VENV, PYTHON, MPICC, HDF5_DIR, HPCML_SKIP_APT=1, HPCML_TORCH_SPEC (pip
 # arguments for torch), HPCML_VENV_ARGS (e.g. --system-site-packages to see a site torch),
-# HPCML_BUILD_CFLAGS (the C flags of the mpi4py and h5py builds; default -O1 -g0).
+# HPCML_BUILD_CFLAGS (the C flags of both source builds; default -Og -g0 for mpi4py, -O1 -g0 for h5py).
 set -euo pipefail
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${HPCML_TORCH_SPEC:-torch==2.13.0}
 MPICC=${MPICC:-mpicc}
-BUILD_CFLAGS=${HPCML_BUILD_CFLAGS:--O1 -g0}  # after Python's -O3 -g, so these win
+# After Python's -O3 -g, so these win. mpi4py is one C file on one core, the set-up's critical
+# path: -Og builds it in ~29 s against ~100 s at -O1, its calls 0.1-0.3 us slower (docs/install.md).
+MPI4PY_CFLAGS=${HPCML_BUILD_CFLAGS:--Og -g0}
+H5PY_CFLAGS=${HPCML_BUILD_CFLAGS:--O1 -g0}  # -Og saves h5py nothing (its Cython step dominates)
 APT_PACKAGES=(mpich libmpich-dev libhdf5-mpich-dev)
 
 log() { printf '[setup %5ss] %s\n' "$SECONDS" "$*"; }
@@ -69,10 +72,10 @@ PY
 
 # A cold set-up is mostly the two source builds: at Python's own flags (-O3 -g), ~200 s for
 # mpi4py (one C file, one core) and ~240 s for h5py on one core of this machine. Three things
-# cut it: both compile at -O1 without debug info (HPCML_BUILD_CFLAGS; mpi4py 103 s against
-# ~200 s, h5py 72 s against 126 s, with calls and I/O as fast: docs/install.md), mpi4py's wheel
-# is built in the background while torch and the pure-Python dependencies install, and h5py's
-# extensions compile on every core (setuptools' build_ext --parallel, through DIST_EXTRA_CONFIG).
+# cut it: both compile without debug info at low optimisation (mpi4py at -Og ~29 s, h5py at -O1
+# ~52 s on 2 cores; their calls within 0.1-0.3 us and I/O as fast: docs/install.md), mpi4py's
+# wheel is built in the background while torch and the pure-Python dependencies install, and
+# h5py's extensions compile on every core (setuptools' build_ext --parallel, DIST_EXTRA_CONFIG).
 main() {
     install_system_packages
     local hdf5_dir=${HDF5_DIR:-/usr/lib/$(multiarch)/hdf5/mpich}
@@ -93,7 +96,7 @@ main() {
     local mpi4py_pid=
     if ! "$py" -c "import mpi4py" 2>/dev/null; then
         log "building mpi4py from source against $MPICC (beside the installs below)"
-        MPICC="$MPICC" CFLAGS="$BUILD_CFLAGS" "$py" -m pip wheel --disable-pip-version-check -q --no-deps --no-binary=mpi4py \
+        MPICC="$MPICC" CFLAGS="$MPI4PY_CFLAGS" "$py" -m pip wheel --disable-pip-version-check -q --no-deps --no-binary=mpi4py \
             -w "$work" "mpi4py>=4.0,<5" >"$work/mpi4py.log" 2>&1 &
         mpi4py_pid=$!
     fi
@@ -114,7 +117,7 @@ main() {
         log "building h5py from source against parallel HDF5 in $hdf5_dir ($(nproc) compile jobs)"
         "$py" -m pip uninstall -y -q h5py 2>/dev/null || true
         printf '[build_ext]\nparallel = %s\n' "$(nproc)" >"$work/build.cfg"
-        CC="$MPICC" CFLAGS="$BUILD_CFLAGS" HDF5_MPI=ON HDF5_DIR="$hdf5_dir" DIST_EXTRA_CONFIG="$work/build.cfg" \
+        CC="$MPICC" CFLAGS="$H5PY_CFLAGS" HDF5_MPI=ON HDF5_DIR="$hdf5_dir" DIST_EXTRA_CONFIG="$work/build.cfg" \
             "${pip[@]}" --no-binary=h5py --no-build-isolation "h5py>=3.11,<4"
     fi
 
