@@ -34,7 +34,7 @@ from hpcml.ckpt import resolve
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
-from hpcml.grid import install_abort_handler
+from hpcml.grid import check_pop, install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
@@ -175,10 +175,11 @@ def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | 
 
 def main(argv=None) -> int:
     args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
-    from hpcml.train import TrainConfig
-    from hpcml.train.checkpointing import CheckpointHook, load_trainer, refuse_saves_over
-    from hpcml.train.population_online import export_best, member_path, member_resume
-    from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
+    from mpi4py import MPI
+
+    from hpcml.ckpt import refuse_saves_over
+    from hpcml.train.config import TrainConfig
+    from hpcml.train.recipe_checks import check_llm_layout, member_configs
 
     install_abort_handler()
     try:
@@ -253,6 +254,16 @@ def main(argv=None) -> int:
         if (args.tournament_every or args.pbt_every) and args.pop < 2:
             raise ConfigError("--tournament-every and --pbt-every select among the members of a population: give "
                               "--pop K >= 2")
+        # every layout check before torch's import: a mistake costs a fraction of a second, not ~3 CPU-s a rank
+        world = MPI.COMM_WORLD.Get_size()
+        if members is not None:
+            member_configs(members, model_cfg, train, parallel, world)
+        else:
+            check_llm_layout(model_cfg, train, parallel, world // check_pop(args.pop, world), degrees, data)
+        from hpcml.train.checkpointing import CheckpointHook, load_trainer
+        from hpcml.train.population_online import export_best, member_path, member_resume
+        from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
+
         if args.pop > 1:
             scratch = args.pop_scratch or (str(Path(args.ckpt_dir) / "exchange") if args.ckpt_dir else None)
             trainer = build_llm_member(model_cfg, train, parallel, pop=args.pop, data=data, val=val,

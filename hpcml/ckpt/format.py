@@ -71,6 +71,16 @@ def held(root: str | os.PathLike) -> str | None:
     return None
 
 
+def refuse_saves_over(root: str | os.PathLike, advice: str) -> None:
+    """A run that starts afresh where an earlier run saved would write over its saves (``latest``
+    pointed back at step 0's, the newest steps rotated out by ``keep``): refused on every rank,
+    before anything collective, naming what is there and ``advice`` (how to resume instead)."""
+    what = held(root)
+    if what is not None:
+        raise CheckpointError(f"{root} already holds {what} from an earlier run, and this run starts at step 0: "
+                              f"its saves would replace that one; {advice}")
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory: ``path`` itself if it holds ``manifest.json``, else the step
     that ``path/latest`` names -- a plain ``step_N`` name of a real directory beside it,

@@ -6,9 +6,9 @@ with the same rank map. ``interface_address`` is :func:`hpcml.net.interface_addr
 """
 
 from hpcml.grid.layout import AXES, Layout
-from hpcml.grid.mpi import ProcessGrid, install_abort_handler
+from hpcml.grid.mpi import ProcessGrid, check_pop, install_abort_handler
 from hpcml.lazy import lazy_names
 
-__all__ = ["AXES", "Layout", "ProcessGrid", "install_abort_handler", "interface_address"]
+__all__ = ["AXES", "Layout", "ProcessGrid", "check_pop", "install_abort_handler", "interface_address"]
 
 __getattr__ = lazy_names(__name__, {"interface_address": "hpcml.net"})

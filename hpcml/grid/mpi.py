@@ -106,7 +106,7 @@ def agree(problems: list[str | None], choices: list, *, where: str, differ: str,
         raise (differ_error or error)(f"{differ} differ across ranks: {told}; {what}")
 
 
-def _members(pop, world_size: int) -> int:
+def check_pop(pop, world_size: int) -> int:
     """The population size, checked against the ranks (no communication)."""
     if not is_int(pop) or pop < 1:
         raise GridError(f"pop {pop!r}: expected a positive whole number of population members")
@@ -145,7 +145,7 @@ class ProcessGrid:
         self.rank, self.world_size, self.pop = world_rank, world_size, 1
         log.configure(world_rank)
         try:
-            self.pop = _members(len(members) if members is not None and pop == 1 else pop, world_size)
+            self.pop = check_pop(len(members) if members is not None and pop == 1 else pop, world_size)
             self.world_size = world_size // self.pop  # a member's ranks: the layout's world
             self.rank = world_rank % self.world_size
             self.member_layouts = self._member_layouts(members, layout, degrees)

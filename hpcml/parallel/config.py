@@ -10,6 +10,9 @@ from hpcml.numeric import is_int
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 #: The data-parallel gradient reduction's dtypes (the planner prices the same names).
 REDUCE_DTYPES = ("fp32", "bf16")
+#: FPDT's chunked attention kernel takes no document mask (refused where a run asks for both).
+NO_DOC_MASK = ("document masking under FPDT is not built (its chunked kernel takes no mask): drop --fpdt-chunk "
+               "(Ulysses and all-gather cp take the mask), or --doc-mask")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
+from hpcml.parallel.config import NO_DOC_MASK
 from hpcml.parallel.ulysses import heads_to_seq, seq_to_heads
 
 
@@ -188,8 +189,6 @@ class _Chunked(torch.autograd.Function):
 
 
 
-NO_DOC_MASK = ("document masking under FPDT is not built (its chunked kernel takes no mask): drop --fpdt-chunk "
-               "(Ulysses and all-gather cp take the mask), or --doc-mask")
 
 class FPDTAttention(torch.nn.Module):
     """The attention core ``(q, k, v) -> out`` on a rank's strided chunks [B, S/P, H, D]: each

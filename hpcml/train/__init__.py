@@ -7,10 +7,10 @@ on first use (:func:`hpcml.lazy.lazy_names`)."""
 from hpcml.lazy import lazy_names
 
 _LAZY = {"SyntheticTokens": "data", "FieldScales": "fields", "FieldTrainConfig": "fields", "FieldTrainer": "fields",
-         "LoopConfig": "loop", "Stateful": "loop", "TrainLoop": "loop", "OnlineConfig": "online",
+         "LoopConfig": "config", "Stateful": "loop", "TrainLoop": "loop", "OnlineConfig": "online",
          "OnlineResult": "online", "train_online": "online", "PopulationConfig": "population_online",
          "Tournament": "population",
-         "TournamentConfig": "population", "train_surrogate": "surrogate_job", "TrainConfig": "trainer",
+         "TournamentConfig": "population", "train_surrogate": "surrogate_job", "TrainConfig": "config",
          "Trainer": "trainer"}
 
 __all__ = sorted(_LAZY)

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from hpcml import ckpt, log, stop
-from hpcml.ckpt import format as ckpt_format
-from hpcml.errors import CheckpointError
+from hpcml.ckpt.format import refuse_saves_over
 from hpcml.train.loop import Stateful, TrainLoop
 
 logger = log.get_logger(__name__)
@@ -49,16 +48,6 @@ def load_trainer(trainer: Stateful, path: str | Path, strict: bool = True) -> ck
     logger.info("resumed step %d from %s (saved on %s), read %.2fx the bytes needed", trainer.step, report.path,
                 report.layout, report.read_amplification)
     return report
-
-
-def refuse_saves_over(root: str | Path, advice: str) -> None:
-    """A run that starts afresh where an earlier run saved would write over its saves (``latest``
-    pointed back at step 0's, the newest steps rotated out by ``keep``): refused on every rank,
-    before anything collective, naming what is there and ``advice`` (how to resume instead)."""
-    what = ckpt_format.held(root)
-    if what is not None:
-        raise CheckpointError(f"{root} already holds {what} from an earlier run, and this run starts at step 0: "
-                              f"its saves would replace that one; {advice}")
 
 
 class CheckpointHook:

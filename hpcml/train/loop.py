@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,56 +32,13 @@ from torch.distributed.tensor import DTensor
 
 from hpcml import ckpt, log, safeio
 from hpcml import stop as stop_flag
-from hpcml.errors import ConfigError
-from hpcml.numeric import is_real
 from hpcml.parallel.api import ParallelModel
 from hpcml.train import memory
+from hpcml.train.config import LoopConfig
 from hpcml.train.resume_schema import check_loop_extra
 from hpcml.train.schedule import WarmupCosine
 
 logger = log.get_logger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoopConfig:
-    """Optimisation and bookkeeping every trainer has. ``repr()`` rebuilds it."""
-
-    steps: int = 20
-    """Optimizer steps in total (a resume with another value stretches the schedule: :mod:`hpcml.train.schedule`)."""
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    """Cosine decays to lr * min_lr_ratio at the last step."""
-    warmup_steps: int = 2
-    weight_decay: float = 0.1
-    """AdamW decay of matrices (parameters of >= 2 dims; norms and biases are not decayed)."""
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    seed: int = 0
-    bf16: bool = False
-    """Autocast matmuls to bfloat16 (parameters and optimizer state stay fp32)."""
-    log_every: int = 1
-    run_dir: str | None = None
-    """Where ``metrics.jsonl`` and ``config.json`` go (rank 0)."""
-    progress: bool = True
-    memory_account: bool = False
-    """Count the bytes saved for backward per layer (:mod:`hpcml.train.memory`) into each step's
-    metrics: ``saved_mib``, ``saved_mib_per_layer`` (rank 0's; costs a hook per saved tensor)."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        for name in ("lr", "min_lr_ratio", "grad_clip"):
-            v = getattr(self, name)
-            if not is_real(v) or v != v:
-                raise ConfigError(f"{name}={v!r}: expected a number (grad_clip 0: no clipping)")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
-            raise ConfigError(f"lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0; got {self.lr}, "
-                              f"{self.min_lr_ratio}, {self.grad_clip}")
 
 
 def make_optimizer(params, cfg: LoopConfig, schedule: WarmupCosine | None = None

@@ -7,16 +7,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from hpcml.grid import Layout, ProcessGrid
+from hpcml.grid import ProcessGrid
 from hpcml.models.transformer import Transformer, TransformerConfig
-from hpcml.models.transformer.parallelize import check_plan
 from hpcml.parallel import ParallelConfig, parallelize
 from hpcml.train.data import SyntheticTokens
-from hpcml.train.trainer import TrainConfig, Trainer, check_source
+from hpcml.train.config import TrainConfig
+from hpcml.train.recipe_checks import check_llm_layout, check_llm_plan, member_configs
+from hpcml.train.trainer import Trainer
 
 
 def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, parallel_cfg: ParallelConfig | None = None,
@@ -30,17 +31,12 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
     from mpi4py import MPI
 
     parallel_cfg = parallel_cfg or ParallelConfig()
-    if data is not None:  # before any collective: the same refusal on every rank
-        check_source(data, train_cfg.seq_len, model_cfg.vocab_size, eod=train_cfg.doc_mask_eod)
     if grid is None:
         comm = comm or MPI.COMM_WORLD
-        layout = Layout.from_degrees(comm.Get_size(), degrees)
-        check_plan(model_cfg, layout, parallel_cfg)
-        train_cfg.check_layout(layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk)
+        layout = check_llm_layout(model_cfg, train_cfg, parallel_cfg, comm.Get_size(), degrees, data)
         grid = ProcessGrid(layout, comm=comm)
     else:
-        check_plan(model_cfg, grid.layout, parallel_cfg)
-        train_cfg.check_layout(grid.layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk)
+        check_llm_plan(model_cfg, train_cfg, parallel_cfg, grid.layout, data)
     grid.init_torch()
     torch.manual_seed(train_cfg.seed)  # the same initial weights on every rank, as on one process
     model = Transformer(model_cfg)
@@ -54,50 +50,6 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
 #: Where a population's held-out batches start in a token source without validation data:
 #: member m scores on batches ``HELD_OUT + m``, ``HELD_OUT + m + K``, ... (synthetic tokens only).
 HELD_OUT = 1_000_000
-
-
-class MemberConfig(NamedTuple):
-    degrees: dict[str, int]
-    layout: Layout
-    train: TrainConfig
-    parallel: ParallelConfig
-
-
-def member_configs(members: Sequence[Mapping[str, Any]], model_cfg: TransformerConfig, train_cfg: TrainConfig,
-                   parallel_cfg: ParallelConfig, world_size: int) -> list[MemberConfig]:
-    """Each member's degrees, layout, train and parallel configs from its entry of ``members``
-    (degrees such as ``{"tp": 2}``, any :class:`~hpcml.parallel.ParallelConfig` field such as
-    ``"fsdp": true``, and ``micro_batch``), over its share of ``world_size`` ranks. Every
-    member's plan is checked here, on every rank and with no collective: one member's mistake
-    is refused in one line by all of them, never after the others have entered torch's set-up."""
-    from hpcml.errors import ConfigError
-    from hpcml.grid.layout import DEGREE_AXES
-
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    if world_size % len(members):
-        raise ConfigError(f"{len(members)} members do not split {world_size} ranks evenly: every member needs as "
-                          f"many ranks")
-    out = []
-    for i, entry in enumerate(members):
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"member {i}: {entry!r} is not a mapping: expected an object such as {{\"tp\": 2}}")
-        odd = sorted(str(k) for k in entry if k not in DEGREE_AXES and k not in fields and k != "micro_batch")
-        if odd:
-            raise ConfigError(f"member {i} ({dict(entry)}): unknown keys {odd}: expected degrees "
-                              f"({', '.join(DEGREE_AXES)}), ParallelConfig fields (fsdp, activation_checkpointing, "
-                              f"...) or micro_batch")
-        degrees = {k: v for k, v in entry.items() if k in DEGREE_AXES}
-        try:
-            par = dataclasses.replace(parallel_cfg, **{k: v for k, v in entry.items() if k in fields})
-            train = dataclasses.replace(train_cfg, **({"micro_batch": entry["micro_batch"]}
-                                                      if "micro_batch" in entry else {}))
-            layout = Layout.from_degrees(world_size // len(members), degrees)
-            check_plan(model_cfg, layout, par)
-            train.check_layout(layout, model_cfg.max_seq_len, par.fpdt_chunk)
-        except (ValueError, TypeError) as e:  # ConfigError and GridError are ValueErrors
-            raise ConfigError(f"member {i} ({dict(entry)}): {' '.join(str(e).split())}") from None
-        out.append(MemberConfig(degrees, layout, train, par))
-    return out
 
 
 def build_llm_member(model_cfg: TransformerConfig, train_cfg: TrainConfig, parallel_cfg: ParallelConfig | None = None,

@@ -5,7 +5,6 @@ tokens/s, model FLOP/s and MFU."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -13,12 +12,11 @@ import torch.distributed as dist
 
 from hpcml import log
 from hpcml.errors import ConfigError
-from hpcml.grid.layout import Layout
-from hpcml.numeric import is_int
 from hpcml.parallel.api import ParallelModel
 from hpcml.parallel.docmask import document_ids
-from hpcml.parallel.fpdt import NO_DOC_MASK, local_positions
-from hpcml.train.loop import LoopConfig, TrainLoop, make_optimizer
+from hpcml.parallel.fpdt import local_positions
+from hpcml.train.config import TrainConfig, check_source  # noqa: F401 (the trainer's API)
+from hpcml.train.loop import TrainLoop, make_optimizer
 
 logger = log.get_logger(__name__)
 
@@ -29,71 +27,6 @@ class TokenSource(Protocol):
     only for this rank's rows."""
 
     def global_batch(self, step: int, n: int) -> torch.Tensor: ...
-
-
-def check_source(source: TokenSource, seq_len: int, vocab_size: int, what: str = "data",
-                 eod: int | None = None) -> None:
-    """ConfigError (no collective: the same on every rank) for a token source of other
-    sequences than the training's, with ids past the model's embedding, or -- under document
-    masking by ``eod`` -- whose documents end with another token."""
-    if getattr(source, "seq_len", seq_len) != seq_len:
-        raise ConfigError(f"the {what}'s sequences are {source.seq_len} tokens, the training's seq_len {seq_len}: "
-                          f"open the {what} with seq_len={seq_len}")
-    if hasattr(source, "check_vocab"):
-        source.check_vocab(vocab_size)
-    eods = getattr(source, "eods", None)
-    if eod is not None and eods is not None and eods != {eod}:
-        raise ConfigError(f"document masking by end-of-document token {eod}, but the {what}'s documents end with "
-                          f"{sorted(eods)}: mask by the data's token (files of one tokenizer)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig(LoopConfig):
-    """:class:`LoopConfig` plus the token batch. Batch sizes are in sequences."""
-
-    global_batch: int = 8
-    """Sequences per optimizer step over all data-parallel ranks."""
-    micro_batch: int = 1
-    """Sequences per forward/backward on one rank (per pipeline micro-batch under pp)."""
-    seq_len: int = 32
-    peak_flops: float | None = None
-    """Peak FLOP/s of one device for MFU (from the site's hardware facts); None: MFU is 'n/a'."""
-    doc_mask_eod: int | None = None
-    """Document masking: attention stays within the packed documents, each ended by this token id
-    (the data's ``eod``); None: every position attends to the whole sequence before it."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("global_batch", "micro_batch", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        eod = self.doc_mask_eod
-        if eod is not None and (not is_int(eod) or eod < 0):
-            raise ConfigError(f"doc_mask_eod {eod!r}: expected a token id (an int >= 0) or None")
-
-    def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0) -> None:
-        """Raise unless the batch and sequence split evenly over ``layout`` (and FPDT's chunks of
-        ``fpdt_chunk`` positions per rank), with no collective."""
-        per = layout.dp * self.micro_batch
-        if self.global_batch % per:
-            raise ConfigError(f"global batch {self.global_batch} is not divisible by dp {layout.dp} x micro-batch "
-                              f"{self.micro_batch} = {per}")
-        if self.seq_len % layout.cp:
-            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp}")
-        if fpdt_chunk and self.seq_len % (layout.cp * fpdt_chunk):
-            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x fpdt_chunk {fpdt_chunk} = "
-                              f"{layout.cp * fpdt_chunk} (each rank holds whole chunks)")
-        if fpdt_chunk and self.doc_mask_eod is not None:
-            raise ConfigError(NO_DOC_MASK)
-        if self.seq_len > max_seq_len:
-            raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_seq_len {max_seq_len}")
-        n_micro = self.global_batch // per
-        if layout.pp > 1 and n_micro < layout.pp:
-            raise ConfigError(f"{n_micro} micro-batches per step < pp {layout.pp}: the pipeline would idle "
-                              f"(raise global batch or lower micro-batch)")
-
-    def micro_batches(self, layout: Layout) -> int:
-        return self.global_batch // (layout.dp * self.micro_batch)
 
 
 class Trainer(TrainLoop):
