@@ -106,7 +106,7 @@ def agree(problems: list[str | None], choices: list, *, where: str, differ: str,
         raise (differ_error or error)(f"{differ} differ across ranks: {told}; {what}")
 
 
-def check_pop(pop, world_size: int) -> int:
+def check_pop(pop: int, world_size: int) -> int:
     """The population size, checked against the ranks (no communication)."""
     if not is_int(pop) or pop < 1:
         raise GridError(f"pop {pop!r}: expected a positive whole number of population members")
