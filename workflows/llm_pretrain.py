@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
     from mpi4py import MPI
 
+    from hpcml import ckpt
     from hpcml.ckpt import refuse_saves_over
     from hpcml.train.config import TrainConfig
     from hpcml.train.recipe_checks import check_llm_layout, member_configs
@@ -260,6 +261,8 @@ def main(argv=None) -> int:
             member_configs(members, model_cfg, train, parallel, world)
         else:
             check_llm_layout(model_cfg, train, parallel, world // check_pop(args.pop, world), degrees, data)
+        if args.ckpt_dir and args.pop == 1:  # another job saving there: refused now too (the hook keeps the lock)
+            ckpt.lock.hold_on(args.ckpt_dir, MPI.COMM_WORLD)
         from hpcml.train.checkpointing import CheckpointHook, load_trainer
         from hpcml.train.population_online import export_best, member_path, member_resume
         from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer

@@ -23,6 +23,7 @@ CASES = {
     "pop": (["--pop", "3"], "pop 3 does not divide 1 ranks: every member needs as many ranks"),
     "member": (["--member", '{"tp": 2}', "--member", '{"tp": 1}'], "2 members do not split 1 ranks evenly"),
     "saves": (["--ckpt-dir", "{tmp}/held"], "{tmp}/held already holds a 'latest' file from an earlier run"),
+    "locked": (["--ckpt-dir", "{tmp}/locked"], "{tmp}/locked is being saved to by another job (pid "),
 }
 
 DRIVER = """
@@ -44,8 +45,17 @@ def test_every_configuration_mistake_is_refused_before_torch_is_imported(tmp_pat
     (tmp_path / "held" / "latest").write_text("step_00000004\n")  # an earlier run's pointer: not written over
     argvs = {k: [a.replace("{tmp}", str(tmp_path)) for a in argv] for k, (argv, _) in CASES.items()}
     script = str(ROOT / "workflows" / "llm_pretrain.py")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, script, json.dumps(argvs)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    (tmp_path / "locked").mkdir()  # another job saving there: its lock held by a live process
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hpcml.ckpt import lock; "
+                               "lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "locked")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run([sys.executable, "-c", DRIVER, script, json.dumps(argvs)], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (_, expected) in CASES.items():
@@ -56,3 +66,4 @@ def test_every_configuration_mistake_is_refused_before_torch_is_imported(tmp_pat
             (name, lines[0])
     assert got["torch imported"] is False
     assert (tmp_path / "held" / "latest").read_text() == "step_00000004\n"
+    assert sorted(p.name for p in (tmp_path / "locked").iterdir()) == [".hpcml-lock"]  # nothing saved
