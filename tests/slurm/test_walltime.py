@@ -41,7 +41,7 @@ def test_training_split_by_the_walltime_and_a_signal_resumes_bitwise(tmp_path):
     line = shlex.split(plan.stdout.strip())
     assert line[:2] == ["hpcml", "job"] and "--submit" in line and "--auto-resume" in line, line
     # as the user runs it (eval), with a name and a run directory of this test's; a real 2-minute walltime:
-    # Slurm sends USR1 60 s before its end (or up to a minute earlier)
+    # Slurm sends USR1 at the first of slurmctld's 30-s ticks once 60 + 30 s or less are left: 30-60 s in
     line[2:2] = ["--name", "wall", "--warn", "60"]
     line += ["--seed", "0", "--no-progress", "--run-dir", str(run)]
     out = subprocess.run(shlex.join(line), shell=True, cwd=tmp_path, env=ENV, capture_output=True, text=True,
