@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from pathlib import Path
 
-from hpcml.ckpt import resolve
+from hpcml.ckpt import refuse_saves_over, resolve
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
@@ -178,7 +178,6 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from hpcml import ckpt
-    from hpcml.ckpt import refuse_saves_over
     from hpcml.train.config import TrainConfig
     from hpcml.train.recipe_checks import check_llm_layout, member_configs
 
