@@ -152,7 +152,8 @@ def main() -> None:
                 continue
             print(f"{name}: median {s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}] (n={s['n']})")
         print("chunk digests per rank: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in out["digest_gb_per_s"].items())
-              + "; the key's digest work / unkeyed: " + ", ".join(f"{k} {v:.2%}" for k, v in out["key_digest_share"].items()))
+              + "; the key's digest work / unkeyed: "
+              + ", ".join(f"{k} {v:.2%}" for k, v in out["key_digest_share"].items()))
     if not ok:
         print("ckpt_key_paired: loaded values differ from the saved ones", file=sys.stderr)
         sys.exit(1)

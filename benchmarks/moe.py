@@ -80,7 +80,8 @@ def load_balance(args) -> list[dict]:
     from hpcml.train import SyntheticTokens
 
     rows = []
-    for scheme, kw in (("none", dict(moe_balance="none", moe_z_coef=0.0)), ("aux (Switch + z)", dict(moe_balance="aux")),
+    for scheme, kw in (("none", dict(moe_balance="none", moe_z_coef=0.0)),
+                       ("aux (Switch + z)", dict(moe_balance="aux")),
                        ("aux-loss-free bias", dict(moe_balance="bias"))):
         cfg = TransformerConfig.preset("tiny-moe", **kw)
         torch.manual_seed(0)
@@ -166,7 +167,8 @@ def comm(args) -> dict:
     return {"ranks": p, "tokens_per_rank": n, "top_k": k, "dim": d, "experts": args.experts,
             "theory_bytes_fwd": theory, "profiled_bytes_fwd": profiled, "profiled_over_theory": profiled / theory,
             "dispatcher_bytes_fwd": counted, "dispatcher_over_theory": counted / theory,
-            "router_routing_bytes_fwd": ep.dispatch.sent_bytes, "router_routing_over_balanced": ep.dispatch.sent_bytes / theory,
+            "router_routing_bytes_fwd": ep.dispatch.sent_bytes,
+            "router_routing_over_balanced": ep.dispatch.sent_bytes / theory,
             "count_all_to_all_elems": count_elems,
             "ep1_tokens_per_s": n / t_ep1, f"ep{p}_tokens_per_s": n / t_ep, f"ep{p}_over_ep1": t_ep1 / t_ep,
             "slowest_rank_ep_s": times, "raw_all_to_all_x4_s": raw, "ep_layer_minus_ep1_s": t_ep - t_ep1,

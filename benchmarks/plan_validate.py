@@ -216,7 +216,8 @@ def calibrate_runs(rounds: int = 2) -> dict:
         if cal.returncode:
             raise SystemExit(f"hpcml plan calibrate failed:\n{cal.stderr[-3000:]}")
         lines = keep / "check.jsonl"
-        lines.write_text("".join(json.dumps({**{k: v for k, v in _plan_layout(*LAYOUTS[i]).to_dict().items() if k != "gpu"},
+        lines.write_text("".join(json.dumps({**{k: v for k, v in _plan_layout(*LAYOUTS[i]).to_dict().items()
+                                                if k != "gpu"},
                                              "step_s": min(measured[i])}) + "\n" for i in CAL_CHECK))
         pred = subprocess.run([PY, "-m", "hpcml.cli", "plan", "--device-file", str(dev), "--layouts", str(lines),
                                "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -230,9 +231,11 @@ def calibrate_runs(rounds: int = 2) -> dict:
              "error": r["step_error"]} for i, r in zip(CAL_CHECK, got)]
     errs = [abs(r["error"]) for r in rows]
     return {"fitted_on": [" ".join(map(str, (LAYOUTS[i][0], "ranks", *LAYOUTS[i][1]))) for i in CAL_FIT],
-            "calibration": report, "device_file": device_file, "checked": rows, "median_abs_error": round(statistics.median(errs), 4),
+            "calibration": report, "device_file": device_file, "checked": rows,
+            "median_abs_error": round(statistics.median(errs), 4),
             "p90_abs_error": round(sorted(errs)[int(0.9 * (len(errs) - 1))], 4),
-            "spearman": round(_spearman([r["measured_step_s"] for r in rows], [r["predicted_step_s"] for r in rows]), 3)}
+            "spearman": round(_spearman([r["measured_step_s"] for r in rows],
+                                        [r["predicted_step_s"] for r in rows]), 3)}
 
 
 def published_tables() -> dict:

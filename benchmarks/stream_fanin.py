@@ -222,9 +222,11 @@ def main() -> None:
                "missing": int(expected - counts.sum()), "sims_short": int((counts < args.messages).sum()),
                "dropped": stats["dropped"], "wall_s": wall, "intake_mb_s": nbytes / 1e6 / stats["intake_s"]
                if stats["intake_s"] else 0.0, "samples_s": stats["samples"] / stats["intake_s"] if stats["intake_s"]
-               else 0.0, "min_share_over_fair": fair, "client_share_over_fair": by_client, "fair_window_s": live[-1][0] - live[0][0] if len(live) >= 2
+               else 0.0, "min_share_over_fair": fair, "client_share_over_fair": by_client,
+               "fair_window_s": live[-1][0] - live[0][0] if len(live) >= 2
                else 0.0, "server_rss_mib": _rss_peak_mib(), "fd_limit": cap["fd_limit"],
-               "max_connections": cap["max_connections"], "pending_max": cap["pending_max"], "admitted": stats["peers"]["admitted"],
+               "max_connections": cap["max_connections"], "pending_max": cap["pending_max"],
+               "admitted": stats["peers"]["admitted"],
                "refused": stats["peers"]["refused"], "evicted": stats["peers"]["evicted"],
                "client_exit": [pr.returncode for pr in procs], "client_cpu_s": [
                    json.loads(o.strip().splitlines()[-1])["cpu_s"] if o.strip() else None for o in outs],

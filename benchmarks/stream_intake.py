@@ -4,17 +4,18 @@
     python benchmarks/stream_intake.py --json --nx 1024 --no-workflow
 
 Intake: one producer process (a simulation rank: hpcml.stream.Producer, one copy per message) sends
-``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer
-thread (challenge per connection, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a
-trainer would; ``stream_sealed`` is the same with ``integrity="message"`` (a GMAC on every message, both sides). Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between
-the same two processes, nothing else. Limit: loopback TCP of the same bytes (``sendall`` of
-each message, ``recv_into`` one buffer allocated once: ``tcp_limit_mb_s``). File path: the same samples written to one HDF5
-file (fsync) and read back into a buffer (page cache dropped where allowed) -- what an
-offline pipeline pays per byte. Both wires run: the default framed one (plain TCP, a
-challenge per connection, every byte a connection makes the server hold bounded) and the
-opt-in ``transport="zmtp"`` (ZeroMQ's own messages, for trusted simulations). CPU per MiB of
-each side, every thread of its process, is reported beside the rates. Workflow: ``workflows/heat_surrogate.py`` online and
-offline at equal gradient steps: held-out error and the trainer's idle fraction.
+``--messages`` samples of one float32 field [nx, ny] over loopback to a StreamServer thread (challenge
+per connection, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a trainer
+would; ``stream_sealed`` is the same with ``integrity="message"`` (a GMAC on every message, both sides).
+Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between the same two processes, nothing
+else. Limit: loopback TCP of the same bytes (``sendall`` of each message, ``recv_into`` one buffer
+allocated once: ``tcp_limit_mb_s``). File path: the same samples written to one HDF5 file (fsync) and
+read back into a buffer (page cache dropped where allowed) -- what an offline pipeline pays per byte.
+Both wires run: the default framed one (plain TCP, a challenge per connection, every byte a connection
+makes the server hold bounded) and the opt-in ``transport="zmtp"`` (ZeroMQ's own messages, for trusted
+simulations). CPU per MiB of each side, every thread of its process, is reported beside the rates.
+Workflow: ``workflows/heat_surrogate.py`` online and offline at equal gradient steps: held-out error and
+the trainer's idle fraction.
 """
 
 from __future__ import annotations

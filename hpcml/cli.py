@@ -46,7 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
     for axis in DEGREE_AXES:
         p.add_argument(f"--{axis}", type=int, default=None if axis in ("dp", "etp") else 1,
                        help=f"degree of {axis}" + (" (default: tp)" if axis == "etp" else " (ep folds over cp x dp)"
-                                                  if axis == "ep" else f" (-1: infer{'; default: the rest' if axis == 'dp' else ''})"))
+                                                   if axis == "ep" else
+                                                   f" (-1: infer{'; default: the rest' if axis == 'dp' else ''})"))
     p.add_argument("--pop", type=int, default=1, help="population members (outermost): the ranks split into POP "
                    "trainers of this layout each (docs/populations.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the groups")

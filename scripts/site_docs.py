@@ -145,7 +145,8 @@ def rules_section(site) -> str:
         out += [f"Account: **{need}** -- {_cell(site.account.why)} ({_src(site.account.source)}). `hpcml job` takes "
                 "`--account` or `$HPCML_ACCOUNT`.", ""]
     if site.queues:
-        out += ["| queue | kind | nodes | walltime | per user: running / queued | self-requeue | picked | note | source |",
+        out += ["| queue | kind | nodes | walltime | per user: running / queued | self-requeue | picked | note "
+                "| source |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for q in site.queues:
             nodes = f"{q.min_nodes}-{q.max_nodes}" if q.max_nodes else f"{q.min_nodes}+"

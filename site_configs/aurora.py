@@ -43,14 +43,14 @@ SITE = Site(
               max_running=2, max_queued=5,
               note="5 jobs queued or running, 2 running, per user; 512 nodes across all jobs", source=QUEUES),
         # prod routes by size to small, medium and large; jobs are submitted to prod
-        Queue(name="prod", min_nodes=256, max_nodes=1024, max_walltime="12:00:00", min_walltime="00:05:00", note="routed to small",
-              source=QUEUES),
-        Queue(name="prod", min_nodes=1025, max_nodes=1999, max_walltime="18:00:00", min_walltime="00:05:00", note="routed to medium",
-              source=QUEUES),
-        Queue(name="prod", min_nodes=2000, max_nodes=10624, max_walltime="24:00:00", min_walltime="00:05:00", note="routed to large",
-              source=QUEUES),
-        Queue(name="visualization", min_nodes=1, max_nodes=32, max_walltime="08:00:00", min_walltime="00:05:00", auto=False,
-              note="by request only; nodes not exclusive", source=QUEUES),
+        Queue(name="prod", min_nodes=256, max_nodes=1024, max_walltime="12:00:00", min_walltime="00:05:00",
+              note="routed to small", source=QUEUES),
+        Queue(name="prod", min_nodes=1025, max_nodes=1999, max_walltime="18:00:00", min_walltime="00:05:00",
+              note="routed to medium", source=QUEUES),
+        Queue(name="prod", min_nodes=2000, max_nodes=10624, max_walltime="24:00:00", min_walltime="00:05:00",
+              note="routed to large", source=QUEUES),
+        Queue(name="visualization", min_nodes=1, max_nodes=32, max_walltime="08:00:00", min_walltime="00:05:00",
+              auto=False, note="by request only; nodes not exclusive", source=QUEUES),
     ),
     modules=(
         # no cray-hdf5-parallel: Aurora has no Cray PE; its default environment (oneAPI, MPICH and

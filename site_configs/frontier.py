@@ -37,8 +37,8 @@ SITE = Site(
               source=GUIDE),
         Queue(name="extended", kind="partition", min_nodes=1, max_nodes=64, max_walltime="24:00:00", max_running=1,
               max_queued=2, note="1 running and 1 eligible job per user; more are held", source=GUIDE),
-        Queue(name="debug", kind="qos", min_nodes=1, max_walltime="02:00:00", max_running=1, max_queued=1, requeue=False,
-              auto=False,
+        Queue(name="debug", kind="qos", min_nodes=1, max_walltime="02:00:00", max_running=1, max_queued=1,
+              requeue=False, auto=False,
               note="one job in any state per user; 'job chaining using the debug QOS is prohibited'", source=GUIDE),
     ),
     modules=(

@@ -233,7 +233,8 @@ def check_file(fd: int, size: int, meta_sha256: str, tables: list[tuple[str, dic
         view = memoryview(buffers[k % 2])[:run[-1][0] + run[-1][1] - run[0][0]]
         n = os.preadv(fd, [view], run[0][0])
         if n != len(view):
-            raise CheckpointError(f"short read of {n} of {len(view)} bytes at offset {run[0][0]}: the file is truncated")
+            raise CheckpointError(f"short read of {n} of {len(view)} bytes at offset {run[0][0]}: "
+                                  "the file is truncated")
         return view
 
     with ThreadPoolExecutor(1) as pool:  # the next run is read while this one's CRCs are taken
@@ -263,7 +264,8 @@ def check_file(fd: int, size: int, meta_sha256: str, tables: list[tuple[str, dic
     problems = [bad[t] for t in sorted(bad)]
     try:
         if metadata_sha256(fd, size, [(a, nb) for a, nb, *_ in chunks]) != meta_sha256:
-            problems.append("HDF5 metadata differs from what was saved (SHA-256): edited, corrupted or from another save")
+            problems.append("HDF5 metadata differs from what was saved (SHA-256): "
+                            "edited, corrupted or from another save")
     except CheckpointError as e:
         problems.append(str(e))
     return problems

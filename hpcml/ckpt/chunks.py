@@ -60,7 +60,8 @@ def fused_spec(attrs) -> tuple[list, object] | None:
         return None
     raw = attrs["fused_widths"]
     try:
-        widths = [int(w) if isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) else w for w in raw]
+        widths = [int(w) if isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) else w
+                  for w in raw]
     except TypeError:  # not a sequence
         widths = [raw]
     dim = attrs["fused_dim"] if "fused_dim" in attrs else 0

@@ -99,7 +99,8 @@ def resolve(path: str | os.PathLike) -> Path:
                 and (old / MANIFEST).is_file():
             return old  # a re-save killed between its two renames: the copy `latest` named, moved aside
         if target.is_symlink() or not target.is_dir():
-            raise CheckpointError(f"{latest} names {name}, which is {'a symlink' if target.is_symlink() else 'missing'}: "
+            raise CheckpointError(f"{latest} names {name}, which is "
+                                  f"{'a symlink' if target.is_symlink() else 'missing'}: "
                                   "a step is a directory beside it")
         if os.path.lexists(target / MANIFEST):
             return target

@@ -183,7 +183,8 @@ def _int(v, what: str, lo: int = 0, hi: int = MAX_INT) -> int:
 
 def _ints(v, what: str, n: int | None = None, lo: int = 0) -> list[int]:
     if not isinstance(v, list) or (n is not None and len(v) != n) or len(v) > 32:
-        raise CheckpointError(f"{what} is {str(v)[:60]!r}: expected a list of {n if n is not None else 'up to 32'} integers")
+        raise CheckpointError(f"{what} is {str(v)[:60]!r}: "
+                              f"expected a list of {n if n is not None else 'up to 32'} integers")
     return [_int(x, what, lo) for x in v]
 
 
@@ -196,7 +197,8 @@ def _str(v, what: str, pattern: re.Pattern | None = None) -> str:
 def check(m, ckpt: Path) -> None:
     """Every field, against the writer's layout (see the module docstring)."""
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"not an hpcml checkpoint manifest (format {str(m.get('format') if isinstance(m, dict) else m)[:40]!r})")
+        raise CheckpointError("not an hpcml checkpoint manifest "
+                              f"(format {str(m.get('format') if isinstance(m, dict) else m)[:40]!r})")
     version = _str(m.get("format_version"), "format_version")
     if version.split(".")[0] != fmt.FORMAT_VERSION.split(".")[0]:
         raise CheckpointError(f"format version {version!r}: this hpcml reads {fmt.FORMAT_VERSION.split('.')[0]}.x")

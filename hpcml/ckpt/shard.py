@@ -108,7 +108,8 @@ def _chunk_offsets(ds: h5py.Dataset) -> list[int]:
         raise CheckpointError(f"{ds.name}: {len(at)} chunks allocated, expected {math.prod(g)}")
     for i in range(len(at)):
         info = ds.id.get_chunk_info(i)
-        at[int(np.ravel_multi_index(tuple(o // c for o, c in zip(info.chunk_offset, chunk)), g))] = int(info.byte_offset)
+        at[int(np.ravel_multi_index(tuple(o // c for o, c in zip(info.chunk_offset, chunk)), g))] = \
+            int(info.byte_offset)
     return at
 
 
@@ -244,10 +245,11 @@ def _runs(at: list[int], wanted: list[int], nb: int) -> list[list[int]]:
 
 
 def read_chunks(fd: int, table: dict, itemsize: int, wanted: list[int], where: str, mac: ChunkMac | None = None):
-    """Yield ``(chunk index, bytes)`` of the wanted chunks, each checked against its CRC-32
-    -- or with ``mac`` (a keyed reader), its keyed tag -- as it is read. Runs of adjacent chunks are read in one pread into two reused buffers and
-    checked by a thread (pread and crc32 release the GIL) while the caller copies the run
-    before. A yielded view is valid until the next one. ``where`` names the dataset for errors."""
+    """Yield ``(chunk index, bytes)`` of the wanted chunks, each checked against its CRC-32 --
+    or with ``mac`` (a keyed reader), its keyed tag -- as it is read. Runs of adjacent chunks
+    are read in one pread into two reused buffers and checked by a thread (pread and crc32
+    release the GIL) while the caller copies the run before. A yielded view is valid until the
+    next one. ``where`` names the dataset for errors."""
     nb = math.prod(table["chunk"]) * itemsize
     at, crc = table["at"], table["crc"]
     runs = _runs(at, wanted, nb)

@@ -71,11 +71,12 @@ def inspect(path: str | os.PathLike) -> dict:
 
 
 def verify(path: str | os.PathLike, key=None) -> list[str]:
-    """Problems found (empty: sound); ``key`` as :class:`Checkpoint`'s (default: the configured one). The manifest is checked field by field (each tensor
-    covered exactly once by its pieces, a fused tensor's widths summing to its size), then
-    every byte of every file, streamed in bounded memory: each shard's data chunks against
-    their CRC-32 and its metadata against its SHA-256, ``index.h5`` against its SHA-256.
-    A manifest that fails its checks is one problem (nothing else can be trusted then)."""
+    """Problems found (empty: sound); ``key`` as :class:`Checkpoint`'s (default: the configured
+    one). The manifest is checked field by field (each tensor covered exactly once by its
+    pieces, a fused tensor's widths summing to its size), then every byte of every file,
+    streamed in bounded memory: each shard's data chunks against their CRC-32 and its metadata
+    against its SHA-256, ``index.h5`` against its SHA-256. A manifest that fails its checks is
+    one problem (nothing else can be trusted then)."""
     try:
         ck = Checkpoint(path, key)
     except CheckpointError as e:
@@ -184,7 +185,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
     ``hf`` (a Hugging Face directory) is :func:`hpcml.interop.export`'s. Returns bytes."""
     if fmt_name not in ("safetensors", "torch"):  # before reading every weight
         raise ConfigError(f"export format {fmt_name!r} unknown: expected safetensors or torch"
-                          + (" (hf: hpcml.interop.export, or hpcml ckpt export --format hf)" if fmt_name == "hf" else ""))
+                          + (" (hf: hpcml.interop.export, or hpcml ckpt export --format hf)"
+                             if fmt_name == "hf" else ""))
     out_file(out)
     with Checkpoint(path) as ck:
         weights, source, model = model_weights(ck), ck.path, ck.extra.get("model")

@@ -44,7 +44,8 @@ class Mixture:
         for k in np.argsort(-(share - n), kind="stable")[:block - n.sum()]:  # largest remainders
             n[k] += 1
         if (n == 0).any():
-            raise ConfigError(f"mixture weights {weights}: dataset(s) {np.flatnonzero(n == 0).tolist()} get no place in "
+            raise ConfigError(f"mixture weights {weights}: "
+                              f"dataset(s) {np.flatnonzero(n == 0).tolist()} get no place in "
                               f"a block of {block}; raise their weight or the block")
         self.counts = n
         rng = np.random.default_rng([seed, 0x6D6978])  # the block's places, the same in every block

@@ -200,7 +200,8 @@ class TokenDataset:
         for k in range(b - a):
             if crc32(data[k * bt * size:(k + 1) * bt * size]) != self._crc(a + k):
                 lo = (a + k) * bt
-                raise DataError(f"token file {self.m.path}: block {a + k} (tokens {lo} to {min(lo + bt, self.m.n_tokens)}"
+                raise DataError(f"token file {self.m.path}: block {a + k} "
+                                f"(tokens {lo} to {min(lo + bt, self.m.n_tokens)}"
                                 f") does not match its CRC-32: the file is corrupted; pack it again or restore it")
         raw = np.frombuffer(data, self.m.dtype, n, (start - a * bt) * size)
         if int(raw.max()) >= self.m.vocab_size:

@@ -52,7 +52,8 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
     if read_final_error(sim_dir) is not None:  # a deterministic error: a retry would fail the same way
         return f"exit {CONFIG_ERROR}"
     if os.path.islink(sim_dir):  # the group may write the run directory: a link could lead anywhere
-        return f"echo {shlex.quote(f'{sim_dir} is a symbolic link, not a directory of the campaign: refused')} >&2; exit {CONFIG_ERROR}"
+        return (f"echo {shlex.quote(f'{sim_dir} is a symbolic link, not a directory of the campaign: refused')} "
+                f">&2; exit {CONFIG_ERROR}")
     os.makedirs(sim_dir, exist_ok=True)
     k = 0
     while True:

@@ -230,7 +230,8 @@ class Campaign:
 
     # --- the run --------------------------------------------------------------------------
 
-    def run(self, sims: Sequence[SimSpec | Members] | Members, *, training: TrainingJob | None = None, ready_file: Path | str | None = None,
+    def run(self, sims: Sequence[SimSpec | Members] | Members, *, training: TrainingJob | None = None,
+            ready_file: Path | str | None = None,
             ready_timeout_s: float | None = None, train_timeout_s: float | None = None,
             resume: bool = False, kept: Collection[int] | Callable[[], Collection[int]] | None = None
             ) -> CampaignResult:

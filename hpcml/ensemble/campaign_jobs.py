@@ -156,7 +156,8 @@ def _try(site, how: str, nodes: int, walltime: str, train_nodes: int, queue: str
         counts = _counts(jobs, chain=requeue and site.batch.resubmits and (row is None or row.requeue))
     else:
         sims = _job(site, "sims", nodes - train_nodes, walltime, queue)
-        rows = [None] if how == "pilot" else [r for r in site.queues if queue is None and r.auto and r.name != sims.queue
+        rows = [None] if how == "pilot" else [r for r in site.queues if queue is None and r.auto
+                                              and r.name != sims.queue
                                               and r.fits(train_nodes, walltime_seconds(walltime))]
         for row in rows:  # pilot: the trainer beside the simulations; pilot-elsewhere: in another automatic row
             jobs = [sims, _job(site, "trainer", train_nodes, walltime, queue, row)]

@@ -56,7 +56,8 @@ class DriverLease:
                     raise ConfigError(
                         f"run directory {self.path.parent} is in use by a running driver ({lock.describe(prev)}; "
                         f"its lease {self.path} renewed {age:.0f} s ago): wait for it to end, or use a new directory "
-                        f"(if that driver is gone, the lease lapses {self.stale_s:.0f} s after its last beat)") from None
+                        f"(if that driver is gone, the lease lapses {self.stale_s:.0f} s "
+                        "after its last beat)") from None
                 self._set_aside(prev)
                 continue
             with os.fdopen(fd, "w") as f:

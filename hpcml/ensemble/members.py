@@ -114,7 +114,8 @@ class Members(_Lazy):
         return (self._at(k) for k in range(self.count))
 
     def __repr__(self) -> str:
-        return f"Members(entry={self.entry!r}, count={self.count}, ids {self.first_id}..{self.first_id + self.count - 1})"
+        return (f"Members(entry={self.entry!r}, count={self.count}, "
+                f"ids {self.first_id}..{self.first_id + self.count - 1})")
 
 
 def _scalar(v: Any, name: str, sim_id: int) -> float | int:

@@ -245,7 +245,8 @@ class ProcessGrid:
             try:
                 os.sched_setaffinity(0, plan.cpus)  # this thread; threads started later (gloo's) inherit it
             except OSError as e:  # a sandbox that forbids it: run unpinned, as before
-                logger.warning("could not pin rank %d to CPU %s (%s): it stays on CPUs %s", self.rank, plan.cpus, e, mask)
+                logger.warning("could not pin rank %d to CPU %s (%s): it stays on CPUs %s",
+                               self.rank, plan.cpus, e, mask)
                 plan = cpus.share(me, views, policy="none")
             else:
                 self._log_pinning(me, views)
@@ -259,7 +260,8 @@ class ProcessGrid:
             _PIN_LOGGED = True
             logger.info("%d unbound ranks share %d CPUs on %s: each pinned to one CPU, round-robin, so none "
                         "starves while another spins (HPCML_CPU_BIND=none leaves them; mpiexec -bind-to core "
-                        "or srun --cpu-bind=cores binds at launch)", sum(1 for n, m, _ in views if (n, m) == (name, mask)),
+                        "or srun --cpu-bind=cores binds at launch)",
+                        sum(1 for n, m, _ in views if (n, m) == (name, mask)),
                         len(mask), name)
 
     # -- node map -----------------------------------------------------------------------------

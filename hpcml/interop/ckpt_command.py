@@ -34,7 +34,8 @@ def add_parser(sub, parser_class: type[argparse.ArgumentParser]) -> None:
     for p in cks.choices.values():
         if p.prog.split()[-1] != "ls":
             p.add_argument("--key", metavar="FILE", help="checkpoint key file (one key per line, the first signs; "
-                           "default $HPCML_CKPT_KEY or $HPCML_CKPT_KEY_FILE): unsigned or foreign checkpoints are refused")
+                           "default $HPCML_CKPT_KEY or $HPCML_CKPT_KEY_FILE): "
+                           "unsigned or foreign checkpoints are refused")
 
 
 def _add_convert(cks) -> None:
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(info))
         else:
-            print(f"{info['path']}: step {info['step']}, format {info['format_version']}, hpcml {info['hpcml_version']}, "
+            print(f"{info['path']}: step {info['step']}, format {info['format_version']}, "
+                  f"hpcml {info['hpcml_version']}, "
                   f"saved by {info['world_size']} ranks on {info['layout']}, {info['total_bytes'] / 1e6:.1f} MB "
                   f"in {len(info['shards'])} shards")
             model = info["extra"].get("model") if isinstance(info["extra"], dict) else None
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"model: {model.get('type')} {json.dumps(model.get('config'))}")
             width = max(len(n) for n in info["tensors"]) if info["tensors"] else 4
             for name, t in info["tensors"].items():
-                extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim", "experts") if k in t)
+                extra = "".join(f"  {k} {t[k]}" for k in ("logical_shape", "fused_widths", "fused_dim", "experts")
+                                if k in t)
                 print(f"  {name:<{width}}  {str(t['shape']):<14} {t['dtype']:<9} {t['bytes']:>10} B  "
                       f"{t['pieces']} piece(s)  {t['partition']}{extra}")
     elif c == "verify":

@@ -70,9 +70,12 @@ def hf_shapes(cfg: TransformerConfig, tied: bool | None = None) -> dict[str, tup
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (cfg.n_heads * hd, d), p + "self_attn.k_proj.weight": (cfg.kv_heads * hd, d),
-                    p + "self_attn.v_proj.weight": (cfg.kv_heads * hd, d), p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
-                    p + "mlp.gate_proj.weight": (h, d), p + "mlp.up_proj.weight": (h, d), p + "mlp.down_proj.weight": (d, h),
+        out.update({p + "self_attn.q_proj.weight": (cfg.n_heads * hd, d),
+                    p + "self_attn.k_proj.weight": (cfg.kv_heads * hd, d),
+                    p + "self_attn.v_proj.weight": (cfg.kv_heads * hd, d),
+                    p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
+                    p + "mlp.gate_proj.weight": (h, d), p + "mlp.up_proj.weight": (h, d),
+                    p + "mlp.down_proj.weight": (d, h),
                     p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
         if cfg.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
@@ -96,15 +99,16 @@ def hf_parts(name: str, cfg: TransformerConfig, hf_tied: bool = False) -> list[H
     if not m or m[2] not in _BLOCK:
         raise CheckpointError(f"{name!r} has no Hugging Face Llama name (expected a Transformer parameter)")
     hd = cfg.head_dim
-    rows = {"q_proj": cfg.n_heads * hd, "k_proj": cfg.kv_heads * hd, "v_proj": cfg.kv_heads * hd, "gate_proj": cfg.hidden,
-            "up_proj": cfg.hidden}
+    rows = {"q_proj": cfg.n_heads * hd, "k_proj": cfg.kv_heads * hd, "v_proj": cfg.kv_heads * hd,
+            "gate_proj": cfg.hidden, "up_proj": cfg.hidden}
     kind = m[2].rsplit(".", 1)[1]  # weight or bias
     return [HFPart(f"model.layers.{m[1]}.{part}.{kind}", rows.get(part.rsplit(".", 1)[-1], cfg.dim),
                    part.endswith(("q_proj", "k_proj"))) for part in _BLOCK[m[2]]]
 
 
 def rope_to_hf(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """q/k rows from hpcml's interleaved order to HF's halves: HF row ``c*d/2 + i`` of a head is hpcml row ``2i + c``."""
+    """q/k rows from hpcml's interleaved order to HF's halves: HF row ``c*d/2 + i`` of a head is
+    hpcml row ``2i + c``."""
     return w.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
 
 
@@ -125,7 +129,8 @@ def to_hf_weights(weights: dict[str, torch.Tensor], cfg: TransformerConfig) -> d
         for part, piece in zip(parts, t.split([p.width for p in parts]) if len(parts) > 1 else [t]):
             out[part.name] = (rope_to_hf(piece, cfg.head_dim) if part.rope else piece).contiguous()
     want = hf_shapes(cfg)
-    wrong = [f"{n} {list(out[n].shape)} (expected {list(s)})" for n, s in want.items() if n in out and tuple(out[n].shape) != s]
+    wrong = [f"{n} {list(out[n].shape)} (expected {list(s)})" for n, s in want.items()
+             if n in out and tuple(out[n].shape) != s]
     missing = sorted(set(want) - set(out))
     if missing or wrong:
         raise CheckpointError(f"checkpoint weights do not make the model of its config: missing {missing[:4]}"

@@ -28,7 +28,8 @@ def hf_config(cfg: TransformerConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the HF Llama model equal to ``cfg`` (Qwen2 with ``qkv_bias``)."""
     if cfg.activation != "swiglu" or cfg.norm != "rmsnorm" or cfg.bias or cfg.positions != "rope":
         raise ConfigError(f"a model of {cfg.activation}, {cfg.norm}, bias {cfg.bias}, {cfg.positions} positions has no "
-                          f"Hugging Face Llama equivalent (export takes SwiGLU, RMSNorm, rotary, no biases beyond q/k/v)")
+                          f"Hugging Face Llama equivalent (export takes SwiGLU, RMSNorm, rotary, "
+                          f"no biases beyond q/k/v)")
     kind = "qwen2" if cfg.qkv_bias else "llama"
     llama3 = {"rope_type": "llama3", **{k: getattr(cfg, name) for k, name in _LLAMA3_KEYS.items()}} \
         if cfg.rope_llama3 else None
@@ -141,11 +142,13 @@ def config_from_hf(path: str | os.PathLike, **overrides) -> TransformerConfig:
         raise ConfigError(f"config.json tie_word_embeddings={tie!r}: expected true or false")
     cfg = TransformerConfig(vocab_size=_int(c, "vocab_size"), dim=dim, n_layers=_int(c, "num_hidden_layers"),
                             n_heads=heads, n_kv_heads=_int(c, "num_key_value_heads", heads),
-                            ffn_hidden=_int(c, "intermediate_size"), max_seq_len=_int(c, "max_position_embeddings", 2048, MAX_POSITIONS),
+                            ffn_hidden=_int(c, "intermediate_size"),
+                            max_seq_len=_int(c, "max_position_embeddings", 2048, MAX_POSITIONS),
                             **_rope(c), norm_eps=_float(c, "rms_norm_eps", 1e-6), tie_embeddings=tie,
                             vocab_multiple=math.gcd(_int(c, "vocab_size"), 64), qkv_bias=kind == "qwen2")
     on_disk = data_bytes(Path(path))
-    if on_disk is not None and 2 * cfg.num_params() > on_disk:  # before any model of this size is built: 2 bytes a parameter at least
+    # before any model of this size is built: 2 bytes a parameter at least
+    if on_disk is not None and 2 * cfg.num_params() > on_disk:
         raise CheckpointError(f"{Path(path) / 'config.json'} describes {cfg.num_params():,} parameters "
                               f"({cfg.n_layers} layers, dim {dim}), at least {2 * cfg.num_params():,} bytes; "
                               f"its safetensors hold {on_disk:,}: config and weights do not match")

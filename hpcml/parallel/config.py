@@ -20,9 +20,11 @@ class ParallelConfig:
     """Choices for each axis; the degrees themselves come from the grid's layout."""
 
     fsdp: bool = False
-    """dp: shard parameters, gradients and optimizer state with FSDP2 (ZeRO-3-like); False: replicate and all-reduce gradients (DDP)."""
+    """dp: shard parameters, gradients and optimizer state with FSDP2 (ZeRO-3-like); False: replicate and
+    all-reduce gradients (DDP)."""
     reshard_after_forward: bool = True
-    """FSDP only: False keeps parameters gathered from forward to backward (ZeRO-2-like: more memory, fewer all-gathers)."""
+    """FSDP only: False keeps parameters gathered from forward to backward (ZeRO-2-like: more memory,
+    fewer all-gathers)."""
     dp_replicate: int | str = 1
     """FSDP only: HSDP (hybrid sharding) -- the data ranks in this many replicas, each sharding the
     parameters over its own ranks (the shard groups consecutive: inside a node when the node map

@@ -108,8 +108,8 @@ def hpz_size(grid: ProcessGrid, config: ParallelConfig) -> bool | int:
         raise ConfigError(f"hpz with tp {lay.tp}, pp {lay.pp}, pop {grid.pop}: torch's hpZ (FSDP2's "
                           f"reshard_after_forward=N) makes each data group's node groups on that group's ranks "
                           f"alone, and with {lay.tp * lay.pp * grid.pop} data groups the ranks' group calls "
-                          f"disagree (a hang); use hpz with tp 1, pp 1 and one member, or dp_replicate (HSDP), or qwz/qgz "
-                          f"without hpz")
+                          f"disagree (a hang); use hpz with tp 1, pp 1 and one member, or dp_replicate (HSDP), "
+                          f"or qwz/qgz without hpz")
     ranks = data_group(grid)
     here = node_blocks(grid, "hpz")
     if here == len(ranks):

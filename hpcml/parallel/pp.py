@@ -13,7 +13,8 @@ _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b":
 
 
 def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Stages on ``pp_rank``: looped placement ``pp_rank, pp_rank + pp, ...`` (what the interleaved schedule expects)."""
+    """Stages on ``pp_rank``: looped placement ``pp_rank, pp_rank + pp, ...`` (what the interleaved
+    schedule expects)."""
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 

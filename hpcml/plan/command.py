@@ -281,8 +281,8 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
         elif "error" in r:
             print(f"line {r['line']}: {r['error']}")
         else:
-            vs = f" (measured {r['measured_step_s']:.4g} s: {r['step_error']:+.1%})" if r.get("step_error") is not None \
-                else ""
+            vs = f" (measured {r['measured_step_s']:.4g} s: {r['step_error']:+.1%})" \
+                if r.get("step_error") is not None else ""
             print(f"{r['fits']!s:5} {r['tokens_per_s']:>12.5g} tok/s mfu {r['mfu']:.3f} "
                   f"{r['memory_gib'].get('total', 0):7.1f} GiB {r['why']}{vs}")
     return 1 if any("error" in r for r in results) else 0

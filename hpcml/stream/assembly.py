@@ -90,7 +90,8 @@ class Assembler:
             self.held[peer] = self.held.get(peer, 0) + p.nbytes
         if rank in p.ranks or p.fields.shape[1:] != global_shape or p.nranks != nranks:
             raise MessageError("bad_fragment", f"rank {rank} of {nranks}, grid {global_shape}: a block already in, "
-                                               f"or not of sample {key} (rank of {p.nranks}, grid {p.fields.shape[1:]})")
+                                               f"or not of sample {key} (rank of {p.nranks}, "
+                                               f"grid {p.fields.shape[1:]})")
         box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
         if p.covered[box].any():
             self.forget(key)

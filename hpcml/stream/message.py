@@ -238,7 +238,8 @@ def _decode(secret: bytes, frames: list, campaign: str, run: str | None, authent
             raw = raw + [b""]  # the payloads are raw[2:-1] either way
     _need(h.get("campaign") == campaign, "wrong_campaign", lambda: f"campaign={_short(h.get('campaign'))}")
     _need(not run or h.get("run", "") == run, "wrong_campaign", lambda: f"run={_short(h.get('run'))}, "
-          f"not this run's {run!r} (a message of an earlier run, or of none: a server tied to a run takes only its own)")
+          f"not this run's {run!r} (a message of an earlier run, or of none: "
+          "a server tied to a run takes only its own)")
     payloads = raw[2:-1]
     if h["kind"] == "data" and _data_ok(h, payloads):  # the common case, checked at once
         shape = h["shape"]

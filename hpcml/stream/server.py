@@ -258,10 +258,11 @@ class StreamServer(SampleSource):
         """Before a last save on a stop: take in everything already sent until the socket has
         been quiet for ``quiet_s`` (at most ``timeout_s``), into the buffer past its capacity.
 
-        A simulation whose producers closed was acknowledged every message, but some may still
-        wait in this server's queue (or, on the zmtp wire, in ZeroMQ's); the campaign will not
-        run it again, so they must be in the checkpoint. (Running simulations were cancelled before the trainer was told to
-        stop; their samples come again from the next attempt and duplicates are dropped.)
+        A simulation whose producers closed was acknowledged every message, but some may still wait
+        in this server's queue (or, on the zmtp wire, in ZeroMQ's); the campaign will not run it
+        again, so they must be in the checkpoint. (Running simulations were cancelled before the
+        trainer was told to stop; their samples come again from the next attempt and duplicates are
+        dropped.)
         """
         self._overflow.set()
         deadline = time.monotonic() + timeout_s

@@ -113,7 +113,8 @@ def test_errors_on_one_rank_before_the_plan_fail_every_rank(comm, shared_dir):
             saver(blocker, 1, {"model/a": torch.ones(2)})
         msg = str(info.value)
         assert "rank 0: FileExistsError" in msg and comm.allgather(msg) == [msg] * WORLD
-    odd = {"model/a": torch.ones(2)} | ({"model/z": torch.ones(2, dtype=torch.complex64)} if comm.rank == WORLD - 1 else {})
+    odd = {"model/a": torch.ones(2)} | ({"model/z": torch.ones(2, dtype=torch.complex64)}
+                                        if comm.rank == WORLD - 1 else {})
     with pytest.raises(CheckpointError) as info:
         ckpt.save(shared_dir / "odd", 1, odd, comm=comm)
     assert "complex64" in str(info.value) and comm.allgather(str(info.value)) == [str(info.value)] * WORLD
@@ -343,11 +344,13 @@ def test_fused_declarations_that_do_not_fit_fail_on_every_rank(comm, shared_dir)
     assert sorted(m.split(":")[0] for m in report.mismatched) == sorted(NAMES)
     # a save whose declaration does not fit raises on every rank, also where the tensor is not held
     bad = {"model/qkv.weight": {"fused_widths": [256, 64, 60]}}
-    mine = {"model/qkv.weight": src["model/qkv.weight"]} if comm.rank == 0 else {f"model/other{comm.rank}": torch.ones(2)}
+    mine = {"model/qkv.weight": src["model/qkv.weight"]} if comm.rank == 0 \
+        else {f"model/other{comm.rank}": torch.ones(2)}
     with pytest.raises(CheckpointError) as info:
         ckpt.save(root, 2, mine, comm=comm, tensor_attrs=bad)
     msg = str(info.value)
-    assert "fused tensor model/qkv.weight: fused_widths [256, 64, 60] sum to 380, but its size on fused_dim 0 is 384" in msg
+    assert ("fused tensor model/qkv.weight: fused_widths [256, 64, 60] sum to 380, "
+            "but its size on fused_dim 0 is 384") in msg
     assert comm.allgather(msg) == [msg] * WORLD
     # uneven sub-parameter shards are refused
     uneven = fused_attrs({"qkv.weight": [256 + 1, 64, 64 - 1]})
@@ -395,8 +398,8 @@ def test_fused_transformer_trains_saves_and_resumes_on_another_tp(comm, shared_d
         tp_rank, tp = fresh.grid.coords["tp"], fresh.grid.layout.tp
         for tname in fused:
             want = _tp_shard(ckpt.read_tensor(ck, tname), tp_rank, tp, index[tname].attrs["fused_widths"].tolist())
-            assert torch.equal(fresh.state_tensors()[tname].to_local() if tp > 1 else _global(fresh.state_tensors()[tname]),
-                               want), tname
+            assert torch.equal(fresh.state_tensors()[tname].to_local() if tp > 1
+                               else _global(fresh.state_tensors()[tname]), want), tname
     fresh.data = trainer.data
     assert fresh.train_step()["loss"] == pytest.approx(trainer.train_step()["loss"], rel=1e-4)
 

@@ -32,10 +32,12 @@ LAYOUTS = {
         ("tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("pp2xdp2", {"pp": 2}, {}), ("cp2xtp2", {"cp": 2, "tp": 2}, {}),
         ("tp4-ac", {"tp": 4}, {"activation_checkpointing": True}),
         ("mpt-cp2xfsdp2", {"cp": 2}, {"fsdp": True}), ("mpt-cp4-allgather", {"cp": 4}, {"cp_kind": "allgather"}),
-        ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}), ("alibi-cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"}),
+        ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}),
+        ("alibi-cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"}),
         ("alibi-pp2xfsdp2", {"pp": 2}, {"fsdp": True})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
-        ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("mpt-cp2", {"cp": 2}, {}), ("mpt-fsdp2", {"dp": 2}, {"fsdp": True}),
+        ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("mpt-cp2", {"cp": 2}, {}),
+        ("mpt-fsdp2", {"dp": 2}, {"fsdp": True}),
         ("alibi-tp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("alibi-cp2", {"cp": 2}, {})],
 }
 

@@ -155,8 +155,10 @@ def test_expert_mesh_folds_ep_over_dp(comm, torch_bootstrap):
         em = grid.torch.expert_mesh
         assert em.mesh_dim_names == ("pp", "edp", "ep", "etp") and em.mesh.shape == (1, 1, 2, 2)
         assert sorted(dist.get_process_group_ranks(em.get_group("ep"))) == [comm.rank % 2, comm.rank % 2 + 2]
-        assert sorted(dist.get_process_group_ranks(grid.torch.mesh.get_group("dp"))) == [comm.rank % 2, comm.rank % 2 + 2]
-        assert grid.coords == {"pp": 0, "dp": comm.rank // 2, "cp": 0, "tp": comm.rank % 2, "ep": comm.rank // 2, "edp": 0}
+        assert sorted(dist.get_process_group_ranks(grid.torch.mesh.get_group("dp"))) \
+            == [comm.rank % 2, comm.rank % 2 + 2]
+        assert grid.coords == {"pp": 0, "dp": comm.rank // 2, "cp": 0, "tp": comm.rank % 2, "ep": comm.rank // 2,
+                               "edp": 0}
         assert all(r.ok and r.torch is not None for r in check_grid(grid) if len(r.axes) == 1)
     finally:
         grid.free()

@@ -109,8 +109,8 @@ def test_dispatch_then_combine_returns_the_input_with_gradients(comm):
         assert seen_counts[0][1] == 0
     # bytes handed to other ranks: what leaves for the other ranks' experts, both ways
     off = sum(counts[j * 2:(j + 1) * 2].sum() for j in range(WORLD) if j != comm.rank) * dim * 4
-    back = (all_counts[:, 2 * comm.rank:2 * comm.rank + 2].sum() - all_counts[comm.rank, 2 * comm.rank:2 * comm.rank + 2]
-            .sum()) * dim * 4
+    back = (all_counts[:, 2 * comm.rank:2 * comm.rank + 2].sum()
+            - all_counts[comm.rank, 2 * comm.rank:2 * comm.rank + 2].sum()) * dim * 4
     assert dispatch.sent_bytes == int(off + back)
     dist.destroy_process_group(group)
 

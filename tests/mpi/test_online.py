@@ -289,7 +289,8 @@ def test_a_model_of_the_wrong_shape_fails_on_every_rank_before_the_first_step(co
                                           r"is \[96\]: the model must output the simulation's grid"):
         _wave_run(grid, files, wrong)
     more = MLPSurrogate(MLPSurrogateConfig(n_params=3, shape=(96,), hidden=8, depth=1))  # 3 params, samples carry 2
-    with pytest.raises(ConfigError, match=r"the model cannot take simulation \d+'s sample \(ValueError: params must have "
+    with pytest.raises(ConfigError, match=r"the model cannot take simulation \d+'s sample "
+                                          r"\(ValueError: params must have "
                                           r"shape \[B=1, n_params=3\], got \[1, 2\]\)"):
         _wave_run(grid, files, more)
 

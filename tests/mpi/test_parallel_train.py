@@ -106,10 +106,12 @@ BAD = [
     ({"cp": WORLD}, TransformerConfig.preset("tiny", n_kv_heads=1), {}, TRAIN,
      "n_kv_heads 1 / tp 1 = 1 heads per rank is not divisible by cp {w} (Ulysses splits heads over cp; cp_kind "
      "allgather does not)"),
-    ({"tp": WORLD}, TransformerConfig.preset("tiny", ffn_hidden=67), {}, TRAIN, "ffn hidden 67 is not divisible by tp {w}"),
+    ({"tp": WORLD}, TransformerConfig.preset("tiny", ffn_hidden=67), {}, TRAIN,
+     "ffn hidden 67 is not divisible by tp {w}"),
     ({"pp": WORLD}, TransformerConfig.preset("tiny", n_layers=WORLD - 1), {}, TRAIN,
      "n_layers {l} < pipeline stages {w} (pp {w} x 1 stages per rank)"),
-    ({"dp": WORLD}, MODEL, {}, TrainConfig(global_batch=6, micro_batch=2), "global batch 6 is not divisible by dp {w} x micro-batch 2 = {m}"),
+    ({"dp": WORLD}, MODEL, {}, TrainConfig(global_batch=6, micro_batch=2),
+     "global batch 6 is not divisible by dp {w} x micro-batch 2 = {m}"),
     ({"cp": WORLD}, MODEL, {}, TrainConfig(seq_len=30 if WORLD == 4 else 31), "seq_len {s} is not divisible by cp {w}"),
 ]
 

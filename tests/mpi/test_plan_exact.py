@@ -42,7 +42,8 @@ LAYOUTS = {
         ("moe-ep2xdp2", {"ep": 2}, {}), ("moe-ep2-fsdp", {"ep": 2}, {"fsdp": True}),
         ("moe-ep4-fsdp", {"ep": 4}, {"fsdp": True}), ("moe-tp2xep2", {"tp": 2, "ep": 2}, {}),
         ("gpt-tp2xfsdp2", {"tp": 2}, {"fsdp": True}), ("gpt-pp2xdp2", {"pp": 2}, {}), ("gpt-tp4", {"tp": 4}, {}),
-        ("hsdp2x2", {"dp": 4}, {"fsdp": True, "dp_replicate": 2}), ("hsdp-cp2", {"cp": 2}, {"fsdp": True, "dp_replicate": 2})],
+        ("hsdp2x2", {"dp": 4}, {"fsdp": True, "dp_replicate": 2}),
+        ("hsdp-cp2", {"cp": 2}, {"fsdp": True, "dp_replicate": 2})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
         ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {}), ("zero2-2", {"dp": 2}, {"fsdp": True,
         "reshard_after_forward": False}), ("moe-ep2", {"ep": 2}, {"fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
@@ -54,7 +55,8 @@ def _plan_layout(degrees: dict, pcfg: ParallelConfig, model: TransformerConfig =
     zero = (2 if not pcfg.reshard_after_forward else 3) if pcfg.fsdp else 0
     return PlanLayout(model=model, gpus=WORLD, ep=degrees.get("ep", 1), gpu="a100-80gb", seq_len=TRAIN.seq_len,
                       global_batch=TRAIN.global_batch, micro_batch=TRAIN.micro_batch, tp=degrees.get("tp", 1),
-                      pp=degrees.get("pp", 1), cp=degrees.get("cp", 1), zero=zero, sequence_parallel=pcfg.sequence_parallel,
+                      pp=degrees.get("pp", 1), cp=degrees.get("cp", 1), zero=zero,
+                      sequence_parallel=pcfg.sequence_parallel,
                       schedule=pcfg.pp_schedule, precision="fp32", dp_replicate=pcfg.dp_replicate, **kw)
 
 
@@ -100,7 +102,8 @@ SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2
              ("gpt-tp2xdp2-sp", {"tp": 2}, {"sequence_parallel": True}), ("gpt-cp2xdp2", {"cp": 2}, {}),
              ("cp4-allgather", {"cp": 4}, {"cp_kind": "allgather"}),
              ("cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"}),
-             ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}), ("alibi-cp2xdp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}),
+             ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}),
+             ("alibi-cp2xdp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}),
              ("alibi-fsdp4", {"dp": 4}, {"fsdp": True})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
              ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),

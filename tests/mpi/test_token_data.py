@@ -82,7 +82,8 @@ def test_a_corpus_packed_on_every_rank_is_the_one_packed_on_one(comm, corpus):
     if comm.rank == 0:
         alone = pack(corpus.with_name("alone.h5"), SHARDS, tokenizer="bytes", comm=MPI.COMM_SELF)
         one = TokenDataset(alone.path, seq_len=16)
-        assert torch.equal(torch.from_numpy(one.tokens(0, one.m.n_tokens)), torch.from_numpy(ds.tokens(0, ds.m.n_tokens)))
+        assert torch.equal(torch.from_numpy(one.tokens(0, one.m.n_tokens)),
+                           torch.from_numpy(ds.tokens(0, ds.m.n_tokens)))
         first = texts[0].encode()
         assert bytes(ds.tokens(0, len(first)).astype("uint8")) == first  # the text itself, byte for byte
         assert ds.tokens(len(first), 1)[0] == 256  # then the end of the document

@@ -46,7 +46,8 @@ def seen_keys(run_dir: Path) -> np.ndarray:
     ck = run_dir / "checkpoints"
     step = (ck / "latest").read_text().strip()
     with h5py.File(ck / step / "index.h5") as f:
-        return np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2) if f"stream/rank_{r:05d}/seen" in f])
+        return np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2)
+                               if f"stream/rank_{r:05d}/seen" in f])
 
 
 def test_pilot_campaign_from_a_login_shell(tmp_path):

@@ -85,7 +85,8 @@ def test_a_crash_after_a_resave_of_another_step_leaves_no_copy_aside(tmp_path, m
     (tmp_path / "step_00000002.old").unlink()
     outside.rename(tmp_path / "step_00000002.old")
     ckpt.save(tmp_path, 3, _state(4, 4.0))
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")) == [".hpcml-lock", "latest", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".tmp")) \
+        == [".hpcml-lock", "latest", "step_00000003"]
     assert _values(tmp_path, 4) == (3, 4.0)
 
 

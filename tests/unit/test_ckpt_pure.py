@@ -105,7 +105,8 @@ def test_fused_chunks_each_tp_rank_writes():
 def test_fused_hyperslabs_each_target_rank_reads(n):
     q, k, v = QKV
     for r, boxes in enumerate(_boxes(n)):
-        expect = [(0, r * q // n, q // n), (q // n, q + r * k // n, k // n), (q // n + k // n, q + k + r * v // n, v // n)]
+        expect = [(0, r * q // n, q // n), (q // n, q + r * k // n, k // n),
+                  (q // n + k // n, q + k + r * v // n, v // n)]
         if n == 1:  # q, k, v adjacent in both layouts: one read
             expect = [(0, 0, 24)]
         assert [(lo, off[0], shp[0]) for lo, off, shp in boxes] == expect

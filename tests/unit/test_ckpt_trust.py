@@ -236,7 +236,8 @@ def test_malformed_chunk_macs_refused_in_one_line(tmp_path):
     import shutil
 
     step = _save(tmp_path / "ck", key=KEY)
-    for k, (edit, msg) in enumerate([(lambda m: m["tensors"]["model/a"]["pieces"][0].update(mac="zz"), "mac is 'zz': expected 32"),
+    for k, (edit, msg) in enumerate([(lambda m: m["tensors"]["model/a"]["pieces"][0].update(mac="zz"),
+                                      "mac is 'zz': expected 32"),
                       (lambda m: m["data_mac"].update(alg="crc32"), "data_mac is .*: expected"),
                       (lambda m: m.pop("data_mac"), "a piece has chunk MACs, but the manifest names no data_mac")]):
         copy = tmp_path / f"c{k}" / step.name
@@ -256,7 +257,8 @@ def test_the_stream_secret_never_signs_checkpoints(tmp_path, monkeypatch):
     (run / "campaign_id.json").write_text("{}")
     secret = new_secret(run / "stream.key")
     text = (run / "stream.key").read_text().strip()
-    with pytest.raises(ConfigError, match=r"checkpoint key from key file .*stream\.key is the campaign's stream secret: "
+    with pytest.raises(ConfigError, match=r"checkpoint key from key file .*stream\.key "
+                                          r"is the campaign's stream secret: "
                                           r"every simulation holds that secret, so it cannot sign checkpoints"):
         keys.keyring(run / "stream.key")  # beside campaign_id.json: a campaign's, even outside its jobs
     monkeypatch.setenv("HPCML_STREAM_SECRET_FILE", str(run / "stream.key"))

@@ -58,7 +58,8 @@ def test_grid_of_a_population_that_does_not_divide_the_ranks_is_one_line(pop):
 @pytest.mark.parametrize("args,message", [
     (["--world", "8", "--tp", "3"], "hpcml: error: cannot infer dp: tp(3) * pp(1) = 3 does not divide world size 8; "
      "8 ranks fit only dp(8), or run on a multiple of 3 ranks"),
-    (["--world", "8", "--tp", "3", "--dp", "1", "--pp", "2"], "hpcml: error: tp(3) * dp(1) * pp(2) = 6 != world size 8"),
+    (["--world", "8", "--tp", "3", "--dp", "1", "--pp", "2"],
+     "hpcml: error: tp(3) * dp(1) * pp(2) = 6 != world size 8"),
     (["--world", "8", "--xp", "2"], "hpcml: error: unknown axis 'xp': expected one of pp, dp, ep, cp, tp, etp"),
     (["--world", "8", "--tp", "0"], "hpcml: error: degree of tp must be a positive integer or -1 (inferred), got 0"),
     (["--world", "8", "--tp", "-4"], "hpcml: error: degree of tp must be a positive integer or -1 (inferred), got -4"),

@@ -31,7 +31,8 @@ def test_the_contract_travels_in_the_environment_and_back(tmp_path):
     c = _contract(tmp_path, resume=True, steps=500, batch=8, n_sims=16, deadline=1.8e9, driver_pid=42,
                   driver_host="login1", launch="abc", stream_interface="hsn0")
     env = c.to_env()
-    assert env["HPCML_RESUME"] == "1" and env["HPCML_TRAIN_STEPS"] == "500" and env["HPCML_JOB_DEADLINE"] == "1800000000"
+    assert env["HPCML_RESUME"] == "1" and env["HPCML_TRAIN_STEPS"] == "500" \
+        and env["HPCML_JOB_DEADLINE"] == "1800000000"
     assert Contract.from_env(env) == c and eval(repr(c), {"Contract": Contract}) == c  # repr rebuilds it
     assert c.ckpt_dir == tmp_path / "checkpoints" and c.summary_file == tmp_path / "train_summary.json"
 
@@ -39,8 +40,10 @@ def test_the_contract_travels_in_the_environment_and_back(tmp_path):
 @pytest.mark.parametrize("env, says", [
     ({}, "HPCML_RUN_DIR and HPCML_CAMPAIGN_ID not set: this process was not started by a campaign"),
     ({"HPCML_RUN_DIR": "/r", "HPCML_CAMPAIGN_ID": "c", "HPCML_RESUME": "yes"}, "HPCML_RESUME='yes': expected 0 or 1"),
-    ({"HPCML_RUN_DIR": "/r", "HPCML_CAMPAIGN_ID": "c", "HPCML_TRAIN_STEPS": "ten"}, "HPCML_TRAIN_STEPS='ten': expected a"),
-    ({"HPCML_RUN_DIR": "/r", "HPCML_CAMPAIGN_ID": "c", "HPCML_TRAIN_BATCH": "0"}, "Contract.batch=0: expected an integer"),
+    ({"HPCML_RUN_DIR": "/r", "HPCML_CAMPAIGN_ID": "c", "HPCML_TRAIN_STEPS": "ten"},
+     "HPCML_TRAIN_STEPS='ten': expected a"),
+    ({"HPCML_RUN_DIR": "/r", "HPCML_CAMPAIGN_ID": "c", "HPCML_TRAIN_BATCH": "0"},
+     "Contract.batch=0: expected an integer"),
 ])
 def test_a_bad_or_missing_contract_is_one_line(env, says):
     with pytest.raises(ConfigError) as e:
@@ -121,7 +124,8 @@ def test_one_driver_per_run_directory_and_the_claim_refuses_or_resumes(tmp_path)
     out = subprocess.run([sys.executable, "-c", code.replace("resume=True", "resume=False")], capture_output=True,
                          text=True, timeout=60).stdout
     assert out.strip() == f"run directory {run} holds campaign {first.campaign} (started " + \
-        json.loads((run / "campaign_id.json").read_text())["created"] + "): resume it (resume=True) or use a new directory"
+        json.loads((run / "campaign_id.json").read_text())["created"] \
+        + "): resume it (resume=True) or use a new directory"
     again = rundir.claim(run, resume=True)
     rundir.release(run)
     assert (again.campaign, again.held) == (first.campaign, True) and again.run != first.run

@@ -99,5 +99,6 @@ def test_a_source_whose_documents_end_with_another_token_is_refused():
 
     check_source(Source(), 16, 64, eod=7)
     check_source(Source(), 16, 64)  # no masking: the end token does not matter
-    with pytest.raises(ConfigError, match=r"masking by end-of-document token 3, but the data's documents end with \[7\]"):
+    with pytest.raises(ConfigError,
+                       match=r"masking by end-of-document token 3, but the data's documents end with \[7\]"):
         check_source(Source(), 16, 64, eod=3)

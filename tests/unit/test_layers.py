@@ -172,7 +172,8 @@ def test_every_package_hands_out_its_lazy_names_one_way():
 
     assert hpcml.ckpt.CheckpointError is hpcml.errors.CheckpointError
     assert hpcml.ckpt.pipeline.__name__ == "hpcml.ckpt.pipeline"
-    assert hpcml.grid.interface_address is hpcml.net.interface_address and hpcml.train_online is hpcml.train.train_online
+    assert hpcml.grid.interface_address is hpcml.net.interface_address \
+        and hpcml.train_online is hpcml.train.train_online
     with pytest.raises(AttributeError, match="module 'hpcml' has no attribute 'nope'"):
         hpcml.nope  # noqa: B018
 

@@ -47,7 +47,8 @@ def test_groups_partition_the_world(world, degrees):
     lay = Layout.from_degrees(world, degrees)
     for axes in [(a,) for a in lay.axis_names] + [("dp", "cp"), ("tp", "cp"), ("pp", "dp", "cp", "tp")]:
         arr = lay.group_array(axes)
-        assert arr.shape == (world // np.prod([getattr(lay, a) for a in axes]), np.prod([getattr(lay, a) for a in axes]))
+        assert arr.shape == (world // np.prod([getattr(lay, a) for a in axes]),
+                             np.prod([getattr(lay, a) for a in axes]))
         assert sorted(arr.ravel().tolist()) == list(range(world))
         for rank in (0, world // 3, world - 1):
             members = lay.group_of(rank, axes)

@@ -38,7 +38,8 @@ CHECK = [(1, {"micro_batch": 16}), (1, {"micro_batch": 4, "recompute": "full"}),
 
 
 def _measured(name: str, rows) -> list[Measured]:
-    return [Measured(PlanLayout(gpus=n, gpu=name, **BASE, **k), predict(PlanLayout(gpus=n, gpu=name, **BASE, **k)).step_s,
+    return [Measured(PlanLayout(gpus=n, gpu=name, **BASE, **k),
+                     predict(PlanLayout(gpus=n, gpu=name, **BASE, **k)).step_s,
                      f"row {i}") for i, (n, k) in enumerate(rows)]
 
 

@@ -37,7 +37,8 @@ def test_a_layout_without_a_micro_batch_takes_the_fastest_that_fits(capsys):
     assert next(p for p in best if p.layout.tp == 2 and p.layout.zero == 0
                 and p.layout.recompute == "none" and not p.layout.sequence_parallel).layout.micro_batch == 8
     rc, text = _plan(capsys, *TINY, "--tp", "2")
-    assert rc == 0 and " mb 8 " in text and text.endswith("(micro-batch 8: the fastest that fits; --micro-batch sets it)")
+    assert rc == 0 and " mb 8 " in text \
+        and text.endswith("(micro-batch 8: the fastest that fits; --micro-batch sets it)")
     rc, args = _plan(capsys, *TINY, "--tp", "2", "--emit", "args")
     line = shlex.split(args)
     assert rc == 0 and line[line.index("--micro-batch") + 1] == "8"

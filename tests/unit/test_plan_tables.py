@@ -32,7 +32,8 @@ def _score(name):
 
 
 @pytest.mark.parametrize("name, rows", [("foundry-h100", 52), ("foundry-a100-80gb", 61), ("foundry-a100-40gb", 78),
-                                        ("foundry-h100-large", 18), ("foundry-h100-fp8", 4), ("foundry-h100-fp8-1b", 3)])
+                                        ("foundry-h100-large", 18), ("foundry-h100-fp8", 4),
+                                        ("foundry-h100-fp8-1b", 3)])
 def test_foundry_sections_meet_the_bars(name, rows):
     """The issue's bars per section: fit/OOM right on >= 90%, median |error| <= 10%, p90 <= 25%,
     Spearman of MFU >= 0.6 (the FP8 rows: FP8 GEMMs at ``fp8_eff`` of the FP8 peak)."""
@@ -158,7 +159,8 @@ def test_allgather_context_parallelism():
     args = emit(replace(lay, framework="hpcml"))
     assert args[args.index("--cp-kind") + 1] == "allgather"
     # the gathered keys and values kept for backward: cp - 1 more slices of k and v per block than Ulysses' own
-    assert memory(cfg, replace(lay, recompute="none")).activations > memory(cfg, replace(u8, recompute="none")).activations
+    assert memory(cfg, replace(lay, recompute="none")).activations \
+        > memory(cfg, replace(u8, recompute="none")).activations
 
 
 def test_block_and_cp_flags_on_the_command_line(capsys):

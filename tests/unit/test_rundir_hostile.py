@@ -194,8 +194,8 @@ def test_a_recorded_wave_larger_than_the_plan_or_a_sampler_state_out_of_range_is
 def test_hpcml_job_script_into_a_fifo_fails_at_once_in_one_line(tmp_path):
     os.mkfifo(tmp_path / "job.sh")
     p = subprocess.run([sys.executable, "-m", "hpcml.cli", "job", "--site", "slurm-local", "--script",
-                        str(tmp_path / "job.sh"), "--nodes", "1", "--walltime", "00:10:00", "--", "python", "train.py"], capture_output=True, text=True,
-                       timeout=60)
+                        str(tmp_path / "job.sh"), "--nodes", "1", "--walltime", "00:10:00", "--", "python", "train.py"],
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert f"{tmp_path / 'job.sh'}: is a FIFO" in p.stderr.strip().splitlines()[-1]
 

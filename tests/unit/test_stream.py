@@ -93,7 +93,8 @@ def test_server_counts_and_survives_bad_messages():
         good = [bytes(f) for f in message.encode(SECRET, _header(sim=0, nranks=1), [np.ones((4, 3), np.float32)])]
         push.send_multipart([b"garbage"])                                            # malformed
         push.send_multipart(good[:2] + [b"\0" * 48, good[-1]])                       # tampered: unauthenticated
-        push.send_multipart([bytes(f) for f in message.encode(b"z" * 32, _header(sim=0), [np.ones((4, 3), np.float32)])])
+        push.send_multipart([bytes(f) for f in message.encode(b"z" * 32, _header(sim=0),
+                                                              [np.ones((4, 3), np.float32)])])
         push.send_multipart([bytes(f) for f in message.encode(SECRET, _header(sim=0), [np.ones((2, 3), np.float32)])])
         push.send_multipart(good)
         _wait(lambda: srv.counters["samples"] == 1)
@@ -267,7 +268,8 @@ def test_three_1d_simulations_reach_both_trainer_ranks_through_from_campaign(tmp
     try:
         write_endpoints(tmp_path / "endpoints.json", CAMPAIGN, [v.endpoint for v in srvs], run="old-run")
         (tmp_path / "stream.key").write_text(SECRET.hex())
-        contract = Contract(run_dir=str(tmp_path), campaign=CAMPAIGN, run="r1", secret_file=str(tmp_path / "stream.key"),
+        contract = Contract(run_dir=str(tmp_path), campaign=CAMPAIGN, run="r1",
+                            secret_file=str(tmp_path / "stream.key"),
                             endpoints_file=str(tmp_path / "endpoints.json"))
         for k, v in contract.to_env().items():
             monkeypatch.setenv(k, v)

@@ -88,7 +88,8 @@ def test_the_schema_refuses_other_fields_parameters_and_grids_naming_the_simulat
     assert ing.message(_block(0, 1)) is not None  # fixes the grid: 6 x 4
     with pytest.raises(MessageError, match=r"wrong_shape: simulation 3's grid is 8 x 4, simulation 0's 6 x 4"):
         ing.message(_block(3, 1, shape=(8, 4)))
-    with pytest.raises(MessageError, match=r"wrong_fields: simulation 4 sends fields \['v'\], the trainer takes \['u'\]"):
+    with pytest.raises(MessageError,
+                       match=r"wrong_fields: simulation 4 sends fields \['v'\], the trainer takes \['u'\]"):
         ing.message(_block(4, 1, fields=("v",)))
     with pytest.raises(MessageError, match=r"missing_params: simulation 5's parameters \['b'\] lack \['a'\]"):
         ing.message(_block(5, 1, params={"b": 1.0}))

@@ -52,7 +52,8 @@ def test_text_with_the_bytes_tokenizer_and_a_large_vocabulary_in_uint32(tmp_path
     assert list(TokenDataset(tmp_path / "t.h5", seq_len=2).tokens(0, m.n_tokens)) == [*"héllo\n".encode(), 256]
     np.save(tmp_path / "big.npy", np.array([70000, 3, 5]))
     m = pack(tmp_path / "u.h5", [tmp_path / "big.npy"], vocab_size=100_000, eod=0, comm=SELF)
-    assert m.dtype.name == "uint32" and list(TokenDataset(tmp_path / "u.h5", seq_len=2).tokens(0, 4)) == [70000, 3, 5, 0]
+    assert m.dtype.name == "uint32" \
+        and list(TokenDataset(tmp_path / "u.h5", seq_len=2).tokens(0, 4)) == [70000, 3, 5, 0]
 
 
 def test_each_epoch_visits_every_sequence_once_in_a_seeded_order(tmp_path):
@@ -147,7 +148,8 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_position(packed):
 
 @pytest.mark.parametrize("make, kw, msg", [
     (lambda d: np.save(d / "x.npy", np.zeros((2, 2), np.int64)), {}, r"x\.npy: a 2-D int64 array; expected a 1-D"),
-    (lambda d: np.save(d / "x.npy", np.array([1, 2, 400])), {}, r"x\.npy: token id 400 is outside the vocabulary of 300"),
+    (lambda d: np.save(d / "x.npy", np.array([1, 2, 400])), {},
+     r"x\.npy: token id 400 is outside the vocabulary of 300"),
     (lambda d: (d / "x.jsonl").write_text('{"tokens": [1, 2]}\n{"tokens": [1.5]}\n'), {},
      r"x\.jsonl line 2: tokens must be integers"),
     (lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n'), {}, r'x\.jsonl line 1: expected \{"tokens": \[ids\]\} '
@@ -201,14 +203,15 @@ def test_hpcml_data_pack_and_info_from_the_command_line(tmp_path):
                                     text=True, timeout=120)
     out = run("pack", str(tmp_path / "c.h5"), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--tokenizer", "bytes")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"{tmp_path / 'c.h5'}: 2 documents, 27 tokens (uint16, vocabulary 257, end of document 256)"
+    assert out.stdout.strip() == f"{tmp_path / 'c.h5'}: 2 documents, 27 tokens " \
+                                 "(uint16, vocabulary 257, end of document 256)"
     info = run("info", str(tmp_path / "c.h5"), "--verify", "--json")
     assert json.loads(info.stdout) == {"file": str(tmp_path / "c.h5"), "documents": 2, "tokens": 27, "dtype": "uint16",
                                        "vocab_size": 257, "eod": 256, "bytes": (tmp_path / "c.h5").stat().st_size,
                                        "verified": True}
     bad = run("pack", str(tmp_path / "c.txt"), str(tmp_path / "a.txt"))
-    assert bad.returncode == 2 and bad.stderr.strip() == f"hpcml: error: output {tmp_path / 'c.txt'}: expected a name " \
-                                                         f"ending in .h5"
+    assert bad.returncode == 2 and bad.stderr.strip() == f"hpcml: error: output {tmp_path / 'c.txt'}: " \
+                                                         f"expected a name ending in .h5"
 
 
 def test_a_mixture_serves_each_file_its_exact_share_in_a_layout_free_order(tmp_path):

@@ -35,8 +35,8 @@ def test_preset_sizes():
     assert PRESETS["gpt3-175b"].num_params() / 1e9 == pytest.approx(174.6, rel=0.01)  # Narayanan et al. Table 2
     assert PRESETS["llama-65b"].num_params() / 1e9 == pytest.approx(65.3, rel=0.02)
     # the published counts: Llama 1 7B 6.74B, Llama 2 70B 68.98B, Llama 3.1 8B 8.03B / 70B 70.55B / 405B 405.85B
-    for name, billions in (("llama-7b", 6.738), ("llama2-7b", 6.738), ("llama2-13b", 13.016), ("llama2-70b", 68.977), ("llama3-8b", 8.030), ("llama3-70b", 70.554),
-                           ("llama3-405b", 405.853)):
+    for name, billions in (("llama-7b", 6.738), ("llama2-7b", 6.738), ("llama2-13b", 13.016), ("llama2-70b", 68.977),
+                           ("llama3-8b", 8.030), ("llama3-70b", 70.554), ("llama3-405b", 405.853)):
         assert PRESETS[name].num_params() / 1e9 == pytest.approx(billions, abs=1e-3), name
     l3 = PRESETS["llama3-8b"]
     assert l3.rope_llama3 == (8.0, 1.0, 4.0, 8192) and l3.describe()["rope"]["scaling"] == "llama3"
@@ -91,9 +91,11 @@ def test_split_layers_rule():
 
 
 @pytest.mark.parametrize("degrees,model,pcfg,message", [
-    ({"tp": 3}, {"n_heads": 6, "dim": 48, "n_kv_heads": None, "ffn_hidden": 96}, {}, "padded vocab 256 is not divisible by tp 3"),
+    ({"tp": 3}, {"n_heads": 6, "dim": 48, "n_kv_heads": None, "ffn_hidden": 96}, {},
+     "padded vocab 256 is not divisible by tp 3"),
     ({"tp": 8}, {}, {}, "n_kv_heads 4 is not divisible by tp 8"),
-    ({"cp": 8}, {}, {}, "n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8 (Ulysses splits heads over cp; cp_kind allgather does not)"
+    ({"cp": 8}, {}, {}, "n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8 "
+                        "(Ulysses splits heads over cp; cp_kind allgather does not)"
      .replace("n_heads 8 / tp 1 = 8 heads per rank is not divisible by cp 8",
               "n_kv_heads 4 / tp 1 = 4 heads per rank is not divisible by cp 8")),
     ({"pp": 4}, {"n_layers": 6}, {"pp_schedule": "interleaved1f1b"},
@@ -179,7 +181,8 @@ def test_synthetic_tokens_deterministic_and_learnable():
 def test_ulysses_volume_formula():
     # 4 * B*S*H*D/P elements per rank per layer, of which (P-1)/P leave the rank
     assert bytes_per_layer(batch=2, seq=64, heads=8, kv_heads=8, head_dim=8, p=4) == 4 * 2 * 16 * 8 * 8 * 3 // 4 * 4
-    assert bytes_per_layer(batch=1, seq=64, heads=8, kv_heads=2, head_dim=8, p=2) == 1 * 32 * 8 * (8 + 2 * 2 + 8) // 2 * 4
+    assert bytes_per_layer(batch=1, seq=64, heads=8, kv_heads=2, head_dim=8, p=2) \
+        == 1 * 32 * 8 * (8 + 2 * 2 + 8) // 2 * 4
 
 
 def test_a_warmup_set_during_the_run_is_saved_and_kept_on_resume():

@@ -285,7 +285,8 @@ def test_walltime_near_and_no_warning_the_campaign_stops_itself(tmp_path):
     c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), max_concurrent=1, progress=False,
                  cancel_grace_s=1, deadline=time.time() + 64)  # 4 s of campaign, then the margin
     sims = [_sim(tmp_path, i, "--sleep", "30") for i in range(3)]
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "save-on-usr1"], ranks=1, stream=False)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "save-on-usr1"],
+                      ranks=1, stream=False)
     t0 = time.monotonic()
     res = c.run(sims, training=job, ready_file=run_dir / "ready")
     assert time.monotonic() - t0 < 30
@@ -315,7 +316,8 @@ def test_trainer_dying_before_ready_is_a_clear_error(tmp_path):
     run_dir.mkdir()
     (tmp_path / "trainer.py").write_text(TRAINER)
     c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), progress=False)
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "die-early"], ranks=1, stream=False)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "die-early"],
+                      ranks=1, stream=False)
     with pytest.raises(LaunchError,
                        match=r"exited with code 2 before writing ready file .*ready.*could not bind its port"):
         c.run([_sim(tmp_path, 0)], training=job, ready_file=run_dir / "ready")

@@ -102,7 +102,8 @@ def test_a_campaign_refused_for_a_loaded_parsl_leaves_no_trace(tmp_path):
         parsl.dfk().cleanup()
         parsl.clear()
     assert not run_dir.exists()
-    res = Campaign(run_dir=run_dir, config=lambda: _config(tmp_path, retries=0), progress=False).run([_sim(tmp_path, 0)])
+    res = Campaign(run_dir=run_dir, config=lambda: _config(tmp_path, retries=0), progress=False) \
+        .run([_sim(tmp_path, 0)])
     assert res.status == "ok"  # the same directory, untouched, takes the campaign afterwards
 
 
@@ -152,7 +153,8 @@ def test_trainer_failing_after_the_simulations_fails_the_campaign(tmp_path):
     run_dir.mkdir()
     (tmp_path / "trainer.py").write_text(TRAINER)
     c = Campaign(run_dir=run_dir, config=lambda: _config(tmp_path, retries=0), progress=False)
-    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail-at-end"], ranks=1, stream=False)
+    job = TrainingJob(argv=[sys.executable, str(tmp_path / "trainer.py"), str(run_dir), "fail-at-end"],
+                      ranks=1, stream=False)
     with pytest.raises(LaunchError, match=r"training job exited with code 3 after .* could not save the last"):
         c.run([_sim(tmp_path, 0), _sim(tmp_path, 1)], training=job, ready_file=run_dir / "ready")
     summary = json.loads((run_dir / "campaign.json").read_text())

@@ -74,7 +74,8 @@ def test_resume_same_layout_is_bitwise(stopped):
     assert out["losses"] == full[k:]  # bitwise: same layout, same reduction order
 
 
-@pytest.mark.parametrize("n,flags", [(2, ["--fsdp"]), (1, []), (4, ["--cp", "2"])], ids=["fsdp2", "one-process", "cp2xdp2"])
+@pytest.mark.parametrize("n,flags", [(2, ["--fsdp"]), (1, []), (4, ["--cp", "2"])],
+                         ids=["fsdp2", "one-process", "cp2xdp2"])
 def test_resume_other_layout_and_rank_count(stopped, tmp_path, n, flags):
     full, first, ck, _ = stopped
     k = first["steps"][-1]
@@ -220,7 +221,8 @@ def test_ckpt_command_line(stopped, tmp_path):
 def test_ckpt_command_line_bad_input(stopped, tmp_path):
     _, first, ck, _ = stopped
     out = hpcml_cli("inspect", str(tmp_path / "nope"))
-    assert out.returncode == 2 and out.stderr == f"hpcml: error: no checkpoint at {tmp_path / 'nope'}: the path does not exist\n"
+    assert out.returncode == 2 \
+        and out.stderr == f"hpcml: error: no checkpoint at {tmp_path / 'nope'}: the path does not exist\n"
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(ck), str(broken)], check=True)
     step = (broken / "latest").read_text().strip()
@@ -229,7 +231,8 @@ def test_ckpt_command_line_bad_input(stopped, tmp_path):
     data[len(data) // 2] ^= 0xFF  # bit rot in the middle of a shard
     shard.write_bytes(bytes(data))
     out = hpcml_cli("verify", str(broken))
-    assert out.returncode == 1 and "rank_00002.h5" in out.stderr and ("fails its CRC-32" in out.stderr or "differs from what was saved" in out.stderr)
+    assert out.returncode == 1 and "rank_00002.h5" in out.stderr \
+        and ("fails its CRC-32" in out.stderr or "differs from what was saved" in out.stderr)
 
 
 def test_async_periodic_saves_resume_bitwise(stopped):

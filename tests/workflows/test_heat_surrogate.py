@@ -59,7 +59,8 @@ def test_online_run_ingests_every_sample_once_and_reports(tmp_path):
 
     ck = run_dir / "checkpoints" / "step_00000200" / "index.h5"
     with h5py.File(ck) as f:
-        seen = np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2) if f"stream/rank_{r:05d}/seen" in f])
+        seen = np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2)
+                               if f"stream/rank_{r:05d}/seen" in f])
     assert len(seen) == 6 * OUTPUTS and len({tuple(k) for k in seen.tolist()}) == 6 * OUTPUTS
 
 
@@ -253,7 +254,8 @@ def test_resume_after_a_hard_kill_runs_again_what_the_checkpoint_lacks(tmp_path)
 
     step = (run_dir / "checkpoints" / "latest").read_text().strip()
     with h5py.File(run_dir / "checkpoints" / step / "index.h5") as f:
-        seen = np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2) if f"stream/rank_{r:05d}/seen" in f])
+        seen = np.concatenate([f[f"stream/rank_{r:05d}/seen"][()] for r in range(2)
+                               if f"stream/rank_{r:05d}/seen" in f])
     assert len(seen) == 60 == len({tuple(k) for k in seen.tolist()})  # every sample once
     ran_again = {r["sim_id"] for r in provenance(run_dir)[n_before:] if r["sim_id"] < 6}
     assert ran_again == set(range(6)) - held  # what the checkpoint lacked, and only that
@@ -306,7 +308,8 @@ def test_offline_trainer_killed_resumes_and_reads_every_sample_once(tmp_path):
     s, run_dir = run(tmp_path, "--mode", "offline", "--steps", "100", "--crash-trainer-at", "30", "--ckpt-every", "20",
                      name="off-crash")
     out = (run_dir / "train.out").read_text()
-    assert "killing trainer rank 0 after step 30 (crash 1 of 1)" in out and "[train] resumed at step 20 " in out, out[-2000:]
+    assert "killing trainer rank 0 after step 30 (crash 1 of 1)" in out and "[train] resumed at step 20 " in out, \
+        out[-2000:]
     assert (s["status"], s["gradient_steps"], s["samples_missing"], s["duplicate_samples"]) == ("ok", 100, 0, 0)
     assert s["samples_ingested"] == 6 * OUTPUTS
     import h5py

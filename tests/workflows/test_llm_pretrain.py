@@ -23,7 +23,8 @@ def losses(out: subprocess.CompletedProcess) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single() -> list[float]:
-    out = subprocess.run([sys.executable, SCRIPT, *ARGS], capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+    out = subprocess.run([sys.executable, SCRIPT, *ARGS], capture_output=True, text=True, env=ENV, timeout=300,
+                         cwd=ROOT)
     return losses(out)
 
 

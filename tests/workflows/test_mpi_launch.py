@@ -27,7 +27,8 @@ def test_grid_check_on_4_ranks():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("ProcessGrid: 4 ranks = pp(1) x dp(2) x cp(1) x tp(2) on 1 node(s); torch backend gloo")
     assert [line.split()[3:] for line in lines[2:6]] == [
-        ["0", "0", "0", "0", "cpu"], ["0", "0", "0", "1", "cpu"], ["0", "1", "0", "0", "cpu"], ["0", "1", "0", "1", "cpu"]]
+        ["0", "0", "0", "0", "cpu"], ["0", "0", "0", "1", "cpu"],
+        ["0", "1", "0", "0", "cpu"], ["0", "1", "0", "1", "cpu"]]
     assert "  tp: [[0, 1], [2, 3]]" in lines and "  dp: [[0, 2], [1, 3]]" in lines
     assert "check passed: 5 groups on each rank agree in layout, MPI and torch" in out.stderr
 
@@ -38,7 +39,8 @@ def test_grid_check_of_a_population_on_4_ranks():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("ProcessGrid: 2 ranks = pp(1) x dp(1) x cp(1) x tp(2) on 1 node(s); torch backend gloo")
-    assert lines[1] == "population: 2 members of 2 ranks (world ranks 0-1 are member 0, shown below by their rank in it)"
+    assert lines[1] == "population: 2 members of 2 ranks " \
+                       "(world ranks 0-1 are member 0, shown below by their rank in it)"
     assert "check passed: 6 groups on each rank agree in layout, MPI and torch" in out.stderr
 
 

@@ -108,7 +108,8 @@ def test_online_trainer_killed_and_relaunched_by_the_campaign_loses_nothing(tmp_
     sims = _sims(every, lambda i: ["--stream", "--hold-file", str(release), "--hold-at", str(hold_at)])
     assert sorted(route(s.sim_id, TRAIN_RANKS) for s in sims) == [0, 0, 1, 1]  # 2 simulations per trainer rank
     training = TrainingJob(argv=_train_argv("--mode", "online", "--steps", str(steps),
-                                            "--ckpt-every", str(ckpt_every), "--keep", "100", "--watermark", str(watermark),
+                                            "--ckpt-every", str(ckpt_every), "--keep", "100",
+                                            "--watermark", str(watermark),
                                             "--crash-after-hold", "--release", str(release),
                                             "--hold-at", str(hold_at)),
                            ranks=TRAIN_RANKS, max_restarts=1)

@@ -64,7 +64,8 @@ def test_apps_in_a_plain_parsl_script_with_user_steps(tmp_path):
         points = apps.design("lhs", {"alpha": (0.5, 1.5), "beta": (0.0, 1.0)}, 6, seed=1).result(timeout=60)
         chosen = choose(points, 3).result(timeout=60)
         specs = [SimSpec(sim_id=i, params=p, ranks=2,
-                         argv=[sys.executable, str(tmp_path / "walk.py")] + (["--crash-first-attempt"] if i == 1 else []))
+                         argv=[sys.executable, str(tmp_path / "walk.py")]
+                         + (["--crash-first-attempt"] if i == 1 else []))
                  for i, p in enumerate(chosen)]
         futs = [apps.simulation(s, run_dir=run, launch="mpiexec -n {ranks}", env={"MY_SETTING": "it's mine"})
                 for s in specs]

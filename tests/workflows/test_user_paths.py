@@ -67,7 +67,8 @@ APPS_WORKFLOW = HEAD + textwrap.dedent("""
         done = apps.mark_done(run.run_dir, futs)
         t_done = time.monotonic()
         rc = train.exception() and getattr(train.exception(), "exitcode", "?") or train.result()
-        print("RESULT", json.dumps({"done": done, "trainer": rc, "after_done_s": time.monotonic() - t_done}), flush=True)
+        print("RESULT", json.dumps({"done": done, "trainer": rc, "after_done_s": time.monotonic() - t_done}), """
+                                       """flush=True)
     finally:
         parsl.dfk().cleanup()
         parsl.clear()
@@ -121,7 +122,8 @@ def test_a_parsl_workflow_run_twice_in_one_directory_is_refused_in_seconds_then_
     assert res["done"] == {"completed": [0, 1], "failed": []} and res["trainer"] == 0, _why(run)
     s = json.loads((run / "train_summary.json").read_text())
     assert (s["status"], s["samples_expected"], s["samples_ingested"], s["samples_missing"]) == ("ok", 10, 10, 0)
-    assert (s["gradient_steps"], s["campaign"]) == (20, json.loads((run / "campaign_id.json").read_text())["campaign_id"])
+    assert (s["gradient_steps"], s["campaign"]) \
+        == (20, json.loads((run / "campaign_id.json").read_text())["campaign_id"])
 
     t0 = time.monotonic()  # the same workflow again, same directory: before, a silent hang of 6 min 40 s
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -344,7 +346,8 @@ def _pids_with(entry: str) -> list[int]:
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            if needle in (d / "environ").read_bytes() + b"\0" and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if needle in (d / "environ").read_bytes() + b"\0" \
+                    and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 out.append(int(d.name))
         except OSError:
             continue

@@ -204,7 +204,8 @@ class TransformerConfig:
         hd = self.head_dim
         attn = (self.dim + (self.qkv_bias or self.bias)) * hd * (self.n_heads + 2 * self.kv_heads) \
             + self.dim * hd * self.n_heads + self.bias * self.dim  # q, k, v (and biases), o (and its bias)
-        mlp = self.mlp_matrices * self.dim * self.hidden + self.bias * ((self.mlp_matrices - 1) * self.hidden + self.dim)
+        mlp = self.mlp_matrices * self.dim * self.hidden \
+            + self.bias * ((self.mlp_matrices - 1) * self.hidden + self.dim)
         total, used = moe_params(self) if self.n_experts else (0, 0)
         ffn = (self.n_layers - self.n_moe_layers) * mlp + self.n_moe_layers * (used if active else total)
         emb = self.padded_vocab * self.dim * (1 if self.tie_embeddings else 2) \

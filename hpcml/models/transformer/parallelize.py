@@ -61,7 +61,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool = Fal
         has_ffn = ffn == "feed_forward" or block.feed_forward.shared_expert is not None
         block_plan: dict = {
             **({"attention.wqkv": FusedColwiseParallel(qkv)} if qkv else
-               {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel()}),
+               {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel()}),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
         if has_ffn:
@@ -195,7 +196,8 @@ class TransformerPlan(ParallelPlan):
             for w in ("w1", "w2", "w3"):
                 name = f"layers.{i}.feed_forward.experts.{w}"
                 a = {"experts": cfg.n_experts, "expert_dim": 0}
-                attrs.update({f"model/{name}": a, **{f"optim/{name}/{st}": dict(a) for st in ("exp_avg", "exp_avg_sq")}})
+                attrs.update({f"model/{name}": a,
+                              **{f"optim/{name}/{st}": dict(a) for st in ("exp_avg", "exp_avg_sq")}})
         return attrs
 
 
