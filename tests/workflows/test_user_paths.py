@@ -67,8 +67,8 @@ APPS_WORKFLOW = HEAD + textwrap.dedent("""
         done = apps.mark_done(run.run_dir, futs)
         t_done = time.monotonic()
         rc = train.exception() and getattr(train.exception(), "exitcode", "?") or train.result()
-        print("RESULT", json.dumps({"done": done, "trainer": rc, "after_done_s": time.monotonic() - t_done}), """
-                                       """flush=True)
+        print("RESULT", json.dumps({"done": done, "trainer": rc, "after_done_s": time.monotonic() - t_done}),
+              flush=True)
     finally:
         parsl.dfk().cleanup()
         parsl.clear()
