@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from pathlib import Path
 
-from hpcml.ckpt import refuse_saves_over, resolve
+from hpcml.ckpt import refuse_saves_over
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import CheckpointError, ConfigError, HpcmlError
@@ -236,8 +236,17 @@ def main(argv=None) -> int:
             args.resume = True
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
-        if args.resume and args.pop == 1:
-            resolve(args.ckpt_dir)  # a missing checkpoint fails here, on every rank, before any collective
+        if args.resume and args.pop == 1:  # a missing checkpoint fails here, on every rank, before any collective
+            with ckpt.Checkpoint(args.ckpt_dir) as saved:  # its manifest checked (and its signature), as the load will
+                if saved.step > args.steps:
+                    raise ConfigError(f"{saved.path} holds step {saved.step}, past --steps {args.steps}: nothing to "
+                                      f"train; give --steps above {saved.step} to train on from it")
+                if saved.step == args.steps:  # a job requeued or resubmitted after its last save: done, say so
+                    if MPI.COMM_WORLD.Get_rank() == 0:
+                        print(json.dumps({"losses": [], "steps": [], "finished_before": saved.step}))
+                        print(f"llm_pretrain: already finished: {saved.path} holds step {saved.step} of --steps "
+                              f"{args.steps}; nothing to train (give more --steps to train on)", file=sys.stderr)
+                    return 0
         if args.ckpt_dir and not args.resume and (args.pop == 1 or not args.auto_resume):
             members_dirs = sorted(Path(args.ckpt_dir).glob("member_*")) if args.pop > 1 else []
             advice = ("rerun with --resume (or --auto-resume) to continue from it, or give another --ckpt-dir to "

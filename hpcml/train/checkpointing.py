@@ -51,7 +51,9 @@ def load_trainer(trainer: Stateful, path: str | Path, strict: bool = True) -> ck
 
 
 class CheckpointHook:
-    """Save every ``every`` steps and when SIGTERM or SIGUSR1 arrived on any rank (then stop).
+    """Save every ``every`` steps, at the last step of :meth:`TrainLoop.fit` (``final``: a run
+    of 1,000 steps saving every 300 keeps step 1,000, not 900), and when SIGTERM or SIGUSR1
+    arrived on any rank (then stop). ``every=0``: only on a signal.
 
     ``async_save``: periodic saves overlap training (a writer process per rank); a save on
     a signal is synchronous, since the job is about to end. ``overlap`` (with
@@ -69,13 +71,13 @@ class CheckpointHook:
     def __init__(self, root: str | Path, every: int, keep: int | None = 3, async_save: bool = False,
                  signals: tuple[int, ...] = stop.STOP_SIGNALS, overlap: bool | Literal["auto"] = "auto",
                  state: Callable[[], tuple[dict[str, torch.Tensor], dict]] | None = None, *,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, final: bool = True) -> None:
         if overlap not in (True, False, "auto"):
             raise ValueError(f"CheckpointHook(overlap={overlap!r}): expected True, False or 'auto'")
         if not resumed:
             refuse_saves_over(root, "load them first (load_trainer) and pass resumed=True, or give an empty directory")
         self.root, self.every, self.keep = Path(root), every, keep
-        self.async_save, self.overlap, self.state = async_save, overlap, state
+        self.async_save, self.overlap, self.state, self.final = async_save, overlap, state, final
         self.saver: ckpt.AsyncSaver | None = None
         self.saved: list[Path] = []
         self.blocked_s: list[float] = []
@@ -109,7 +111,8 @@ class CheckpointHook:
                 # saved tensors, waits (once per hook: a synchronous save drops the saver, the next makes another)
                 trainer.optimizer.register_step_pre_hook(lambda *_: self.saver is not None and self.saver.wait_staged())
                 self._guarded = True
-        if self.every and trainer.step % self.every == 0:
+        last = self.final and trainer.step == getattr(trainer, "end_step", None)
+        if self.every and (trainer.step % self.every == 0 or last):  # the trained model is never left unsaved
             if not self.async_save:
                 self.save(trainer)
                 return

@@ -95,6 +95,8 @@ class TrainLoop:
         self.schedule = WarmupCosine.of(config)
         self.optimizer, self.scheduler = make_optimizer(model.parameters(), config, self.schedule)
         self.step = 0
+        self.end_step: int | None = None
+        """The step the last :meth:`fit` trains to (None before one): a checkpoint hook saves that step."""
         self.history: list[dict] = []
         self.stop_requested = False
         """Set on any rank to stop after the current step on all (a signal does this through :mod:`hpcml.stop`)."""
@@ -208,6 +210,7 @@ class TrainLoop:
         ``agree_stop=False``: ``next_batch`` agrees on a stop itself before every step (a
         :class:`~hpcml.stream.loader.StreamLoader`), so the step does not: one agreement a step."""
         end = steps if steps is not None else self.config.steps
+        self.end_step = end
         while self.step < end:
             batch = next_batch(self.step)
             if batch is None:

@@ -170,7 +170,7 @@ class OnlineRun:
                               f"be served; give a buffer of at least the batch")
         self.hook = None if not config.ckpt_dir else CheckpointHook(
             config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
-            state=self._source_state, resumed=config.resume)
+            state=self._source_state, resumed=config.resume, final=False)  # the end's save is the run's (drained)
         self.feedback = None
         if config.feedback_file and trainer.per_sample_losses:
             from hpcml.train.feedback import SimFeedback

@@ -240,7 +240,28 @@ def test_async_periodic_saves_resume_bitwise(stopped):
     args = [sys.executable, SCRIPT, "--tp", "2", "--pp", "2", *STEPS, "--ckpt-dir", str(ck)]
     # the reference run saved in the background; the stopped run did not, and trained the same
     assert first["losses"] == full[:len(first["losses"])]
-    assert sorted(p.name for p in ck.iterdir()) == [".hpcml-lock", "latest", "step_00000003", "step_00000006"]
+    # every 3 steps, and the last step: the trained model is never left unsaved (step 8 of 8, not 6)
+    assert sorted(p.name for p in ck.iterdir()) == [".hpcml-lock", "latest", "step_00000003", "step_00000006",
+                                                   "step_00000008"]
+    assert (ck / "latest").read_text().strip() == "step_00000008"
     assert hpcml_cli("verify", str(ck)).returncode == 0
-    resumed = result(mpiexec(4, *args, "--resume", timeout=300))
+    # the job requeued or resubmitted once done: nothing to train, said, exit 0, before torch (no step, no save)
+    done = mpiexec(4, *args, "--auto-resume", timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "losses": [], "steps": [], "finished_before": 8}, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (f"llm_pretrain: already finished: {ck / 'step_00000008'} holds "
+                                                    f"step 8 of --steps 8; nothing to train (give more --steps to "
+                                                    f"train on)")
+    probe = subprocess.run([sys.executable, "-c", "import runpy, sys; rc = runpy.run_path(sys.argv[1])['main']("
+                            "sys.argv[2:]); print('torch' in sys.modules, rc)", *args[1:], "--auto-resume"],
+                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert probe.stdout.strip().splitlines()[-1] == "False 0", probe.stderr[-2000:]  # torch never imported
+    fewer = subprocess.run([sys.executable, SCRIPT, "--tp", "2", "--pp", "2", "--steps", "7", "--ckpt-dir", str(ck),
+                            "--resume"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)  # a mistake
+    assert fewer.returncode == 2 and fewer.stderr.strip().splitlines() == [
+        f"llm_pretrain: error: {ck / 'step_00000008'} holds step 8, past --steps 7: nothing to train; give --steps "
+        f"above 8 to train on from it"]
+    (ck / "latest").write_text("step_00000006\n")  # rolled back by hand: steps 7 and 8 again, saved over step 8
+    resumed = result(mpiexec(4, *args, "--resume", "--ckpt-every", "3", timeout=300))
     assert resumed["steps"] == [7, 8] and resumed["losses"] == full[6:]
+    assert (ck / "latest").read_text().strip() == "step_00000008" and hpcml_cli("verify", str(ck)).returncode == 0
