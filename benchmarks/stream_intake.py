@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,15 @@ def _producer(kind: str, endpoint: str, n: int, nx: int, ny: int, key_file: str)
     print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
 
 
+def _cpu(proc: subprocess.Popen, r0: resource.struct_rusage, n: int) -> dict:
+    """CPU ms a message: the sender's (as it reported it) and this process's since ``r0``, every
+    thread, and the receiver's split into user (Python, libzmq) and kernel (system calls, copies)."""
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    user, kernel = (r1.ru_utime - r0.ru_utime) * 1e3 / n, (r1.ru_stime - r0.ru_stime) * 1e3 / n
+    return {"sender_ms": _cpu_of(proc) * 1e3 / n, "receiver_ms": user + kernel, "receiver_user_ms": user,
+            "receiver_kernel_ms": kernel}
+
+
 def _cpu_of(proc: subprocess.Popen) -> float:
     """Wait for ``proc``; the CPU seconds of its sending (every thread), as it reported them."""
     out, _ = proc.communicate()
@@ -91,7 +101,7 @@ def raw_zmq(args, key_file) -> tuple[float, dict]:
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 8)
     port = s.bind_to_random_port("tcp://127.0.0.1")
-    cpu0 = time.process_time()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     proc = spawn("raw", f"tcp://127.0.0.1:{port}", args, key_file)
     nbytes, t0 = 0, None
     while True:
@@ -103,8 +113,7 @@ def raw_zmq(args, key_file) -> tuple[float, dict]:
             break
         nbytes += len(m.buffer)
     dt = time.perf_counter() - t0
-    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
-           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
+    cpu = _cpu(proc, cpu0, args.messages)
     s.close()
     return nbytes / 1e6 / dt, cpu
 
@@ -116,7 +125,7 @@ def tcp_limit(args, key_file) -> tuple[float, dict]:
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
-    cpu0 = time.process_time()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     proc = spawn("tcp", f"127.0.0.1:{lsock.getsockname()[1]}", args, key_file)
     conn, _ = lsock.accept()
     msg = args.nx * args.ny * 4
@@ -132,8 +141,7 @@ def tcp_limit(args, key_file) -> tuple[float, dict]:
             got -= msg
         got += n
     dt = time.perf_counter() - t0
-    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
-           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
+    cpu = _cpu(proc, cpu0, args.messages)
     conn.close()
     lsock.close()
     return total / 1e6 / dt, cpu
@@ -150,7 +158,8 @@ def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dic
                        config=ServerConfig(param_names=("a",), field_names=("T",),
                                            transport="zmtp" if kind == "hpcml-zmtp" else "framed",
                                            integrity="message" if kind == "hpcml-sealed" else "connection")).start()
-    cpu0 = time.process_time()  # from a listening server to the last sample taken, as for raw ZeroMQ
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)  # from a listening server to the last sample taken, as for raw
+    # ZeroMQ
     got = []
 
     def consume():  # as a trainer: batches of 8
@@ -162,8 +171,7 @@ def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dic
     th.start()
     proc = spawn(kind, srv.endpoint, args, key_file)
     th.join()
-    cpu = {"sender_ms": _cpu_of(proc) * 1e3 / args.messages,
-           "receiver_ms": (time.process_time() - cpu0) * 1e3 / args.messages}
+    cpu = _cpu(proc, cpu0, args.messages)
     stats = srv.stats()
     srv.stop()
     msg = args.nx * args.ny * 4
@@ -245,7 +253,8 @@ def main() -> None:
         raw = max(r[0] for r in raws)
         mb, sps, stats, _ = max(runs, key=lambda r: r[0])
         paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
-        cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in ("sender_ms", "receiver_ms")}
+        sides = ("sender_ms", "receiver_ms", "receiver_user_ms", "receiver_kernel_ms")
+        cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in sides}
                for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_sealed", sealed),
                                 ("stream_zmtp", zmtp), ("tcp_limit", tcps))}
         mib = args.nx * args.ny * 4 / 2**20
@@ -261,7 +270,9 @@ def main() -> None:
                "stream_sealed_mb_s_runs": [r[0] for r in sealed], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
                "cpu_per_message_ms": cpu, "cpu_per_mib_ms": cpu_mib,
                "receiver_cpu_per_mib_vs_raw_zmq": cpu["stream"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
-               "cpu_bound_ratio": sum(cpu["raw_zmq"].values()) / sum(cpu["stream"].values()),
+               "receiver_user_and_kernel_vs_raw_zmq": [cpu["stream"][k] / cpu["raw_zmq"][k]
+                                                       for k in ("receiver_user_ms", "receiver_kernel_ms")],
+               "cpu_bound_ratio": sum(cpu["raw_zmq"][k] for k in sides[:2]) / sum(cpu["stream"][k] for k in sides[:2]),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
                           "stream_vs_tcp_limit": mb / tcp, "zmq_raw_vs_tcp_limit": raw / tcp,
                           "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
