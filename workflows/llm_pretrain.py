@@ -173,6 +173,28 @@ def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | 
     return members
 
 
+def resumed_step(args) -> tuple[int, str] | None:
+    """(step, where) of what this run resumes from, before torch, its manifests (and signatures)
+    checked as the load will: ``latest`` or the step given for one trainer (missing: the error
+    here, on every rank, before any collective), the newest step every member holds for a
+    population; None when there is none."""
+    from hpcml import ckpt
+    from hpcml.ckpt.format import step_dir
+    from hpcml.train.online_state import population_step
+
+    if args.pop == 1:
+        if not args.resume:
+            return None
+        with ckpt.Checkpoint(args.ckpt_dir) as saved:
+            return saved.step, str(saved.path)
+    step = population_step(args.ckpt_dir, args.pop)
+    if step is None:
+        return None
+    for k in range(args.pop):
+        ckpt.Checkpoint(Path(args.ckpt_dir) / f"member_{k}" / step_dir(step)).close()
+    return step, f"{args.ckpt_dir} (every member's {step_dir(step)})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
     from mpi4py import MPI
@@ -236,17 +258,16 @@ def main(argv=None) -> int:
             args.resume = True
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
-        if args.resume and args.pop == 1:  # a missing checkpoint fails here, on every rank, before any collective
-            with ckpt.Checkpoint(args.ckpt_dir) as saved:  # its manifest checked (and its signature), as the load will
-                if saved.step > args.steps:
-                    raise ConfigError(f"{saved.path} holds step {saved.step}, past --steps {args.steps}: nothing to "
-                                      f"train; give --steps above {saved.step} to train on from it")
-                if saved.step == args.steps:  # a job requeued or resubmitted after its last save: done, say so
-                    if MPI.COMM_WORLD.Get_rank() == 0:
-                        print(json.dumps({"losses": [], "steps": [], "finished_before": saved.step}))
-                        print(f"llm_pretrain: already finished: {saved.path} holds step {saved.step} of --steps "
-                              f"{args.steps}; nothing to train (give more --steps to train on)", file=sys.stderr)
-                    return 0
+        saved = resumed_step(args) if args.ckpt_dir and (args.resume or args.auto_resume) else None
+        if saved is not None and saved[0] > args.steps:
+            raise ConfigError(f"{saved[1]} holds step {saved[0]}, past --steps {args.steps}: nothing to train; give "
+                              f"--steps above {saved[0]} to train on from it")
+        if saved is not None and saved[0] == args.steps:  # a job requeued or resubmitted after its last save
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(json.dumps({"losses": [], "steps": [], "finished_before": saved[0]}))
+                print(f"llm_pretrain: already finished: {saved[1]} holds step {saved[0]} of --steps {args.steps}; "
+                      f"nothing to train (give more --steps to train on)", file=sys.stderr)
+            return 0
         if args.ckpt_dir and not args.resume and (args.pop == 1 or not args.auto_resume):
             members_dirs = sorted(Path(args.ckpt_dir).glob("member_*")) if args.pop > 1 else []
             advice = ("rerun with --resume (or --auto-resume) to continue from it, or give another --ckpt-dir to "

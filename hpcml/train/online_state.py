@@ -90,16 +90,27 @@ def common_step(views: Sequence[Sequence[int]]) -> int | None:
     return max(common) if common else None
 
 
+def population_step(root, pop: int | None = None) -> int | None:
+    """The newest checkpoint step every ``member_K`` of ``root`` holds complete (what the
+    population resumes from), or None; with ``pop``, None too unless there are that many."""
+    from hpcml.ckpt.format import STEP_RE, step_dirs
+
+    members = member_roots(root)
+    if not members or (pop is not None and len(members) != pop):
+        return None
+    return common_step([[int(STEP_RE.match(p.name).group(1)) for p in step_dirs(m)[0]] for m in members])
+
+
 def simulations_kept(root, outputs: int | dict[int, int]) -> set[int]:
     """Simulations whose every output (``outputs``, as :func:`simulations_in`) the trainer will
     resume with from checkpoint root ``root``: one trainer's ``latest``, or a population's
     (``member_K``) step that every member holds -- each simulation belongs to one member."""
-    from hpcml.ckpt.format import LATEST, STEP_RE, step_dir, step_dirs
+    from hpcml.ckpt.format import LATEST, step_dir
 
     members = member_roots(root)
     if not members:
         return simulations_in(root, outputs) if (Path(root) / LATEST).exists() else set()
-    step = common_step([[int(STEP_RE.match(p.name).group(1)) for p in step_dirs(m)[0]] for m in members])
+    step = population_step(root)
     if step is None:
         return set()
     return set().union(*(simulations_in(m / step_dir(step), outputs) for m in members))

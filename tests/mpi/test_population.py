@@ -476,6 +476,8 @@ def test_llm_pretrain_runs_a_population_that_stops_as_one_and_resumes_the_step_a
     member stops both at the same step (before, the other ran on into a tournament and waited
     forever); an auto-resume where one member lost its newest save resumes both at the step
     both hold, and plays the same rounds on."""
+    import contextlib
+    import io
     import json
     import shutil
     import tempfile
@@ -521,6 +523,20 @@ def test_llm_pretrain_runs_a_population_that_stops_as_one_and_resumes_the_step_a
     rounds = [[json.loads(x) for x in (root / "run" / f"member_{m}" / "tournaments.jsonl").read_text().splitlines()]
               for m in (0, 1)]
     assert [[r["step"] for r in rs] for rs in rounds] == [[2, 4, 4, 6]] * 2  # step 4 played again after the rollback
+    # the last step saved in every member: run again, nothing to train, said, before torch's work (no round more)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert lp.main([*base, "--steps", "6", "--auto-resume"]) == 0
+        assert lp.main([*base, "--steps", "5", "--auto-resume"]) == 2
+    said = err.getvalue().strip().splitlines()
+    if comm.rank == 0:
+        assert said == [f"llm_pretrain: already finished: {root / 'ckpt'} (every member's step_00000006) holds step 6 "
+                        f"of --steps 6; nothing to train (give more --steps to train on)",
+                        f"llm_pretrain: error: {root / 'ckpt'} (every member's step_00000006) holds step 6, past "
+                        f"--steps 5: nothing to train; give --steps above 6 to train on from it"], said
+    comm.Barrier()
+    played = [(root / "run" / f"member_{m}" / "tournaments.jsonl").read_text().splitlines() for m in (0, 1)]
+    assert [len(rs) for rs in played] == [4, 4]
     if comm.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
 
