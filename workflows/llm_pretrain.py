@@ -173,35 +173,13 @@ def population_members(args: argparse.Namespace, degrees: dict) -> list[dict] | 
     return members
 
 
-def resumed_step(args) -> tuple[int, str] | None:
-    """(step, where) of what this run resumes from, before torch, its manifests (and signatures)
-    checked as the load will: ``latest`` or the step given for one trainer (missing: the error
-    here, on every rank, before any collective), the newest step every member holds for a
-    population; None when there is none."""
-    from hpcml import ckpt
-    from hpcml.ckpt.format import step_dir
-    from hpcml.train.online_state import population_step
-
-    if args.pop == 1:
-        if not args.resume:
-            return None
-        with ckpt.Checkpoint(args.ckpt_dir) as saved:
-            return saved.step, str(saved.path)
-    step = population_step(args.ckpt_dir, args.pop)
-    if step is None:
-        return None
-    for k in range(args.pop):
-        ckpt.Checkpoint(Path(args.ckpt_dir) / f"member_{k}" / step_dir(step)).close()
-    return step, f"{args.ckpt_dir} (every member's {step_dir(step)})"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)  # --help and a mistyped flag answer before torch is imported (~3 CPU-s a rank)
     from mpi4py import MPI
 
     from hpcml import ckpt
     from hpcml.train.config import TrainConfig
-    from hpcml.train.recipe_checks import check_llm_layout, member_configs
+    from hpcml.train.recipe_checks import check_llm_layout, member_configs, resume_point
 
     install_abort_handler()
     try:
@@ -258,7 +236,8 @@ def main(argv=None) -> int:
             args.resume = True
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
-        saved = resumed_step(args) if args.ckpt_dir and (args.resume or args.auto_resume) else None
+        resuming = args.ckpt_dir and (args.resume if args.pop == 1 else args.resume or args.auto_resume)
+        saved = resume_point(args.ckpt_dir, args.pop) if resuming else None  # a missing one: an error here
         if saved is not None and saved[0] > args.steps:
             raise ConfigError(f"{saved[1]} holds step {saved[0]}, past --steps {args.steps}: nothing to train; give "
                               f"--steps above {saved[0]} to train on from it")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from hpcml.errors import ConfigError
@@ -75,3 +76,24 @@ def member_configs(members: Sequence[Mapping[str, Any]], model_cfg: TransformerC
             raise ConfigError(f"member {i} ({dict(entry)}): {' '.join(str(e).split())}") from None
         out.append(MemberConfig(degrees, layout, train, par))
     return out
+
+
+def resume_point(ckpt_dir: str | Path, pop: int = 1) -> tuple[int, str] | None:
+    """(step, where) of what a run resumes from, its manifests (and signatures) checked as the
+    load will check them: ``ckpt_dir``'s ``latest`` or the step directory given, for one trainer
+    (missing or broken: the load's error, raised here on every rank, before any collective); the
+    newest step every ``member_K`` holds, for a population of ``pop``; None when there is none --
+    so a run with nothing left to train says so before torch is imported."""
+    from hpcml import ckpt
+    from hpcml.ckpt.format import step_dir
+    from hpcml.train.online_state import population_step
+
+    if pop == 1:
+        with ckpt.Checkpoint(ckpt_dir) as saved:
+            return saved.step, str(saved.path)
+    step = population_step(ckpt_dir, pop)
+    if step is None:
+        return None
+    for k in range(pop):
+        ckpt.Checkpoint(Path(ckpt_dir) / f"member_{k}" / step_dir(step)).close()
+    return step, f"{ckpt_dir} (every member's {step_dir(step)})"
