@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--run-dir", default=None, help="where metrics.jsonl and config.json go")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (and on SIGTERM / SIGUSR1)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only on signals)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps and the last one (0: only on signals)")
     p.add_argument("--keep", type=int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true", help="resume from CKPT_DIR/latest (any layout saved it)")
     p.add_argument("--auto-resume", action="store_true",
