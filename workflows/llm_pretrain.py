@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         if args.ckpt_every < 0 or args.keep < 1:
             raise ConfigError(f"--ckpt-every must be >= 0 and --keep >= 1, got {args.ckpt_every} and {args.keep}")
         resuming = args.ckpt_dir and (args.resume if args.pop == 1 else args.resume or args.auto_resume)
-        saved = resume_point(args.ckpt_dir, args.pop) if resuming else None  # a missing one: an error here
+        saved = resume_point(args.ckpt_dir, args.pop, args.steps) if resuming else None  # missing: an error here
         if saved is not None and saved[0] > args.steps:
             raise ConfigError(f"{saved[1]} holds step {saved[0]}, past --steps {args.steps}: nothing to train; give "
                               f"--steps above {saved[0]} to train on from it")

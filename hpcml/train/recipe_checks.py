@@ -78,12 +78,13 @@ def member_configs(members: Sequence[Mapping[str, Any]], model_cfg: TransformerC
     return out
 
 
-def resume_point(ckpt_dir: str | Path, pop: int = 1) -> tuple[int, str] | None:
+def resume_point(ckpt_dir: str | Path, pop: int = 1, steps: int | None = None) -> tuple[int, str] | None:
     """(step, where) of what a run resumes from, its manifests (and signatures) checked as the
     load will check them: ``ckpt_dir``'s ``latest`` or the step directory given, for one trainer
     (missing or broken: the load's error, raised here on every rank, before any collective); the
-    newest step every ``member_K`` holds, for a population of ``pop``; None when there is none --
-    so a run with nothing left to train says so before torch is imported."""
+    newest step every ``member_K`` holds, for a population of ``pop`` -- every member's manifest
+    read only when that step is at least ``steps`` (nothing left to train: the caller acts on it
+    before any load; otherwise each member's load checks its own); None when there is none."""
     from hpcml import ckpt
     from hpcml.ckpt.format import step_dir
     from hpcml.train.online_state import population_step
@@ -94,6 +95,7 @@ def resume_point(ckpt_dir: str | Path, pop: int = 1) -> tuple[int, str] | None:
     step = population_step(ckpt_dir, pop)
     if step is None:
         return None
-    for k in range(pop):
-        ckpt.Checkpoint(Path(ckpt_dir) / f"member_{k}" / step_dir(step)).close()
+    if steps is None or step >= steps:
+        for k in range(pop):
+            ckpt.Checkpoint(Path(ckpt_dir) / f"member_{k}" / step_dir(step)).close()
     return step, f"{ckpt_dir} (every member's {step_dir(step)})"
