@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         if args.ckpt_dir and args.pop == 1:  # another job saving there: refused now too (the hook keeps the lock)
             ckpt.lock.hold_on(args.ckpt_dir, MPI.COMM_WORLD)
         from hpcml.train.checkpointing import CheckpointHook, load_trainer
-        from hpcml.train.population_online import export_best, member_path, member_resume
+        from hpcml.train.population_online import export_best, member_keep, member_path, member_resume
         from hpcml.train.recipe import best_member, build_llm_member, build_llm_trainer
 
         if args.pop > 1:
@@ -291,7 +291,8 @@ def main(argv=None) -> int:
             trainer.validate_on(val, every=args.val_every, batches=args.val_batches)
         if args.ckpt_dir:
             overlap = {"on": True, "off": False}.get(args.async_overlap, "auto")
-            hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=args.keep, async_save=args.async_save,
+            keep = member_keep(args.ckpt_dir, trainer.grid, args.keep)  # a member spares the step all hold
+            hook = CheckpointHook(args.ckpt_dir, args.ckpt_every, keep=keep, async_save=args.async_save,
                                   overlap=overlap, resumed=args.resume or args.auto_resume)
             hook.claim(trainer.grid.comm)  # another job saving there: one line on every rank, no traceback
             trainer.hooks.append(hook)

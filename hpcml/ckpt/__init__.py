@@ -15,6 +15,7 @@ from hpcml.lazy import lazy_names
 
 _EXPORTS = {"Checkpoint": "checked", "LoadReport": "reader", "load": "reader", "read_extra": "reader",
             "read_tensor": "reader", "read_tensors": "reader", "refuse_saves_over": "format", "resolve": "format",
+            "Keep": "format",
             "training_tensors": "state",
             "AsyncSaver": "async_save", "SaveResult": "writer", "save": "writer", "CheckpointError": "hpcml.errors"}
 _SUBMODULES = {m.name for m in pkgutil.iter_modules(__path__)}  # every module here (a kept list drifted)
@@ -23,7 +24,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcml.ckpt.checked import Checkpoint
-    from hpcml.ckpt.format import refuse_saves_over, resolve
+    from hpcml.ckpt.format import Keep, refuse_saves_over, resolve
     from hpcml.ckpt.reader import LoadReport, load, read_extra, read_tensor, read_tensors
     from hpcml.ckpt.state import training_tensors
     from hpcml.ckpt.async_save import AsyncSaver

@@ -43,7 +43,7 @@ class AsyncSaver:
         self._staging_error: BaseException | None = None
 
     def save(self, root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *,
-             extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
+             extra: dict | None = None, layout: dict | None = None, keep: int | fmt.Keep | None = None,
              tensor_attrs: dict[str, dict] | None = None, overlap: bool = False, copy_now: Collection[str] = (),
              key=None) -> float:
         """Start a save; returns the seconds training was blocked (previous save's commit

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hpcml import safeio
 from hpcml.errors import CheckpointError
+from hpcml.numeric import is_int
 
 FORMAT_VERSION = "2.0"
 """2.0: ``manifest.json`` binds every file to its save with digests (1.x had none and is not read)."""
@@ -56,6 +58,38 @@ def step_dirs(root: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     steps = sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir())
     complete = [p for p in steps if (p / MANIFEST).is_file()]
     return complete, [p for p in steps if p not in complete]
+
+
+def steps_of(root: str | os.PathLike) -> list[int]:
+    """The steps ``root`` holds complete, oldest first."""
+    return [int(STEP_RE.match(p.name).group(1)) for p in step_dirs(root)[0]]
+
+
+def common_step(views) -> int | None:
+    """The newest step found in every one of ``views`` (each root's complete steps), or None."""
+    views = [set(v) for v in views]
+    common = views[0].intersection(*views[1:]) if views else set()
+    return max(common) if common else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep:
+    """What a save's rotation keeps of checkpoint roots saved in lock-step (a population's
+    members, each its own root): its ``last`` newest steps, and the newest step every root of
+    ``group`` holds complete -- what they resume from together. Without it, a member whose
+    save finished would rotate out the step before while another's save of the same step was
+    killed, and the roots would hold no step in common."""
+
+    last: int
+    group: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not is_int(self.last) or self.last < 1:
+            raise ValueError(f"Keep(last={self.last!r}): expected a whole number >= 1 of steps to keep")
+
+    def spared(self) -> int | None:
+        """The step no rotation may remove now (None: none)."""
+        return common_step([steps_of(r) for r in self.group]) if self.group else None
 
 
 def held(root: str | os.PathLike) -> str | None:

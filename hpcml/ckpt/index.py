@@ -124,9 +124,10 @@ def _steps(root: Path, but: Path) -> tuple[list[Path], list[Path]]:
     return [p for p in complete if p != but], [p for p in broken if p != but]
 
 
-def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
+def commit(root: Path, tmp: Path, final: Path, keep: int | fmt.Keep | None) -> None:
     """``tmp`` becomes ``final``, then ``latest`` names it (each step fsynced); ``keep``
-    prunes to the newest K checkpoints. No crash point leaves ``latest`` without a complete
+    prunes to the newest K checkpoints (a :class:`~hpcml.ckpt.format.Keep`: and spares the
+    step its group holds in common). No crash point leaves ``latest`` without a complete
     step to read: re-saving a step swaps the two directories atomically, or, where the file
     system cannot (Lustre, NFS), moves the old copy aside to ``step_N.old`` first, which
     :func:`~hpcml.ckpt.format.resolve` reads while ``step_N`` is missing."""
@@ -150,6 +151,8 @@ def commit(root: Path, tmp: Path, final: Path, keep: int | None) -> None:
             if fmt.STEP_RE.match(old.name[:-len(suffix)]) and not old.is_symlink() and old != tmp:
                 shutil.rmtree(old, ignore_errors=True)
     if keep:
+        last, spared = (keep, None) if isinstance(keep, int) else (keep.last, keep.spared())
         steps, broken = _steps(root, final)
-        for old in steps[: max(0, len(steps) - (keep - 1))] + broken:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in steps[: max(0, len(steps) - (last - 1))] + broken:
+            if spared is None or old.name != fmt.step_dir(spared):
+                shutil.rmtree(old, ignore_errors=True)

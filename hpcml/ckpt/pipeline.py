@@ -106,7 +106,7 @@ class Pending:
     scalars: set
     attrs: dict
     tensor_attrs: dict
-    keep: int | None
+    keep: int | fmt.Keep | None
     t0: float
     single_file: bool = False
     keys: keyring_.Keyring | None = None

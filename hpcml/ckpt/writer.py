@@ -19,16 +19,18 @@ import time
 
 import torch
 
+from hpcml.ckpt import format as fmt
 from hpcml.ckpt.pipeline import SaveResult, finish, prepare, write_local
 from hpcml.ckpt.single import require_parallel_hdf5, write_single
 
 
 def save(root: str | os.PathLike, step: int, tensors: dict[str, torch.Tensor], *, comm=None,
-         extra: dict | None = None, layout: dict | None = None, keep: int | None = None,
+         extra: dict | None = None, layout: dict | None = None, keep: int | fmt.Keep | None = None,
          tensor_attrs: dict[str, dict] | None = None, single_file: bool = False, key=None) -> SaveResult:
     """Write ``tensors`` (name -> DTensor or tensor; all ranks pass the names they hold) as
     checkpoint ``root/step_N``. ``extra`` is JSON-able non-tensor state (config, data
-    positions, ...). ``keep`` prunes to the newest K checkpoints. ``single_file``: all
+    positions, ...). ``keep`` prunes to the newest K checkpoints (a :class:`~hpcml.ckpt.format.Keep`:
+    and spares the step roots saved in lock-step hold in common). ``single_file``: all
     ranks write one ``shared.h5`` collectively (MPI-IO) instead of a file each; the index
     and the reader are the same. ``key``: sign the manifest (:func:`hpcml.ckpt.keys.keyring`;
     by default the key of ``$HPCML_CKPT_KEY`` / ``$HPCML_CKPT_KEY_FILE`` when set). The

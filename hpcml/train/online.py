@@ -151,6 +151,7 @@ class OnlineRun:
         :func:`hpcml.train.population_online.stream_comm`)."""
         from hpcml.stream.loader import StreamLoader
         from hpcml.train.checkpointing import CheckpointHook
+        from hpcml.train.population_online import member_keep
 
         if not isinstance(source, SampleSource) or not isinstance(getattr(source, "buffer", None), Buffer):
             raise ConfigError(f"source {type(source).__name__} is not a hpcml.stream.source.SampleSource with a "
@@ -169,7 +170,8 @@ class OnlineRun:
             raise ConfigError(f"batch={self.batch} is more than the buffer's capacity={capacity}: no batch could ever "
                               f"be served; give a buffer of at least the batch")
         self.hook = None if not config.ckpt_dir else CheckpointHook(
-            config.ckpt_dir, config.ckpt_every, keep=config.keep, async_save=config.async_save,
+            config.ckpt_dir, config.ckpt_every, keep=member_keep(config.ckpt_dir, self.grid, config.keep),
+            async_save=config.async_save,
             state=self._source_state, resumed=config.resume, final=False)  # the end's save is the run's (drained)
         self.feedback = None
         if config.feedback_file and trainer.per_sample_losses:

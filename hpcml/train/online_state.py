@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,22 +82,43 @@ def member_roots(root) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def common_step(views: Sequence[Sequence[int]]) -> int | None:
-    """The newest step found in every one of ``views`` (each member's complete steps), or None:
-    what a population resumes from -- a save killed in one member is never half resumed."""
-    common = set(views[0]).intersection(*map(set, views[1:])) if views else set()
-    return max(common) if common else None
-
-
-def population_step(root, pop: int | None = None) -> int | None:
+def population_step(root) -> int | None:
     """The newest checkpoint step every ``member_K`` of ``root`` holds complete (what the
-    population resumes from), or None; with ``pop``, None too unless there are that many."""
-    from hpcml.ckpt.format import STEP_RE, step_dirs
+    population resumes from), or None."""
+    from hpcml.ckpt.format import common_step, steps_of
 
     members = member_roots(root)
-    if not members or (pop is not None and len(members) != pop):
-        return None
-    return common_step([[int(STEP_RE.match(p.name).group(1)) for p in step_dirs(m)[0]] for m in members])
+    return common_step([steps_of(m) for m in members]) if members else None
+
+
+def resume_common(views: list[list[int]], root) -> int | None:
+    """The step a population resumes from, given each member's complete steps under ``root``:
+    the newest every member holds; None when no member holds any (a fresh start). ConfigError
+    when some hold saves but no step is common to all: starting anew would rotate those saves
+    out (a population resized, or saves made before each member's rotation spared the common
+    step, :func:`hpcml.train.population_online.member_keep`)."""
+    from hpcml.ckpt.format import common_step
+
+    step = common_step(views)
+    if step is None and any(views):
+        held = "; ".join(f"member_{k} {', '.join(map(str, v[-3:])) if v else 'none'}" for k, v in
+                         enumerate(views[:8])) + ("; ..." if len(views) > 8 else "")
+        n = max(k for k, v in enumerate(views) if v) + 1
+        other = (f"; they are the saves of {n} members: a population of {n} resumes them"
+                 if n < len(views) and common_step(views[:n]) is not None else "")
+        raise ConfigError(f"{root}: the {len(views)} members hold no checkpoint step in common (their steps: {held})"
+                          f": a population resumes only from a step every member holds, and starting anew would "
+                          f"rotate these saves out{other}; give another checkpoint directory to start over (these "
+                          f"stay readable by hpcml ckpt ls)")
+    return step
+
+
+def member_steps(root, pop: int) -> list[list[int]]:
+    """Each of ``pop`` members' complete steps under ``root`` (``member_K``; [] for one missing)."""
+    from hpcml.ckpt.format import steps_of
+
+    found = {p.name: p for p in member_roots(root)}
+    return [steps_of(found[f"member_{k}"]) if f"member_{k}" in found else [] for k in range(pop)]
 
 
 def simulations_kept(root, outputs: int | dict[int, int]) -> set[int]:

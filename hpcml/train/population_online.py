@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcml import log
+from hpcml.ckpt.format import Keep
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
 from hpcml.train.pbt import PBTConfig
@@ -83,6 +84,15 @@ def member_path(path: str | Path | None, grid: Any) -> str | None:
     if path is None or grid.pop == 1:
         return None if path is None else str(path)
     return str(Path(path) / f"member_{grid.member}")
+
+
+def member_keep(ckpt_dir: str | Path, grid: Any, keep: int | None) -> int | Keep | None:
+    """What a member's saves under ``ckpt_dir`` (its ``member_K``) keep: the newest ``keep``
+    and the newest step every member holds, which a save killed in one member after another's
+    finished leaves the population to resume from (:class:`~hpcml.ckpt.format.Keep`)."""
+    if getattr(grid, "pop", 1) == 1 or not keep:
+        return keep
+    return Keep(last=keep, group=tuple(Path(ckpt_dir).parent / f"member_{k}" for k in range(grid.pop)))
 
 
 def member_dir(run_dir: str | None, grid: Any) -> str | None:
@@ -153,21 +163,19 @@ def selection_hook(grid: Any, trainer: Any, score: Callable[[], float], config: 
     return play
 
 
-def resume_step(root: str | Path, comm) -> int | None:
-    """The newest checkpoint step every rank of ``comm`` finds complete in its ``root`` (each
-    member's own directory); None when some member has none (then every member starts anew).
-    Collective over ``comm``."""
-    from hpcml.ckpt.format import STEP_RE, step_dirs
-    from hpcml.train.online_state import common_step
+def resume_step(root: str | Path, grid: Any) -> int | None:
+    """The newest checkpoint step every member of ``grid``'s population finds complete in its
+    ``root`` (its own directory); None when no member holds any (a fresh start), ConfigError on
+    every rank when some do but none in common (:func:`~hpcml.train.online_state.resume_common`).
+    Collective over the job."""
+    from hpcml.ckpt.format import steps_of
+    from hpcml.train.online_state import resume_common
 
-    views = comm.allgather([int(STEP_RE.match(p.name).group(1)) for p in step_dirs(root)[0]])
-    step = common_step(views)
-    if step is None:
-        if any(views) and comm.Get_rank() == 0:
-            logger.warning("population: the members hold no checkpoint step in common (%s): every member starts "
-                           "anew", "; ".join(f"{v[-3:] if v else 'none'}" for v in views[:8]))
-        return None
-    if comm.Get_rank() == 0 and any(v[-1] != step for v in views):
+    comm = grid.world_comm
+    seen = dict(comm.allgather((grid.member, steps_of(root))))  # each member's ranks see its directory alike
+    views = [seen.get(k, []) for k in range(grid.pop)]
+    step = resume_common(views, Path(root).parent)
+    if step is not None and comm.Get_rank() == 0 and any(v[-1] != step for v in views):
         logger.warning("population: resuming every member at step %d, the newest all of them hold (some saved "
                        "later)", step)
     return step
@@ -175,11 +183,12 @@ def resume_step(root: str | Path, comm) -> int | None:
 
 def member_resume(ckpt_dir: str | Path, grid: Any, *, required: bool) -> Path | None:
     """The step directory of ``ckpt_dir`` (a member's) to resume: the newest every member
-    holds; None when they hold none in common (``required``: a ConfigError on every rank).
+    holds; None when none holds any (``required``: a ConfigError on every rank; saves held
+    but none in common: always one, :func:`resume_step`).
     Collective over the job."""
     from hpcml.ckpt.format import step_dir
 
-    step = resume_step(ckpt_dir, grid.world_comm)
+    step = resume_step(ckpt_dir, grid)
     if step is None:
         if required:
             raise ConfigError(f"resume: the {grid.pop} members hold no checkpoint step in common under "

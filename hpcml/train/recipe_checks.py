@@ -84,15 +84,17 @@ def resume_point(ckpt_dir: str | Path, pop: int = 1, steps: int | None = None) -
     (missing or broken: the load's error, raised here on every rank, before any collective); the
     newest step every ``member_K`` holds, for a population of ``pop`` -- every member's manifest
     read only when that step is at least ``steps`` (nothing left to train: the caller acts on it
-    before any load; otherwise each member's load checks its own); None when there is none."""
+    before any load; otherwise each member's load checks its own); None when no member holds
+    any (members' saves with no step in common: the ConfigError of
+    :func:`~hpcml.train.online_state.resume_common`, here, before torch)."""
     from hpcml import ckpt
     from hpcml.ckpt.format import step_dir
-    from hpcml.train.online_state import population_step
+    from hpcml.train.online_state import member_steps, resume_common
 
     if pop == 1:
         with ckpt.Checkpoint(ckpt_dir) as saved:
             return saved.step, str(saved.path)
-    step = population_step(ckpt_dir, pop)
+    step = resume_common(member_steps(ckpt_dir, pop), ckpt_dir)
     if step is None:
         return None
     if steps is None or step >= steps:

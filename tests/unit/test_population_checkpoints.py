@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hpcml import ckpt
-from hpcml.train.online_state import common_step, member_roots, simulations_kept
+from hpcml.ckpt.format import common_step
+from hpcml.train.online_state import member_roots, simulations_kept
 from hpcml.train.population_online import BEST_RECORD, export_best
 
 
@@ -81,3 +82,61 @@ def test_the_best_members_model_becomes_the_runs_checkpoint(tmp_path):
 def test_export_refuses_a_member_without_a_checkpoint(tmp_path):
     with pytest.raises(Exception, match="no checkpoint at"):
         export_best(tmp_path, 0)
+
+
+def _steps(root) -> list[int]:
+    from hpcml.ckpt.format import steps_of
+
+    return steps_of(root)
+
+
+def test_a_members_rotation_spares_the_step_every_member_holds(tmp_path):
+    """keep=1 in two members saving in lock-step: member 0's save of step 4 finishes while
+    member 1's is killed. Member 0 must keep step 2 (the step both hold, which the population
+    resumes from); once member 1 holds step 4 too, the next save lets step 2 go. A plain
+    keep=1 would have left the members no step in common."""
+    from hpcml.ckpt.format import Keep
+
+    root = tmp_path / "checkpoints"
+    m0, m1 = root / "member_0", root / "member_1"
+    keep = Keep(last=1, group=(m0, m1))
+    for m in (m0, m1):
+        _save(m, 2, [])
+    ckpt.save(m0, 4, {"model/w": torch.zeros(3)}, keep=keep)  # member 1's save of step 4: killed
+    assert (_steps(m0), _steps(m1)) == ([2, 4], [2])
+    assert common_step([_steps(m0), _steps(m1)]) == 2
+    ckpt.save(m1, 4, {"model/w": torch.zeros(3)}, keep=keep)  # resumed at 2, saved 4: the common step moves on
+    assert (_steps(m0), _steps(m1)) == ([2, 4], [4])
+    ckpt.save(m0, 6, {"model/w": torch.zeros(3)}, keep=keep)
+    assert _steps(m0) == [4, 6]  # 2 rotated out; 4 spared until member 1 holds 6
+    ckpt.save(m0, 8, {"model/w": torch.zeros(3)}, keep=2)  # a plain keep: the newest two, nothing spared
+    assert _steps(m0) == [6, 8]
+    with pytest.raises(ValueError, match=r"Keep\(last=0\): expected a whole number >= 1 of steps to keep"):
+        Keep(last=0)
+
+
+def test_members_holding_saves_but_no_common_step_are_refused_not_started_anew(tmp_path):
+    """Starting anew would rotate every member's saves out: refused in one line naming each
+    member's steps, before torch's work (the same rule in the job's collective resume); a
+    population resized from 2 members is told what resumes its saves; none saved: a fresh start."""
+    from hpcml.errors import ConfigError
+    from hpcml.train.online_state import resume_common
+    from hpcml.train.recipe_checks import resume_point
+
+    root = tmp_path / "checkpoints"
+    assert resume_point(root, pop=2) is None  # nothing saved: a fresh start
+    _save(root / "member_0", 4, [])
+    _save(root / "member_1", 2, [])
+    with pytest.raises(ConfigError) as e:
+        resume_point(root, pop=2)
+    assert str(e.value) == (f"{root}: the 2 members hold no checkpoint step in common (their steps: member_0 4; "
+                            f"member_1 2): a population resumes only from a step every member holds, and starting "
+                            f"anew would rotate these saves out; give another checkpoint directory to start over "
+                            f"(these stay readable by hpcml ckpt ls)")
+    assert _steps(root / "member_0") == [4] and _steps(root / "member_1") == [2]
+    with pytest.raises(ConfigError, match=r"member_2 none; member_3 none\): .*they are the saves of 2 members: a "
+                                          r"population of 2 resumes them"):
+        resume_common([[2, 4], [4], [], []], root)
+    assert resume_common([[2, 4], [2]], root) == 2 and resume_common([[], []], root) is None
+    _save(root / "member_1", 4, [])
+    assert resume_point(root, pop=2, steps=10) == (4, f"{root} (every member's step_00000004)")
