@@ -108,8 +108,8 @@ def resume_common(views: list[list[int]], root) -> int | None:
                  if n < len(views) and common_step(views[:n]) is not None else "")
         raise ConfigError(f"{root}: the {len(views)} members hold no checkpoint step in common (their steps: {held})"
                           f": a population resumes only from a step every member holds, and starting anew would "
-                          f"rotate these saves out{other}; give another checkpoint directory to start over (these "
-                          f"stay readable by hpcml ckpt ls)")
+                          f"rotate these saves out{other}; to start over, give another checkpoint directory or move "
+                          f"these members' step directories aside (they stay readable by hpcml ckpt ls)")
     return step
 
 

@@ -131,8 +131,8 @@ def test_members_holding_saves_but_no_common_step_are_refused_not_started_anew(t
         resume_point(root, pop=2)
     assert str(e.value) == (f"{root}: the 2 members hold no checkpoint step in common (their steps: member_0 4; "
                             f"member_1 2): a population resumes only from a step every member holds, and starting "
-                            f"anew would rotate these saves out; give another checkpoint directory to start over "
-                            f"(these stay readable by hpcml ckpt ls)")
+                            f"anew would rotate these saves out; to start over, give another checkpoint directory or "
+                            f"move these members' step directories aside (they stay readable by hpcml ckpt ls)")
     assert _steps(root / "member_0") == [4] and _steps(root / "member_1") == [2]
     with pytest.raises(ConfigError, match=r"member_2 none; member_3 none\): .*they are the saves of 2 members: a "
                                           r"population of 2 resumes them"):
