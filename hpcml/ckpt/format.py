@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 MAX_LATEST_BYTES = 256
 STEP_RE = re.compile(r"^step_(\d{8,})$")
+MEMBER_RE = re.compile(r"^member_(\d{1,6})$")  # a population member's own root, under the run's
 OLD_SUFFIX = ".old"  # a step moved aside while a re-save of it commits (see hpcml.ckpt.index.commit)
 
 #: name recorded in a tensor's 'dtype' attribute -> numpy dtype stored in HDF5
@@ -58,6 +59,17 @@ def step_dirs(root: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     steps = sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and not p.is_symlink() and p.is_dir())
     complete = [p for p in steps if (p / MANIFEST).is_file()]
     return complete, [p for p in steps if p not in complete]
+
+
+def member_roots(root: str | os.PathLike) -> list[Path]:
+    """A population's member checkpoint roots under ``root`` (``member_K``, in K order; a link
+    there is never followed), or [] for one trainer's."""
+    try:
+        found = [(int(m.group(1)), p) for p in Path(root).iterdir()
+                 if (m := MEMBER_RE.match(p.name)) and not p.is_symlink() and p.is_dir()]
+    except OSError:
+        return []
+    return [p for _, p in sorted(found)]
 
 
 def steps_of(root: str | os.PathLike) -> list[int]:
@@ -147,6 +159,10 @@ def resolve(path: str | os.PathLike) -> Path:
     if not p.is_dir():  # e.g. a plain HDF5 file (once a KeyError), or a shard of a checkpoint
         raise CheckpointError(f"no checkpoint at {p}: it is a file; expected a checkpoint directory (a step_N "
                               f"with {MANIFEST}, or the run directory with '{LATEST}')")
+    members = member_roots(p)
+    if members:  # a population's run, before (or without) its best member's export
+        raise CheckpointError(f"no checkpoint at {p}: it holds a population's members, each with checkpoints of its "
+                              f"own: name one ({members[0]}, ...; hpcml ckpt ls {p} lists them)")
     raise CheckpointError(f"no checkpoint at {p}: expected {MANIFEST} or a '{LATEST}' file")
 
 

@@ -26,12 +26,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[dict]:
-    """Every ``step_N`` under ``root`` with its size and whether ``latest`` names it."""
+    """Every ``step_N`` under ``root`` with its size and whether ``latest`` names it, then
+    those of a population's members (``member_K``: each its own ``latest``)."""
     root = Path(root)
     if not root.is_dir():
         why = "it is a file" if root.exists() else "the path does not exist"
         raise CheckpointError(f"no checkpoint directory at {root}: {why}; expected the run directory that holds "
                               f"its step_N checkpoints")
+    return _steps_listed(root) + [row for m in fmt.member_roots(root) for row in _steps_listed(m)]
+
+
+def _steps_listed(root: Path) -> list[dict]:
     try:
         latest = (safeio.read_text(root / fmt.LATEST, 4096, "a step name") or "").strip() or None
     except ValueError as e:

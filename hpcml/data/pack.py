@@ -70,6 +70,16 @@ class Tokenizer:
         return np.asarray(self._tok.encode(text, add_special_tokens=False), np.int64)
 
 
+def holds_ids(path: Path) -> bool:
+    """A source of token ids (``.npy``, ``.jsonl``, ``.jsonl.gz``); any other is text."""
+    return path.suffix in (".npy", ".jsonl") or path.name.endswith(".jsonl.gz")
+
+
+def _text_needs_tokenizer(path: Path) -> ConfigError:
+    return ConfigError(f"source {path}: text needs a tokenizer (--tokenizer bytes, or a Hugging Face tokenizer "
+                       f"directory); .npy and .jsonl sources hold token ids")
+
+
 def documents(path: Path, tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
     """The documents of one source file, as int64 token ids."""
     if path.suffix == ".npy":
@@ -89,8 +99,7 @@ def documents(path: Path, tokenizer: Tokenizer | None) -> Iterator[np.ndarray]:
         yield from _records(path, _gz_lines(path), tokenizer)
     else:
         if tokenizer is None:
-            raise ConfigError(f"source {path}: text needs a tokenizer (--tokenizer bytes, or a Hugging Face tokenizer "
-                              f"directory); .npy and .jsonl sources hold token ids")
+            raise _text_needs_tokenizer(path)
         data = safeio.read_bytes(path, MAX_SOURCE_BYTES, "a text document")
         if data is None:
             raise ConfigError(f"source {path}: no such file")
@@ -170,6 +179,9 @@ def pack(out: str | os.PathLike, sources: Sequence[str | os.PathLike], *, tokeni
     tok = Tokenizer(tokenizer) if tokenizer else None
     vocab = vocab_size if vocab_size is not None else tok.vocab_size if tok else None
     eod = eod if eod is not None else tok.eod if tok else None
+    text = next((Path(p) for p in sources if tok is None and not holds_ids(Path(p))), None)
+    if text is not None:  # what is missing is the tokenizer, not a vocabulary
+        raise _text_needs_tokenizer(text)
     if vocab is None or eod is None:
         raise ConfigError("token ids need their vocabulary: give --vocab-size N and --eod ID (or --tokenizer)")
     if not is_int(vocab) or not 2 <= vocab <= 1 << 32:

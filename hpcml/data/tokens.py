@@ -92,8 +92,12 @@ class Manifest:
         except ConfigError as e:
             raise DataError(f"token manifest {where}: {e}") from None
         if rec is None:
-            raise DataError(f"token manifest {where}: no such file; expected the manifest 'hpcml data pack' writes "
-                            f"beside NAME.h5")
+            given = Path(path)
+            what = ("no such file" if not given.exists() and not given.is_symlink() else
+                    "a directory" if given.is_dir() else f"no manifest {where.name} beside it: not a packed token file")
+            raise DataError(f"token data {given}: {what}; expected a token file written by 'hpcml data pack OUT.h5 "
+                            f"SOURCES...' (OUT.h5 with OUT.h5.json beside it; text sources with --tokenizer bytes or "
+                            f"a Hugging Face tokenizer directory)")
         if rec.get("format") != FORMAT:
             raise DataError(f"token manifest {where}: format {rec.get('format')!r}, expected {FORMAT!r}")
         name = rec.get("file")

@@ -65,9 +65,13 @@ def run(args: argparse.Namespace) -> int:
         os.environ.pop(keys.ENV_KEY, None)
         os.environ[keys.ENV_KEY_FILE] = args.key
     if c == "ls":
-        for row in tools.list_checkpoints(args.dir):
+        rows = tools.list_checkpoints(args.dir)
+        for row in rows:
             flags = ("latest " if row["latest"] else "") + ("" if row["complete"] else "INCOMPLETE")
             print(f"{row['path']}  step {row['step']}  {row['bytes'] / 1e6:.1f} MB  {flags}".rstrip())
+        if not rows:  # said, not an empty success: a wrong directory looks the same
+            print(f"{args.dir}: no checkpoints (no step_N directories, nor a population's member_K ones)",
+                  file=sys.stderr)
     elif c == "inspect":
         info = tools.inspect(args.ckpt)
         if args.json:

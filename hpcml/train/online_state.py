@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcml.ckpt.format import member_roots
 from hpcml.errors import ConfigError
 from hpcml.stream.source import SampleSource
 
 _STATE = re.compile(r"^stream/rank_(\d{5})/(.+)$")
-_MEMBER = re.compile(r"^member_(\d{1,6})$")
 
 
 def source_tensors(source: SampleSource, rank: int) -> dict:
@@ -69,17 +69,6 @@ def check_campaign(ckpt_dir, campaign: str) -> None:
     if saved != campaign:
         raise ConfigError(f"checkpoint {path} (step {step}) belongs to campaign {saved or 'unknown'!r}, not "
                           f"{campaign!r}: resume that campaign, or use a new run directory")
-
-
-def member_roots(root) -> list[Path]:
-    """A population's member checkpoint roots under ``root`` (``member_K``, in K order; a link
-    there is never followed), or [] for one trainer's."""
-    try:
-        found = [(int(m.group(1)), p) for p in Path(root).iterdir()
-                 if (m := _MEMBER.match(p.name)) and not p.is_symlink() and p.is_dir()]
-    except OSError:
-        return []
-    return [p for _, p in sorted(found)]
 
 
 def population_step(root) -> int | None:

@@ -8,6 +8,7 @@ import time
 import h5py
 import pytest
 import torch
+from mpi4py import MPI
 
 from hpcml import ckpt, interop
 from hpcml.ckpt import tools
@@ -89,6 +90,31 @@ def test_ckpt_ls_on_a_file_is_one_line(capsys, saved):
     assert main(["ckpt", "ls", str(plain)]) == 2
     assert capsys.readouterr().err == (f"hpcml: error: no checkpoint directory at {plain}: it is a file; expected "
                                        f"the run directory that holds its step_N checkpoints\n")
+
+
+def test_ckpt_ls_and_verify_on_a_population_and_on_an_empty_directory(capsys, tmp_path):
+    """A population's run directory (``member_K``, before its best member's export): ``ls``
+    lists every member's steps, ``verify`` names a member to give it; an empty directory
+    says so rather than printing nothing."""
+    root = tmp_path / "checkpoints"
+    for k, steps in ((0, (2, 4)), (1, (4,))):
+        for step in steps:
+            ckpt.save(root / f"member_{k}", step, {"model/w": torch.full((3,), float(k))}, comm=MPI.COMM_SELF)
+    assert main(["ckpt", "ls", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in out] == [f"{root}/member_0/step_00000002", f"{root}/member_0/step_00000004",
+                                                     f"{root}/member_1/step_00000004"]
+    assert [line.endswith("latest") for line in out] == [False, True, True]
+    assert main(["ckpt", "verify", str(root)]) == 1
+    assert capsys.readouterr().err == (f"hpcml ckpt verify: no checkpoint at {root}: it holds a population's members, "
+                                       f"each with checkpoints of its own: name one ({root}/member_0, ...; hpcml "
+                                       f"ckpt ls {root} lists them)\n")
+    assert main(["ckpt", "verify", str(root / "member_1")]) == 0
+    capsys.readouterr()
+    assert main(["ckpt", "ls", str(tmp_path / "checkpoints" / "member_0" / "step_00000002")]) == 0
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.endswith(": no checkpoints (no step_N directories, nor a population's member_K "
+                                                "ones)\n")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])

@@ -132,8 +132,17 @@ def test_what_is_not_the_packed_file_is_refused_in_one_line(packed, tmp_path):
     packed.unlink()
     with pytest.raises(DataError, match=r"c\.h5: no such file \(named by its manifest\)"):
         TokenDataset(packed, seq_len=16)
-    with pytest.raises(DataError, match=r"nope\.h5\.json: no such file; expected the manifest 'hpcml data pack' "):
+    with pytest.raises(DataError) as e:  # a newcomer's mistakes: named as given, with the command that makes one
         TokenDataset(tmp_path / "nope.h5", seq_len=16)
+    assert str(e.value) == (f"token data {tmp_path / 'nope.h5'}: no such file; expected a token file written by "
+                            f"'hpcml data pack OUT.h5 SOURCES...' (OUT.h5 with OUT.h5.json beside it; text sources "
+                            f"with --tokenizer bytes or a Hugging Face tokenizer directory)")
+    (tmp_path / "corpus.txt").write_text("plain text\n")
+    with pytest.raises(DataError, match=r"corpus\.txt: no manifest corpus\.txt\.json beside it: not a packed token "
+                                        r"file; expected a token file written by 'hpcml data pack"):
+        TokenDataset(tmp_path / "corpus.txt", seq_len=16)
+    with pytest.raises(DataError, match=r": a directory; expected a token file written by"):
+        TokenDataset(tmp_path, seq_len=16)
 
 
 def test_a_token_id_outside_the_vocabulary_is_named_with_its_position(packed):
@@ -155,6 +164,8 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_position(packed):
     (lambda d: (d / "x.jsonl").write_text('{"text": "hi"}\n'), {}, r'x\.jsonl line 1: expected \{"tokens": \[ids\]\} '
                                                                    r'\(or \{"text": \.\.\.\} with --tokenizer\)'),
     (lambda d: (d / "x.txt").write_text("hi"), {}, r"x\.txt: text needs a tokenizer \(--tokenizer bytes"),
+    (lambda d: (d / "x.txt").write_text("hi"), {"vocab_size": None, "eod": None},  # a newcomer's first pack: the
+     r"x\.txt: text needs a tokenizer \(--tokenizer bytes"),  # tokenizer is what is missing, not a vocabulary
     (lambda d: np.save(d / "x.npy", np.array([1])), {"vocab_size": None}, r"token ids need their vocabulary: give "
                                                                           r"--vocab-size N and --eod ID"),
     (lambda d: np.save(d / "x.npy", np.array([1])), {"eod": 300}, r"eod 300: expected a token id of the vocabulary"),
@@ -246,7 +257,7 @@ def test_llm_pretrain_data_flags_open_one_file_or_a_weighted_mixture(packed, tmp
     assert isinstance(one, TokenDataset) and one.seq_len == 16 and end_of_document(one) == one.m.eod
     mix = open_tokens([f"{packed}:3", str(packed)], seq_len=16)
     assert isinstance(mix, Mixture) and list(mix.counts) == [750, 250] and end_of_document(mix) == one.m.eod
-    with pytest.raises(DataError, match=r"token manifest .*nope\.h5\.json: no such file"):
+    with pytest.raises(DataError, match=r"token data .*nope\.h5: no such file; expected a token file written by"):
         open_tokens([f"{tmp_path / 'nope.h5'}:0.5"], seq_len=16)
     with pytest.raises(ConfigError, match="no token file given"):
         open_tokens([], seq_len=16)
