@@ -35,6 +35,52 @@ STORED_DTYPES: dict[str, type] = {"float32": np.float32, "float64": np.float64, 
                                   "bool": np.bool_}
 
 
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a tensor of a checkpoint (None: it can): a plain HDF5 path --
+    printable, no spaces, no empty, ``.`` or ``..`` parts, no leading ``/``, at most 1,024
+    characters. The save and the reader apply the same rule."""
+    if not isinstance(name, str):
+        return f"tensor name {name!r} ({type(name).__name__}): expected a str"
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")) or len(name) > 1024 \
+            or not name.isprintable() or " " in name:
+        return f"tensor name {name[:80]!r} is not a plain HDF5 path (printable, no spaces)"
+    return None
+
+
+def extra_problem(extra: object) -> str | None:
+    """Why ``extra`` cannot be a checkpoint's non-tensor state (None: it can): a dict of JSON
+    values -- no NaN or infinity (the reader refuses them), no tensors or other objects,
+    nested at most 64 deep -- checked at the save, since a manifest the reader refuses would
+    leave ``latest`` naming a checkpoint nobody can load."""
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        return f"extra is of type {type(extra).__name__}: expected a dict of JSON values"
+    return _json_problem(extra, "extra", 0)
+
+
+def _json_problem(v: object, where: str, depth: int) -> str | None:
+    if depth > 64:
+        return f"{where}: nested more than 64 deep"
+    if v is None or isinstance(v, (str, bool, int)):
+        return None
+    if isinstance(v, float):
+        return None if np.isfinite(v) else (f"{where} is {v}: JSON has no NaN or infinity (a reader refuses it); "
+                                            f"store None or a string")
+    if isinstance(v, (list, tuple)):
+        return next((w for i, x in enumerate(v) if (w := _json_problem(x, f"{where}[{i}]", depth + 1))), None)
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                return f"{where}: key {k!r} is of type {type(k).__name__}: JSON keys are strings"
+            if w := _json_problem(x, f"{where}[{k!r}]", depth + 1):
+                return w
+        return None
+    hint = "; numpy's: convert with float() or int()" if isinstance(v, np.generic) else ""
+    return (f"{where} is of type {type(v).__name__}: expected JSON values (numbers, strings, lists, dicts); "
+            f"tensors go with the tensors{hint}")
+
+
 def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 

@@ -73,8 +73,16 @@ def _body(m: dict) -> bytes:
 def write(path: Path, manifest: dict, keys: Keyring | None = None) -> None:
     """Write with its own SHA-256 (of its canonical JSON without that field, so an edited
     digit is caught), signed by ``keys`` when given, and fsync: the commit renames the
-    directory only after this."""
-    write_file(path, encode(manifest, keys))
+    directory only after this. Refused (nothing written) when larger than a reader would take
+    for this checkpoint (:func:`_limit`): a save is never committed unloadable."""
+    data = encode(manifest, keys)
+    limit = _limit(path.parent)
+    if len(data) > limit:
+        extra = len(_canonical(manifest.get("extra") or {}))
+        raise CheckpointError(f"its manifest would be {len(data)} bytes, more than a reader takes for a checkpoint "
+                              f"of these shard files ({limit}); extra= holds {extra} bytes of it: keep large state "
+                              f"in tensors")
+    write_file(path, data)
 
 
 def encode(manifest: dict, keys: Keyring | None = None) -> bytes:
@@ -264,9 +272,9 @@ def _products(a: np.ndarray, what: str) -> np.ndarray:
 
 
 def _check_tensor(name: str, t, files: dict, used: dict) -> None:
-    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")) or len(name) > 1024 \
-            or not name.isprintable() or " " in name:
-        raise CheckpointError(f"tensor name {name[:80]!r} is not a plain HDF5 path (printable, no spaces)")
+    why = fmt.name_problem(name)
+    if why:
+        raise CheckpointError(why)
     if not isinstance(t, dict):
         raise CheckpointError(f"tensor {name} is not a JSON object")
     dtype = _str(t.get("dtype"), f"{name} dtype")

@@ -49,7 +49,18 @@ def local_pieces(tensors: dict[str, torch.Tensor], tensor_attrs: dict[str, dict]
     each at its offset in the logical ``[wq; wk; wv]`` (:func:`hpcml.ckpt.chunks.fused_runs`).
     Raises CheckpointError when a declaration does not fit its tensor."""
     metas, locals_, placements = [], {}, {}
+    names = set(tensors)
     for name, t in tensors.items():
+        why = fmt.name_problem(name)  # the reader's rule: a save it would refuse is never committed
+        if why:
+            raise CheckpointError(f"{why}; rename it before saving")
+        group = next((name[:i] for i in range(len(name)) if name[i] == "/" and name[:i] in names), None)
+        if group is not None:
+            raise CheckpointError(f"tensor names {group!r} and {name!r}: HDF5 cannot hold {group!r} both as a "
+                                  f"tensor and as the group of {name!r}; rename one")
+        if not isinstance(t, torch.Tensor):  # a DTensor is one too
+            raise CheckpointError(f"{name!r} is a {type(t).__name__}: expected a torch.Tensor or DTensor (a "
+                                  f"non-tensor value goes in extra=, a JSON-able dict)")
         local, gshape, offset = local_piece(t)
         placements[name] = placement_str(t)
         spec = fused_spec((tensor_attrs or {}).get(name))
@@ -169,6 +180,12 @@ def prepare(root, step, tensors, comm, extra, layout, keep, tensor_attrs, snapsh
         raise CheckpointError(f"step {step!r}: expected an integer >= 0")
 
     def plan():
+        why = fmt.extra_problem(extra)  # on every rank: a manifest the reader would refuse is never written
+        if not why and isinstance(extra, dict) and "step" in extra and extra["step"] != step:
+            why = (f"extra['step'] is {str(extra['step'])[:40]}, not the step saved ({step}): a reader takes it for an "
+                   f"edit and refuses the checkpoint")
+        if why:
+            raise CheckpointError(why)
         pieces = local_pieces(tensors, tensor_attrs)
         keys = keyring_.keyring(key)
         if rank == 0:  # nobody writes into tmp until rank 0 owns the directory and has cleared a stale one

@@ -234,3 +234,57 @@ def test_inspect_names_the_placement_of_tensors_rank0_does_not_hold(tmp_path):
     assert tools.verify(tmp_path) == []
     back = ckpt.read_tensors(tmp_path, "")
     assert all(torch.equal(back[n], t) for ts in stages for n, t in ts.items())
+
+
+@pytest.mark.parametrize("tensors, said", [
+    ({1: torch.ones(2)}, "tensor name 1 (int): expected a str; rename it before saving"),
+    ({"": torch.ones(2)}, "tensor name '' is not a plain HDF5 path (printable, no spaces); rename it before saving"),
+    ({"my param": torch.ones(2)}, "tensor name 'my param' is not a plain HDF5 path"),
+    ({"a/../b": torch.ones(2)}, "tensor name 'a/../b' is not a plain HDF5 path"),
+    ({"/abs": torch.ones(2)}, "tensor name '/abs' is not a plain HDF5 path"),
+    ({"a//b": torch.ones(2)}, "tensor name 'a//b' is not a plain HDF5 path"),
+    ({"a": torch.ones(2), "a/b": torch.ones(2)}, "tensor names 'a' and 'a/b': HDF5 cannot hold 'a' both as a tensor "
+                                                 "and as the group of 'a/b'; rename one"),
+    ({"w": [1, 2]}, "'w' is a list: expected a torch.Tensor or DTensor (a non-tensor value goes in extra=, a "
+                    "JSON-able dict)"),
+])
+def test_a_save_the_reader_would_refuse_is_refused_before_anything_is_written(tmp_path, tensors, said):
+    """Names the reader refuses were once written and committed: `latest` then named a
+    checkpoint no load could open, and keep= rotated the good ones out. Now the save says why,
+    in the reader's words, and the directory keeps what it held."""
+
+    root = tmp_path / "ck"
+    ckpt.save(root, 1, {"model/w": torch.arange(3.0)}, keep=1)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(root, 2, tensors, keep=1)
+    assert said in str(e.value)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001"]
+    out = {"model/w": torch.zeros(3)}
+    assert ckpt.load(root, out).step == 1 and out["model/w"].tolist() == [0.0, 1.0, 2.0]
+    assert fmt.name_problem("layers.0.attention.wq.weight") is None and fmt.name_problem("é/a.") is None
+
+
+@pytest.mark.parametrize("extra, said", [
+    ({"best_loss": float("nan")}, "extra['best_loss'] is nan: JSON has no NaN or infinity (a reader refuses it); "
+                                  "store None or a string"),
+    ({"hist": [1.0, float("inf")]}, "extra['hist'][1] is inf: JSON has no NaN"),
+    ({"m": np.float32(0.5)}, "extra['m'] is of type float32: expected JSON values (numbers, strings, lists, dicts); "
+                             "tensors go with the tensors; numpy's: convert with float() or int()"),
+    ({"t": torch.ones(2)}, "extra['t'] is of type Tensor: expected JSON values"),
+    ({("a", 1): 2}, "extra: key ('a', 1) is of type tuple: JSON keys are strings"),
+    ("config", "extra is of type str: expected a dict of JSON values"),
+    ({"step": 7}, "extra['step'] is 7, not the step saved (2): a reader takes it for an edit and refuses the "
+                  "checkpoint"),
+    ({"notes": "x" * (9 << 20)}, "its manifest would be 94"),  # more than a reader takes beside 12 bytes of shards
+])
+def test_extra_state_the_reader_would_refuse_is_refused_at_the_save(tmp_path, extra, said):
+    """A NaN metric, a numpy scalar or a tensor in extra= once made a save that committed (or a
+    traceback): the NaN, a non-dict or a manifest past the reader's size limit left `latest`
+    naming a checkpoint no load could open. Now the save names the value; nothing changes."""
+    root = tmp_path / "ck"
+    ckpt.save(root, 1, {"model/w": torch.arange(3.0)}, extra={"lr": 0.1})
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(root, 2, {"model/w": torch.arange(3.0)}, extra=extra)
+    assert said in str(e.value)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001"]
+    assert ckpt.read_extra(root)[1:] == (1, {"lr": 0.1})
