@@ -75,9 +75,15 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
     ``key``: the keys a signature must match (default: ``$HPCML_CKPT_KEY`` /
     ``$HPCML_CKPT_KEY_FILE``; :class:`~hpcml.ckpt.checked.Checkpoint`).
     """
+    why = _targets_problem(tensors)
     if comm is None:
+        if why:
+            raise CheckpointError(why)
         return _load(path, tensors, strict=strict, wanted=set(tensors), tensor_attrs=tensor_attrs, key=key)
-    wanted = set().union(*comm.allgather(sorted(tensors)))
+    asked = comm.allgather((None, why) if why else (sorted(tensors), None))  # a wrong argument on one rank: on all
+    if any(w for _, w in asked):
+        raise CheckpointError(next(w for _, w in asked if w))
+    wanted = set().union(*(names for names, _ in asked))
     report, error = None, None
     try:
         report = _load(path, tensors, strict=strict, wanted=wanted, tensor_attrs=tensor_attrs, key=key)
@@ -87,6 +93,18 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
     if errors:
         raise CheckpointError(errors[0])
     return report
+
+
+def _targets_problem(tensors: object) -> str | None:
+    """Why ``tensors`` cannot be filled (None: it can): a dict of names to tensors."""
+    if not isinstance(tensors, dict):
+        hint = " (model.state_dict(): its tensors are the model's own, so the load fills the model)" \
+            if isinstance(tensors, torch.nn.Module) else ""
+        return f"tensors is of type {type(tensors).__name__}: expected a dict of names to tensors to fill{hint}"
+    bad = next((n for n, t in tensors.items() if not isinstance(t, torch.Tensor)), None)
+    if bad is not None:
+        return f"{bad!r} is of type {type(tensors[bad]).__name__}: expected a torch.Tensor or DTensor to fill in place"
+    return None
 
 
 def _fused_plan(name: str, t: torch.Tensor, attrs: dict, declared: dict | None,
@@ -115,7 +133,7 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
         report.missing = sorted(n for n in tensors if n not in stored)
         report.unexpected = sorted(n for n in stored if n not in wanted and not n.startswith("rank_state/")
                                    and n.split("/")[0] in {k.split("/")[0] for k in wanted})
-        plan, misfused = [], []
+        plan, misfused, mistyped = [], [], []
         for name, t in tensors.items():
             if name in report.missing:
                 continue
@@ -123,6 +141,9 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
             gshape = () if entry["scalar"] else tuple(entry["shape"])
             if gshape != tuple(t.shape):
                 report.mismatched.append(f"{name}: checkpoint {list(gshape)}, model {list(t.shape)}")
+                continue
+            if _kind(entry["dtype"]) != _kind(str(t.dtype).removeprefix("torch.")):  # float into int: truncated
+                mistyped.append(f"{name}: checkpoint {entry['dtype']}, model {str(t.dtype)[6:]}")
                 continue
             fused, why = _fused_plan(name, t, entry["attrs"], (tensor_attrs or {}).get(name), gshape)
             if why:
@@ -132,8 +153,10 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
         problems = [f"missing {report.missing}" if report.missing else "",
                     f"unexpected {report.unexpected}" if report.unexpected else "",
                     f"mis-shaped {report.mismatched}" if report.mismatched else "",
-                    f"fused layout does not fit {misfused}" if misfused else ""]
-        report.mismatched += misfused
+                    f"fused layout does not fit {misfused}" if misfused else "",
+                    f"of another kind (a float loads into any float, an integer into any integer) {mistyped}"
+                    if mistyped else ""]
+        report.mismatched += misfused + mistyped
         if strict and any(problems):
             raise CheckpointError(f"{ckpt} does not fit the model: " + "; ".join(p for p in problems if p))
         for name, t, entry, fused in plan:
@@ -157,6 +180,11 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
                 report.bytes_needed += data.nbytes
                 report.bytes_read += nread
     return report
+
+
+def _kind(dtype_name: str) -> str:
+    """float, int or bool: values cross between dtypes of a kind (as load_state_dict copies), never between kinds."""
+    return "bool" if dtype_name == "bool" else "float" if "float" in dtype_name else "int"
 
 
 def read_extra(path: str | os.PathLike, key=None) -> tuple[Path, int, dict]:

@@ -288,3 +288,29 @@ def test_extra_state_the_reader_would_refuse_is_refused_at_the_save(tmp_path, ex
     assert said in str(e.value)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001"]
     assert ckpt.read_extra(root)[1:] == (1, {"lr": 0.1})
+
+
+def test_what_a_load_cannot_fill_is_named_not_a_traceback(tmp_path):
+    """A newcomer's first load: the model itself, a list, or a dict holding a non-tensor was a
+    TypeError or AttributeError from deep inside; a float checkpoint loaded into an integer
+    tensor was silently truncated. Now one line each; a float loads into any float."""
+    m = torch.nn.Linear(4, 4)
+    ckpt.save(tmp_path, 1, m.state_dict())
+    with pytest.raises(CheckpointError, match=r"^tensors is of type Linear: expected a dict of names to tensors to "
+                                              r"fill \(model.state_dict\(\): its tensors are the model's own"):
+        ckpt.load(tmp_path, m)
+    with pytest.raises(CheckpointError, match=r"^tensors is of type list: expected a dict of names to tensors"):
+        ckpt.load(tmp_path, [torch.empty(4)])
+    with pytest.raises(CheckpointError, match=r"^'weight' is of type list: expected a torch.Tensor or DTensor"):
+        ckpt.load(tmp_path, {"weight": [0.0] * 16})
+    into = {"weight": torch.zeros(4, 4, dtype=torch.int64), "bias": torch.zeros(4)}
+    with pytest.raises(CheckpointError, match=r"does not fit the model: of another kind \(a float loads into any "
+                                              r"float, an integer into any integer\) \['weight: checkpoint float32, "
+                                              r"model int64'\]"):
+        ckpt.load(tmp_path, into)
+    assert not into["weight"].any() and not into["bias"].any()  # nothing filled
+    report = ckpt.load(tmp_path, into, strict=False)
+    assert report.mismatched == ["weight: checkpoint float32, model int64"] and torch.equal(into["bias"], m.bias)
+    wide = {"weight": torch.zeros(4, 4, dtype=torch.float64), "bias": torch.zeros(4, dtype=torch.bfloat16)}
+    ckpt.load(tmp_path, wide)
+    assert torch.equal(wide["weight"], m.weight.double()) and torch.equal(wide["bias"], m.bias.bfloat16())
