@@ -624,3 +624,32 @@ def test_acknowledgements_cover_what_queued_yet_a_producer_of_one_message_in_fli
         assert srv.dropped == {}
     finally:
         srv.stop()
+
+
+def test_a_diverged_simulations_non_finite_field_is_refused_at_the_producer(tmp_path, monkeypatch):
+    """A NaN or an infinity in a sent field would make every weight of the surrogate NaN at its
+    first step: the producer refuses it at the first send, naming the field, the step, the
+    counts and the first point, as a deterministic error (recorded for the campaign: no
+    retry); nothing of it reaches the trainer."""
+    monkeypatch.setenv("HPCML_RUN_DIR", str(tmp_path))
+    srv = _server()
+    try:
+        field = np.ones((4, 6), np.float32)
+        p = Producer(endpoint=srv.endpoint, secret=SECRET, campaign=CAMPAIGN, sim_id=3, attempt=0, rank=0, nranks=1,
+                     params={"alpha": 0.5}, global_shape=field.shape, offset=(0, 0), local_shape=field.shape)
+        p.send(0, 0.0, {"T": field})
+        bad = field.copy()
+        bad[1, 2], bad[3, 0], bad[3, 5] = np.inf, np.nan, -np.inf
+        with pytest.raises(ConfigError) as e:
+            p.send(1, 0.1, {"T": bad})
+        assert str(e.value) == ("simulation 3 rank 0: field 'T' at step 1 holds 1 NaN and 2 infinite values of 24 "
+                                "(the first at (1, 2) of this rank's subdomain): the simulation diverged or left them "
+                                "unset; only finite values are sent (one such sample would make every weight of the "
+                                "surrogate NaN) -- mask them with finite values first (np.nan_to_num)")
+        p.send(1, 0.1, {"T": np.nan_to_num(bad, posinf=0.0, neginf=0.0)})  # a finite field goes
+        p.send(2, 0.2, {"T": np.arange(24, dtype=np.int64).reshape(4, 6)})  # integers are always finite
+        p.close()
+        _wait(lambda: len(srv.seen) == 3)
+        assert srv.dropped == {}
+    finally:
+        srv.stop()

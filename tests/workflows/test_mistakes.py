@@ -2,8 +2,9 @@
 
 The simulation is one the project does not ship: a 1-D shallow-water height field on 2 MPI
 ranks, written here as a newcomer would (``Producer.from_campaign`` and ``send``), streaming
-into the Burgers trainer of ``own_sim/`` (field ``u`` on 64 points). Two mistakes: the field
-sent under another name (``h``), and a block of the wrong shape. Before, the first cost 82 s
+into the Burgers trainer of ``own_sim/`` (field ``u`` on 64 points). Three mistakes: the field
+sent under another name (``h``), a block of the wrong shape, and a simulation that blows up
+(an infinity at step 5, which once reached training and made every weight NaN). Before, the first cost 82 s
 and ended in "resume the campaign", the second three attempts per simulation and a relaunched
 trainer. Now the producer learns what the trainer takes at its handshake and refuses at the
 first ``send``; the error is final: one attempt, no retry (``retries=2``), no relaunch, and the
@@ -36,7 +37,7 @@ from hpcml.stream import Producer
 p = argparse.ArgumentParser()
 p.add_argument("--sim-id", type=int, required=True)
 p.add_argument("--params-json", required=True)
-p.add_argument("--mistake", choices=("field", "shape"), required=True)
+p.add_argument("--mistake", choices=("field", "shape", "blowup"), required=True)
 args = p.parse_args()
 comm = MPI.COMM_WORLD
 nx = 64
@@ -48,6 +49,10 @@ for step in range(20):
     h = h + 0.01 * np.roll(h, 1) - 0.01 * h
     if args.mistake == "field":
         out.send(step, 0.1 * step, {"h": h})  # the trainer trains on "u"
+    elif args.mistake == "blowup":
+        if step == 5:
+            h[0] = np.inf  # an unstable step: one point overflows
+        out.send(step, 0.1 * step, {"u": h})
     else:
         out.send(step, 0.1 * step, {"u": np.append(h, 0.0)})  # one point too many
 out.close()
@@ -58,6 +63,8 @@ out.close()
 @pytest.mark.parametrize("mistake, cause", [
     ("field", "fields ['h'] sent, the trainer takes ['u'] (trainer rank 0 at tcp://"),
     ("shape", "field 'u' has shape (33,), expected the subdomain (32,)"),
+    ("blowup", "field 'u' at step 5 holds 0 NaN and 1 infinite values of 32 (the first at (0,) of this rank's "
+               "subdomain): the simulation diverged"),
 ])
 def test_a_deterministic_mistake_ends_the_campaign_at_once_with_its_cause(tmp_path, mistake, cause):
     sim = tmp_path / "shallow1d.py"
