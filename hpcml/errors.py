@@ -30,3 +30,8 @@ class MissingFeatureError(HpcmlError, RuntimeError):
 
 class CheckpointError(HpcmlError, RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
+
+
+class DivergenceError(HpcmlError, FloatingPointError):
+    """Training stopped: the loss or the gradients stayed NaN or infinite (the weights are
+    those of the last finite step)."""

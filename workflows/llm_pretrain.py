@@ -33,7 +33,7 @@ from pathlib import Path
 from hpcml.ckpt import refuse_saves_over
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import CheckpointError, ConfigError, HpcmlError
+from hpcml.errors import CheckpointError, ConfigError, DivergenceError, HpcmlError
 from hpcml.grid import check_pop, install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
@@ -306,7 +306,17 @@ def main(argv=None) -> int:
         if env.detect().rank == 0:
             print(f"llm_pretrain: error: {e}", file=sys.stderr)
         return 2
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    except DivergenceError as e:  # raised at the same step on every rank of the trainer (its loss is all-reduced)
+        if trainer.grid.pop > 1:
+            raise  # one member's ranks only: the abort handler ends the job, no other member left waiting
+        for hook in trainer.hooks:
+            if isinstance(hook, CheckpointHook):
+                hook.close()  # a save in flight holds finite weights: committed
+        if trainer.grid.rank == 0:
+            print(f"llm_pretrain: error: {e}", file=sys.stderr)
+        return 1
     from hpcml import stop
 
     stop.finished()  # done or saved: a warning from now on changes nothing (and must not kill us)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hpcml import ckpt, log, safeio
+from hpcml.errors import DivergenceError
 from hpcml import stop as stop_flag
 from hpcml.parallel.api import ParallelModel
 from hpcml.train import memory
@@ -39,6 +40,11 @@ from hpcml.train.resume_schema import check_loop_extra
 from hpcml.train.schedule import WarmupCosine
 
 logger = log.get_logger(__name__)
+
+MAX_NONFINITE_IN_ROW = 10
+"""Steps in a row whose loss or gradients are NaN or infinite (each skipped) before training
+stops with :class:`~hpcml.errors.DivergenceError`: a bad batch is passed over, a diverged run
+ends before its saves of NaN weights rotate the good ones out."""
 
 
 def make_optimizer(params, cfg: LoopConfig, schedule: WarmupCosine | None = None
@@ -98,6 +104,9 @@ class TrainLoop:
         self.end_step: int | None = None
         """The step the last :meth:`fit` trains to (None before one): a checkpoint hook saves that step."""
         self.history: list[dict] = []
+        self.skipped_steps = 0
+        """Steps whose loss or gradients were NaN or infinite: not applied (``"skipped"`` in their metrics)."""
+        self.nonfinite_in_row = 0
         self.stop_requested = False
         """Set on any rank to stop after the current step on all (a signal does this through :mod:`hpcml.stop`)."""
         self._metrics_file = None
@@ -170,21 +179,28 @@ class TrainLoop:
         share = share.to(self.device)
         dist.all_reduce(share, group=self.grid.torch.group)  # the step's one collective beyond the engines' own
         sq_norm, global_loss, stop, *stats = share.tolist()
-        grad_norm = math.sqrt(sq_norm)
-        if cfg.grad_clip > 0:
-            from hpcml.parallel.clip import scale_grads
+        grad_norm = math.sqrt(sq_norm) if sq_norm >= 0 else math.nan
+        finite = math.isfinite(global_loss) and math.isfinite(grad_norm)  # the same on every rank: all-reduced
+        if finite:
+            self.nonfinite_in_row = 0
+            if cfg.grad_clip > 0:
+                from hpcml.parallel.clip import scale_grads
 
-            scale_grads(self.model.parameters(), grad_norm, cfg.grad_clip)
-        self.optimizer.step()
-        self.model.after_step()
+                scale_grads(self.model.parameters(), grad_norm, cfg.grad_clip)
+            self.optimizer.step()
+            self.model.after_step()
+        else:  # skipped, as Megatron skips an overflowed step: one NaN update would make every weight NaN
+            self._nonfinite(global_loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if finite:
+            self.scheduler.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.step += 1
         m: dict[str, Any] = {"step": self.step, "loss": global_loss, "grad_norm": grad_norm, "lr": lr, "step_s": dt,
+                             **({} if finite else {"skipped": True}),
                              **self.step_metrics(batch, dt), "peak_mem_mb": peak_memory_mb(self.device),
                              "stop": stop > 0, "time": time.time(), **dict(zip(names, stats)),
                              **self.model.take_comm_bytes(), **(extra or {}),
@@ -194,6 +210,22 @@ class TrainLoop:
         self.history.append(m)
         self._report(m, max(cfg.steps, self.step))
         return m
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> None:
+        """A step whose loss or gradient norm is NaN or infinite is not applied; after
+        :data:`MAX_NONFINITE_IN_ROW` in a row training stops (on every rank at once)."""
+        self.nonfinite_in_row += 1
+        self.skipped_steps += 1
+        step = self.step + 1
+        if self.nonfinite_in_row >= MAX_NONFINITE_IN_ROW:
+            raise DivergenceError(f"training diverged: the loss or the gradient norm was NaN or infinite at "
+                                  f"{self.nonfinite_in_row} steps in a row (steps {step - self.nonfinite_in_row + 1}"
+                                  f"-{step}: loss {loss}, gradient norm {grad_norm}); none was applied, so the weights "
+                                  f"are those of step {step - self.nonfinite_in_row} -- lower the learning rate, or "
+                                  f"look for non-finite values in the data those steps read")
+        if self.grid.rank == 0:
+            logger.warning("step %d skipped: loss %s, gradient norm %s (%d in a row; training stops at %d)", step,
+                           loss, grad_norm, self.nonfinite_in_row, MAX_NONFINITE_IN_ROW)
 
     def after_update(self) -> dict[str, Any]:
         """Figures of the weights just updated, for this step's metrics (a validation loss);
