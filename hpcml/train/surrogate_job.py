@@ -18,7 +18,8 @@ model's output is checked against the samples before the first step. Rank 0 writ
 with: 0 done; :data:`~hpcml.env.NOT_FINISHED` (75) saved on a stop, resume it;
 :data:`~hpcml.contract.INCOMPLETE` (65) trained, but samples of completed simulations never
 arrived (named on stderr); :data:`~hpcml.contract.CONFIG_ERROR` (78) a mistake a relaunch
-would repeat (e.g. a model whose output is not the simulation's grid); 1 anything else.
+would repeat (e.g. a model whose output is not the simulation's grid, or training that
+diverged: :class:`~hpcml.errors.DivergenceError`); 1 anything else.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 from hpcml import log, stop, waiting
 from hpcml.contract import CONFIG_ERROR, INCOMPLETE, Contract
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import ConfigError
+from hpcml.errors import ConfigError, DivergenceError
 from hpcml.stream.buffer import BufferConfig
 
 logger = log.get_logger(__name__)
@@ -80,6 +81,12 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                                  files=files, server=_with_shape(server, shape), on_step=on_step,
                                  torch_threads=torch_threads, val_files=val_files, population=population)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
+        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        _close_stream(c, str(e))
+        return CONFIG_ERROR
+    except DivergenceError as e:  # every rank of the trainer at the same step; a relaunch would diverge again
+        if population is not None:
+            raise  # one member's ranks only: the abort handler ends the job, no other member left waiting
         print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
         _close_stream(c, str(e))
         return CONFIG_ERROR
