@@ -193,8 +193,7 @@ class TrainLoop:
             self._nonfinite(global_loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        if finite:
-            self.scheduler.step()
+        self.scheduler.step()  # skipped or not: the schedule follows the step count (a resume finds them agreeing)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0

@@ -38,7 +38,7 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(monkeypatch):
     assert m["skipped"] is True and m["step"] == 3 and math.isnan(m["grad_norm"])
     after = _weights(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing applied
-    assert trainer.scheduler.last_epoch == lr_before and trainer.skipped_steps == 1
+    assert trainer.scheduler.last_epoch == lr_before + 1 and trainer.skipped_steps == 1  # the schedule goes on
     monkeypatch.setattr(trainer.model, "local_sq_grad_norm", norm)
     m = trainer.train_step()
     assert "skipped" not in m and math.isfinite(m["loss"]) and trainer.nonfinite_in_row == 0
