@@ -76,6 +76,8 @@ def cause_line(path: Path, max_chars: int = 400) -> str | None:
 
 #: Exit statuses after which a relaunch would fail the same way (or lose nothing more).
 NO_RELAUNCH = (0, NOT_FINISHED, INCOMPLETE, CONFIG_ERROR)
+_NOT_RELAUNCHED = {CONFIG_ERROR: "none made: a relaunch would repeat it",
+                   INCOMPLETE: "none made: it trained, samples are what is missing"}
 
 
 class TrainerProcess:
@@ -279,7 +281,8 @@ class TrainerProcess:
     def message(self, what: str) -> str:
         """One line: what happened, the restarts used, and the cause -- the last error line of
         the job's output, not the MPI_Abort or log lines that follow it."""
-        used = (f"; {self.restarts} of {self.job.max_restarts} restart(s) used, none left"
+        used = (f"; {self.restarts} of {self.job.max_restarts} restart(s) used, "
+                f"{_NOT_RELAUNCHED.get(self.returncode, 'none left')}"
                 if self.returncode not in (None, 0, NOT_FINISHED) and self.job.max_restarts else "")
         err = self.run_dir / "train.err"
         cause = cause_line(err) or cause_line(self.run_dir / "train.out") or " / ".join(

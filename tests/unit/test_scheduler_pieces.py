@@ -189,3 +189,23 @@ def test_a_failed_simulation_names_its_attempt_err_file(tmp_path):
     attempts.record_ended(tmp_path, d, sim_id=3, params={}, argv=[], launch="", first=0, recorded=recorded,
                           final=True, exc=exc)  # recorded again (a cancellation sweep): the note stays one
     assert attempts.describe(exc).count("attempt_1.err") == 1
+
+
+def test_the_trainers_exit_says_why_it_was_not_relaunched(tmp_path):
+    """A trainer that exits 78 (a mistake, or training that diverged) is never relaunched: the
+    line says so instead of 'none left', which read as if the restarts had been spent."""
+    from hpcml.contract import CONFIG_ERROR, INCOMPLETE
+    from hpcml.ensemble.spec import TrainingJob
+    from hpcml.ensemble.trainer_proc import TrainerProcess
+
+    tp = TrainerProcess(TrainingJob(argv=["t"], max_restarts=2), line=lambda job: "true", run_dir=tmp_path, env={},
+                        grace_s=5)
+    (tmp_path / "train.err").write_text("train_surrogate: error: training diverged: ...\n")
+    said = {}
+    for code in (CONFIG_ERROR, INCOMPLETE, 9):
+        tp.returncode = code
+        said[code] = tp.message(f"exited with code {code}")
+    assert "; 0 of 2 restart(s) used, none made: a relaunch would repeat it (see " in said[CONFIG_ERROR]
+    assert said[CONFIG_ERROR].endswith("train.err): train_surrogate: error: training diverged: ...")
+    assert "; 0 of 2 restart(s) used, none made: it trained, samples are what is missing (see " in said[INCOMPLETE]
+    assert "; 0 of 2 restart(s) used, none left (see " in said[9]
