@@ -76,7 +76,7 @@ def write(path: Path, manifest: dict, keys: Keyring | None = None) -> None:
     directory only after this. Refused (nothing written) when larger than a reader would take
     for this checkpoint (:func:`_limit`): a save is never committed unloadable."""
     data = encode(manifest, keys)
-    limit = _limit(path.parent)
+    limit = _limit(path.parent) if len(data) > FREE_MANIFEST_BYTES else FREE_MANIFEST_BYTES  # a scan only past it
     if len(data) > limit:
         extra = len(_canonical(manifest.get("extra") or {}))
         raise CheckpointError(f"its manifest would be {len(data)} bytes, more than a reader takes for a checkpoint "

@@ -142,8 +142,9 @@ def _load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: 
             if gshape != tuple(t.shape):
                 report.mismatched.append(f"{name}: checkpoint {list(gshape)}, model {list(t.shape)}")
                 continue
-            if _kind(entry["dtype"]) != _kind(str(t.dtype).removeprefix("torch.")):  # float into int: truncated
-                mistyped.append(f"{name}: checkpoint {entry['dtype']}, model {str(t.dtype)[6:]}")
+            model_dtype = str(t.dtype).removeprefix("torch.")
+            if _kind(entry["dtype"]) != _kind(model_dtype):  # float into int: truncated
+                mistyped.append(f"{name}: checkpoint {entry['dtype']}, model {model_dtype}")
                 continue
             fused, why = _fused_plan(name, t, entry["attrs"], (tensor_attrs or {}).get(name), gshape)
             if why:

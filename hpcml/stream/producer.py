@@ -313,10 +313,10 @@ class Producer:
                 raise self._error(f"field {name!r} has shape {tuple(a.shape)}, expected the subdomain "
                                   f"{self.local_shape}")
             if a.dtype.kind == "f" and not np.isfinite(a).all():  # ~24 us a MiB: one sample would make every weight NaN
-                bad = ~np.isfinite(a)
+                bad, nan = ~np.isfinite(a), int(np.isnan(a).sum())
                 first = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), a.shape))
-                raise self._error(f"field {name!r} at step {step_i} holds {int(np.isnan(a).sum())} NaN and "
-                                  f"{int(bad.sum()) - int(np.isnan(a).sum())} infinite values of {a.size} (the first "
+                raise self._error(f"field {name!r} at step {step_i} holds {nan} NaN and "
+                                  f"{int(bad.sum()) - nan} infinite values of {a.size} (the first "
                                   f"at {first} of this rank's subdomain): the simulation diverged or left them unset; "
                                   f"only finite values are sent (one such sample would make every weight of the "
                                   f"surrogate NaN) -- mask them with finite values first (np.nan_to_num)")
