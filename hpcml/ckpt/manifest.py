@@ -75,14 +75,20 @@ def write(path: Path, manifest: dict, keys: Keyring | None = None) -> None:
     digit is caught), signed by ``keys`` when given, and fsync: the commit renames the
     directory only after this. Refused (nothing written) when larger than a reader would take
     for this checkpoint (:func:`_limit`): a save is never committed unloadable."""
+    write_file(path, readable(path.parent, manifest, keys))
+
+
+def readable(ckpt: Path, manifest: dict, keys: Keyring | None = None) -> bytes:
+    """:func:`encode`, refused (CheckpointError) when larger than a reader takes for checkpoint
+    directory ``ckpt`` (:func:`_limit`): a save or a signature never leaves it unloadable."""
     data = encode(manifest, keys)
-    limit = _limit(path.parent) if len(data) > FREE_MANIFEST_BYTES else FREE_MANIFEST_BYTES  # a scan only past it
+    limit = _limit(ckpt) if len(data) > FREE_MANIFEST_BYTES else FREE_MANIFEST_BYTES  # a scan only past it
     if len(data) > limit:
         extra = len(_canonical(manifest.get("extra") or {}))
         raise CheckpointError(f"its manifest would be {len(data)} bytes, more than a reader takes for a checkpoint "
                               f"of these shard files ({limit}); extra= holds {extra} bytes of it: keep large state "
                               f"in tensors")
-    write_file(path, data)
+    return data
 
 
 def encode(manifest: dict, keys: Keyring | None = None) -> bytes:

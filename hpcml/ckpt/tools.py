@@ -118,7 +118,11 @@ def sign(path: str | os.PathLike) -> str:
         step_dir, m = ck.path, _tagged(ck, ring.keys[0])
     state = rollback.read(step_dir.parent, ring)
     m["root"] = rollback.root_id(state)  # signing adopts it into this directory
-    safeio.replace(step_dir / fmt.MANIFEST, manifest.encode(m, ring), fsync=True)  # whole, or the old one
+    try:  # a signature and the chunks' digests add bytes: never past what a reader takes
+        data = manifest.readable(step_dir, m, ring)
+    except CheckpointError as e:
+        raise CheckpointError(f"not signing {path}: {e}; it stays as it was") from None
+    safeio.replace(step_dir / fmt.MANIFEST, data, fsync=True)  # whole, or the old one
     fsync_path(step_dir)
     rollback.record(step_dir.parent, m, ring, state)
     return keys.key_id(ring.keys[0])

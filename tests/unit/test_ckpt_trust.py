@@ -481,3 +481,23 @@ def test_a_lock_file_nested_deep_is_no_owner_not_a_crash(tmp_path):
     assert torch.equal(_load(_save(root))["model/a"], _tensors()["model/a"])
     assert json.loads((root / lock.LOCK).read_text())["pid"] == os.getpid()
     lock.release(root)
+
+
+def test_sign_never_leaves_a_checkpoint_its_reader_refuses(tmp_path, monkeypatch):
+    """A signature and the chunks' digests add bytes to the manifest: a checkpoint whose manifest
+    is just under what a reader takes (a large ``extra``) is refused signing in one line, its
+    manifest unchanged and still loadable -- it was once replaced by one no load could open."""
+    probe = ckpt.save(tmp_path / "probe", 3, _tensors(), comm=MPI.COMM_SELF, extra={"step": 3, "note": ""}).path
+    room = manifest.FREE_MANIFEST_BYTES - (probe / "manifest.json").stat().st_size
+    step = ckpt.save(tmp_path / "ck", 3, _tensors(), comm=MPI.COMM_SELF,
+                     extra={"step": 3, "note": "x" * (room - 40)}).path
+    before = (step / "manifest.json").read_bytes()
+    assert manifest.FREE_MANIFEST_BYTES - len(before) in range(1, 100)  # under the limit by < 100 bytes
+    monkeypatch.setenv(keys.ENV_KEY, KEY.decode())
+    with pytest.raises(CheckpointError, match=r"not signing .*manifest would be \d+ bytes, more than a reader takes "
+                                              r".*\(8388608\).*it stays as it was$"):
+        tools.sign(step)
+    assert (step / "manifest.json").read_bytes() == before
+    monkeypatch.delenv(keys.ENV_KEY)
+    assert torch.equal(_load(step)["model/a"], _tensors()["model/a"])
+    assert tools.verify(step) == []
