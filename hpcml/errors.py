@@ -35,3 +35,8 @@ class CheckpointError(HpcmlError, RuntimeError):
 class DivergenceError(HpcmlError, FloatingPointError):
     """Training stopped: the loss or the gradients stayed NaN or infinite (the weights are
     those of the last finite step)."""
+
+
+class PopulationDivergedError(DivergenceError):
+    """Every member of a population diverged: raised on every rank of the job at once (at a
+    selection round), so it ends cleanly -- one member's :class:`DivergenceError` ends the job."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from hpcml.ckpt import refuse_saves_over
 from hpcml.data import TokenDataset, end_of_document, open_tokens
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import CheckpointError, ConfigError, DivergenceError, HpcmlError
+from hpcml.errors import CheckpointError, ConfigError, DivergenceError, HpcmlError, PopulationDivergedError
 from hpcml.grid import check_pop, install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
@@ -309,12 +309,12 @@ def main(argv=None) -> int:
     try:
         history = trainer.fit()
     except DivergenceError as e:  # raised at the same step on every rank of the trainer (its loss is all-reduced)
-        if trainer.grid.pop > 1:
-            raise  # one member's ranks only: the abort handler ends the job, no other member left waiting
+        if trainer.grid.pop > 1 and not isinstance(e, PopulationDivergedError):  # one member's ranks only (no
+            raise  # selection to replace it): the abort handler ends the job, no other member left waiting
         for hook in trainer.hooks:
             if isinstance(hook, CheckpointHook):
                 hook.close()  # a save in flight holds finite weights: committed
-        if trainer.grid.rank == 0:
+        if trainer.grid.world_comm.Get_rank() == 0:  # the member's, or the population's one line
             print(f"llm_pretrain: error: {e}", file=sys.stderr)
         return 1
     from hpcml import stop
@@ -328,6 +328,13 @@ def main(argv=None) -> int:
     if trainer.grid.pop > 1 and not unfinished:  # every member saved: the best one's model is the run's
         member, scores = best_member(trainer, val, args.val_batches)
         best = {"best_member": member, "member_val_losses": scores}
+        if member is None:  # every member diverged after the last round (none was there to replace it)
+            trainer.close()
+            if trainer.grid.world_comm.Get_rank() == 0:
+                print(f"llm_pretrain: error: every member of the population diverged: no model that takes finite "
+                      f"steps and scores finite on the held-out data (scores {scores}) -- lower the learning rate",
+                      file=sys.stderr)
+            return 1
         if member is not None and args.ckpt_dir and trainer.grid.world_comm.Get_rank() == 0:
             try:
                 export_best(Path(args.ckpt_dir).parent, member)

@@ -17,11 +17,11 @@ a ``ValueError``) naming the file and what it is -- or the caller's own error cl
 Imports nothing heavy.
 """
 
-from hpcml.safeio.jsonio import MAX_DEPTH, json_depth, parse_json, read_json, write_json
+from hpcml.safeio.jsonio import MAX_DEPTH, finite, json_depth, parse_json, read_json, write_json
 from hpcml.safeio.paths import FileRefused, kind, open_fd
 from hpcml.safeio.reading import data_bytes, iter_lines, read_bytes, read_fd, read_text, tail
 from hpcml.safeio.writing import append, ends_torn, replace
 
-__all__ = ["MAX_DEPTH", "FileRefused", "append", "data_bytes", "ends_torn", "iter_lines", "json_depth", "kind",
-           "open_fd", "parse_json", "read_bytes", "read_fd", "read_json", "read_text", "replace", "tail",
+__all__ = ["MAX_DEPTH", "FileRefused", "append", "data_bytes", "ends_torn", "finite", "iter_lines", "json_depth",
+           "kind", "open_fd", "parse_json", "read_bytes", "read_fd", "read_json", "read_text", "replace", "tail",
            "write_json"]

@@ -95,6 +95,18 @@ def _read_json(path, max_bytes: int, root, max_depth: int, required: bool, const
     return rec
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts, lists, tuples) as None: JSON has no
+    such numbers, and this module's readers (and jq's) refuse the tokens Python writes for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def write_json(path: str | os.PathLike, data: Mapping[str, Any], *, root: str | os.PathLike | None = None) -> None:
     """A record, atomically (:func:`~hpcml.safeio.writing.replace`): a reader never sees half of
     it, and a link put at ``path`` is replaced, not written through."""

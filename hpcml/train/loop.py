@@ -107,6 +107,11 @@ class TrainLoop:
         self.skipped_steps = 0
         """Steps whose loss or gradients were NaN or infinite: not applied (``"skipped"`` in their metrics)."""
         self.nonfinite_in_row = 0
+        self.divergence_waits = False
+        """Set by a population's selection (a tournament, PBT), which replaces a diverged member's
+        model: such a member skips its steps until a round does, instead of ending the job."""
+        self.diverged = False
+        """Waiting so (:attr:`divergence_waits`): its last :data:`MAX_NONFINITE_IN_ROW` steps or more were skipped."""
         self.stop_requested = False
         """Set on any rank to stop after the current step on all (a signal does this through :mod:`hpcml.stop`)."""
         self._metrics_file = None
@@ -182,7 +187,7 @@ class TrainLoop:
         grad_norm = math.sqrt(sq_norm) if sq_norm >= 0 else math.nan
         finite = math.isfinite(global_loss) and math.isfinite(grad_norm)  # the same on every rank: all-reduced
         if finite:
-            self.nonfinite_in_row = 0
+            self.nonfinite_in_row, self.diverged = 0, False
             if cfg.grad_clip > 0:
                 from hpcml.parallel.clip import scale_grads
 
@@ -217,14 +222,21 @@ class TrainLoop:
         self.skipped_steps += 1
         step = self.step + 1
         if self.nonfinite_in_row >= MAX_NONFINITE_IN_ROW:
-            raise DivergenceError(f"training diverged: the loss or the gradient norm was NaN or infinite at "
-                                  f"{self.nonfinite_in_row} steps in a row (steps {step - self.nonfinite_in_row + 1}"
-                                  f"-{step}: loss {loss}, gradient norm {grad_norm}); none was applied, so the weights "
-                                  f"are those of step {step - self.nonfinite_in_row} -- lower the learning rate, or "
-                                  f"look for non-finite values in the data those steps read")
+            why = (f"training diverged: the loss or the gradient norm was NaN or infinite at {self.nonfinite_in_row} "
+                   f"steps in a row (steps {step - self.nonfinite_in_row + 1}-{step}: loss {loss}, gradient norm "
+                   f"{grad_norm}); none was applied, so the weights are those of step {step - self.nonfinite_in_row}")
+            if not self.divergence_waits:
+                raise DivergenceError(f"{why} -- lower the learning rate, or look for non-finite values in the data "
+                                      f"those steps read")
+            if not self.diverged and self.grid.rank == 0:
+                logger.warning("%s: this member's steps are skipped until a selection round gives it another "
+                               "member's model", why)
+            self.diverged = True
+            return
         if self.grid.rank == 0:
-            logger.warning("step %d skipped: loss %s, gradient norm %s (%d in a row; training stops at %d)", step,
-                           loss, grad_norm, self.nonfinite_in_row, MAX_NONFINITE_IN_ROW)
+            logger.warning("step %d skipped: loss %s, gradient norm %s (%d in a row; at %d %s)", step, loss, grad_norm,
+                           self.nonfinite_in_row, MAX_NONFINITE_IN_ROW,
+                           "this member waits for a selection round" if self.divergence_waits else "training stops")
 
     def after_update(self) -> dict[str, Any]:
         """Figures of the weights just updated, for this step's metrics (a validation loss);

@@ -381,9 +381,10 @@ class OnlineRun:
         return result
 
     def write_summary(self, result: OnlineResult, **more: Any) -> None:
-        """Rank 0: the summary file the campaign reads (its campaign and run say whose it is)."""
-        safeio.write_json(self.config.summary_file, {
+        """Rank 0: the summary file the campaign reads (its campaign and run say whose it is);
+        a figure that is NaN or infinite (a diverged loss) is null, or the campaign refuses it all."""
+        safeio.write_json(self.config.summary_file, safeio.finite({
             **result.summary, **more, "status": result.status, "problems": result.problems, "notes": result.notes,
             "resumed_at": result.resumed_at, "campaign": self.config.campaign, "run": self.config.run,
-            "time": time.time(), "pid": os.getpid()})
+            "time": time.time(), "pid": os.getpid()}))
 

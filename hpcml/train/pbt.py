@@ -25,8 +25,8 @@ import numpy as np
 from hpcml import log, safeio, waiting
 from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
-from hpcml.train.population import (agree_stop, check_alike, member_tensors, scored, through_checkpoints,
-                                    transfer)
+from hpcml.train.population import (agree_stop, check_alike, member_tensors, own_score, some_finite,
+                                    through_checkpoints, transfer, waits_on_divergence)
 
 logger = log.get_logger(__name__)
 
@@ -173,6 +173,7 @@ class PopulationBasedTraining:
 
     def __call__(self, trainer: Any, metrics: dict) -> None:
         agree_stop(self.grid, metrics)
+        waits_on_divergence(trainer)
         if trainer.step % self.config.every == 0:
             r = self.play(trainer.step // self.config.every)
             metrics["pbt"] = {"round": r.round, "source": r.source, **r.hyperparameters[self.grid.member]}
@@ -180,8 +181,9 @@ class PopulationBasedTraining:
     def play(self, round_: int) -> Round:
         """Round ``round_`` (collective over the whole population)."""
         g, cfg, tr = self.grid, self.config, self.trainer
-        score = scored(self.evaluate, tr.model, g.comm)
+        score = own_score(self.evaluate, tr.model, g.comm, getattr(tr, "diverged", False))
         scores = g.pop_comm.allgather(score)
+        some_finite(scores, round_, "PBT")
         copies = plan(scores, cfg.fraction, cfg.seed, round_)
         hypers = g.pop_comm.allgather(hyperparameters(tr, self.buffer))
         tensors = member_tensors(tr.model, tr.optimizer)

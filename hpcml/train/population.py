@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hpcml import log, waiting
 from hpcml.ckpt.state import training_tensors
-from hpcml.errors import ConfigError, HpcmlError
+from hpcml.errors import ConfigError, HpcmlError, PopulationDivergedError
 from hpcml.numeric import is_int
 from hpcml.parallel import dp
 
@@ -91,6 +91,30 @@ def agree_stop(grid: Any, metrics: dict) -> None:
     selection hooks call it after every step (collective over the job; hooks before it see the
     member's own flag, hooks after it the population's)."""
     metrics["stop"] = bool(waiting.allreduce(grid.world_comm, int(bool(metrics.get("stop")))))
+
+
+def waits_on_divergence(trainer: Any) -> None:
+    """A selection hook's trainer: a member that diverges waits for the next round, which gives
+    it a finite model (:attr:`TrainLoop.divergence_waits`), instead of ending the job."""
+    if hasattr(trainer, "divergence_waits"):
+        trainer.divergence_waits = True
+
+
+def own_score(evaluate: Callable[[], float], model: Any, comm: Any, diverged: bool) -> float:
+    """A member's score of its own model at a round: NaN while it is diverged (its steps skipped:
+    :attr:`TrainLoop.diverged`, agreed over its ranks), whatever its weights score -- a model
+    that cannot take a step must lose, and its loss may still read finite."""
+    return math.nan if diverged else scored(evaluate, model, comm)
+
+
+def some_finite(scores: list[float], round_: int, what: str) -> None:
+    """Every member's score of a round (the same list on every rank): none finite is a
+    :class:`PopulationDivergedError` on every rank, before anything moves."""
+    if not any(math.isfinite(x) for x in scores):
+        raise PopulationDivergedError(f"every member of the population diverged: none has a model that takes finite "
+                                      f"steps and scores finite on its held-out data at {what} round {round_} (scores "
+                                      f"{scores}) -- lower the learning rate, or look for non-finite values in the "
+                                      f"data")
 
 
 def beats(theirs: float, own: float) -> bool:
@@ -180,11 +204,15 @@ class Tournament:
     def __call__(self, trainer: Any, metrics: dict) -> None:
         """The fit hook: a round after every ``every`` steps; its outcome lands in the step's metrics."""
         agree_stop(self.grid, metrics)
+        waits_on_divergence(trainer)
         if trainer.step % self.config.every == 0:
-            metrics["tournament"] = asdict(self.play(trainer.step // self.config.every))
+            metrics["tournament"] = asdict(self.play(trainer.step // self.config.every,
+                                                     diverged=getattr(trainer, "diverged", False)))
 
-    def play(self, round_: int) -> Outcome:
-        """Round ``round_`` (collective over the whole population: every member calls it)."""
+    def play(self, round_: int, *, diverged: bool = False) -> Outcome:
+        """Round ``round_`` (collective over the whole population: every member calls it).
+        ``diverged``: this member's steps are being skipped (:attr:`TrainLoop.diverged`): its
+        model loses to any partner's that is not, and its partner never takes it."""
         g = self.grid
         views = set(g.world_comm.allgather((self.config.seed, self.config.every, round_)))
         if len(views) > 1:  # the pairings would differ: ranks would wait on partners that never come
@@ -196,7 +224,9 @@ class Tournament:
         differ = [layouts[m] != layouts[p] for m, p in enumerate(partners)]  # pairs that swap on disk
         tensors = member_tensors(self.model, self.optimizer)
         check_alike(g, tensors, [partner] if not differ[g.member] else [])
-        own = scored(self.evaluate, self.model, g.comm)
+        own = own_score(self.evaluate, self.model, g.comm, diverged)
+        owns = g.pop_comm.allgather(own)
+        some_finite(owns, round_, "tournament")
         ours = None
         if partner != g.member and not differ[g.member]:
             ours = transfer(g, tensors, send_to=[partner], receive_from=partner)
@@ -205,7 +235,8 @@ class Tournament:
         if partner == g.member:
             out = Outcome(round_, partner, own, own, "alone")
         else:
-            theirs = scored(self.evaluate, self.model, g.comm)
+            # a partner's model that scores no finite loss on its own data (diverged) is not taken
+            theirs = scored(self.evaluate, self.model, g.comm) if math.isfinite(owns[partner]) else math.nan
             take = beats(theirs, own)
             if not take:
                 unpack(tensors, ours) if ours is not None else self._load_on_disk(g.member)

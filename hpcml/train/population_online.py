@@ -158,7 +158,8 @@ def selection_hook(grid: Any, trainer: Any, score: Callable[[], float], config: 
         if "tournament" in metrics and grid.rank == 0:
             from hpcml import safeio
 
-            safeio.append(record, json.dumps({"step": tr.step, **metrics["tournament"]}) + "\n", lines=True)
+            line = safeio.finite({"step": tr.step, **metrics["tournament"]})  # a diverged member's score: null
+            safeio.append(record, json.dumps(line) + "\n", lines=True)
 
     return play
 

@@ -5,6 +5,7 @@ Used by workflows/llm_pretrain.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,9 +114,11 @@ def build_llm_member(model_cfg: TransformerConfig, train_cfg: TrainConfig, paral
 def best_member(trainer: Trainer, val=None, batches: int = 2) -> tuple[int | None, list[float]]:
     """The population's best member and every member's score: each scores its model on one
     held-out set common to all (``val``; synthetic tokens: a stretch of the chain held out of
-    every member's data and tournaments), lowest wins, a NaN never. Collective over the job."""
+    every member's data and tournaments), lowest wins, a NaN never -- nor a member whose steps
+    are being skipped (:attr:`TrainLoop.diverged`: NaN). Collective over the job."""
     from hpcml.train.population_online import MemberShard, lowest
 
     common = val if val is not None else MemberShard(getattr(trainer.data, "source", trainer.data), 1, 2 * HELD_OUT)
-    scores = [float(x) for x in trainer.grid.pop_comm.allgather(trainer.evaluate(common, batches))]
+    own = math.nan if trainer.diverged else trainer.evaluate(common, batches)  # its steps skipped: never the best
+    scores = [float(x) for x in trainer.grid.pop_comm.allgather(own)]
     return lowest(scores), scores

@@ -24,6 +24,7 @@ diverged: :class:`~hpcml.errors.DivergenceError`); 1 anything else.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -33,10 +34,19 @@ from typing import Any
 from hpcml import log, stop, waiting
 from hpcml.contract import CONFIG_ERROR, INCOMPLETE, Contract
 from hpcml.env import NOT_FINISHED
-from hpcml.errors import ConfigError, DivergenceError
+from hpcml.errors import ConfigError, DivergenceError, PopulationDivergedError
 from hpcml.stream.buffer import BufferConfig
 
 logger = log.get_logger(__name__)
+
+
+def _error(e: Exception) -> None:
+    """One line for an error raised alike on every rank: rank 0's (lines of several ranks at
+    once came out interleaved, and the campaign quotes the last line of train.err)."""
+    from hpcml import env
+
+    if env.detect().rank == 0:
+        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
 
 
 def _one(name: str, campaign: int | None, here: int | None) -> int | None:
@@ -73,7 +83,7 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         c = contract or Contract.from_env()
         steps, batch = _one("steps", c.steps, steps), _one("batch", c.batch, batch)
     except ConfigError as e:
-        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        _error(e)
         return CONFIG_ERROR
     try:
         result, run, grid = _run(model, c, params=params, fields=fields, scales=scales, steps=steps, batch=batch,
@@ -81,13 +91,13 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                                  files=files, server=_with_shape(server, shape), on_step=on_step,
                                  torch_threads=torch_threads, val_files=val_files, population=population)
     except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
-        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        _error(e)
         _close_stream(c, str(e))
         return CONFIG_ERROR
     except DivergenceError as e:  # every rank of the trainer at the same step; a relaunch would diverge again
-        if population is not None:
-            raise  # one member's ranks only: the abort handler ends the job, no other member left waiting
-        print(f"train_surrogate: error: {e}", file=sys.stderr, flush=True)
+        if population is not None and not isinstance(e, PopulationDivergedError):  # one member's ranks only (no
+            raise  # selection to replace it): the abort handler ends the job, no other member left waiting
+        _error(e)
         _close_stream(c, str(e))
         return CONFIG_ERROR
     finally:
@@ -178,7 +188,7 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
     validate = _validator(trainer, grid.comm, val_files, params, fields) if val_files else None
     if grid.pop > 1:
         ocfg = replace(ocfg, ckpt_dir=pop.member_path(ocfg.ckpt_dir, grid))
-        validate = _best_of(grid, validate) if validate else None
+        validate = _best_of(grid, validate, trainer) if validate else None
         share = _validator(trainer, grid.comm, lambda: pop.member_share(_listed(val_files), grid), params, fields)
         hook = pop.selection_hook(grid, trainer, lambda: share().get("val_rel_l2", float("nan")), population,
                                   record=Path(cfg.run_dir) / "tournaments.jsonl" if cfg.run_dir else None, buffer=buf)
@@ -186,6 +196,13 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
             trainer.hooks.append(hook)
     run = OnlineRun(trainer, source, grid=grid, config=ocfg, on_step=on_step, validate=validate, comm=comm)
     result = run.run()
+    if grid.pop > 1 and all(grid.pop_comm.allgather(trainer.diverged)):  # after the last round: none to replace them
+        from hpcml.train.loop import MAX_NONFINITE_IN_ROW
+
+        raise PopulationDivergedError(f"every member of the population diverged: each ended its training with "
+                                      f"{MAX_NONFINITE_IN_ROW} or more steps in a row skipped (NaN or infinite), after "
+                                      f"the last selection round -- lower the learning rate, or look for non-finite "
+                                      f"values in the data")
     if comm.Get_rank() == 0 and result.resumed_at is not None:
         print(f"[train] resumed at step {result.resumed_at} from {ocfg.ckpt_dir}", flush=True)
     return result, run, grid
@@ -226,11 +243,12 @@ def _listed(val_files) -> list:
     return list(val_files() if callable(val_files) else val_files)
 
 
-def _best_of(grid, validate: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
-    """A population's held-out figures: the best member's (what an adaptive campaign steers by)."""
+def _best_of(grid, validate: Callable[[], dict[str, float]], trainer) -> Callable[[], dict[str, float]]:
+    """A population's held-out figures: the best member's (what an adaptive campaign steers by),
+    never a member whose steps are being skipped (diverged)."""
     from hpcml.train.population_online import best_of
 
-    return lambda: best_of(grid, validate())[0]
+    return lambda: best_of(grid, {"val_rel_l2": math.nan} if trainer.diverged else validate())[0]
 
 
 def _report(run, result, val_files, params, fields, report: bool, grid) -> None:
@@ -248,9 +266,11 @@ def _report(run, result, val_files, params, fields, report: bool, grid) -> None:
                  "val_samples": len(vals)}
         last = max(vals, key=lambda v: v.t)
         pred = run.trainer.predict(last.params[None], np.array([last.t]))[0]
-    if grid.pop > 1:  # the population's best member speaks for it
+    if grid.pop > 1:  # the population's best member speaks for it (never one whose steps are skipped)
         from hpcml.train.population_online import best_of
 
+        if run.trainer.diverged:
+            extra = {**extra, "val_rel_l2": math.nan}
         extra, errs = best_of(grid, extra)
         if vals:
             extra["val_rel_l2_members"] = errs

@@ -618,3 +618,89 @@ def test_a_member_without_a_selection_hook_trains_alone(comm):
         assert trainer.step == 2
         trainer.close()
     assert comm.allreduce(1) == comm.size
+
+
+
+def _diverging_member(diverged: set[int], every: int, how: str = "weights", selection: str = "tournament"):
+    """2 members x dp2 under tournaments (or PBT rounds) every ``every`` steps; after step 1 the
+    members in ``diverged`` take only NaN steps (skipped) until step ``every``: their weights made
+    NaN (``how="weights"``, as a real divergence), or only their gradients (``"gradients"``:
+    weights that still score finite, as a learning rate far too high leaves them)."""
+    from hpcml.train.pbt import PBTConfig, PopulationBasedTraining
+
+    grid = ProcessGrid(pop=2, dp=2)
+    trainer = build_llm_trainer(MODEL, replace(TRAIN, steps=16, seed=10 + grid.member), ParallelConfig(), grid=grid)
+    val = SyntheticTokens(vocab_size=MODEL.vocab_size, seq_len=TRAIN.seq_len, seed=99)
+    score = lambda: trainer.evaluate(val, 2)  # noqa: E731
+    t = (Tournament(grid, trainer.model, score, optimizer=trainer.optimizer, config=TournamentConfig(every=every))
+         if selection == "tournament" else
+         PopulationBasedTraining(grid, trainer, score, config=PBTConfig(every=every, fraction=0.5, seed=1)))
+    trainer.hooks.append(t)
+    trainer.fit(1)
+    if grid.member in diverged and how == "weights":
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.fill_(float("nan"))
+    elif grid.member in diverged:
+        norm = trainer.model.local_sq_grad_norm
+        trainer.model.local_sq_grad_norm = lambda: torch.tensor(float("nan")) if trainer.step < every else norm()
+    return grid, trainer, t
+
+
+@pytest.mark.parametrize("how,selection", [("weights", "tournament"), ("gradients", "tournament"),
+                                           ("gradients", "pbt")])
+def test_a_member_that_diverges_waits_for_the_round_that_gives_it_a_finite_model(comm, how, selection):
+    """Before, a member that diverged raised alone and the abort ended every member's training;
+    now its steps are skipped until the next round, where it scores NaN (whatever its weights
+    score: they took no step) and so takes the other's model, and it trains on."""
+    import math
+
+    from hpcml.train import loop
+
+    grid, trainer, t = _diverging_member({1}, 12, how, selection)
+    trainer.fit(16)  # member 1: steps 2-12 skipped (diverged at the 10th), the round after step 12 replaces it
+    skipped = [m["step"] for m in trainer.history if m.get("skipped")]
+    assert skipped == ([] if grid.member == 0 else list(range(2, 13)))
+    assert loop.MAX_NONFINITE_IN_ROW < len(skipped) or grid.member == 0  # past the count that ends a lone run
+    assert trainer.step == 16 and not trainer.diverged and trainer.nonfinite_in_row == 0
+    assert all(math.isfinite(m["loss"]) for m in trainer.history[12:])  # steps 13-16 train, on both
+    if selection == "pbt":
+        r = t.history[-1]
+        assert math.isnan(r.scores[1]) and math.isfinite(r.scores[0])
+        assert r.source == (0 if grid.member == 1 else None)
+        return trainer.close()
+    out = t.history[-1]
+    assert out.round == 1 and out.kept == ("own" if grid.member == 0 else "partner")
+    assert math.isnan(out.own_score) == (grid.member == 1) and math.isfinite(out.partner_score) == (grid.member == 1)
+    trainer.close()
+
+
+@pytest.mark.parametrize("how", ["weights", "gradients"])
+def test_a_population_whose_every_member_diverged_ends_on_every_rank_in_one_line(comm, how):
+    from hpcml.errors import DivergenceError, PopulationDivergedError
+
+    grid, trainer, t = _diverging_member({0, 1}, 12, how)
+    with pytest.raises(PopulationDivergedError, match=r"^every member of the population diverged: none has a model "
+                                                      r"that takes finite steps .* at tournament round 1 "
+                                                      r"\(scores \[nan, nan\]\) -- lower the learning rate"):
+        trainer.fit(16)
+    assert trainer.step == 12 and trainer.diverged and not t.history  # at the round, before anything moved
+    assert issubclass(PopulationDivergedError, DivergenceError)
+    trainer.close()
+
+
+@pytest.mark.parametrize("every,steps,where", [(12, 14, "at tournament round 1 (scores [nan, nan])"),
+                                               (30, 14, "on the held-out data (scores [nan, nan])")],
+                         ids=["at-a-round", "after-the-last-round"])
+def test_llm_pretrain_population_that_diverged_exits_1_in_one_line(comm, capsys, every, steps, where):
+    """``--lr 1e6``: every gradient NaN, the loss finite (the weights still score finite). Every
+    member diverged at a round, or after the last one, is exit 1 and one line -- not exit 0 with
+    a 'best member' that took one step, nor an abort."""
+    lp = _llm_pretrain()
+    rc = lp.main(["--pop", "2", "--dp", "2", "--tournament-every", str(every), "--lr", "1e6", "--steps", str(steps),
+                  "--no-progress"])
+    assert rc == 1
+    if comm.rank == 0:
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("llm_pretrain:")]
+        assert len(err) == 1 and err[0].startswith("llm_pretrain: error: every member of the population diverged")
+        assert where in err[0] and "lower the learning rate" in err[0]

@@ -386,3 +386,23 @@ def test_read_fd_bounds_an_open_descriptor_and_leaves_it_open(run):
         assert time.monotonic() - t0 < 1
     finally:
         os.close(fd)
+
+
+def test_a_trainers_summary_with_a_diverged_loss_is_read_by_the_campaign_not_ignored(tmp_path):
+    """A population whose members diverged wrote ``"final_loss": Infinity`` to train_summary.json:
+    the campaign's strict reader refused the whole record ('ignoring the training job's
+    summary'). Non-finite figures are written as null; everything else is kept as it was."""
+    from types import SimpleNamespace
+
+    from hpcml.train.online import OnlineResult, OnlineRun
+
+    path = tmp_path / "train_summary.json"
+    run = SimpleNamespace(config=SimpleNamespace(summary_file=str(path), campaign="c", run="r"))
+    result = OnlineResult(status="ok", steps=20, summary={"final_loss": float("inf"), "samples_ingested": 16,
+                                                          "val_rel_l2_members": [float("nan"), 0.25]})
+    OnlineRun.write_summary(run, result, val_rel_l2=float("-inf"))
+    rec = safeio.read_json(path, LIMIT)
+    assert rec["final_loss"] is None and rec["val_rel_l2"] is None and rec["val_rel_l2_members"] == [None, 0.25]
+    assert rec["samples_ingested"] == 16 and rec["status"] == "ok" and rec["campaign"] == "c"
+    assert safeio.finite({"a": (1.5, float("nan")), "b": {"c": -float("inf")}, "d": "nan", "e": 3}) == \
+        {"a": [1.5, None], "b": {"c": None}, "d": "nan", "e": 3}

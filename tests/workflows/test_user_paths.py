@@ -249,6 +249,35 @@ def test_an_online_campaign_feeds_a_population_each_member_its_own_simulations_o
 
 
 @pytest.mark.timeout(300)
+def test_a_population_whose_every_member_diverged_ends_the_campaign_once_with_the_cause(tmp_path):
+    """Both members of a streaming population diverge (``--lr 1e36``) after the last tournament:
+    the trainer ends 78 (a relaunch would diverge again), nothing is relaunched, and the driver's
+    error names the cause -- not exit 0 with the 'best' of two models that took one step each,
+    nor an abort; the trainer's summary (an infinite loss in it) is still read, not ignored."""
+    val = tmp_path / "val"
+    val.mkdir()
+    for i, (nu, amp) in enumerate([(0.02, 0.7), (0.04, 0.9)]):
+        subprocess.run(["mpiexec", "-n", "1", sys.executable, SIM, "--sim-id", str(100 + i), "--nx", "32",
+                        "--steps", "400", "--every", "100", "--params-json", json.dumps({"nu": nu, "amp": amp}),
+                        "--out", str(val / f"sim_{i}.h5")], check=True, capture_output=True, timeout=60)
+    driver = _script(tmp_path, "my_campaign.py", DRIVER)
+    run = tmp_path / "run"
+    flags = {"sim": ["--steps", "400", "--every", "100", "--stream"], "steps": 20,
+             "train": ["--t-max", repr(t_max(400)), "--ckpt-every", "10", "--watermark", "2", "--pop", "2",
+                       "--every", "100", "--lr", "1e36", "--val", str(val)]}
+    out = subprocess.run([sys.executable, str(driver), str(run), json.dumps(flags)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 1, out.stdout[-2000:] + _why(run)
+    failed = _line(out.stdout, "FAILED")
+    assert failed.startswith("training job exited with code 78") and "none made: a relaunch would repeat it" in failed
+    assert "every member of the population diverged: each ended its training with 10 or more steps in a row " \
+           "skipped" in failed, failed
+    err = (run / "train.err").read_text()
+    assert err.count("train_surrogate: error:") == 1 and "ignoring the training job's summary" not in out.stderr
+    assert json.loads((run / "train_summary.json").read_text())["final_loss"] is None
+
+
+@pytest.mark.timeout(300)
 def test_a_watchdog_killed_by_sigkill_is_relaunched_and_nothing_of_the_first_job_outlives_it(tmp_path):
     driver = _script(tmp_path, "my_campaign.py", DRIVER)
     run = tmp_path / "run"

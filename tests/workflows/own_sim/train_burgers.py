@@ -58,6 +58,7 @@ p.add_argument("--hold-at", type=int, default=0, help="the output the simulation
 p.add_argument("--release", help="the file the simulations wait for at --hold-at; a resumed launch writes it")
 p.add_argument("--pop", type=int, default=1, help="members of a population in this job (tournaments)")
 p.add_argument("--every", type=int, default=5, help="--pop: steps between tournaments")
+p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--val", help="held-out simulations: the directory of their sim_*.h5 files")
 p.add_argument("--crash-after-hold", action="store_true", help="once every sample sent before the hold is in a "
                                                                "checkpoint, SIGKILL the job (first launch)")
@@ -96,7 +97,7 @@ sys.exit(train_surrogate(
     BurgersMLP(args.nx), params=PARAMS, fields=("u",), steps=args.steps, batch=args.batch,
     scales=FieldScales(param_lo=tuple(BOUNDS[n][0] for n in PARAMS), param_hi=tuple(BOUNDS[n][1] for n in PARAMS),
                        t_max=args.t_max),
-    config=FieldTrainConfig(lr=3e-3, log_every=50, seed=0, batch=4), on_step=reliability, torch_threads=1,
+    config=FieldTrainConfig(lr=args.lr, log_every=50, seed=0, batch=4), on_step=reliability, torch_threads=1,
     buffer=BufferConfig(policy=args.buffer, capacity=args.capacity, watermark=args.watermark),
     online=OnlineConfig.from_campaign(contract, ckpt_every=args.ckpt_every, keep=args.keep),
     files=sorted(Path(args.data).glob("sim_*.h5")) if args.mode == "offline" else None, server={"end_grace_s": 10.0},
