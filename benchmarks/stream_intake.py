@@ -82,6 +82,11 @@ def _cpu(proc: subprocess.Popen, r0: resource.struct_rusage, n: int) -> dict:
             "receiver_kernel_ms": kernel}
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """``a / b``; None when ``b`` is 0 (a side whose CPU time the clock's tick did not see)."""
+    return a / b if b else None
+
+
 def _cpu_of(proc: subprocess.Popen) -> float:
     """Wait for ``proc``; the CPU seconds of its sending (every thread), as it reported them."""
     out, _ = proc.communicate()
@@ -270,7 +275,7 @@ def main() -> None:
                "stream_sealed_mb_s_runs": [r[0] for r in sealed], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
                "cpu_per_message_ms": cpu, "cpu_per_mib_ms": cpu_mib,
                "receiver_cpu_per_mib_vs_raw_zmq": cpu["stream"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
-               "receiver_user_and_kernel_vs_raw_zmq": [cpu["stream"][k] / cpu["raw_zmq"][k]
+               "receiver_user_and_kernel_vs_raw_zmq": [_ratio(cpu["stream"][k], cpu["raw_zmq"][k])
                                                        for k in ("receiver_user_ms", "receiver_kernel_ms")],
                "cpu_bound_ratio": sum(cpu["raw_zmq"][k] for k in sides[:2]) / sum(cpu["stream"][k] for k in sides[:2]),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
