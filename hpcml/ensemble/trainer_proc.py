@@ -32,8 +32,8 @@ from hpcml.log import get_logger
 logger = get_logger(__name__)
 
 
-_CAUSE = re.compile(r"\b[A-Z]\w*(Error|Exception|Interrupt)\b|\berror:|KILLED BY SIGNAL|Killed|Segmentation fault|"
-                    r"out of memory", re.I)
+_CAUSE = re.compile(r"\b[A-Z]\w*(Error|Exception|Interrupt)\b|\berror:|\bfailed:|KILLED BY SIGNAL|Killed|"
+                    r"Segmentation fault|out of memory", re.I)
 _NOISE = re.compile(r"MPI_Abort|Abort\(\d+\)|^\[rank \d+\] (INFO|DEBUG|WARNING) |^={5,}|^\s*$|aborting the MPI job")
 
 

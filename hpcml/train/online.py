@@ -123,6 +123,9 @@ class OnlineResult:
     """Every rank's counters summed (rank 0; empty elsewhere)."""
     missing: int = 0
     """Samples of completed simulations that never reached training (every rank knows)."""
+    repeat: bool = False
+    """Failed so that a relaunch would fail alike: no step taken from a stream that ended whole
+    (too few samples for a batch, none sent)."""
 
     @property
     def incomplete(self) -> bool:
@@ -370,11 +373,13 @@ class OnlineRun:
             result.summary = summarize(stats, steps=self.trainer.step, batch=self.batch,
                                        world=self.comm.Get_size(),
                                        final_loss=history[-1]["loss"] if history else None)
-            result.problems, result.notes = problems(result.summary, stats, self.trainer.step)
+            result.problems, result.notes = problems(result.summary, stats, self.trainer.step, batch=self.batch,
+                                                     budget=self.steps, policy=self.source.buffer.config.policy)
             for note in result.notes:
                 logger.warning(note)
-        result.problems, result.notes, result.missing = waiting.bcast(self.comm, (  # one outcome on every rank
-            result.problems, result.notes, result.summary.get("samples_missing", 0)))
+        repeat = self.trainer.step == 0 and not any(s.get("error") for s in stats or [])  # the stream ended whole
+        result.problems, result.notes, result.missing, result.repeat = waiting.bcast(self.comm, (  # one outcome
+            result.problems, result.notes, result.summary.get("samples_missing", 0), repeat))  # on every rank
         result.status = "failed" if result.problems else "ok"
         if self.rank == 0 and self.config.summary_file:
             self.write_summary(result)

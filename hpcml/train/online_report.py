@@ -68,10 +68,18 @@ def _sims(by_sim: dict[str, int], expected: dict) -> str:
     return text + (f", and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
 
 
-def problems(summary: dict, stats: list[dict], steps: int) -> tuple[list[str], list[str]]:
-    """(problems that fail the run, notes that do not)."""
+def problems(summary: dict, stats: list[dict], steps: int, *, batch: int = 1, budget: int | None = None,
+             policy: str = "fifo") -> tuple[list[str], list[str]]:
+    """(problems that fail the run, notes that do not). ``batch``: samples a rank takes a step;
+    ``budget``: the steps asked for; ``policy``: the training buffer's."""
     out: list[str] = []
-    if steps == 0:
+    short = {r: s["samples"] for r, s in enumerate(stats) if 0 < s["samples"] < batch}
+    if steps == 0 and short:
+        r, n = min(short.items(), key=lambda kv: kv[1])
+        out.append(f"the trainer took 0 gradient steps: trainer rank {r} received {n} sample(s) before its stream "
+                   f"ended, fewer than the batch of {batch} a rank takes a step -- lower the batch "
+                   f"(TrainingJob(batch=) or the trainer's config) to at most {n}, or run more simulations")
+    elif steps == 0:
         out.append("the trainer took 0 gradient steps")
     died = [f"trainer rank {r}: {s['error']}" for r, s in enumerate(stats) if s.get("error")]
     if died:
@@ -110,6 +118,12 @@ def problems(summary: dict, stats: list[dict], steps: int) -> tuple[list[str], l
                      + (f"; {drained} of them were taken out of the buffer after the last step to keep the "
                         f"simulations flowing, and are not in the checkpoint" if drained else
                         ": they are in the checkpoint; raise the steps and resume to train on them"))
+    if budget is not None and 0 < steps < budget:
+        world = len(stats)
+        notes.append(f"training ended at step {steps} of the {budget} asked for: the stream ended and the {policy} "
+                     f"buffer had no batch more ({summary['samples_ingested']} samples, {batch} a rank a step on "
+                     f"{world} rank(s){', each used once' if policy != 'reservoir' else ''}) -- run more simulations, "
+                     f"ask for fewer steps, or a reservoir buffer, which reuses samples")
     if summary["sims_count_unknown"]:
         notes.append(f"how many samples simulation(s) {summary['sims_count_unknown'][:_LISTED]} sent is not known "
                      f"(no count from the driver, no end markers): their losses cannot be counted")

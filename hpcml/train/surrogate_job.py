@@ -111,7 +111,9 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         return 0
     if run.comm.Get_rank() == 0:
         print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
-    return INCOMPLETE if result.incomplete else 1
+    if result.incomplete:
+        return INCOMPLETE
+    return CONFIG_ERROR if result.repeat and not result.missing else 1  # 78: the campaign relaunches nothing
 
 
 def _with_shape(server: Mapping[str, Any] | None, shape: Sequence[int] | None) -> dict:

@@ -42,11 +42,11 @@ def _blob_files(comm, tmp_path_factory) -> list[Path]:
     return sorted(root.glob("blob_*.h5"))
 
 
-def _trainer_and_source(grid, files, steps):
+def _trainer_and_source(grid, files, steps, *, batch=4, policy="reservoir"):
     scales = FieldScales(param_lo=(0.2, 0.1), param_hi=(0.8, 0.4), t_max=1.0)
     model = MLPSurrogate(MLPSurrogateConfig(n_params=2, nx=NX, ny=NY, hidden=32, depth=2))
-    trainer = FieldTrainer(model, grid, FieldTrainConfig(steps=steps, batch=4, lr=1e-3, progress=False), scales)
-    buffer = Buffer(BufferConfig(policy="reservoir", capacity=64, watermark=4, seed=grid.rank))
+    trainer = FieldTrainer(model, grid, FieldTrainConfig(steps=steps, batch=batch, lr=1e-3, progress=False), scales)
+    buffer = Buffer(BufferConfig(policy=policy, capacity=64, watermark=min(4, batch), seed=grid.rank))
     source = FileSource(files, rank=grid.rank, n_trainers=grid.layout.world_size, buffer=buffer, field_names=("u",),
                         param_names=("v", "w"))
     return trainer, source
@@ -98,6 +98,36 @@ def test_a_source_that_gives_nothing_fails_with_the_reason(comm, tmp_path_factor
     assert (result.status, result.steps) == ("failed", 0)
     assert result.problems == ["the trainer took 0 gradient steps"] + [
         f"trainer rank {r} received no sample" for r in range(comm.size)]  # the same outcome on every rank
+
+
+def test_fewer_samples_than_a_batch_fails_naming_the_batch_and_a_relaunch_would_repeat_it(comm, tmp_path_factory):
+    """A newcomer's batch of 8 against the 6 samples one simulation gives: before, "the trainer
+    took 0 gradient steps", exit 1 -- so the campaign relaunched it, to fail alike."""
+    files = _blob_files(comm, tmp_path_factory)[:1]  # simulation 0: 6 samples, all on the rank it routes to
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, source = _trainer_and_source(grid, files, 10, batch=8, policy="fifo")
+    result = train_online(trainer, source, grid=grid, config=OnlineConfig())
+    assert (result.status, result.steps, result.repeat) == ("failed", 0, True)
+    assert result.problems[0].startswith(f"the trainer took 0 gradient steps: trainer rank 0 received {N_OUT} "
+                                         f"sample(s) before its stream ended, fewer than the batch of 8 a rank takes "
+                                         f"a step -- lower the batch (TrainingJob(batch=) or the trainer's config) to "
+                                         f"at most {N_OUT}")
+
+
+def test_a_stream_that_ends_before_the_steps_asked_for_says_so(comm, tmp_path_factory):
+    """FIFO uses each sample once: 72 samples, a batch of 4 a rank, 100 steps asked for. Before,
+    exit 0 after the steps the samples made, nothing said (the schedule never decayed)."""
+    files = _blob_files(comm, tmp_path_factory)
+    grid = ProcessGrid(dp=-1)
+    grid.init_torch()
+    trainer, source = _trainer_and_source(grid, files, 100, policy="fifo")
+    result = train_online(trainer, source, grid=grid, config=OnlineConfig())
+    assert result.status == "ok" and 0 < result.steps <= N_SIMS * N_OUT // (4 * comm.size) and not result.repeat
+    assert [n for n in result.notes if n.startswith(f"training ended at step {result.steps} of the 100 asked for: the "
+                                                    f"stream ended and the fifo buffer had no batch more "
+                                                    f"({N_SIMS * N_OUT} samples, 4 a rank a step on {comm.size} "
+                                                    f"rank(s), each used once)")]
 
 
 @pytest.mark.parametrize("kw, message", [
