@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpcml import safeio
 from hpcml.errors import ConfigError
+from hpcml.numeric import is_int, is_real
 from hpcml.plan import devfile
 from hpcml.plan.predict import measured_step, pop_measured
 from hpcml.plan.published import Case
@@ -70,6 +71,7 @@ def _line_run(d, where: str, defaults: dict) -> Measured:
         lay = PlanLayout.from_dict(d, **defaults)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    _runs_here(lay, where)
     return Measured(lay, measured_step(lay, *measured), where)
 
 
@@ -81,11 +83,22 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("layout"), dict) or not isinstance(cfg.get("train"), dict):
         raise ConfigError(f"{where}: config.json has no 'layout' and 'train' (not a run directory of hpcml's trainer)")
     lay_d, train, par = cfg["layout"], cfg["train"], cfg.get("parallel") or {}
-    steps = []
-    for line in safeio.iter_lines(path / "metrics.jsonl", 1 << 16):
-        rec = safeio.parse_json(line, f"{path}/metrics.jsonl", max_depth=4) if line.strip() else None
-        if isinstance(rec, dict) and isinstance(rec.get("step_s"), (int, float)) and rec["step_s"] > 0:
-            steps.append(float(rec["step_s"]))
+    if not isinstance(par, dict):
+        raise ConfigError(f"{where}: config.json: parallel={str(par)[:60]}: expected an object (the trainer's "
+                          f"ParallelConfig)")
+    steps, torn = [], None
+    for n, line in enumerate(safeio.iter_lines(path / "metrics.jsonl", 1 << 16), 1):
+        if torn is not None:  # a line that does not parse, with more after it: not a killed job's last line
+            raise torn
+        try:
+            rec = (safeio.parse_json(line, f"{path}/metrics.jsonl line {n}", max_depth=4, constants=True)  # NaN: a
+                   if line.strip() else None)  # skipped step's loss
+        except safeio.FileRefused as e:
+            torn = ConfigError(f"{where}: {e}")
+            continue
+        v = rec.get("step_s") if isinstance(rec, dict) else None
+        if is_real(v) and math.isfinite(v) and 0 < v < 1e12:
+            steps.append(float(v))
     if len(steps) <= WARMUP_STEPS:
         raise ConfigError(f"{where}: {len(steps)} timed steps in metrics.jsonl: expected more than {WARMUP_STEPS} "
                           f"(the first {WARMUP_STEPS} warm up)")
@@ -93,8 +106,8 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
         raise ConfigError(f"{where}: config.json names no model (an hpcml before its trainer recorded it): "
                           f"give --model, the preset or config it trained")
     try:
-        degrees = {k: int(lay_d.get(k, 1)) for k in ("tp", "pp", "cp", "dp")}
-        d = {**{k: degrees[k] for k in ("tp", "pp", "cp")}, "ep": int(lay_d.get("ep", 1)),
+        degrees = {k: _whole(lay_d, k) for k in ("tp", "pp", "cp", "dp")}
+        d = {**{k: degrees[k] for k in ("tp", "pp", "cp")}, "ep": _whole(lay_d, "ep"),
              "gpus": math.prod(degrees.values()), "seq_len": train["seq_len"], "global_batch": train["global_batch"],
              "micro_batch": train["micro_batch"], "precision": "bf16" if train.get("bf16") else "fp32",
              "zero": (3 if par.get("reshard_after_forward", True) else 2) if par.get("fsdp") else 0,
@@ -109,9 +122,28 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
 
             d["model"] = TransformerConfig.from_dict(cfg["model"])
         lay = PlanLayout.from_dict(d, **defaults)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: config.json: {str(e).splitlines()[0][:200]}") from None
+    _runs_here(lay, where)
     return Measured(lay, statistics.median(steps[WARMUP_STEPS:]), str(path))
+
+
+def _whole(layout: dict, key: str) -> int:
+    """A degree of a run's recorded layout (1 when absent): a whole number, not 2.7, "2" or true."""
+    v = layout.get(key, 1)
+    if not is_int(v) or v < 1:
+        raise ValueError(f"layout {key}={repr(v)[:40]}: expected a whole number >= 1")
+    return v
+
+
+def _runs_here(lay, where: str) -> None:
+    """A measured layout the model's plan refuses (tp 3 against 8 heads) cannot have run: one
+    line, not a NaN prediction fitted into the device's constants."""
+    from hpcml.plan.predict import load_model, model_rules
+
+    refused = model_rules(load_model(lay.model), lay)
+    if refused:
+        raise ConfigError(f"{where}: the model's plan refuses this layout ({refused}): it cannot be a measured run")
 
 
 def read_runs(paths: list[str], defaults: dict) -> list[Measured]:
@@ -129,8 +161,8 @@ def read_runs(paths: list[str], defaults: dict) -> list[Measured]:
             raise ConfigError(f"runs {p}: no such file or directory")
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                out.append(_line_run(safeio.parse_json(line, f"{p} line {n}", max_depth=8), f"{p} line {n}",
-                                     defaults))
+                out.append(_line_run(safeio.parse_json(line, f"{p} line {n}", max_depth=8, unique=True),
+                                     f"{p} line {n}", defaults))
         if len(out) > MAX_RUNS:
             raise ConfigError(f"runs: more than {MAX_RUNS} measured runs")
     if not out:

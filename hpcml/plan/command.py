@@ -7,10 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
-from hpcml.plan.predict import predict, predict_lines, resolve_device
+from hpcml.plan.predict import LINE_DEPTH, predict, predict_lines, resolve_device
 from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
                               RECOMPUTE, PlanLayout)
 
@@ -203,10 +204,10 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
     members = []
     for i, text in enumerate(args.member):
         try:
-            d = json.loads(text)
+            d = safeio.parse_json(text, "--member", max_depth=LINE_DEPTH, unique=True)
         except ValueError as e:
-            raise ConfigError(f"--member {text[:60]!r}: not JSON ({e}); expected an object such as '{{\"tp\": 4}}'") \
-                from None
+            raise ConfigError(f"--member {text[:60]!r}: {str(e).removeprefix('--member: ')}; expected an object such "
+                              f"as '{{\"tp\": 4}}'") from None
         fixed = sorted({"model", "gpus", "gpu", "site"} & set(d)) if isinstance(d, dict) else []
         if fixed:
             raise ConfigError(f"--member {i} sets {fixed}: a member's layout keys only (the model and the devices "

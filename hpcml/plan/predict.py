@@ -3,15 +3,16 @@ and in words why (what fills the memory, or where the step's time goes)."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
+from hpcml import safeio
 from hpcml.errors import ConfigError, GridError, HpcmlError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.models.transformer.presets import PRESETS
 from hpcml.models.transformer.rules import check_plan
 from hpcml.numeric import is_real
 from hpcml.parallel.config import ParallelConfig
@@ -40,8 +41,6 @@ def hf_dir(spec: str | TransformerConfig) -> Path | None:
 @lru_cache(maxsize=64)
 def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | None]:
     """:func:`load_model` and :func:`hf_dir` at once: each file is read once."""
-    from hpcml.models.transformer.presets import PRESETS
-
     if isinstance(spec, TransformerConfig):
         return spec, None
     if spec in PRESETS:
@@ -213,6 +212,10 @@ def measured_step(lay: PlanLayout, key: str, value: float) -> float:
     return value if key == "step_s" else lay.global_batch * lay.seq_len / value
 
 
+#: How deep a layout line's JSON may nest (a model given as an object, its fields one level below).
+LINE_DEPTH = 8
+
+
 def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
     """One prediction per JSON line, in order; a line that is not a valid layout gets
     ``{"error": "..."}`` in its place (the rest still run). A line with a measured ``step_s``
@@ -226,7 +229,12 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
             out.append({"line": n, "error": f"line of {len(line)} characters: expected at most {MAX_LINE}"})
             continue
         try:
-            d = json.loads(line)
+            d = safeio.parse_json(line, "a layout", max_depth=LINE_DEPTH, unique=True)
+            if isinstance(d, dict) and isinstance(d.get("model"), str) and d["model"] not in PRESETS:
+                raise ConfigError(f"model {d['model'][:80]!r}: a line of layouts names a preset "
+                                  f"({', '.join(list(PRESETS)[:4])}, ...: hpcml plan --help) or gives the config "
+                                  f"as an object; a config file's path goes in --model (a file of layouts never "
+                                  f"makes hpcml read another file)")
             measured = pop_measured(d) if isinstance(d, dict) else None
             lay = PlanLayout.from_dict(d, **(defaults or {}))
             r = predict(lay).to_dict()

@@ -276,6 +276,12 @@ def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, accoun
         raise ConfigError(f"--steps {steps!r}: expected an integer >= 1")
     if ckpt_every is not None and (not is_int(ckpt_every) or ckpt_every < 1):
         raise ConfigError(f"--ckpt-every {ckpt_every!r}: expected an integer >= 1")
+    from hpcml.ensemble.checks import walltime_seconds, warning_seconds
+
+    usable = walltime_seconds(walltime) - warning_seconds(walltime)  # HH:MM:SS, or one line naming it
+    if step_s and usable < step_s:
+        raise ConfigError(f"--walltime {walltime}: {usable} s of it before the job is told to save and stop, less "
+                          f"than one predicted step ({step_s:.0f} s): each requeue would end without a step")
     account = load_site(site).account_for(account)  # one line where the site requires one and none is given
     if ckpt_every is None:
         ckpt_every = max(1, min(steps, round(CKPT_EVERY_S / step_s))) if step_s else max(1, steps // 20)

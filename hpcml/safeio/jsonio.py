@@ -40,10 +40,12 @@ def json_depth(data: bytes, stop: int | None = None) -> int:
     return deepest
 
 
-def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH, constants: bool = False) -> Any:
+def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH, constants: bool = False,
+               unique: bool = False) -> Any:
     """JSON of untrusted ``data`` from ``where``: FileRefused, naming it, when it is nested past
     ``max_depth`` (checked first), is not UTF-8 JSON, or holds NaN or Infinity (unless
-    ``constants``: files of other tools that write them, a Hugging Face config)."""
+    ``constants``: files of other tools that write them, a Hugging Face config); ``unique``:
+    or names a key twice in an object (a hand-written line whose first value JSON would drop)."""
     try:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         text = raw.decode("utf-8")  # strictly: a UTF-16 text would hide brackets from the scan below
@@ -53,7 +55,7 @@ def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH, con
         if json_depth(raw, stop=max_depth) > max_depth:
             raise FileRefused(f"{where}: JSON nested more than {max_depth} deep: refused before parsing")
     try:
-        return (_LENIENT if constants else _STRICT).decode(text)
+        return (_LENIENT if constants else _UNIQUE if unique else _STRICT).decode(text)
     except (ValueError, RecursionError) as e:
         raise FileRefused(f"{where}: not JSON ({str(e)[:120]})") from None
 
@@ -73,6 +75,17 @@ _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_floa
 """One decoder for every file (``json.loads`` with options builds one a call): NaN, Infinity
 and a literal past a float's range (1e999) refused."""
 _LENIENT = json.JSONDecoder()
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
+        raise ValueError(f"key(s) {twice[:4]} given twice in one object")
+    return out
+
+
+_UNIQUE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
 
 
 def read_json(path: str | os.PathLike, max_bytes: int, *, root: str | os.PathLike | None = None,

@@ -115,7 +115,7 @@ def test_run_directories_and_json_lines(tmp_path):
 
     mpt = TransformerConfig(dim=64, n_heads=4, n_layers=2, activation="gelu", norm="layernorm", bias=True,
                             positions="learned")
-    own = _run_dir(tmp_path / "own", [1.0, 1.0, 2.0])
+    own = _run_dir(tmp_path / "own", [1.0, 1.0, 2.0], sequence_parallel=False)  # learned positions: no SP
     d = json.loads((own / "config.json").read_text())
     (own / "config.json").write_text(json.dumps({**d, "model": mpt.to_dict()}))
     (m_own,) = read_runs([str(own)], {})
@@ -259,3 +259,71 @@ def test_a_written_file_reads_back_the_same(tmp_path):
     assert predict(lay).step_s == evaluate(load_model("mini"), df.resolve(4), TRUTH, lay).step_s != \
         evaluate(load_model("mini"), df.resolve(4), Constants(), lay).step_s
     assert back.resolve(4).shared_cores == 2 and back.resolve(1).peak_tflops == pytest.approx(0.24)
+
+
+def test_hostile_and_mistaken_runs_are_one_line_naming_the_run(tmp_path):
+    """Found trying users' inputs: a ``parallel`` list was an AttributeError traceback; tp 2.7,
+    "2" or true were taken as 2, 2, 1; a layout the model's plan refuses (tp 3 against 8 heads)
+    was fitted as a NaN prediction into the device's constants (exit 0, NaN in the JSON); a
+    killed job's torn last line of metrics.jsonl refused the whole run (now passed over; a bad
+    line with more after it is still refused, naming it), and a skipped step's NaN loss did too."""
+    def run(name, layout=None, lines=None, **cfg):
+        rd = _run_dir(tmp_path / name, [1.0, 1.0, 1.5, 1.5])
+        d = json.loads((rd / "config.json").read_text())
+        d["layout"].update(layout or {})
+        (rd / "config.json").write_text(json.dumps({**d, **cfg}))
+        if lines is not None:
+            (rd / "metrics.jsonl").write_text(lines)
+        return str(rd)
+
+    for name, kw, match in (("par", {"parallel": [1, 2]}, r"parallel=\[1, 2\]: expected an object"),
+                            ("tpf", {"layout": {"tp": 2.7}}, r"layout tp=2\.7: expected a whole number"),
+                            ("tps", {"layout": {"tp": "2"}}, r"layout tp='2': expected a whole number"),
+                            ("tpb", {"layout": {"tp": True}}, r"layout tp=True: expected a whole number"),
+                            ("tp3", {"layout": {"tp": 3, "dp": 1}}, r"config\.json: seq_len 128 is not divisible by "
+                                                                     r"cp 1 x tp 3"),
+                            ("mid", {"lines": '{"step_s": 1}\n{"step_s": 1\n{"step_s": 1}\n{"step_s": 1}\n'},
+                             r"metrics\.jsonl line 2: not JSON")):
+        with pytest.raises(ConfigError, match=match) as e:
+            read_runs([run(name, **kw)], {"model": "mini"})
+        assert f"run directory {tmp_path / name}" in str(e.value) and "\n" not in str(e.value)
+    torn = '{"step_s": 1.0}\n{"step_s": 1.0, "loss": NaN}\n{"step_s": 1.5}\n{"step_s": 1.5}\n{"step_s": 1.'
+    (m,) = read_runs([run("torn", lines=torn)], {"model": "mini"})
+    assert m.step_s == 1.5  # the torn last line passed over, the NaN loss (a skipped step) kept
+    lines = tmp_path / "runs.jsonl"
+    lines.write_text('{"gpus": 3, "tp": 3, "micro_batch": 8, "step_s": 0.3}\n')
+    with pytest.raises(ConfigError, match=r"runs\.jsonl line 1: the model's plan refuses this layout"):
+        read_runs([str(lines)], dict(BASE))
+    lines.write_text('{"gpus": 2, "tp": 2, "tp": 1, "step_s": 0.3}\n')
+    with pytest.raises(ValueError, match=r"key\(s\) \['tp'\] given twice"):
+        read_runs([str(lines)], dict(BASE))
+
+
+def test_a_file_of_layouts_never_makes_hpcml_read_another_file_nor_takes_a_key_twice(tmp_path, capsys):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret_key_name": 1}')
+    deep = '{"tp": ' + "[" * 2000 + "]" * 2000 + "}"
+    out = predict_lines([json.dumps({"model": str(secret), "gpus": 8}), '{"tp": 2, "tp": 4}', deep,
+                         json.dumps({"model": "mini", "gpus": 2, "tp": 2})],
+                        {"gpu": "a100-80gb", "seq_len": 128, "global_batch": 16})
+    assert out[0]["error"].startswith(f"model {str(secret)!r}: a line of layouts names a preset") and \
+        "secret_key_name" not in out[0]["error"]
+    assert out[1]["error"] == "a layout: not JSON (key(s) ['tp'] given twice in one object)"
+    assert out[2]["error"] == "a layout: JSON nested more than 8 deep: refused before parsing"
+    assert "error" not in out[3] and out[3]["step_s"] > 0
+    assert cli(["plan", "--model", "mini", "--gpus", "4", "--gpu", "a100-80gb", "--seq-len", "128",
+                "--global-batch", "16", "--pop", "2", "--member", "[" * 3000 + "]" * 3000,
+                "--member", '{"tp": 2}']) == 2
+    assert "JSON nested more than 8 deep: refused before parsing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("walltime,match", [("banana", "must be HH:MM:SS"), ("99:99:99", "must be HH:MM:SS"),
+                                            ("00:00:30", "under one minute"),
+                                            ("00:02:00", "less than one predicted step")])
+def test_emit_job_refuses_a_walltime_no_step_fits_in(walltime, match, capsys):
+    """Before: any --walltime was written into the job line, exit 0 ('banana' failed only once the
+    user ran it; 2 minutes against a 10-minute step requeued for ever)."""
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "8192",
+                "--global-batch", "4096", "--site", "perlmutter", "--emit", "job", "--steps", "100", "--account",
+                "m1234", "--walltime", walltime]) == 2
+    assert match in capsys.readouterr().err
