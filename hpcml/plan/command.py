@@ -247,7 +247,8 @@ def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
         raise ConfigError("hpcml plan calibrate needs --out FILE: where to write the calibrated device file")
     name = args.name or re.sub(r"[^A-Za-z0-9._-]", "-", Path(args.out).stem).lstrip("._-")[:64] or "calibrated"
     if not devfile.valid_name(name):
-        raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+        raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-', not a built-in "
+                          f"device's name (it would stand for that device in every later plan)")
     base = calibrate.base_of(given.pop("gpu", None), given.pop("site", None), args.device_file, args.cpu)
     runs = calibrate.read_runs(args.runs, given)
     df, report = calibrate.calibrate(runs, base, name)
@@ -276,6 +277,8 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
         raise ConfigError(f"--layouts {args.layouts}: {len(lines)} lines, at most {MAX_LAYOUT_LINES} (a prediction "
                           f"costs ~1 ms: split the file, or let `hpcml plan` search: give no tp, pp, cp, ep)")
     results = predict_lines(lines, given)
+    if not results:  # nothing predicted is no success
+        raise ConfigError(f"--layouts {args.layouts}: no layout in it (one JSON object a line)")
     for r in results:
         if args.json:
             print(json.dumps(r))
@@ -293,6 +296,10 @@ def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
     from hpcml.plan.search import search
 
     r = search(base, top=args.top or 5, headroom=args.headroom)
+    if not r.candidates:
+        raise ConfigError(f"no layout of {base.gpus} devices exists for this model: no tp x pp x cp x dp equals "
+                          f"{base.gpus} with dp dividing the global batch ({base.global_batch}) and the degrees "
+                          f"within the model's heads, layers and sequence")
     if not r.best:
         raise ConfigError(f"no layout of {r.candidates} fits: {r.refused} refused by the model's plan, the rest out of "
                           f"memory on {base.gpus} x {base.gpu or base.site}"

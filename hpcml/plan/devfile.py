@@ -89,8 +89,12 @@ def unregister(name: str) -> None:
 
 
 def valid_name(name: str) -> bool:
-    """Whether ``name`` may name a device file's device (1-64 letters, digits, '.', '_', '-')."""
-    return bool(_NAME.fullmatch(name))
+    """Whether ``name`` may name a device file's device (1-64 letters, digits, '.', '_', '-'),
+    and is not a built-in device's (a file named ``h100-80gb`` would price every later layout
+    that names the H100 on the calibrated machine)."""
+    from hpcml.plan.devices import DEVICES
+
+    return bool(_NAME.fullmatch(name)) and name.lower() not in {d.lower() for d in DEVICES}
 
 
 def registered(name: str | None) -> DeviceFile | None:
@@ -128,7 +132,8 @@ def from_dict(d, where: str) -> DeviceFile:
         raise ConfigError(f"{where}: format {str(d['format'])[:40]!r}: expected {FORMAT!r}")
     name = d["name"]
     if not isinstance(name, str) or not valid_name(name):
-        raise ConfigError(f"{where}: name {str(name)[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-'")
+        raise ConfigError(f"{where}: name {str(name)[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-', not a "
+                          f"built-in device's name")
     if ("device" in d) == ("cpu" in d):
         raise ConfigError(f"{where}: expected exactly one of 'device' (an accelerator) or 'cpu' (a CPU host)")
     cd = _known(where, "constants", d["constants"], set(RANGES))

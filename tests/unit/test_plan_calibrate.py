@@ -327,3 +327,17 @@ def test_emit_job_refuses_a_walltime_no_step_fits_in(walltime, match, capsys):
                 "--global-batch", "4096", "--site", "perlmutter", "--emit", "job", "--steps", "100", "--account",
                 "m1234", "--walltime", walltime]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_no_layout_an_empty_file_and_a_built_in_name_are_one_line_each(tmp_path, capsys):
+    """Before: 2^40 devices said 'no layout of 0 fits: 0 refused ..., the rest out of memory'; an
+    empty --layouts file exited 0 printing nothing; a device file named h100-80gb stood for the
+    H100 in every later plan."""
+    base = ["plan", "--model", "llama3-8b", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch", "64"]
+    assert cli([*base, "--gpus", str(1 << 40)]) == 2
+    assert "no layout of 1099511627776 devices exists for this model" in capsys.readouterr().err
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    assert cli([*base, "--gpus", "8", "--layouts", str(empty)]) == 2
+    assert "no layout in it" in capsys.readouterr().err
+    assert not devfile.valid_name("h100-80gb") and not devfile.valid_name("H100-80GB") and devfile.valid_name("mine")
