@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,3 +55,40 @@ def read_final_error(sim_dir: str | os.PathLike) -> str | None:
         if isinstance(rec, dict) and isinstance(rec.get("error"), str):
             return rec["error"]
     return None
+
+
+#: Exceptions a retry may cure -- the machine's, the network's, a launch's -- never taken as repeated.
+_TRANSIENT = ("Launch", "Connection", "Timeout", "OSError", "IOError", "BrokenPipe", "Memory", "ZMQ", "Interrupt",
+              "Signal", "Stream", "Handshake")
+_RAISED = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception)): \S.{0,300}")
+
+
+def raised(err_text: str) -> str | None:
+    """The exception a failed attempt's stderr ends with (its last ``Name: message`` line),
+    or None: none, or one a retry may cure (:data:`_TRANSIENT`)."""
+    for line in reversed(err_text.splitlines()[-60:]):
+        m = _RAISED.search(line)
+        if m:
+            return None if any(t in m.group(1) for t in _TRANSIENT) else m.group(0)
+    return None
+
+
+def failed_alike(sim_dir: str, k: int) -> str | None:
+    """Attempts ``k - 2`` and ``k - 1`` of the simulation in ``sim_dir`` both ended with a
+    non-zero exit and no timeout, cancellation or signal (their ``.end``) on the same exception
+    of the simulation's own: it (a third would raise it again), else None."""
+    if k < 2:
+        return None
+    seen = []
+    for i in (k - 2, k - 1):
+        base = Path(sim_dir) / f"attempt_{i}"
+        try:
+            end = safeio.read_json(f"{base}.end", 4096)
+            err = safeio.tail(f"{base}.err", 16384).decode(errors="replace")
+        except (ConfigError, OSError):
+            return None
+        if not isinstance(end, dict) or end.get("returncode") in (0, None) or end.get("reason"):
+            return None
+        seen.append(raised(err))
+    return seen[0] if seen[0] is not None and seen[0] == seen[1] else None
+

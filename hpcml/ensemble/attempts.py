@@ -27,7 +27,7 @@ from hpcml.contract import CONFIG_ERROR
 from hpcml.errors import ConfigError
 from hpcml.log import get_logger
 from hpcml.numeric import is_int
-from hpcml.outcome import read_final_error
+from hpcml.outcome import failed_alike, read_final_error
 
 RESULT_MARKER = "HPCML_SIM_RESULT"
 """Rank 0 of a simulation prints ``HPCML_SIM_RESULT {json}`` as its last stdout line."""
@@ -56,6 +56,12 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
                 f">&2; exit {CONFIG_ERROR}")
     os.makedirs(sim_dir, exist_ok=True)
     k = 0
+    while os.path.exists(os.path.join(sim_dir, f"attempt_{k}.start")):
+        k += 1
+    same = failed_alike(sim_dir, k)  # the simulation's own exception twice: a third attempt would raise it again
+    if same is not None:
+        why = f"simulation {sim_id}: not retried: attempts {k - 2} and {k - 1} both raised {same[:300]}"
+        return f"echo {shlex.quote(why)} >&2; exit 1"
     while True:
         try:
             fd = os.open(os.path.join(sim_dir, f"attempt_{k}.start"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

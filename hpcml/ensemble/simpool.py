@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcml.outcome import FINAL_SUFFIX, read_final_error
+from hpcml.outcome import FINAL_SUFFIX, failed_alike, read_final_error
 from hpcml.ensemble import attempts, bundles
 from hpcml.ensemble.book import CANCELLED, COMPLETED, FAILED, RUNNING, Book
 from hpcml.errors import ConfigError
@@ -171,8 +171,9 @@ class SimPool:
             raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a "
                               f"retry or a resume would fail the same way): {s.final_error}")
         elif s.outcome == "failed":
-            logger.warning("simulation %d failed after %d attempt(s): %s", s.spec.sim_id, len(s.recorded),
-                           attempts.describe(exc))
+            alike = failed_alike(str(s.dir), len(s.recorded)) if len(s.recorded) < self.c.retries + 1 else None
+            logger.warning("simulation %d failed after %d attempt(s)%s: %s", s.spec.sim_id, len(s.recorded),
+                           " (the same exception twice: not retried again)" if alike else "", attempts.describe(exc))
 
     def _finish_bundle(self, task: bundles.BundleTask, fut: concurrent.futures.Future, cancelled: bool) -> None:
         exc = fut.exception()

@@ -56,3 +56,4 @@ def test_the_tutorials_simulation_trainer_and_campaign_run_as_written(tmp_path):
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 100 and metrics[-1]["loss"] < metrics[0]["loss"]  # it learned
     assert json.loads((run / "campaign.json").read_text())["samples"]["missing"] == 0
+    assert "no sample shape configured" not in (run / "train.err").read_text()  # the tutorial gives the grid
