@@ -185,6 +185,23 @@ class Sender:
         if not data:
             return self._broken(sock)
         self._acks += data
+        self._count_acks()
+
+    def _last_acks(self, sock: socket.socket) -> None:
+        """What the server acknowledged on ``sock`` before the connection went, still in the
+        kernel (a reset leaves the received bytes readable), taken before it is closed (lock
+        held): those messages are not sent again on the next connection."""
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:  # BlockingIOError too: nothing more
+                return
+            if not data:
+                return
+            self._acks += data
+            self._count_acks()
+
+    def _count_acks(self) -> None:
         n = len(self._acks) // 8 * 8
         if n:
             taken = framing.ACK.unpack_from(self._acks, n - 8)[0]
@@ -252,6 +269,7 @@ class Sender:
                 with self._cv:
                     if self._sock is sock:
                         self._sock = None
+                    self._last_acks(sock)
                 sock.close()
             with self._cv:  # closed while idle (the server made room): reconnect when there is something to send
                 self._cv.wait_for(lambda: self._items or self._stop or self._closing)
