@@ -57,6 +57,29 @@ def read_final_error(sim_dir: str | os.PathLike) -> str | None:
     return None
 
 
+#: In the run directory: a training job's deterministic end (exit 78), for a Parsl retry of it.
+TRAINER_FINAL = "train.final.json"
+
+
+def write_trainer_final(run_dir: str, run: str, message: str) -> None:
+    """Rank 0 of a training job that ends on a mistake a relaunch would repeat (exit 78): said
+    where a retry of the job looks first (:func:`trainer_final`), so a workflow's retries of it
+    (Parsl's ``retries``, :func:`hpcml.ensemble.apps.training`) launch nothing."""
+    if run_dir and os.path.isdir(run_dir):
+        safeio.write_json(Path(run_dir) / TRAINER_FINAL, {"run": run, "error": message[:4000], "time": time.time()})
+
+
+def trainer_final(run_dir: str, run: str) -> str | None:
+    """This run's training job ended on a deterministic error (:func:`write_trainer_final`): its message."""
+    try:
+        rec = safeio.read_json(Path(run_dir) / TRAINER_FINAL, 1 << 16)
+    except (ConfigError, OSError):
+        return None
+    if isinstance(rec, dict) and rec.get("run") == run and isinstance(rec.get("error"), str):
+        return rec["error"]
+    return None
+
+
 #: Exceptions a retry may cure -- the machine's, the network's, a launch's -- never taken as repeated.
 _TRANSIENT = ("Launch", "Connection", "Timeout", "OSError", "IOError", "BrokenPipe", "Memory", "ZMQ", "Interrupt",
               "Signal", "Stream", "Handshake")

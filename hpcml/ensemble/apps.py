@@ -245,7 +245,9 @@ def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None =
     the campaign's contract in its environment (run directory, campaign, run, stream, done
     record, ``job.steps`` and ``job.batch``; a trainer exits once this workflow's process is gone).
 
-    Parsl's retries rerun it after a failure; give ``job.argv`` nothing special: a rerun
+    Parsl's retries rerun it after a failure -- not after exit 78, a mistake a relaunch would
+    repeat, which the trainer records (:func:`hpcml.outcome.write_trainer_final`): a retry then
+    launches nothing and exits 78 again; give ``job.argv`` nothing special: a rerun
     of a trainer built on :func:`~hpcml.train.online.train_online` resumes from its
     checkpoint when ``resume`` was claimed. For supervision (restarts, the walltime warning,
     cancelling simulations when it fails) use the :class:`~hpcml.ensemble.Campaign`.
@@ -262,10 +264,16 @@ def training(job: TrainingJob, *, run_dir: str | Path, site: Site | str | None =
     contract = handle.contract.replace(steps=job.steps, batch=job.batch, resume=True)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**contract.to_env(), **job.env}.items())
 
-    def hpcml_train(line: str, env: str, stdout: str = "", stderr: str = "") -> str:
+    def hpcml_train(line: str, env: str, run_dir: str, run: str, stdout: str = "", stderr: str = "") -> str:
+        from hpcml.contract import CONFIG_ERROR
+        from hpcml.outcome import trainer_final
+
+        if trainer_final(run_dir, run) is not None:  # a Parsl retry after a deterministic end: launch nothing
+            return f"exit {CONFIG_ERROR}"
         return f"export {env}; exec {line}" if env else f"exec {line}"
 
-    return bash_app(hpcml_train, executors=executors)(line, env, stdout=str(run_dir / "train.out"),
+    return bash_app(hpcml_train, executors=executors)(line, env, str(run_dir), contract.run,
+                                                     stdout=str(run_dir / "train.out"),
                                                      stderr=str(run_dir / "train.err"))
 
 

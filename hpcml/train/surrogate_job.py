@@ -113,7 +113,10 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
         print("train_surrogate: failed: " + "; ".join(result.problems), file=sys.stderr, flush=True)
     if result.incomplete:
         return INCOMPLETE
-    return CONFIG_ERROR if result.repeat and not result.missing else 1  # 78: the campaign relaunches nothing
+    if result.repeat and not result.missing:  # 78: neither the campaign nor a workflow's retry relaunches it
+        _close_stream(c, "; ".join(result.problems))
+        return CONFIG_ERROR
+    return 1
 
 
 def _with_shape(server: Mapping[str, Any] | None, shape: Sequence[int] | None) -> dict:
@@ -128,12 +131,20 @@ def _with_shape(server: Mapping[str, Any] | None, shape: Sequence[int] | None) -
 
 
 def _close_stream(c: Contract, why: str) -> None:
-    """Rank 0 of a trainer that fails before it listened: say so where the simulations wait
-    for its addresses (unless this run published them: the simulations then know)."""
+    """Rank 0 of a trainer that fails on a mistake a relaunch would repeat: a retry of the job
+    launches nothing (:func:`hpcml.outcome.write_trainer_final`), and, before it listened, the
+    simulations that wait for its addresses are told (unless this run published them: they then know)."""
     from hpcml import env, safeio
     from hpcml.contract import MAX_RECORD_BYTES, write_endpoints
+    from hpcml.outcome import write_trainer_final
 
-    if not c.endpoints_file or env.detect().rank != 0:
+    if env.detect().rank != 0:
+        return
+    try:
+        write_trainer_final(c.run_dir, c.run, why)
+    except OSError:
+        pass
+    if not c.endpoints_file:
         return
     try:
         rec = safeio.read_json(c.endpoints_file, MAX_RECORD_BYTES)

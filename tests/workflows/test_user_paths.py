@@ -154,6 +154,8 @@ def test_simulations_that_do_not_stream_end_the_trainer_in_seconds_with_the_caus
     # 2-core machine, where the trainer's teardown under mpiexec alone takes several seconds
     # exit 78: no step, from simulations that completed -- a relaunch would repeat it (session 21; it was 1)
     assert res["trainer"] == 78 and res["after_done_s"] < 20, (res, _why(run))
+    # launched once: the workflow's Parsl retry (retries=1) launched it again before, to fail alike
+    assert (run / "train.out").read_text().count("[train] summary:") == 1, _why(run)
     assert ("simulation(s) [0, 1] completed without streaming (no hpcml.stream.Producer of theirs was closed: run "
             "without their stream option?)" in (run / "train.err").read_text())
     driver = _script(tmp_path, "my_campaign.py", DRIVER)  # a Campaign: it fails at the first one that completes
