@@ -114,4 +114,3 @@ def failed_alike(sim_dir: str, k: int) -> str | None:
             return None
         seen.append(raised(err))
     return seen[0] if seen[0] is not None and seen[0] == seen[1] else None
-
