@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,7 +50,14 @@ def homes(root: Path) -> set[Path]:
 def resolve_inside(root: Path, name: str) -> Path:
     """``root / name`` if it is a regular file that resolves inside :func:`homes` of ``root``."""
     path = root / name
-    if not path.is_file() or path.resolve().parent not in homes(root):
+    inside = path.resolve().parent in homes(root)
+    try:
+        mode = os.stat(path).st_mode if inside else None  # what the name leads to, inside the directory
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):  # a FIFO, a device, a directory: its own cause, not a link's
+        raise CheckpointError(f"{path}: is {safeio.kind(mode)}; expected a regular file")
+    if not inside or not path.is_file():
         raise CheckpointError(f"{path}: not a file inside {root} (a link out of the directory, other than the "
                               f"hub cache's own, is not followed)")
     return path

@@ -341,3 +341,14 @@ def test_no_layout_an_empty_file_and_a_built_in_name_are_one_line_each(tmp_path,
     assert cli([*base, "--gpus", "8", "--layouts", str(empty)]) == 2
     assert "no layout in it" in capsys.readouterr().err
     assert not devfile.valid_name("h100-80gb") and not devfile.valid_name("H100-80GB") and devfile.valid_name("mine")
+
+
+def test_a_model_that_is_a_fifo_or_a_device_is_named_as_such(tmp_path, capsys):
+    """Before: `--model /dev/zero` said 'not a file inside /dev (a link out of the directory ... is
+    not followed)' -- a link's cause for a device's."""
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    base = ["plan", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "4096", "--global-batch", "8"]
+    for model, kind in (("/dev/zero", "a character device"), (str(fifo), "a FIFO")):
+        assert cli([*base, "--model", model]) == 2
+        assert f"{model}: is {kind}; expected a regular file" in capsys.readouterr().err
