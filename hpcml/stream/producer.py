@@ -40,6 +40,9 @@ from hpcml.stream.handshake import HandshakeError
 
 logger = log.get_logger(__name__)
 
+#: The largest integer float32 holds exactly (and every one below it): an integer field past it is refused.
+EXACT_F32 = 1 << 24
+
 
 def trainer_mismatch(info: dict, *, campaign: str, run: str, fields: Sequence[str], params: Mapping,
                      global_shape: Sequence[int]) -> str | None:
@@ -320,6 +323,11 @@ class Producer:
                                   f"at {first} of this rank's subdomain): the simulation diverged or left them unset; "
                                   f"only finite values are sent (one such sample would make every weight of the "
                                   f"surrogate NaN) -- mask them with finite values first (np.nan_to_num)")
+            if a.dtype.kind in "iu" and a.size and a.dtype.itemsize >= 4 and (
+                    int(a.max()) > EXACT_F32 or int(a.min()) < -EXACT_F32):  # float32 holds integers to 2^24 exactly
+                raise self._error(f"field {name!r} holds integers from {int(a.min())} to {int(a.max())}: sent as "
+                                  f"float32, which holds integers exactly only within +-{EXACT_F32} (the values would "
+                                  f"arrive rounded) -- send them as float64 (a.astype(np.float64))")
             dtype = np.dtype(np.float64 if a.dtype == np.float64 else np.float32)
             if a.size * dtype.itemsize > message.MAX_FRAME_BYTES:
                 raise self._error(f"field {name!r} of this rank is {a.size * dtype.itemsize} bytes, more than the "

@@ -648,8 +648,16 @@ def test_a_diverged_simulations_non_finite_field_is_refused_at_the_producer(tmp_
                                 "surrogate NaN) -- mask them with finite values first (np.nan_to_num)")
         p.send(1, 0.1, {"T": np.nan_to_num(bad, posinf=0.0, neginf=0.0)})  # a finite field goes
         p.send(2, 0.2, {"T": np.arange(24, dtype=np.int64).reshape(4, 6)})  # integers are always finite
+        ids = np.arange(24, dtype=np.int64).reshape(4, 6) + (1 << 24) - 23  # 2^24 the largest: exact in float32
+        p.send(3, 0.3, {"T": ids})
+        with pytest.raises(ConfigError) as e:  # one more would arrive rounded: 16777217.0 is 16777216.0 in float32
+            p.send(4, 0.4, {"T": ids + 1})
+        assert str(e.value) == ("simulation 3 rank 0: field 'T' holds integers from 16777194 to 16777217: sent as "
+                                "float32, which holds integers exactly only within +-16777216 (the values would arrive "
+                                "rounded) -- send them as float64 (a.astype(np.float64))")
+        p.send(4, 0.4, {"T": (ids + 1).astype(np.float64)})
         p.close()
-        _wait(lambda: len(srv.seen) == 3)
+        _wait(lambda: len(srv.seen) == 5)
         assert srv.dropped == {}
     finally:
         srv.stop()
