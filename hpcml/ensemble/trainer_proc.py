@@ -103,6 +103,8 @@ class TrainerProcess:
         self.started = self.ended = 0.0
         self.restarts = 0
         self.launch: str | None = None
+        self.stopped = False
+        """The campaign ended it while it ran (MPICH's launcher then exits 0 whatever its ranks did)."""
 
     # -- life ---------------------------------------------------------------------------------
     def start(self, *, restart: bool = False, append: bool = False) -> None:
@@ -126,7 +128,7 @@ class TrainerProcess:
             # its own process group, under the watchdog that ends it if this driver dies
             self.proc = subprocess.Popen(watchdog.command(["/bin/bash", "-c", self.line]), stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.returncode = None
+        self.returncode, self.stopped = None, False
         self.started = time.monotonic()
 
     def reap(self, launch: str | None = None) -> list[int]:
@@ -222,6 +224,7 @@ class TrainerProcess:
         through its scheduler first)."""
         if self.proc is None:
             return
+        self.stopped = self.stopped or self.proc.poll() is None
         if self.running:
             self._scheduler(None)
         self.reap()
@@ -293,4 +296,5 @@ class TrainerProcess:
     def summary(self) -> dict:
         return {"argv": self.job.argv, "ranks": self.job.ranks, "nodes": self.job.nodes, "launch": self.line,
                 "returncode": self.returncode, "restarts": self.restarts,
+                **({"stopped_by": "campaign"} if self.stopped else {}),  # its returncode is then the launcher's
                 "wall_s": round((self.ended or time.monotonic()) - self.started, 3) if self.started else None}

@@ -94,4 +94,6 @@ def test_a_deterministic_mistake_ends_the_campaign_at_once_with_its_cause(tmp_pa
     assert failed and all(r["attempt"] == 0 for r in prov), prov  # no retry of anything
     record = json.loads((run_dir / "campaign.json").read_text())
     assert record["training"]["restarts"] == 0, record["training"]  # the trainer was not relaunched
+    # and stopped by the campaign: its returncode (0, MPICH's launcher's after SIGTERM) is not the trainer's own
+    assert record["training"].get("stopped_by") == "campaign", record["training"]
     print(f"\n{mistake}: ended in {wall:.1f} s: {text}")
