@@ -211,9 +211,9 @@ class PopulationBasedTraining:
     def _record(self, r: Round, copies: dict[int, int], step: int) -> None:
         if self.grid.world_comm.Get_rank() != 0:
             return
-        line = {"round": r.round, "step": step, "members": [
-            {"member": m, "score": r.scores[m] if math.isfinite(r.scores[m]) else None, "copied": copies.get(m),
-             **r.hyperparameters[m]} for m in range(len(r.scores))]}
+        line = safeio.finite({"round": r.round, "step": step, "members": [  # a diverged member's score: null
+            {"member": m, "score": r.scores[m], "copied": copies.get(m), **r.hyperparameters[m]}
+            for m in range(len(r.scores))]})
         logger.info("PBT round %d at step %d: best member %d (%.6g); %s", r.round, step,
                     min(range(len(r.scores)), key=lambda m: (not math.isfinite(r.scores[m]), r.scores[m])),
                     min(r.scores), ", ".join(f"{c} copied {s}" for c, s in sorted(copies.items())) or "no copies")

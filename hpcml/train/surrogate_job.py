@@ -90,13 +90,10 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
                                  config=config, buffer=buffer, online=online, parallel=parallel, loss_fn=loss_fn,
                                  files=files, server=_with_shape(server, shape), on_step=on_step,
                                  torch_threads=torch_threads, val_files=val_files, population=population)
-    except ConfigError as e:  # raised alike on every rank (agreed), before anything was trained
-        _error(e)
-        _close_stream(c, str(e))
-        return CONFIG_ERROR
-    except DivergenceError as e:  # every rank of the trainer at the same step; a relaunch would diverge again
-        if population is not None and not isinstance(e, PopulationDivergedError):  # one member's ranks only (no
-            raise  # selection to replace it): the abort handler ends the job, no other member left waiting
+    except (ConfigError, DivergenceError) as e:  # a mistake raised alike on every rank (agreed) before anything was
+        # trained, or a divergence at the same step on every rank of the trainer: a relaunch would repeat either
+        if isinstance(e, DivergenceError) and population is not None and not isinstance(e, PopulationDivergedError):
+            raise  # one member's ranks only (no selection to replace it): the abort handler ends the job
         _error(e)
         _close_stream(c, str(e))
         return CONFIG_ERROR

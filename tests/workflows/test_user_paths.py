@@ -100,6 +100,17 @@ def _script(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
+def _held_out(tmp_path: Path) -> Path:
+    """Two held-out simulations, written offline (a population's tournaments score on them): their directory."""
+    val = tmp_path / "val"
+    val.mkdir()
+    for i, (nu, amp) in enumerate([(0.02, 0.7), (0.04, 0.9)]):
+        subprocess.run(["mpiexec", "-n", "1", sys.executable, SIM, "--sim-id", str(100 + i), "--nx", "32",
+                        "--steps", "400", "--every", "100", "--params-json", json.dumps({"nu": nu, "amp": amp}),
+                        "--out", str(val / f"sim_{i}.h5")], check=True, capture_output=True, timeout=60)
+    return val
+
+
 def _line(out: str, head: str) -> str:
     lines = [x for x in out.splitlines() if x.startswith(head + " ")]
     assert lines, out[-3000:]
@@ -210,12 +221,7 @@ def test_an_online_campaign_feeds_a_population_each_member_its_own_simulations_o
     from hpcml import ckpt
     from hpcml.train.online import load_source_states
 
-    val = tmp_path / "val"
-    val.mkdir()
-    for i, (nu, amp) in enumerate([(0.02, 0.7), (0.04, 0.9)]):  # two held-out simulations, written offline
-        subprocess.run(["mpiexec", "-n", "1", sys.executable, SIM, "--sim-id", str(100 + i), "--nx", "32",
-                        "--steps", "400", "--every", "100", "--params-json", json.dumps({"nu": nu, "amp": amp}),
-                        "--out", str(val / f"sim_{i}.h5")], check=True, capture_output=True, timeout=60)
+    val = _held_out(tmp_path)
     driver = _script(tmp_path, "my_campaign.py", DRIVER)
     run = tmp_path / "run"
     flags = {"sim": ["--steps", "400", "--every", "100", "--stream"], "steps": 20,
@@ -257,12 +263,7 @@ def test_a_population_whose_every_member_diverged_ends_the_campaign_once_with_th
     the trainer ends 78 (a relaunch would diverge again), nothing is relaunched, and the driver's
     error names the cause -- not exit 0 with the 'best' of two models that took one step each,
     nor an abort; the trainer's summary (an infinite loss in it) is still read, not ignored."""
-    val = tmp_path / "val"
-    val.mkdir()
-    for i, (nu, amp) in enumerate([(0.02, 0.7), (0.04, 0.9)]):
-        subprocess.run(["mpiexec", "-n", "1", sys.executable, SIM, "--sim-id", str(100 + i), "--nx", "32",
-                        "--steps", "400", "--every", "100", "--params-json", json.dumps({"nu": nu, "amp": amp}),
-                        "--out", str(val / f"sim_{i}.h5")], check=True, capture_output=True, timeout=60)
+    val = _held_out(tmp_path)
     driver = _script(tmp_path, "my_campaign.py", DRIVER)
     run = tmp_path / "run"
     flags = {"sim": ["--steps", "400", "--every", "100", "--stream"], "steps": 20,
