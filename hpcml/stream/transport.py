@@ -38,7 +38,6 @@ import socket
 import time
 from collections import deque
 
-import numpy as np
 from zmq import Again
 
 from hpcml import log
@@ -46,6 +45,7 @@ from hpcml.errors import ConfigError
 from hpcml.stream import handshake, message
 from hpcml.stream.budget import raise_fd_limit
 from hpcml.stream.framing import ACK, ALIGN
+from hpcml.stream.pool import BufferPool
 from hpcml.stream.reading import ROUND_MESSAGES, S_BODY, S_HEAD, S_WAIT, SCRATCH, Conn, MessageReader
 
 logger = log.get_logger(__name__)
@@ -121,6 +121,7 @@ class Receiver(MessageReader):
         self._ack_due: dict[int, Conn] = {}
         self._events: list | None = None
         self._scratch = memoryview(bytearray(SCRATCH))
+        self._pool = BufferPool()
         self._peers = 0
         self._swept = self._reading = time.monotonic()
         self._capped_logged = 0.0
@@ -291,7 +292,7 @@ class Receiver(MessageReader):
 
     def _give_memory(self, c: Conn) -> None:
         """The one buffer ``c``'s message is read into (its bytes counted as held)."""
-        raw = np.empty(c.total + ALIGN, np.uint8)
+        raw = self._pool.take(c.total + ALIGN)
         at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
         c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, S_BODY, time.monotonic()
         c.view = memoryview(c.body)
