@@ -21,6 +21,7 @@ simulation does. Each member keeps what a simulation of its own has:
   twice, as the stream's exactly-once rules need;
 - **its retries**: an exception is retried up to ``R`` times in-process, except a
   deterministic one (a ConfigError, or a final record its producer wrote): never retried;
+  nor after two attempts in a row on the same exception of its own (:func:`hpcml.outcome.raised`);
 - **its record**: one JSON line per ended attempt in ``BUNDLE_DIR/members.jsonl`` (status
   ``ok``, ``failed`` or ``final``, result, error, times, samples streamed), written and
   flushed as it ends -- no directory or file of its own;
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from hpcml import safeio
 from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD
-from hpcml.outcome import FINAL_SUFFIX
+from hpcml.outcome import FINAL_SUFFIX, raised
 from hpcml.errors import ConfigError
 
 SPEC_FILE = "bundle.json"
@@ -145,7 +146,11 @@ def run_bundle(bundle_dir: str | os.PathLike, *, bundle_attempt: int = 0) -> dic
     spec = _read_spec(bundle_dir)
     fn = load_entry(spec["entry"])
     tries = spec["retries"] + 1
-    ended = {r["sim_id"] for r in read_records(bundle_dir) if r.get("status") in ("ok", "final")}
+    records = read_records(bundle_dir)
+    ended = {r["sim_id"] for r in records if r.get("status") in ("ok", "final")}
+    seen: dict[int, list[str | None]] = {}  # each member's attempts so far: the exception a failed one raised
+    for r in records:
+        seen.setdefault(r["sim_id"], []).append(_raised(r))
     counts = {"ok": 0, "failed": 0, "final": 0, "skipped": len({m[0] for m in spec["members"]} & ended)}
     saved = {k: os.environ.get(k) for k in (ENV_SIM_ID, ENV_ATTEMPT, ENV_STREAM_RECORD)}
     fd = safeio.open_fd(bundle_dir / RECORDS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT)
@@ -155,18 +160,37 @@ def run_bundle(bundle_dir: str | os.PathLike, *, bundle_attempt: int = 0) -> dic
             for sim_id, params, first in spec["members"]:
                 if sim_id in ended:
                     continue
-                for r in range(tries):
+                past = seen.setdefault(sim_id, [])
+                status = "failed" if _alike(sim_id, past) else None
+                for r in range(tries if status is None else 0):
                     rec = _attempt(fn, bundle_dir, sim_id, params, first + bundle_attempt * tries + r)
                     log.write(json.dumps(rec, separators=(",", ":"), default=str) + "\n")
                     log.flush()
-                    if rec["status"] != "failed":
+                    status = rec["status"]
+                    past.append(_raised(rec))
+                    if status != "failed" or _alike(sim_id, past):
                         break
-                counts[rec["status"]] += 1
+                counts[status] += 1
                 ended.add(sim_id)
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return counts
+
+
+def _raised(rec: dict) -> str | None:
+    """The member's own exception a failed attempt ended on (None: not failed, or one a retry may cure)."""
+    return raised(str(rec.get("error"))) if rec.get("status") == "failed" else None
+
+
+def _alike(sim_id: int, past: list[str | None]) -> bool:
+    """The member's last two attempts raised the same exception of its own: a third would raise it
+    again (as for a launched simulation, :func:`hpcml.outcome.failed_alike`); says so on stderr."""
+    if len(past) < 2 or past[-1] is None or past[-1] != past[-2]:
+        return False
+    print(f"hpcml bundle: member {sim_id}: not retried: its last two attempts both raised {past[-1][:300]}",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def _attempt(fn: Callable, bundle_dir: Path, sim_id: int, params: dict, attempt: int) -> dict:

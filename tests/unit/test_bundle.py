@@ -89,3 +89,34 @@ def test_a_bundle_that_cannot_start_says_why_in_one_line(tmp_path, capsys):
         bundle.run_bundle(d)
     with pytest.raises(ConfigError, match=r"^bundle entry 'os.path': expected 'package.module:function'$"):
         bundle.load_entry("os.path")
+
+
+ALIKE = textwrap.dedent('''
+    def member(sim_id, params, attempt):
+        if sim_id == 0:
+            raise ValueError(f"kappa={params['x']} is outside the solver's range")  # the same every time
+        if sim_id == 1:
+            raise RuntimeError(f"diverged at attempt {attempt}")                    # a different one each time
+        if sim_id == 2:
+            raise ConnectionRefusedError("[Errno 111] the file server refused")     # a retry may cure it
+        return {}
+''')
+
+
+def test_a_member_raising_the_same_exception_twice_is_not_tried_a_third_time(tmp_path, monkeypatch, capsys):
+    """As a launched simulation (tests/unit/test_repeated_failure.py): the member's own exception
+    twice ends its retries, in this bundle run and in the next; a different one each time, or
+    one a retry may cure, uses every retry."""
+    (tmp_path / "alike_members.py").write_text(ALIKE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = tmp_path / "bundle_0"
+    bundle.write_spec(d, "alike_members:member", [{"sim_id": i, "params": {"x": 0.5}} for i in range(4)], retries=3)
+    assert bundle.run_bundle(d, bundle_attempt=0) == {"ok": 1, "failed": 3, "final": 0, "skipped": 0}
+    tries = [r["sim_id"] for r in bundle.read_records(d)]
+    assert [tries.count(i) for i in range(4)] == [2, 4, 4, 1]
+    err = capsys.readouterr().err
+    assert ("hpcml bundle: member 0: not retried: its last two attempts both raised ValueError: kappa=0.5 is outside "
+            "the solver's range") in err and err.count("not retried") == 1
+    assert bundle.run_bundle(d, bundle_attempt=1) == {"ok": 0, "failed": 3, "final": 0, "skipped": 1}
+    tries = [r["sim_id"] for r in bundle.read_records(d)]
+    assert [tries.count(i) for i in range(4)] == [2, 8, 8, 1]  # the task run again: member 0 still not
