@@ -26,39 +26,39 @@ SCAN = 8
 
 
 class BufferPool:
-    """``take(n)``: a uint8 array of at least ``n`` bytes, one of the pool's if nothing refers to it any more."""
+    """``take(n)``: a uint8 array of ``n`` bytes starting on an ``align``-byte boundary (frames
+    as aligned as any allocator's), in one of the pool's buffers if nothing refers to it any more."""
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = 64 << 20, align: int = 64) -> None:
+        self.max_bytes, self.align = max_bytes, align
         self.bytes = 0
-        """Bytes of the arrays the pool keeps (in use or free)."""
+        """Bytes of the buffers the pool keeps (in use or free)."""
         self.reused = 0
         """Buffers handed out again."""
-        self._sized: dict[int, deque[np.ndarray]] = {}
+        self._sized: dict[int, deque[tuple[np.ndarray, int]]] = {}  # size -> (buffer, its aligned offset)
         self._free_refs = _refs_when_free()
 
     def take(self, nbytes: int) -> np.ndarray:
-        if nbytes < MIN_BYTES:
-            return np.empty(nbytes, np.uint8)
-        nbytes = -(-nbytes // GRAIN) * GRAIN
-        q = self._sized.get(nbytes)
+        size = -(-nbytes // GRAIN) * GRAIN
+        q = self._sized.get(size) if nbytes >= MIN_BYTES else None
         if q is not None:
             for _ in range(min(len(q), SCAN)):
-                raw = q[0]
+                raw, at = q[0]
                 q.rotate(-1)  # to the back either way: the next look starts at the next oldest
                 if sys.getrefcount(raw) == self._free_refs:
                     self.reused += 1
-                    return raw
-        raw = np.empty(nbytes, np.uint8)
-        if self.bytes + nbytes <= self.max_bytes:
-            self._sized.setdefault(nbytes, deque()).append(raw)
-            self.bytes += nbytes
-        return raw
+                    return raw[at:at + nbytes]
+        raw = np.empty((size if nbytes >= MIN_BYTES else nbytes) + self.align, np.uint8)
+        at = -raw.__array_interface__["data"][0] % self.align
+        if nbytes >= MIN_BYTES and self.bytes + size <= self.max_bytes:
+            self._sized.setdefault(size, deque()).append((raw, at))
+            self.bytes += size
+        return raw[at:at + nbytes]
 
 
 def _refs_when_free() -> int:
     """What ``sys.getrefcount`` reads, inside :meth:`BufferPool.take`, for a buffer only the pool holds."""
-    q = deque([np.empty(1, np.uint8)])
-    raw = q[0]
+    q = deque([(np.empty(1, np.uint8), 0)])
+    raw, at = q[0]
     q.rotate(-1)
     return sys.getrefcount(raw)

@@ -121,7 +121,7 @@ class Receiver(MessageReader):
         self._ack_due: dict[int, Conn] = {}
         self._events: list | None = None
         self._scratch = memoryview(bytearray(SCRATCH))
-        self._pool = BufferPool()
+        self._pool = BufferPool(align=ALIGN)
         self._peers = 0
         self._swept = self._reading = time.monotonic()
         self._capped_logged = 0.0
@@ -292,9 +292,7 @@ class Receiver(MessageReader):
 
     def _give_memory(self, c: Conn) -> None:
         """The one buffer ``c``'s message is read into (its bytes counted as held)."""
-        raw = self._pool.take(c.total + ALIGN)
-        at = -raw.ctypes.data % ALIGN  # frames on 64-byte boundaries: arrays as aligned as any allocator's
-        c.body, c.fill, c.state, c.started = raw[at:at + c.total], 0, S_BODY, time.monotonic()
+        c.body, c.fill, c.state, c.started = self._pool.take(c.total), 0, S_BODY, time.monotonic()
         c.view = memoryview(c.body)
         self.held += c.total
         if not c.total:

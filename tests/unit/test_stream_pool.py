@@ -39,6 +39,7 @@ def test_the_pool_is_bounded_and_small_buffers_are_left_to_the_allocator():
     assert pool.bytes == 3 * MIN_BYTES and all(a.nbytes == MIN_BYTES for a in held)
     small = pool.take(MIN_BYTES - 1)
     assert pool.bytes == 3 * MIN_BYTES and small.nbytes == MIN_BYTES - 1
+    assert all(a.ctypes.data % 64 == 0 for a in (*held, small))  # frames on 64-byte boundaries
     del held[:3]  # the pooled ones (taken first) are free; the two past the bound were never kept
     again = {pool.take(MIN_BYTES).ctypes.data for _ in range(3)}
     assert len(again) == 3 and pool.reused == 3 and pool.bytes == 3 * MIN_BYTES
