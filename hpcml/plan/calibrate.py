@@ -25,9 +25,9 @@ from pathlib import Path
 
 from hpcml import safeio
 from hpcml.errors import ConfigError
-from hpcml.numeric import is_int, is_real
+from hpcml.numeric import is_int
 from hpcml.plan import devfile
-from hpcml.plan.predict import measured_step, pop_measured
+from hpcml.plan.predict import measured_ok, measured_step, pop_measured
 from hpcml.plan.published import Case
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.timing import Constants
@@ -97,7 +97,7 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
             torn = ConfigError(f"{where}: {e}")
             continue
         v = rec.get("step_s") if isinstance(rec, dict) else None
-        if is_real(v) and math.isfinite(v) and 0 < v < 1e12:
+        if measured_ok(v):
             steps.append(float(v))
     if len(steps) <= WARMUP_STEPS:
         raise ConfigError(f"{where}: {len(steps)} timed steps in metrics.jsonl: expected more than {WARMUP_STEPS} "

@@ -189,6 +189,13 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
 
 
 MEASURED = ("step_s", "tokens_per_s")
+#: A measured figure's range: a step of under a microsecond, or past 10^12 tokens/s, was not measured.
+MEASURED_RANGE = (1e-6, 1e12)
+
+
+def measured_ok(v: object) -> bool:
+    """``v`` is a measured step time or token rate: a real number within :data:`MEASURED_RANGE`."""
+    return is_real(v) and math.isfinite(v) and MEASURED_RANGE[0] <= v < MEASURED_RANGE[1]
 
 
 def pop_measured(d: dict, where: str = "") -> tuple[str, float] | None:
@@ -202,8 +209,9 @@ def pop_measured(d: dict, where: str = "") -> tuple[str, float] | None:
     if len(keys) > 1:
         raise ConfigError(f"{prefix}give exactly one of step_s (seconds a step) or tokens_per_s (all ranks)")
     v = d.pop(keys[0])
-    if not is_real(v) or not (math.isfinite(v) and 0 < v < 1e12):
-        raise ConfigError(f"{prefix}{keys[0]}={repr(v)[:40]}: expected a positive number")
+    if not measured_ok(v):
+        raise ConfigError(f"{prefix}{keys[0]}={repr(v)[:40]}: expected a measured figure, a number from "
+                          f"{MEASURED_RANGE[0]:g} to {MEASURED_RANGE[1]:g}")
     return keys[0], float(v)
 
 

@@ -105,7 +105,9 @@ def test_run_directories_and_json_lines(tmp_path):
     for bad, match in (('{"gpus": 1, "step_s": 1, "tokens_per_s": 2}', "exactly one"),
                        ('{"gpus": 1}', "exactly one"), ('{"gpus": 1, "step_s": -1}', "step_s=-1"),
                        ('{"gpus": 3, "tp": 2, "step_s": 1}', "not divisible"), ('[1]', "JSON object"),
-                       ('{"gpus": 1, "step_s": NaN}', "NaN")):
+                       ('{"gpus": 1, "step_s": NaN}', "NaN"),
+                       ('{"gpus": 1, "step_s": 1e-300}', r"step_s=1e-300: expected a measured figure, a number from "
+                                                         r"1e-06 to 1e\+12")):
         lines.write_text(bad + "\n")
         with pytest.raises(ConfigError, match=match) as e:
             read_runs([str(lines)], dict(BASE))
