@@ -78,11 +78,11 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=None, help="search: how many layouts to print (default 5)")
     p.add_argument("--emit", choices=("args", "job"), help="print the chosen layout as llm_pretrain.py arguments, "
                    "or as the 'hpcml job' command that submits it (needs --site)")
-    p.add_argument("--walltime", default="01:00:00", help="with --emit job")
+    p.add_argument("--walltime", help="with --emit job (default 01:00:00)")
     p.add_argument("--steps", type=int, help="with --emit job (required): optimizer steps of the whole run")
     p.add_argument("--account", help="with --emit job: the allocation to charge (default $HPCML_ACCOUNT; required "
                    "where the site requires one)")
-    p.add_argument("--ckpt-dir", default="checkpoints", help="with --emit job (default: checkpoints)")
+    p.add_argument("--ckpt-dir", help="with --emit job (default: checkpoints)")
     p.add_argument("--ckpt-every", type=int, help="with --emit job: steps between saves (default: about every 10 "
                    "minutes of the predicted step time)")
     p.add_argument("--data", metavar="FILE.h5", help="with --emit: the token file to train on (hpcml data pack)")
@@ -124,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
         load_site(args.job_site)  # an unknown site: one line now
     if args.runs or args.out or args.name or args.cpu:
         raise ConfigError("RUNS, --out, --name and --cpu belong to 'hpcml plan calibrate'")
+    job_only = [f for f, v in (("--walltime", args.walltime), ("--account", args.account),
+                               ("--ckpt-dir", args.ckpt_dir), ("--ckpt-every", args.ckpt_every)) if v is not None]
+    if job_only and args.emit != "job":
+        raise ConfigError(f"{', '.join(job_only)} shape the job --emit job prints; "
+                          f"{'--emit args prints' if args.emit else 'without --emit, hpcml plan prints'} no job: "
+                          f"add --emit job (and --site), or drop them")
     if args.device_file:
         from hpcml.plan import devfile
 
@@ -335,7 +341,8 @@ def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: 
     else:
         run, pop = emit(lay), ["--pop", str(members), *every] if members > 1 else []
     if args.emit == "job":
-        print(emit_job(lay, args.walltime, steps=args.steps, account=args.account, ckpt_dir=args.ckpt_dir,
+        print(emit_job(lay, args.walltime or "01:00:00", steps=args.steps, account=args.account,
+                       ckpt_dir=args.ckpt_dir or "checkpoints",
                        ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site,
                        members=members, population=pop, run=run))
     else:

@@ -444,6 +444,13 @@ def test_emit_job_is_a_job_that_runs_to_completion(capsys, monkeypatch):
     assert cli(base + ["--steps", "10", "--ckpt-every", "5"]) == 0
     out = capsys.readouterr().out
     assert "--account ENVPROJ" in out and "--ckpt-every 5 " in out
+    # a job's flags where no job is printed: one line, not silently dropped
+    args_only = [a if a != "job" else "args" for a in base]
+    assert cli(args_only + ["--account", "MYPROJ"]) == 2
+    assert capsys.readouterr().err.strip() == ("hpcml: error: --walltime, --account shape the job --emit job prints; "
+                                               "--emit args prints no job: add --emit job (and --site), or drop them")
+    assert cli([a for a in base if a not in ("--emit", "job")] + ["--ckpt-every", "5"]) == 2
+    assert "--walltime, --ckpt-every shape the job" in capsys.readouterr().err
 
 
 def test_a_search_leaves_headroom_and_emit_refuses_a_layout_at_the_edge(capsys):
