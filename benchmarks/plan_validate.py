@@ -202,13 +202,20 @@ CAL_FIT = [2, 8, 6, 20, 18]
 CAL_CHECK = [0, 3, 4, 7, 9, 10, 12, 15, 16, 21]
 
 
-def calibrate_runs(rounds: int = 2) -> dict:
+def calibrate_runs(rounds: int = 2, runs_dir: str | None = None, reuse: bool = False) -> dict:
     """Measure the 15 layouts; ``hpcml plan calibrate`` on the run directories of ``CAL_FIT``
     (as a user runs it, this machine's CPU measured by it); ``hpcml plan --device-file`` on the
-    others' layouts with their measured step times: median |error| and Spearman."""
+    others' layouts with their measured step times: median |error| and Spearman. ``runs_dir``:
+    the fastest round's run directory of each layout is kept there (``measured.json`` their
+    rounds); with ``reuse``, what an earlier run kept there is calibrated on again, nothing measured."""
     with tempfile.TemporaryDirectory() as tmp:
-        keep = Path(tmp)
-        measured = measure_layouts(CAL_FIT + CAL_CHECK, rounds, keep=keep)
+        keep = Path(runs_dir or tmp)
+        keep.mkdir(parents=True, exist_ok=True)
+        if reuse:
+            measured = {int(k): v for k, v in json.loads((keep / "measured.json").read_text()).items()}
+        else:
+            measured = measure_layouts(CAL_FIT + CAL_CHECK, rounds, keep=keep)
+            (keep / "measured.json").write_text(json.dumps(measured))
         dev = keep / "this-cpu.json"
         cal = subprocess.run([PY, "-m", "hpcml.cli", "plan", "calibrate", *(str(keep / str(i)) for i in CAL_FIT),
                               "--cpu", "--model", "mini", "--out", str(dev), "--json"],
@@ -301,9 +308,14 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true", help="hpcml plan calibrate on 5 measured layouts, checked "
                     "on 10 others (~4.5 minutes a round)")
     ap.add_argument("--rounds", type=int, default=2, help="--calibrate: rounds of the 15 layouts (the fastest kept)")
+    ap.add_argument("--runs-dir", help="--calibrate: keep the measured run directories here")
+    ap.add_argument("--reuse", action="store_true", help="--calibrate: calibrate again on --runs-dir's runs, "
+                    "measuring nothing")
     args = ap.parse_args()
+    if args.reuse and not args.runs_dir:
+        ap.error("--reuse needs --runs-dir")
     if args.calibrate:
-        r = calibrate_runs(args.rounds)
+        r = calibrate_runs(args.rounds, args.runs_dir, args.reuse)
         print(json.dumps(r, indent=1) if args.json else
               f"calibrated on {len(CAL_FIT)} layouts, checked on {len(CAL_CHECK)}: median |error| "
               f"{r['median_abs_error']:.1%}, p90 {r['p90_abs_error']:.1%}, Spearman {r['spearman']}")
