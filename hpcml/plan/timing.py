@@ -259,8 +259,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
             comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
             comm *= _node_aware_share(cfg, lay, dev, pp_rank, dp_bw)
+        # its fixed cost per unit and micro-batch is its gathers': ZeRO-3 gathers twice (forward and
+        # backward), ZeRO-2 once; ``fsdp_unit_s`` is ZeRO-3's, as the probe and a calibration measure it
         dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + gather / max(1, len(layers)) \
-            + m * (len(layers) + 1) * c.fsdp_unit_s
+            + m * (len(layers) + 1) * c.fsdp_unit_s * (1.0 if lay.zero == 3 else 0.5)
     else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients
         comm = _ring(grad_full, ws, dp_bw, c, 1.0) + _ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 \
             else _ring(grad_full, ws, dp_bw, c)

@@ -354,3 +354,22 @@ def test_a_model_that_is_a_fifo_or_a_device_is_named_as_such(tmp_path, capsys):
     for model, kind in (("/dev/zero", "a character device"), (str(fifo), "a FIFO")):
         assert cli([*base, "--model", model]) == 2
         assert f"{model}: is {kind}; expected a regular file" in capsys.readouterr().err
+
+
+def test_fsdp_fixed_cost_per_unit_is_its_gathers_zero2_half_of_zero3():
+    """ZeRO-3 gathers a unit's parameters twice a micro-batch (forward, backward), ZeRO-2 once:
+    ``fsdp_unit_s`` (ZeRO-3's, as the probe and a calibration measure it) costs ZeRO-2 half. On
+    this machine's calibration runs ZeRO-2 at 2 micro-batches was predicted +27% slow both times
+    when it paid ZeRO-3's; the measured pair is in benchmarks.md."""
+    from hpcml.plan.predict import load_model
+    from hpcml.plan.timing import step_time
+
+    cfg, dev = load_model("mini"), cpu_device(FACTS, 2, {})[0]
+    extra = {}
+    for zero in (2, 3):
+        lay = PlanLayout(gpus=2, gpu="a100-80gb", zero=zero, micro_batch=4, **BASE)  # 2 micro-batches a rank
+        base = step_time(cfg, lay, dev, replace(TRUTH, fsdp_unit_s=0.0)).dp_s
+        extra[zero] = step_time(cfg, lay, dev, replace(TRUTH, fsdp_unit_s=1e-2)).dp_s - base
+    units = cfg.n_layers + 1
+    assert extra[3] == pytest.approx(2 * units * 1e-2, rel=1e-9)
+    assert extra[2] == pytest.approx(2 * units * 1e-2 / 2, rel=1e-9)
