@@ -59,17 +59,18 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def fit(cases, start: Constants | None = None, rounds: int = 4,
-        grid: dict[str, list[float]] | None = None) -> tuple[Constants, float]:
-    """Constants minimising :func:`score` on ``cases``, by coordinate descent over ``grid``
-    (default :data:`GRID`; deterministic: the same cases give the same constants)."""
+        grid: dict[str, list[float]] | None = None, objective=None) -> tuple[Constants, float]:
+    """Constants minimising :func:`score` (or ``objective(cases, c)``) on ``cases``, by coordinate
+    descent over ``grid`` (default :data:`GRID`; deterministic: the same cases give the same constants)."""
+    objective = objective or score
     c = start or Constants()
-    best = score(cases, c)
+    best = objective(cases, c)
     for _ in range(rounds):
         moved = False
         for name, values in (GRID if grid is None else grid).items():
             for v in values:
                 trial = replace(c, **{name: v})
-                s = score(cases, trial)
+                s = objective(cases, trial)
                 if s < best - 1e-12:
                     c, best, moved = trial, s, True
         if not moved:

@@ -54,7 +54,10 @@ def test_calibration_recovers_a_machine_from_five_layouts():
     after = [predict(replace(r.layout, gpu="fitted")).step_s / r.step_s - 1 for r in check_runs]
     assert statistics.median(before) > 0.3  # the start is far off
     assert statistics.median(abs(e) for e in after) < 0.08, after
-    assert max(abs(e) for e in after) < 0.25, after
+    assert max(abs(e) for e in after) < 0.3, after
+    # matmul rate and elementwise passes trade off on five runs: the passes stay near the measured
+    # start (without calibrate.PRIOR they fell to 3e-7 here, 0.0005 on a real run: 1-rank layouts 12-23% off)
+    assert 0.5 < df.constants.elementwise_passes / start.constants.elementwise_passes < 2
     assert report["rms_log_error"] < 0.05 < report["rms_log_error_before"]
     # nothing in FIT uses sequence parallelism: tied to tp's cost, and said so
     assert "sp_block_s" in report["unfitted"] and df.constants.sp_block_s == df.constants.tp_block_s
@@ -373,3 +376,17 @@ def test_fsdp_fixed_cost_per_unit_is_its_gathers_zero2_half_of_zero3():
     units = cfg.n_layers + 1
     assert extra[3] == pytest.approx(2 * units * 1e-2, rel=1e-9)
     assert extra[2] == pytest.approx(2 * units * 1e-2 / 2, rel=1e-9)
+
+
+def test_a_calibration_writes_only_what_a_device_file_may_hold(tmp_path):
+    """Links faster than the start's figure: the grid of factors reached comm_eff 3.8 on a real
+    run, and the device file written was refused by its own check (the run's calibration lost).
+    The fit stays inside the device file's ranges, and what it writes loads."""
+    fast = replace(TRUTH, comm_eff=4.0, tp_block_s=0.0, cp_block_s=0.0, fsdp_unit_s=0.0)
+    truth = devfile.register(devfile.DeviceFile(name="fast-links", constants=fast, cpu=FACTS))
+    start = devfile.DeviceFile(name="start3", constants=cpu_device(FACTS, 1, {})[1], cpu=FACTS)
+    df, report = calibrate(_measured(truth, FIT), start, "fitted-fast")
+    lo, hi = devfile.RANGES["comm_eff"]
+    assert lo <= df.constants.comm_eff <= hi
+    devfile.write(df, tmp_path / "fast.json")
+    assert devfile.load(tmp_path / "fast.json").constants == df.constants
