@@ -57,8 +57,13 @@ class BufferPool:
 
 
 def _refs_when_free() -> int:
-    """What ``sys.getrefcount`` reads, inside :meth:`BufferPool.take`, for a buffer only the pool holds."""
+    """What ``sys.getrefcount`` reads, inside :meth:`BufferPool.take`, for a buffer only the pool
+    holds; -1 (nothing is ever reused) on an interpreter where a view held does not show in it."""
     q = deque([(np.empty(1, np.uint8), 0)])
     raw, at = q[0]
     q.rotate(-1)
-    return sys.getrefcount(raw)
+    free = sys.getrefcount(raw)
+    view = raw[at:]
+    held = sys.getrefcount(raw)
+    del view
+    return free if held > free == sys.getrefcount(raw) else -1
