@@ -394,3 +394,4 @@ class Receiver(MessageReader):
             self._close(c)
         self._sel.close()
         self.sock.close()
+        self._pool = BufferPool(align=ALIGN)  # its free buffers go now, not with the server object

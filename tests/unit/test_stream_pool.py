@@ -4,6 +4,7 @@ its own, then a real server whose buffer holds samples while later messages arri
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
 import torch
@@ -77,3 +78,26 @@ def test_samples_held_in_the_buffer_keep_their_bytes_while_later_messages_are_re
             np.testing.assert_array_equal(s.fields[0], sent[s.step])
     finally:
         srv.stop()
+
+
+def test_a_pool_built_under_a_debugger_reuses_nothing():
+    """A trace function reading a frame's locals (pdb, an IDE's debugger) held one reference more
+    while the pool measured a free buffer's count (CPython <= 3.12): buffers holding one sample
+    read as free and were read into again. Built while traced, the pool reuses nothing."""
+    def tracer(frame, event, arg):
+        frame.f_locals  # what a debugger showing locals does
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        traced = BufferPool()
+    finally:
+        sys.settrace(None)
+    a = traced.take(MIN_BYTES)
+    held = a[:16]  # one sample's view: one reference from outside
+    del a
+    assert traced.take(MIN_BYTES).ctypes.data != held.ctypes.data
+    del held
+    gc.collect()
+    b = traced.take(MIN_BYTES)
+    assert traced.reused == 0 and b.nbytes == MIN_BYTES
