@@ -96,6 +96,11 @@ def raised(err_text: str) -> str | None:
     return None
 
 
+def repeated(seen: list[str | None]) -> str | None:
+    """The exception the last two attempts in ``seen`` (each :func:`raised`'s answer) both ended on, else None."""
+    return seen[-1] if len(seen) >= 2 and seen[-1] is not None and seen[-1] == seen[-2] else None
+
+
 def failed_alike(sim_dir: str, k: int) -> str | None:
     """Attempts ``k - 2`` and ``k - 1`` of the simulation in ``sim_dir`` both ended with a
     non-zero exit and no timeout, cancellation or signal (their ``.end``) on the same exception
@@ -113,4 +118,4 @@ def failed_alike(sim_dir: str, k: int) -> str | None:
         if not isinstance(end, dict) or end.get("returncode") in (0, None) or end.get("reason"):
             return None
         seen.append(raised(err))
-    return seen[0] if seen[0] is not None and seen[0] == seen[1] else None
+    return repeated(seen)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hpcml import safeio
 from hpcml.contract import ENV_ATTEMPT, ENV_SIM_ID, ENV_STREAM_RECORD
-from hpcml.outcome import FINAL_SUFFIX, raised
+from hpcml.outcome import FINAL_SUFFIX, raised, repeated
 from hpcml.errors import ConfigError
 
 SPEC_FILE = "bundle.json"
@@ -186,11 +186,11 @@ def _raised(rec: dict) -> str | None:
 def _alike(sim_id: int, past: list[str | None]) -> bool:
     """The member's last two attempts raised the same exception of its own: a third would raise it
     again (as for a launched simulation, :func:`hpcml.outcome.failed_alike`); says so on stderr."""
-    if len(past) < 2 or past[-1] is None or past[-1] != past[-2]:
-        return False
-    print(f"hpcml bundle: member {sim_id}: not retried: its last two attempts both raised {past[-1][:300]}",
-          file=sys.stderr, flush=True)
-    return True
+    same = repeated(past)
+    if same is not None:
+        print(f"hpcml bundle: member {sim_id}: not retried: its last two attempts both raised {same[:300]}",
+              file=sys.stderr, flush=True)
+    return same is not None
 
 
 def _attempt(fn: Callable, bundle_dir: Path, sim_id: int, params: dict, attempt: int) -> dict:

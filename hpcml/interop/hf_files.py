@@ -57,7 +57,7 @@ def resolve_inside(root: Path, name: str) -> Path:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):  # a FIFO, a device, a directory: its own cause, not a link's
         raise CheckpointError(f"{path}: is {safeio.kind(mode)}; expected a regular file")
-    if not inside or not path.is_file():
+    if mode is None:  # outside the directory, or nothing there
         raise CheckpointError(f"{path}: not a file inside {root} (a link out of the directory, other than the "
                               f"hub cache's own, is not followed)")
     return path

@@ -230,7 +230,6 @@ def refine(cases: list[Case], c: Constants, best: float, names: list[str], objec
     """Pattern search (Hooke and Jeeves) from the grid's answer: each constant stepped both ways
     in :func:`_to_x` coordinates, the step halved when none improves, until it is ``tol``. The
     grid alone stalls where two constants trade off (matmul rate against the elementwise passes)."""
-    score = objective
     x = {k: _to_x(k, getattr(c, k)) for k in names}
     step = 0.5
     while step > tol:
@@ -238,7 +237,7 @@ def refine(cases: list[Case], c: Constants, best: float, names: list[str], objec
         for k in names:
             for d in (step, -step):
                 trial = replace(c, **{k: _from_x(k, x[k] + d)})
-                s = score(cases, trial)
+                s = objective(cases, trial)
                 if s < best - 1e-12:
                     c, best, x[k], moved = trial, s, x[k] + d, True
                     break

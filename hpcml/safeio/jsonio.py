@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,7 +81,7 @@ _LENIENT = json.JSONDecoder()
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
-        twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
+        twice = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise ValueError(f"key(s) {twice[:4]} given twice in one object")
     return out
 
