@@ -8,8 +8,10 @@ Intake: one producer process (a simulation rank: hpcml.stream.Producer, one copy
 per connection, validate, assemble, dedup) whose FIFO buffer a consumer thread drains, as a trainer
 would; ``stream_sealed`` is the same with ``integrity="message"`` (a GMAC on every message, both sides).
 Peer: raw ZeroMQ PUSH -> PULL of the same message size and count between the same two processes, nothing
-else. Limit: loopback TCP of the same bytes (``sendall`` of each message, ``recv_into`` one buffer
-allocated once: ``tcp_limit_mb_s``). File path: the same samples written to one HDF5 file (fsync) and
+else; ``raw_zmq_held`` is the same with each message kept as a sample in the stream's FIFO buffer that
+the same consumer drains (a trainer's work: the plain peer drops each message at once). Limit: loopback
+TCP of the same bytes (``sendall`` of each message, ``recv_into`` one buffer allocated once:
+``tcp_limit_mb_s``). File path: the same samples written to one HDF5 file (fsync) and
 read back into a buffer (page cache dropped where allowed) -- what an offline pipeline pays per byte.
 Both wires run: the default framed one (plain TCP, a challenge per connection, every byte a connection
 makes the server hold bounded) and the opt-in ``transport="zmtp"`` (ZeroMQ's own messages, for trusted
@@ -100,15 +102,25 @@ def spawn(kind: str, endpoint: str, args, key_file: str) -> subprocess.Popen:
     return subprocess.Popen([*pin, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
-def raw_zmq(args, key_file) -> tuple[float, dict]:
+def raw_zmq(args, key_file, held: bool = False) -> tuple[float, dict]:
+    """Raw ZeroMQ PUSH -> PULL. ``held``: each message kept, as a trainer keeps a sample, in the
+    stream's own FIFO buffer (a view of ZeroMQ's frame, no copy) that the same consumer drains --
+    the work a receiver that hands samples to training cannot skip; the plain peer drops each
+    message as it arrives, so the next lands in memory still in the cache."""
     import zmq
+
+    from hpcml.stream import Buffer, BufferConfig
+    from hpcml.stream.buffer import Sample
 
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 8)
     port = s.bind_to_random_port("tcp://127.0.0.1")
+    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
+    params = np.zeros(1, np.float32)
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    th = _consumer(buf, args.messages) if held else None
     proc = spawn("raw", f"tcp://127.0.0.1:{port}", args, key_file)
-    nbytes, t0 = 0, None
+    nbytes, t0, i = 0, None, 0
     while True:
         m = s.recv(copy=False)
         if t0 is None:
@@ -117,10 +129,34 @@ def raw_zmq(args, key_file) -> tuple[float, dict]:
         if not len(m.buffer):
             break
         nbytes += len(m.buffer)
-    dt = time.perf_counter() - t0
+        if held:
+            fields = np.frombuffer(m.buffer, np.float32).reshape(1, args.nx, args.ny)
+            sample, i = Sample(0, i, float(i), params, fields), i + 1
+            while not buf.put(sample, timeout=0.05):
+                pass
+    if th is not None:
+        th.join()
+    dt = (th.last if th is not None else time.perf_counter()) - t0
     cpu = _cpu(proc, cpu0, args.messages)
     s.close()
     return nbytes / 1e6 / dt, cpu
+
+
+def _consumer(buf, n: int):
+    """A thread draining ``buf`` as a trainer does (batches of 8) until ``n`` samples are taken;
+    ``.taken`` counts them, ``.last`` is when the last came."""
+    import threading
+
+    def consume():
+        while th.taken < n:
+            b = buf.get(min(8, n - th.taken), timeout=0.1)
+            if b:
+                th.taken += len(b)
+                th.last = time.perf_counter()
+    th = threading.Thread(target=consume)
+    th.taken, th.last = 0, 0.0
+    th.start()
+    return th
 
 
 def tcp_limit(args, key_file) -> tuple[float, dict]:
@@ -153,8 +189,6 @@ def tcp_limit(args, key_file) -> tuple[float, dict]:
 
 
 def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dict, dict]:
-    import threading
-
     from hpcml.stream import Buffer, BufferConfig, read_secret
     from hpcml.stream.server import ServerConfig, StreamServer
 
@@ -165,23 +199,15 @@ def hpcml_stream(args, key_file, kind: str = "hpcml") -> tuple[float, float, dic
                                            integrity="message" if kind == "hpcml-sealed" else "connection")).start()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)  # from a listening server to the last sample taken, as for raw
     # ZeroMQ
-    got = []
-
-    def consume():  # as a trainer: batches of 8
-        while len(got) < args.messages:
-            b = buf.get(min(8, args.messages - len(got)), timeout=0.1)
-            if b:
-                got.extend([time.perf_counter()] * len(b))
-    th = threading.Thread(target=consume)
-    th.start()
+    th = _consumer(buf, args.messages)  # as a trainer: batches of 8
     proc = spawn(kind, srv.endpoint, args, key_file)
     th.join()
     cpu = _cpu(proc, cpu0, args.messages)
     stats = srv.stats()
     srv.stop()
     msg = args.nx * args.ny * 4
-    dt = got[-1] - srv.t_first  # first arrival to the last sample in a trainer's hands, as for raw ZeroMQ
-    return msg * (len(got) - 1) / 1e6 / dt, (len(got) - 1) / dt, stats, cpu
+    dt = th.last - srv.t_first  # first arrival to the last sample in a trainer's hands, as for raw ZeroMQ
+    return msg * (th.taken - 1) / 1e6 / dt, (th.taken - 1) / dt, stats, cpu
 
 
 def file_path(args, tmp: Path) -> tuple[float, float, float]:
@@ -248,10 +274,11 @@ def main() -> None:
         tmp = Path(d)
         key = str(tmp / "k")
         new_secret(key)
-        raws, runs, sealed, zmtp, tcps = [], [], [], [], []
+        raws, held, runs, sealed, zmtp, tcps = [], [], [], [], [], []
         for _ in range(args.repeat):  # in turns: each sees the same load on the 2 cores
             tcps.append(tcp_limit(args, key))
             raws.append(raw_zmq(args, key))
+            held.append(raw_zmq(args, key, held=True))
             runs.append(hpcml_stream(args, key))
             sealed.append(hpcml_stream(args, key, "hpcml-sealed"))
             zmtp.append(hpcml_stream(args, key, "hpcml-zmtp"))
@@ -260,7 +287,7 @@ def main() -> None:
         paired = sorted(r[0] / w[0] for r, w in zip(runs, raws))
         sides = ("sender_ms", "receiver_ms", "receiver_user_ms", "receiver_kernel_ms")
         cpu = {name: {side: float(np.median([c[-1][side] for c in rs])) for side in sides}
-               for name, rs in (("raw_zmq", raws), ("stream", runs), ("stream_sealed", sealed),
+               for name, rs in (("raw_zmq", raws), ("raw_zmq_held", held), ("stream", runs), ("stream_sealed", sealed),
                                 ("stream_zmtp", zmtp), ("tcp_limit", tcps))}
         mib = args.nx * args.ny * 4 / 2**20
         cpu_mib = {name: {side.replace("_ms", "_ms_per_mib"): v / mib for side, v in c.items()}
@@ -271,16 +298,23 @@ def main() -> None:
                "stream_mb_s": mb, "stream_samples_s": sps, "zmq_raw_mb_s": raw, "tcp_limit_mb_s": tcp,
                "file_path_mb_s": fmb, "tcp_limit_mb_s_runs": [r[0] for r in tcps],
                "file_write_mb_s": fw, "file_read_mb_s": fr, "stream_dropped": stats["dropped"],
+               "zmq_raw_held_mb_s": max(r[0] for r in held),
                "stream_mb_s_runs": [r[0] for r in runs], "zmq_raw_mb_s_runs": [r[0] for r in raws],
+               "zmq_raw_held_mb_s_runs": [r[0] for r in held],
                "stream_sealed_mb_s_runs": [r[0] for r in sealed], "stream_zmtp_mb_s_runs": [r[0] for r in zmtp],
                "cpu_per_message_ms": cpu, "cpu_per_mib_ms": cpu_mib,
                "receiver_cpu_per_mib_vs_raw_zmq": cpu["stream"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
+               "receiver_cpu_per_mib_vs_raw_zmq_held":
+                   cpu["stream"]["receiver_ms"] / cpu["raw_zmq_held"]["receiver_ms"],
+               "raw_zmq_held_cpu_vs_raw_zmq": cpu["raw_zmq_held"]["receiver_ms"] / cpu["raw_zmq"]["receiver_ms"],
                "receiver_user_and_kernel_vs_raw_zmq": [_ratio(cpu["stream"][k], cpu["raw_zmq"][k])
                                                        for k in ("receiver_user_ms", "receiver_kernel_ms")],
                "cpu_bound_ratio": sum(cpu["raw_zmq"][k] for k in sides[:2]) / sum(cpu["stream"][k] for k in sides[:2]),
                "ratios": {"stream_vs_raw_zmq": mb / raw, "stream_vs_raw_zmq_paired_median": paired[len(paired) // 2],
                           "stream_vs_tcp_limit": mb / tcp, "zmq_raw_vs_tcp_limit": raw / tcp,
                           "stream_vs_raw_zmq_paired": paired, "stream_vs_file_path": mb / fmb,
+                          "stream_vs_raw_zmq_held_paired_median": sorted(r[0] / h[0] for r, h in zip(runs, held))[
+                              len(held) // 2],
                           "sealed_vs_raw_zmq": max(r[0] for r in sealed) / raw,
                           "sealed_vs_raw_zmq_paired_median": sorted(z[0] / w[0] for z, w in zip(sealed, raws))[
                               len(raws) // 2],
