@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--name", help="calibrate: the device's name (default: the --out file's stem)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node, when not the device's default (e.g. 4 for a "
                    "4-GPU H100 node): tp stays within a node")
+    p.add_argument("--node-gbps", type=float, help="the node's bandwidth off the node in Gb/s, its network "
+                   "interfaces together (e.g. 400 for 4 x 100 Gb/s), when not the device's default")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="the data-parallel gradient reduction's dtype "
                    "(default fp32; bf16 halves its bytes)")
     p.add_argument("--seq-len", type=int)
@@ -100,8 +102,8 @@ def add_parser(sub) -> None:
 
 
 def _given(args: argparse.Namespace) -> dict:
-    d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "seq_len", "global_batch",
-                                       "reduce_dtype", "tp", "pp", "cp",
+    d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "node_gbps", "seq_len",
+                                       "global_batch", "reduce_dtype", "tp", "pp", "cp",
                                        "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
                                        "bias", "positions", "loss", "cp_kind")}

@@ -90,7 +90,11 @@ def resolve_device(lay: PlanLayout) -> Device:
     else:
         dev = calibration.calibrated(site_device(lay.site) if lay.site else device(lay.gpu))
     n = lay.gpus_per_node
-    return dev if n is None or n == dev.gpus_per_node else replace(dev, name=f"{dev.name}x{n}", gpus_per_node=n)
+    if n is not None and n != dev.gpus_per_node:
+        dev = replace(dev, name=f"{dev.name}x{n}", gpus_per_node=n)
+    if lay.node_gbps is not None:  # Gb/s a node, shared by its devices -> GB/s a device
+        dev = replace(dev, name=f"{dev.name}@{lay.node_gbps:g}Gbps", inter_gbps=lay.node_gbps / 8 / dev.gpus_per_node)
+    return dev
 
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
@@ -157,11 +161,17 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
         raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
     if lay.activation is not None or lay.norm is not None or lay.bias is not None or lay.positions is not None:
         cfg = blocks(cfg, lay.activation, lay.norm, lay.bias, lay.positions)
-    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1) and hf_dir(lay.model) is not None:
-        cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
+    rules_cfg, tied_copy = cfg, False
+    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1):
+        if lay.framework != "hpcml":  # Megatron and DeepSpeed tie across stages: the last holds a copy of the
+            # embedding as its output layer (its own gradient, all-reduced with the first's, and optimizer state)
+            rules_cfg, tied_copy = replace(cfg, tie_embeddings=False), lay.pp > 1
+            cfg = rules_cfg if tied_copy else cfg
+        elif hf_dir(lay.model) is not None:
+            cfg = rules_cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
     if lay.precision == "fp8" and dev.fp8_tflops is None:
         raise ConfigError(f"precision fp8 on {dev.name}: it has no FP8 tensor cores (an H100 or H200 has)")
-    refused = model_rules(cfg, lay)
+    refused = model_rules(rules_cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
     mem = memory(cfg, lay, c.reserved_gib * (1 << 30), dev.gpus_per_node)
@@ -170,7 +180,7 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     fits = gib["total"] <= cap
     if not fits and not time_if_oom:
         return Prediction(lay, False, gib, float("nan"), 0.0, 0.0, 0.0, "out of memory", {})
-    t = step_time(cfg, lay, dev, c)
+    t = step_time(cfg, lay, dev, c, tied_copy=tied_copy)
     tokens = lay.global_batch * lay.seq_len / t.step_s
     peak = lay.gpus * dev.peak_tflops * 1e12
     mfu = _flops_per_token(cfg, lay.seq_len) * tokens / peak

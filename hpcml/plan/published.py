@@ -156,6 +156,25 @@ def llama3_405b(*, schedule: str = "1f1b", stages_per_rank: int | None = None) -
     return out
 
 
+def bloom_176b() -> list[Case]:
+    """BLOOM 176B on 384 A100 80GB (Megatron-DeepSpeed: TP 4 x PP 12 x DP 8, seq 2048, full
+    recompute, DeepSpeed's ZeRO-1) at three global batch sizes of its ramp-up, 16 to 2,048: a
+    pipeline from one micro-batch a step to 128. Its blocks as they are (GeLU MLP of 4h, LayerNorm,
+    biases, ALiBi, tied embedding: the last stage holds its copy), Megatron's fused softmax rather
+    than flash attention (``eager``), its nodes' 4 x 100 Gb/s Omni-Path (``node_gbps`` 400)."""
+    out = []
+    h, heads, layers, vocab, seq = 14336, 112, 70, 250880, 2048
+    cfg = TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
+                            activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions="alibi")
+    for gbs, mbs, tflops, step in published("bloom_176b_a100_2022")["rows"]:
+        layout = PlanLayout(model=cfg, gpus=384, gpu="a100-80gb", node_gbps=400, seq_len=seq, global_batch=gbs,
+                            micro_batch=mbs, tp=4, pp=12, zero=1, recompute="full", attention="eager",
+                            framework="megatron")
+        out.append(Case("bloom-176b-a100", f"176B gbs {gbs} mbs {mbs}", layout, step_s=step,
+                        tokens_per_gpu=tflops * 1e12 / megatron_flops(h, layers, seq, vocab, True)))
+    return out
+
+
 #: MPT shapes of llm-foundry's yamls (d_model, n_heads, n_layers)
 MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
        "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
@@ -199,6 +218,7 @@ def llm_foundry(name: str) -> list[Case]:
 
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
+          "bloom-176b-a100": bloom_176b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 

@@ -142,21 +142,24 @@ def _node_aware_share(cfg: TransformerConfig, lay: PlanLayout, dev: Device, pp_r
     return cost(traffic.dp_bytes(cfg, lay, nodes, pp_rank)) / plain if plain > 0 else 1.0
 
 
-def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants) -> StepTime:
+def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, *, tied_copy: bool = False
+              ) -> StepTime:
     """The step time of the slowest pipeline rank. Ranks sharing fewer cores (``dev.shared_cores``,
     a CPU) give their core away while they wait, so the step is the longer of the critical path
-    at a whole core per rank and the ranks' busy time spread over the cores."""
+    at a whole core per rank and the ranks' busy time spread over the cores. ``tied_copy``: the
+    last stage's output layer is a copy of the first's embedding (a tied embedding under a
+    pipeline, Megatron's and DeepSpeed's way), their gradients all-reduced once a step."""
     if dev.shared_cores and lay.gpus > dev.shared_cores:
         share = dev.shared_cores / lay.gpus  # the measured figures are each rank's share of the cores
         whole = replace(dev, peak_tflops=dev.peak_tflops / share, hbm_gbps=dev.hbm_gbps / share, shared_cores=0)
         fixed = {k: getattr(c, k) * share for k in ("block_s", "tp_block_s", "sp_block_s", "cp_block_s",
                                                       "fsdp_unit_s", "step_overhead_s")}
-        crit = step_time(cfg, lay, whole, replace(c, **fixed))
+        crit = step_time(cfg, lay, whole, replace(c, **fixed), tied_copy=tied_copy)
         busy = crit.step_s - crit.bubble_s
         return replace(crit, step_s=max(crit.step_s, busy / share))
     worst = None
     for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
-        t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r))
+        t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r), tied_copy)
         if worst is None or t.step_s > worst.step_s:
             worst = t
     assert worst is not None
@@ -164,7 +167,7 @@ def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants
 
 
 def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, pp_rank: int,
-               st: RankState) -> StepTime:
+               st: RankState, tied_copy: bool = False) -> StepTime:
     n_stages = lay.pp * lay.v
     stages = stage_layer_lists(cfg.n_layers, n_stages)
     mine = list(range(pp_rank, n_stages, lay.pp))
@@ -271,6 +274,9 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
     opt = opt_bytes / (dev.hbm_gbps * 1e9)
+    if tied_copy and (pp_rank == 0 or n_stages - 1 in mine):  # the embedding's and its copy's fp32 gradients
+        dp += _ring(4.0 * cfg.padded_vocab * cfg.dim / lay.tp, 2,
+                    _link(dev, 2, lay.tp * lay.cp * lay.dp * (lay.pp - 1)), c)
     step = pipe + dp + opt + c.step_overhead_s
     return StepTime(step_s=step, compute_s=m * compute_mb, tp_s=m * tp_mb, cp_s=m * cp_mb, ep_s=m * ep_mb,
                     pp_s=m * pp_mb,
