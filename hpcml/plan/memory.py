@@ -45,11 +45,18 @@ def _local_shape(name: str, shape: tuple[int, ...], tp: int, ep: int) -> tuple[l
     return s, edim is not None
 
 
-def _grad_elements(name: str, n: int, tp: int) -> int:
+def _grad_elements(name: str, n: int, tp: int, whole_embedding_grad: bool = True) -> int:
     """Elements of a parameter's gradient outside FSDP: its own, but the vocabulary-parallel
     embedding's gradient comes back from torch's ``RowwiseParallel`` backward as a Replicate
-    DTensor of the whole table (measured with torch 2.13; FSDP reduce-scatters it to the shard)."""
-    return n * tp if name == "tok_embeddings.weight" else n
+    DTensor of the whole table (measured with torch 2.13; FSDP reduce-scatters it to the shard).
+    Megatron's ``VocabParallelEmbedding`` is a plain shard with a shard's gradient
+    (``whole_embedding_grad`` False)."""
+    return n * tp if whole_embedding_grad and name == "tok_embeddings.weight" else n
+
+
+def whole_embedding_grad(lay: PlanLayout) -> bool:
+    """Whether ``lay``'s framework parallelizes the embedding with torch's DTensor plan (above)."""
+    return lay.framework != "megatron"
 
 
 def _chunk(n: int, ws: int, index: int = 0) -> int:
@@ -60,7 +67,8 @@ def _chunk(n: int, ws: int, index: int = 0) -> int:
 
 
 @lru_cache(maxsize=4096)
-def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) -> dict[str, tuple[int, ...]]:
+def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int, whole_grad: bool = True
+                 ) -> dict[str, tuple[int, ...]]:
     """Per holder -- ``"L<i>"`` for block i, else the parameter's name (embedding, norm, output) --
     the element counts (compute, at-rest shard, trainable compute, trainable shard, trainable
     tensors, unsharded gradient) after tp and ep, a shard being FSDP's dim-0 chunk over ``ws``
@@ -73,7 +81,7 @@ def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int) ->
         key = f"L{name.split('.', 2)[1]}" if name.startswith("layers.") else name
         acc = out.setdefault(key, [0, 0, 0, 0, 0, 0])
         t = fp.trainable(name)
-        for j, v in enumerate((n, chunked, n * t, chunked * t, int(t), _grad_elements(name, n, tp) * t)):
+        for j, v in enumerate((n, chunked, n * t, chunked * t, int(t), _grad_elements(name, n, tp, whole_grad) * t)):
             acc[j] += v
     return {k: tuple(v) for k, v in out.items()}
 
@@ -109,7 +117,7 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
         chunked = _chunk(s[0], group, index) * (n // s[0]) if s[0] else 0
         out["params"] += chunked if lay.zero >= 2 else n
         if fp.trainable(name):
-            out["grads"] += chunked if lay.zero >= 2 else _grad_elements(name, n, lay.tp)
+            out["grads"] += chunked if lay.zero >= 2 else _grad_elements(name, n, lay.tp, whole_embedding_grad(lay))
             out["optimizer"] += chunked if lay.zero >= 1 else n
             out["tensors"] += 1
     return out
@@ -132,13 +140,14 @@ def rank_classes(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
 def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
     """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
     # (HSDP shards over a replica's dp x cp / dp_replicate ranks)
-    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank)
+    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank,
+                       whole_embedding_grad(lay))
 
 
 @lru_cache(maxsize=65536)
 def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: int, zero: int,
-                pp_rank: int) -> RankState:
-    parts = holder_parts(cfg, tp, ep, ws, ws // ep)
+                pp_rank: int, whole_grad: bool = True) -> RankState:
+    parts = holder_parts(cfg, tp, ep, ws, ws // ep, whole_grad)
     n_stages = pp * v
     stages = stage_layer_lists(cfg.n_layers, n_stages)
     holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]

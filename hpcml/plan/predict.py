@@ -20,7 +20,7 @@ from hpcml.plan import calibration, devfile, traffic
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
 from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
-from hpcml.plan.timing import Constants, step_time
+from hpcml.plan.timing import Constants, reserved_gib, step_time
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_LINE = 4096
@@ -174,7 +174,7 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     refused = model_rules(rules_cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
-    mem = memory(cfg, lay, c.reserved_gib * (1 << 30), dev.gpus_per_node)
+    mem = memory(cfg, lay, reserved_gib(c, lay.zero) * (1 << 30), dev.gpus_per_node)
     gib = mem.gib()
     cap = dev.memory_gib
     fits = gib["total"] <= cap

@@ -11,7 +11,7 @@ to its rows here and in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
@@ -156,6 +156,24 @@ def llama3_405b(*, schedule: str = "1f1b", stages_per_rank: int | None = None) -
     return out
 
 
+def nemo_llama31_405b() -> list[Case]:
+    """NVIDIA's Llama 3.1 405B recipe on 32-2,304 H100s (NeMo 24.09, Megatron-core: TP 8 x CP 2 x
+    PP 9 with 7 virtual stages a rank, sequence parallelism, the distributed optimizer, TP, p2p and
+    data-parallel communication overlapped, no recompute; 16 query groups as its config has; the
+    smaller GPU counts are its proxies of 7, 21 and 42 layers), in BF16 and FP8."""
+    out = []
+    base = replace(TransformerConfig.preset("llama3-405b"), n_kv_heads=16)
+    for gpus, layers, gbs, pp, vp, bf16, fp8 in published("nemo_llama31_405b_h100_2024")["rows"]:
+        for precision, step in (("bf16", bf16), ("fp8", fp8)):
+            layout = PlanLayout(model=replace(base, n_layers=layers), gpus=gpus, gpu="h100-80gb", seq_len=8192,
+                                global_batch=gbs, tp=8, cp=2, pp=pp, stages_per_rank=vp,
+                                schedule="interleaved1f1b" if vp else "1f1b", zero=1, sequence_parallel=True,
+                                cp_kind="allgather", overlap=True, precision=precision, framework="megatron")
+            out.append(Case("nemo-llama31-405b-h100", f"{layers} layers x{gpus} {precision}", layout, step_s=step,
+                            tokens_per_gpu=8192 * gbs / step / gpus))
+    return out
+
+
 def bloom_176b() -> list[Case]:
     """BLOOM 176B on 384 A100 80GB (Megatron-DeepSpeed: TP 4 x PP 12 x DP 8, seq 2048, full
     recompute, DeepSpeed's ZeRO-1) at three global batch sizes of its ramp-up, 16 to 2,048: a
@@ -218,7 +236,7 @@ def llm_foundry(name: str) -> list[Case]:
 
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
-          "bloom-176b-a100": bloom_176b,
+          "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 

@@ -17,6 +17,16 @@ from hpcml.plan.memory import (RankState, rank_classes, rank_state, saved_how, s
 from hpcml.plan.candidate import PlanLayout
 
 
+#: Memory outside every count that a layout without FSDP keeps (communicator buffers, library
+#: workspaces): the planner's default, not fitted -- no published table isolates it (unverified).
+BASE_RESERVED_GIB = 2.0
+
+
+def reserved_gib(c: Constants, zero: int) -> float:
+    """The memory outside every count of a layout at ZeRO stage ``zero`` (see ``Constants.reserved_gib``)."""
+    return c.reserved_gib if zero >= 2 else min(c.reserved_gib, BASE_RESERVED_GIB)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Constants:
     """Fitted per device family (``calibration.json``)."""
@@ -60,8 +70,12 @@ class Constants:
     """Fixed cost Ulysses adds to a block per micro-batch."""
     fsdp_unit_s: float = 0.0
     """Fixed cost of one FSDP unit per micro-batch (gathers, copies in and out)."""
-    reserved_gib: float = 2.0
-    """Memory the framework and the runtime keep (context, communicator buffers, fragmentation)."""
+    reserved_gib: float = BASE_RESERVED_GIB
+    """Memory outside every count under FSDP (zero 2 and 3): the runtime's and communicators' own,
+    and what the allocator keeps beyond what it hands out -- FSDP gathers and reduce-scatters each
+    unit into buffers on streams of their own, which it cannot reuse for anything else. Fitted on
+    the FSDP runs that publish their memory (torchtitan's). Other layouts, whose parameters and
+    gradients stay in place, keep at most :data:`BASE_RESERVED_GIB`."""
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,73 @@ def test_with_recompute_is_replace_without_the_other_checks():
     assert lay.with_recompute("full") == replace(lay, recompute="full") and lay.recompute == "none"
     with pytest.raises(ConfigError, match="recompute='most': expected one of"):
         lay.with_recompute("most")
+
+
+def test_nemo_llama31_405b_table_is_held_out_and_read_as_published():
+    """NVIDIA's recipe at 32-2,304 H100s: TP 8 x CP 2, 63 micro-batches a pipeline in every column,
+    16 query groups as its config has; tokens/s a GPU from its seconds a step."""
+    from hpcml.plan.published import nemo_llama31_405b
+
+    cases = nemo_llama31_405b()
+    fitted = {t for ts in (*CALIBRATION.values(), *DEVICE_CALIBRATION.values(), *MEMORY_CALIBRATION.values())
+              for t in ts}
+    assert "nemo-llama31-405b-h100" not in fitted and len(cases) == 12
+    assert {(c.layout.tp, c.layout.cp, c.layout.microbatches, c.layout.model.n_kv_heads) for c in cases} == {
+        (8, 2, 63, 16)}
+    assert [(c.layout.gpus, c.layout.pp, c.layout.v, c.layout.model.n_layers) for c in cases[::2]] == [
+        (32, 1, 1, 7), (96, 3, 7, 21), (192, 3, 7, 42), (576, 9, 7, 126), (1152, 9, 7, 126), (2304, 9, 7, 126)]
+    row = cases[6]  # 576 GPUs, BF16: the README's 120,022 tokens/s
+    assert row.layout.precision == "bf16" and row.tokens_per_gpu * 576 == pytest.approx(120022, abs=1)
+
+
+def test_nemo_llama31_405b_meets_the_throughput_bars():
+    """Held out: median |error| <= 10%, p90 <= 25%, Spearman of MFU >= 0.6 (the issue's bars for
+    its hidden tables); fit right on 10 of 12 -- the two 576-GPU rows, which ran, are predicted
+    0.2 GiB over the device (the recipe is sized to the last GiB; docs/plan.md)."""
+    import statistics
+
+    from hpcml.plan.fit import spearman
+
+    errs, mfu_p, mfu_m, wrong = [], [], [], []
+    for c in TABLES["nemo-llama31-405b-h100"]():
+        p = predict(c.layout)
+        e = p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1
+        errs.append(abs(e))
+        mfu_p.append(p.mfu)
+        mfu_m.append(p.mfu / (1 + e))
+        if not p.fits:
+            wrong.append((c.layout.gpus, round(p.memory_gib["total"] - 79.11, 2)))
+    errs.sort()
+    assert statistics.median(errs) <= 0.10 and errs[int(0.9 * (len(errs) - 1))] <= 0.25
+    assert spearman(mfu_p, mfu_m) >= 0.6
+    assert [g for g, _ in wrong] == [576, 576] and all(0 < over < 0.5 for _, over in wrong), wrong
+
+
+def test_megatrons_embedding_gradient_is_a_shard():
+    """Megatron's vocabulary-parallel embedding is a plain shard with a shard's gradient; torch's
+    DTensor plan (hpcml, torchtitan) hands back a replicated gradient of the whole table (measured
+    with torch 2.13, as memory.py says): tp - 1 shards' worth more on the first pipeline rank."""
+    cfg = replace(load_model("llama3-8b"), n_layers=4)
+    lay = PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, tp=8, pp=2, zero=1,
+                     sequence_parallel=True, framework="megatron")
+    shard = cfg.padded_vocab * cfg.dim // 8
+    titan = replace(lay, framework="torchtitan")
+    assert rank_state(cfg, titan, 0).grads - rank_state(cfg, lay, 0).grads == 7 * shard
+    assert rank_state(cfg, titan, 1).grads == rank_state(cfg, lay, 1).grads  # the output layer: a shard in both
+
+
+def test_the_allocators_reserve_is_fsdps_only_under_fsdp():
+    """The H100 family's reserve (7.5 GiB) is fitted on torchtitan's FSDP runs: FSDP gathers and
+    reduce-scatters each unit on streams of its own, into buffers the allocator cannot reuse. A
+    layout whose parameters and gradients stay in place keeps the planner's base, 2 GiB."""
+    from hpcml.plan.calibration import constants
+    from hpcml.plan.predict import resolve_device
+    from hpcml.plan.timing import BASE_RESERVED_GIB
+
+    cfg = replace(load_model("llama3-8b"), n_layers=4)
+    base = PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, framework="torchtitan")
+    assert constants(resolve_device(base)).reserved_gib == 7.5 and BASE_RESERVED_GIB == 2.0
+    for zero, reserve in ((0, 2.0), (1, 2.0), (2, 7.5), (3, 7.5)):
+        lay = replace(base, zero=zero)
+        counted = memory(cfg, lay).gib()["total"]
+        assert predict(lay).memory_gib["total"] - counted == pytest.approx(reserve, abs=1e-9), zero
