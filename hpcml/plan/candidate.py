@@ -83,7 +83,8 @@ class PlanLayout:
     reduce_dtype: str = "fp32"
     """The data-parallel gradient reduction's dtype: fp32 (hpcml's, and Megatron's and torchtitan's
     defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
-    ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire."""
+    ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire; Megatron's main gradients
+    are the buffer it reduces, so they are held in it too."""
     framework: str = "hpcml"
     activation: str | None = None
     norm: str | None = None

@@ -272,10 +272,12 @@ class Memory:
 
 def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes: torch's fp32 Adam (two moments and a ``step``
-    per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, fp32 main
-    gradients and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1."""
+    per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, main gradients
+    and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1 -- its main
+    gradients are the buffer it reduces, so in the reduce dtype (bf16 without
+    ``--accumulate-allreduce-grads-in-fp32``: 16 bytes)."""
     if lay.framework == "megatron" and lay.precision != "fp32" and lay.zero < 2:
-        return 2.0 * st.params, 4.0 * st.grads, 12.0 * st.optimizer
+        return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.grads, 12.0 * st.optimizer
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 
 

@@ -174,6 +174,25 @@ def nemo_llama31_405b() -> list[Case]:
     return out
 
 
+def nemo_nemotron4_340b() -> list[Case]:
+    """NVIDIA's Nemotron-4 340B recipe on 128-2,048 H100s (NeMo 24.11, Megatron-core: TP 8 x PP 8
+    with 12 virtual stages a rank, sequence parallelism, the distributed optimizer reducing in bf16,
+    overlaps on, no recompute), in BF16 and FP8; its squared-ReLU MLP of 4h planned as a GeLU one
+    (the same matmuls and tensors kept)."""
+    h, layers = 18432, 96
+    cfg = TransformerConfig(vocab_size=256000, dim=h, n_heads=96, n_kv_heads=8, n_layers=layers, max_seq_len=4096,
+                            ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=False, positions="rope")
+    out = []
+    for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]:
+        for precision, step in (("bf16", bf16), ("fp8", fp8)):
+            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=4096, global_batch=gbs, tp=8, pp=8,
+                                stages_per_rank=12, schedule="interleaved1f1b", zero=1, sequence_parallel=True,
+                                overlap=True, reduce_dtype="bf16", precision=precision, framework="megatron")
+            out.append(Case("nemo-nemotron4-340b-h100", f"340B x{gpus} {precision}", layout, step_s=step,
+                            tokens_per_gpu=4096 * gbs / step / gpus))
+    return out
+
+
 def bloom_176b() -> list[Case]:
     """BLOOM 176B on 384 A100 80GB (Megatron-DeepSpeed: TP 4 x PP 12 x DP 8, seq 2048, full
     recompute, DeepSpeed's ZeRO-1) at three global batch sizes of its ramp-up, 16 to 2,048: a
@@ -237,6 +256,7 @@ def llm_foundry(name: str) -> list[Case]:
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
+          "nemo-nemotron4-340b-h100": nemo_nemotron4_340b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 

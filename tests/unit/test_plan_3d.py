@@ -203,3 +203,41 @@ def test_the_allocators_reserve_is_fsdps_only_under_fsdp():
         lay = replace(base, zero=zero)
         counted = memory(cfg, lay).gib()["total"]
         assert predict(lay).memory_gib["total"] - counted == pytest.approx(reserve, abs=1e-9), zero
+
+
+def test_nemotron4_340b_table_meets_the_throughput_bars():
+    """NVIDIA's Nemotron-4 340B recipe, held out: 128-2,048 H100s at TP 8 x PP 8 x 12 virtual
+    stages, BF16 and FP8. Median |error| <= 10%, p90 <= 25%; the 128-GPU rows (two data ranks: the
+    distributed optimizer's fp32 state in halves) are predicted over the device -- its config's
+    optimizer ``dtype: bf16`` is not read as halving that state (unverified), docs/plan.md."""
+    import statistics
+
+    cases = TABLES["nemo-nemotron4-340b-h100"]()
+    assert len(cases) == 10 and {c.layout.microbatches for c in cases} == {16}
+    assert cases[0].tokens_per_gpu * 128 == pytest.approx(28432, abs=1)  # the README's 128-GPU BF16 figure
+    assert 340e9 < cases[0].layout.model.num_params() < 342e9
+    errs, oom = [], []
+    for c in cases:
+        p = predict(c.layout)
+        errs.append(abs(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1))
+        if not p.fits:
+            oom.append(c.layout.gpus)
+    errs.sort()
+    assert statistics.median(errs) <= 0.10 and errs[int(0.9 * (len(errs) - 1))] <= 0.25, errs
+    assert oom == [128, 128]
+
+
+def test_megatrons_main_gradients_are_held_in_the_reduce_dtype():
+    """Megatron-core's gradient buffer is the one it reduces: in bf16 without
+    ``--accumulate-allreduce-grads-in-fp32``, 2 bytes a parameter less; FSDP keeps its sharded
+    fp32 gradients whatever it reduces in."""
+    from hpcml.plan.memory import state_bytes
+
+    cfg = replace(load_model("llama3-8b"), n_layers=4)
+    lay = PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, tp=8, zero=1,
+                     sequence_parallel=True, framework="megatron")
+    st = rank_state(cfg, lay, 0)
+    assert state_bytes(lay, st)[1] - state_bytes(replace(lay, reduce_dtype="bf16"), st)[1] == 2 * st.grads
+    fsdp = replace(lay, framework="torchtitan", zero=3, sequence_parallel=False, tp=1)
+    st = rank_state(cfg, fsdp, 0)
+    assert state_bytes(fsdp, st) == state_bytes(replace(fsdp, reduce_dtype="bf16"), st)
