@@ -9,7 +9,7 @@ from dataclasses import InitVar, asdict, dataclass, fields
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.numeric import is_int
+from hpcml.numeric import is_int, is_real
 from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
@@ -139,7 +139,7 @@ class PlanLayout:
         if n is not None and (not is_int(n) or not 1 <= n <= 64):
             raise ConfigError(f"gpus_per_node={repr(n)[:40]}: expected an integer in [1, 64]")
         g = self.node_gbps
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 1 <= g <= 1e5):
+        if g is not None and not (is_real(g) and 1 <= g <= 1e5):
             raise ConfigError(f"node_gbps={repr(g)[:40]}: expected a number of Gb/s in [1, 100000]")
         for name in ("gpu", "site"):
             value = getattr(self, name)
