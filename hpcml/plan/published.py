@@ -156,41 +156,53 @@ def llama3_405b(*, schedule: str = "1f1b", stages_per_rank: int | None = None) -
     return out
 
 
-def nemo_llama31_405b() -> list[Case]:
-    """NVIDIA's Llama 3.1 405B recipe on 32-2,304 H100s (NeMo 24.09, Megatron-core: TP 8 x CP 2 x
-    PP 9 with 7 virtual stages a rank, sequence parallelism, the distributed optimizer, TP, p2p and
-    data-parallel communication overlapped, no recompute; 16 query groups as its config has; the
-    smaller GPU counts are its proxies of 7, 21 and 42 layers), in BF16 and FP8."""
+def _megatron_recipe(table: str, seq: int, rows, **fixed) -> list[Case]:
+    """Cases of one of NVIDIA's recipe tables: each row (label, model, GPUs, global batch, its own
+    layout fields, BF16 and FP8 seconds a step) in both precisions, as Megatron-core runs them
+    (the distributed optimizer, sequence parallelism, TP, p2p and data-parallel traffic overlapped)."""
     out = []
-    base = replace(TransformerConfig.preset("llama3-405b"), n_kv_heads=16)
-    for gpus, layers, gbs, pp, vp, bf16, fp8 in published("nemo_llama31_405b_h100_2024")["rows"]:
+    for label, cfg, gpus, gbs, own, bf16, fp8 in rows:
         for precision, step in (("bf16", bf16), ("fp8", fp8)):
-            layout = PlanLayout(model=replace(base, n_layers=layers), gpus=gpus, gpu="h100-80gb", seq_len=8192,
-                                global_batch=gbs, tp=8, cp=2, pp=pp, stages_per_rank=vp,
-                                schedule="interleaved1f1b" if vp else "1f1b", zero=1, sequence_parallel=True,
-                                cp_kind="allgather", overlap=True, precision=precision, framework="megatron")
-            out.append(Case("nemo-llama31-405b-h100", f"{layers} layers x{gpus} {precision}", layout, step_s=step,
-                            tokens_per_gpu=8192 * gbs / step / gpus))
+            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=seq, global_batch=gbs, zero=1,
+                                sequence_parallel=True, overlap=True, precision=precision, framework="megatron",
+                                **fixed, **own)
+            out.append(Case(table, f"{label} x{gpus} {precision}", layout, step_s=step,
+                            tokens_per_gpu=seq * gbs / step / gpus))
     return out
+
+
+def nemo_llama31_405b() -> list[Case]:
+    """NVIDIA's Llama 3.1 405B recipe on 32-2,304 H100s (NeMo 24.09: TP 8 x CP 2 x PP 9 with 7
+    virtual stages a rank, no recompute; 16 query groups as its config has; the smaller GPU counts
+    are its proxies of 7, 21 and 42 layers), in BF16 and FP8."""
+    base = replace(TransformerConfig.preset("llama3-405b"), n_kv_heads=16)
+    rows = [(f"{layers} layers", replace(base, n_layers=layers), gpus, gbs,
+             {"pp": pp, "stages_per_rank": vp, "schedule": "interleaved1f1b" if vp else "1f1b"}, bf16, fp8)
+            for gpus, layers, gbs, pp, vp, bf16, fp8 in published("nemo_llama31_405b_h100_2024")["rows"]]
+    return _megatron_recipe("nemo-llama31-405b-h100", 8192, rows, tp=8, cp=2, cp_kind="allgather")
+
+
+def nemo_llama31_70b() -> list[Case]:
+    """NVIDIA's Llama 3.1 70B recipe on 64-2,048 H100s (NeMo 24.09: TP 4 x CP 2 x PP 4 with 5
+    virtual stages a rank, 64 micro-batches a pipeline, no recompute), in BF16 and FP8."""
+    cfg = TransformerConfig.preset("llama3-70b")
+    rows = [("70B", cfg, gpus, gbs, {}, bf16, fp8)
+            for gpus, gbs, bf16, fp8 in published("nemo_llama31_70b_h100_2024")["rows"]]
+    return _megatron_recipe("nemo-llama31-70b-h100", 8192, rows, tp=4, cp=2, pp=4, stages_per_rank=5,
+                            schedule="interleaved1f1b", cp_kind="allgather")
 
 
 def nemo_nemotron4_340b() -> list[Case]:
-    """NVIDIA's Nemotron-4 340B recipe on 128-2,048 H100s (NeMo 24.11, Megatron-core: TP 8 x PP 8
-    with 12 virtual stages a rank, sequence parallelism, the distributed optimizer reducing in bf16,
-    overlaps on, no recompute), in BF16 and FP8; its squared-ReLU MLP of 4h planned as a GeLU one
-    (the same matmuls and tensors kept)."""
-    h, layers = 18432, 96
-    cfg = TransformerConfig(vocab_size=256000, dim=h, n_heads=96, n_kv_heads=8, n_layers=layers, max_seq_len=4096,
+    """NVIDIA's Nemotron-4 340B recipe on 128-2,048 H100s (NeMo 24.11: TP 8 x PP 8 with 12 virtual
+    stages a rank, the distributed optimizer reducing in bf16, no recompute), in BF16 and FP8; its
+    squared-ReLU MLP of 4h planned as a GeLU one (the same matmuls and tensors kept)."""
+    h = 18432
+    cfg = TransformerConfig(vocab_size=256000, dim=h, n_heads=96, n_kv_heads=8, n_layers=96, max_seq_len=4096,
                             ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=False, positions="rope")
-    out = []
-    for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]:
-        for precision, step in (("bf16", bf16), ("fp8", fp8)):
-            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=4096, global_batch=gbs, tp=8, pp=8,
-                                stages_per_rank=12, schedule="interleaved1f1b", zero=1, sequence_parallel=True,
-                                overlap=True, reduce_dtype="bf16", precision=precision, framework="megatron")
-            out.append(Case("nemo-nemotron4-340b-h100", f"340B x{gpus} {precision}", layout, step_s=step,
-                            tokens_per_gpu=4096 * gbs / step / gpus))
-    return out
+    rows = [("340B", cfg, gpus, gbs, {}, bf16, fp8)
+            for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]]
+    return _megatron_recipe("nemo-nemotron4-340b-h100", 4096, rows, tp=8, pp=8, stages_per_rank=12,
+                            schedule="interleaved1f1b", reduce_dtype="bf16")
 
 
 def bloom_176b() -> list[Case]:
@@ -256,7 +268,7 @@ def llm_foundry(name: str) -> list[Case]:
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
-          "nemo-nemotron4-340b-h100": nemo_nemotron4_340b,
+          "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 
