@@ -46,6 +46,9 @@ class Constants:
     attn_eff: float = 0.0
     """Share of peak the fused attention kernel reaches on its scores and values (flash attention
     does not run at GEMM efficiency, least so causal and at small head sizes); 0: the matmuls'."""
+    attn_eff_fused: float = 0.0
+    """The same for Megatron's attention (Transformer Engine's fused kernel: cuDNN's on Hopper, which
+    NVIDIA's recipes select), fitted after the others on the family's Megatron rows; 0: ``attn_eff``."""
     softmax_passes: float = 6.0
     """Reads and writes of each attention score per forward with eager (unfused) attention."""
     comm_eff: float = 0.75
@@ -196,7 +199,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
     kinds = layer_kinds(cfg, layers)
     flash = lay.attention == "flash"
-    a_eff = c.attn_eff if flash and c.attn_eff > 0 else eff
+    fused = c.attn_eff_fused if lay.framework == "megatron" and c.attn_eff_fused > 0 else c.attn_eff
+    a_eff = fused if flash and fused > 0 else eff
     flash_bwd = 0.0  # flash attention's backward recomputes the scores: half a forward of the core more
     # the linear layers' matmuls: at the FP8 peak under precision fp8 (attention and the output layer stay bf16)
     lin = dev.fp8_tflops * dev.sustained * 1e12 * c.fp8_eff if lay.precision == "fp8" else peak
