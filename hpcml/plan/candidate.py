@@ -58,10 +58,10 @@ class PlanLayout:
     """Devices per node when the machine's differ from the device's default (a 4-GPU H100 node):
     tensor parallelism stays within a node, and what crosses nodes takes the inter-node links
     (each device keeps its own share of them). None: the device's (or site's) own."""
-    node_gbps: float | None = None
-    """The node's bandwidth off the node in Gb/s, one direction, its network interfaces together (as a
-    facility's page gives it: 4 x 100 Gb/s Omni-Path is 400), when not the device's default: every
-    device of the node takes an equal share. None: the device's (or site's) own."""
+    node_injection_gbps: float | None = None
+    """The node's bandwidth off the node in GB/s (bytes), one direction, its network interfaces together
+    -- as a site file gives it: 4 x 100 Gb/s Omni-Path is 50, 8 x 400 Gb/s NDR 400 -- when not the
+    device's (or site's) own: every device of the node takes an equal share."""
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -138,9 +138,10 @@ class PlanLayout:
         n = self.gpus_per_node
         if n is not None and (not is_int(n) or not 1 <= n <= 64):
             raise ConfigError(f"gpus_per_node={repr(n)[:40]}: expected an integer in [1, 64]")
-        g = self.node_gbps
-        if g is not None and not (is_real(g) and 1 <= g <= 1e5):
-            raise ConfigError(f"node_gbps={repr(g)[:40]}: expected a number of Gb/s in [1, 100000]")
+        g = self.node_injection_gbps
+        if g is not None and not (is_real(g) and 0.1 <= g <= 1e4):
+            raise ConfigError(f"node_injection_gbps={repr(g)[:40]}: expected GB/s (bytes) in [0.1, 10000]: the "
+                              f"node's network interfaces together, e.g. 50 for 4 x 100 Gb/s")
         for name in ("gpu", "site"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and 0 < len(value) <= 64):

@@ -40,8 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--name", help="calibrate: the device's name (default: the --out file's stem)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node, when not the device's default (e.g. 4 for a "
                    "4-GPU H100 node): tp stays within a node")
-    p.add_argument("--node-gbps", type=float, help="the node's bandwidth off the node in Gb/s, its network "
-                   "interfaces together (e.g. 400 for 4 x 100 Gb/s), when not the device's default")
+    p.add_argument("--node-injection-gbps", type=float, help="the node's bandwidth off the node in GB/s (bytes), "
+                   "its network interfaces together, as site files give it (e.g. 50 for 4 x 100 Gb/s), when not "
+                   "the device's or site's")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="the data-parallel gradient reduction's dtype "
                    "(default fp32; bf16 halves its bytes)")
     p.add_argument("--seq-len", type=int)
@@ -102,9 +103,9 @@ def add_parser(sub) -> None:
 
 
 def _given(args: argparse.Namespace) -> dict:
-    d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "node_gbps", "seq_len",
-                                       "global_batch", "reduce_dtype", "tp", "pp", "cp",
-                                       "ep", "zero", "micro_batch", "recompute", "sequence_parallel", "attention",
+    d = {k: getattr(args, k) for k in ("model", "gpus", "gpu", "site", "gpus_per_node", "node_injection_gbps",
+                                       "seq_len", "global_batch", "reduce_dtype", "tp", "pp", "cp", "ep", "zero",
+                                       "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
                                        "bias", "positions", "loss", "cp_kind")}
     if args.fsdp:
@@ -216,10 +217,11 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
         except ValueError as e:
             raise ConfigError(f"--member {text[:60]!r}: {str(e).removeprefix('--member: ')}; expected an object such "
                               f"as '{{\"tp\": 4}}'") from None
-        fixed = sorted({"model", "gpus", "gpu", "site"} & set(d)) if isinstance(d, dict) else []
+        fixed = sorted({"model", "gpus", "gpu", "site", "gpus_per_node", "node_injection_gbps"} & set(d)) \
+            if isinstance(d, dict) else []
         if fixed:
-            raise ConfigError(f"--member {i} sets {fixed}: a member's layout keys only (the model and the devices "
-                              f"are the population's: --model, --gpus / --pop)")
+            raise ConfigError(f"--member {i} sets {fixed}: a member's layout keys only (the model, the devices and "
+                              f"their nodes are the population's: --model, --gpus / --pop)")
         try:
             lay = PlanLayout.from_dict(d, **given)
             if "micro_batch" not in d and "micro_batch" not in given:  # as one layout alone: the fastest
@@ -258,7 +260,10 @@ def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
         raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-', not a built-in "
                           f"device's name (it would stand for that device in every later plan)")
     base = calibrate.base_of(given.pop("gpu", None), given.pop("site", None), args.device_file, args.cpu)
+    net = given.pop("node_injection_gbps", None)
     runs = calibrate.read_runs(args.runs, given)
+    if net is not None or any(r.layout.node_injection_gbps is not None for r in runs):
+        base = calibrate.with_network(base, net if net is not None else 1.0, runs)
     df, report = calibrate.calibrate(runs, base, name)
     devfile.write(df, args.out)
     print(json.dumps({"device_file": args.out, **report}) if args.json

@@ -92,9 +92,31 @@ def resolve_device(lay: PlanLayout) -> Device:
     n = lay.gpus_per_node
     if n is not None and n != dev.gpus_per_node:
         dev = replace(dev, name=f"{dev.name}x{n}", gpus_per_node=n)
-    if lay.node_gbps is not None:  # Gb/s a node, shared by its devices -> GB/s a device
-        dev = replace(dev, name=f"{dev.name}@{lay.node_gbps:g}Gbps", inter_gbps=lay.node_gbps / 8 / dev.gpus_per_node)
+    if lay.node_injection_gbps is not None:  # a node's, shared by its devices
+        dev = replace(dev, name=f"{dev.name}@{lay.node_injection_gbps:g}GBps",
+                      inter_gbps=lay.node_injection_gbps / dev.gpus_per_node)
     return dev
+
+
+def tied(cfg: TransformerConfig, framework: str, tp: int, pp: int, model: str | TransformerConfig
+         ) -> tuple[TransformerConfig, TransformerConfig, bool, str | None]:
+    """How ``framework`` runs ``cfg``'s tied embedding at ``tp`` x ``pp``: (the config its plan's
+    rules check, the config it is priced as, whether the last stage holds a copy, why the framework
+    refuses it, or None). Megatron ties across a pipeline -- the last stage keeps a copy as its
+    output layer (its own gradient, all-reduced with the first's once a step, and optimizer state);
+    torchtitan ties under tp only (its model configs raise ``NotImplementedError`` for weight tying
+    with pipeline parallelism); hpcml's trainer neither, unless ``llm_pretrain.py --init-from``
+    unties a Hugging Face model's (its rules say why)."""
+    if not cfg.tie_embeddings or (tp == 1 and pp == 1):
+        return cfg, cfg, False, None
+    untied = replace(cfg, tie_embeddings=False)
+    if framework == "hpcml":
+        return (untied, untied, False, None) if hf_dir(model) is not None else (cfg, cfg, False, None)
+    if framework == "torchtitan" and pp > 1:
+        return cfg, cfg, False, (f"torchtitan does not tie the embedding under pipeline parallelism (pp {pp}): its "
+                                 f"model configs refuse weight tying with pp > 1 -- untie it (tie_embeddings false) "
+                                 f"or use pp 1")
+    return untied, (untied if pp > 1 else cfg), pp > 1, None
 
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
@@ -161,17 +183,10 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
         raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
     if lay.activation is not None or lay.norm is not None or lay.bias is not None or lay.positions is not None:
         cfg = blocks(cfg, lay.activation, lay.norm, lay.bias, lay.positions)
-    rules_cfg, tied_copy = cfg, False
-    if cfg.tie_embeddings and (lay.tp > 1 or lay.pp > 1):
-        if lay.framework != "hpcml":  # Megatron and DeepSpeed tie across stages: the last holds a copy of the
-            # embedding as its output layer (its own gradient, all-reduced with the first's, and optimizer state)
-            rules_cfg, tied_copy = replace(cfg, tie_embeddings=False), lay.pp > 1
-            cfg = rules_cfg if tied_copy else cfg
-        elif hf_dir(lay.model) is not None:
-            cfg = rules_cfg = replace(cfg, tie_embeddings=False)  # as llm_pretrain.py --init-from unties it there
+    rules_cfg, cfg, tied_copy, refused = tied(cfg, lay.framework, lay.tp, lay.pp, lay.model)
     if lay.precision == "fp8" and dev.fp8_tflops is None:
         raise ConfigError(f"precision fp8 on {dev.name}: it has no FP8 tensor cores (an H100 or H200 has)")
-    refused = model_rules(rules_cfg, lay)
+    refused = refused or model_rules(rules_cfg, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
     mem = memory(cfg, lay, reserved_gib(c, lay.zero) * (1 << 30), dev.gpus_per_node)

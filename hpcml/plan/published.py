@@ -210,13 +210,13 @@ def bloom_176b() -> list[Case]:
     recompute, DeepSpeed's ZeRO-1) at three global batch sizes of its ramp-up, 16 to 2,048: a
     pipeline from one micro-batch a step to 128. Its blocks as they are (GeLU MLP of 4h, LayerNorm,
     biases, ALiBi, tied embedding: the last stage holds its copy), Megatron's fused softmax rather
-    than flash attention (``eager``), its nodes' 4 x 100 Gb/s Omni-Path (``node_gbps`` 400)."""
+    than flash attention (``eager``), its nodes' 4 x 100 Gb/s Omni-Path (``node_injection_gbps`` 50 GB/s)."""
     out = []
     h, heads, layers, vocab, seq = 14336, 112, 70, 250880, 2048
     cfg = TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
                             activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions="alibi")
     for gbs, mbs, tflops, step in published("bloom_176b_a100_2022")["rows"]:
-        layout = PlanLayout(model=cfg, gpus=384, gpu="a100-80gb", node_gbps=400, seq_len=seq, global_batch=gbs,
+        layout = PlanLayout(model=cfg, gpus=384, gpu="a100-80gb", node_injection_gbps=50, seq_len=seq, global_batch=gbs,
                             micro_batch=mbs, tp=4, pp=12, zero=1, recompute="full", attention="eager",
                             framework="megatron")
         out.append(Case("bloom-176b-a100", f"176B gbs {gbs} mbs {mbs}", layout, step_s=step,

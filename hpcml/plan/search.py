@@ -20,7 +20,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device
+from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device, tied
 from hpcml.plan.candidate import PlanLayout
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
@@ -66,9 +66,11 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                                   schedule=schedule, stages_per_rank=v, micro_batch=mb)
                                 except ConfigError:
                                     continue
+                                rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)
                                 for zero in ZERO[fw]:
-                                    if refused is not None and plan_rules(cfg, gpus, tp, cp, pp, ep, zero >= 2, sp,
-                                                                          schedule, v, base.cp_kind):
+                                    if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
+                                                                                  zero >= 2, sp, schedule, v,
+                                                                                  base.cp_kind)):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
                                     at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])

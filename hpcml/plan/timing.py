@@ -292,8 +292,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
     opt = opt_bytes / (dev.hbm_gbps * 1e9)
-    if tied_copy and (pp_rank == 0 or n_stages - 1 in mine):  # the embedding's and its copy's fp32 gradients
-        dp += _ring(4.0 * cfg.padded_vocab * cfg.dim / lay.tp, 2,
+    if tied_copy and (pp_rank == 0 or n_stages - 1 in mine):  # the embedding's and its copy's main gradients
+        dp += _ring((2.0 if lay.reduce_dtype == "bf16" else 4.0) * cfg.padded_vocab * cfg.dim / lay.tp, 2,
                     _link(dev, 2, lay.tp * lay.cp * lay.dp * (lay.pp - 1)), c)
     step = pipe + dp + opt + c.step_overhead_s
     return StepTime(step_s=step, compute_s=m * compute_mb, tp_s=m * tp_mb, cp_s=m * cp_mb, ep_s=m * ep_mb,

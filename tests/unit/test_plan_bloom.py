@@ -1,7 +1,7 @@
 """The planner on a 176B pipeline at three global batch sizes (BLOOM on 384 A100s, held out), and
 what it needed to price it at all: a tied embedding under tp and pp as Megatron and DeepSpeed run
 it (the last stage's copy, its gradient all-reduced with the first's once a step), and a node's
-network bandwidth where it is not the device's default (``node_gbps``)."""
+network bandwidth where it is not the device's default (``node_injection_gbps``)."""
 
 from __future__ import annotations
 
@@ -79,29 +79,74 @@ def test_tied_embedding_under_a_pipeline_is_priced_as_megatron_runs_it():
 
 
 def test_node_bandwidth_sets_each_devices_share_off_the_node():
-    """``node_gbps``: the node's network in Gb/s, its interfaces together, shared by its devices;
-    BLOOM's 4 x 100 Gb/s Omni-Path against a DGX A100's 8 x 200 Gb/s slows what crosses nodes."""
+    """``node_injection_gbps``: the node's network in GB/s, its interfaces together, shared by its
+    devices (as site files give it); BLOOM's 4 x 100 Gb/s Omni-Path (50 GB/s) against a DGX A100's
+    8 x 200 Gb/s slows what crosses nodes."""
     lay = _bloom()
     dev = resolve_device(lay)
-    assert dev.inter_gbps == pytest.approx(400 / 8 / 8) and dev.name.endswith("@400Gbps")
-    assert resolve_device(replace(lay, gpus_per_node=4)).inter_gbps == pytest.approx(400 / 8 / 4)
-    slow, fast = predict(lay), predict(replace(lay, node_gbps=1600))
+    assert dev.inter_gbps == pytest.approx(50 / 8) and dev.name.endswith("@50GBps")
+    assert resolve_device(replace(lay, gpus_per_node=4)).inter_gbps == pytest.approx(50 / 4)
+    slow, fast = predict(lay), predict(replace(lay, node_injection_gbps=200))
     assert slow.parts_s["dp"] > fast.parts_s["dp"] and slow.parts_s["pp_p2p"] > fast.parts_s["pp_p2p"]
     assert slow.parts_s["compute"] == fast.parts_s["compute"]
-    for bad in (0, -400, float("nan"), "400", True, 1e6):
-        with pytest.raises(ConfigError, match=r"node_gbps=.*: expected a number of Gb/s in \[1, 100000\]"):
-            replace(lay, node_gbps=bad)
+    for bad in (0, 0.05, -400, float("nan"), float("inf"), "400", True, 1e5):
+        with pytest.raises(ConfigError, match=r"node_injection_gbps=.*: expected GB/s \(bytes\) in \[0.1, 10000\]"):
+            replace(lay, node_injection_gbps=bad)
 
 
-def test_node_gbps_from_the_command_line_and_layouts():
-    base = [sys.executable, "-m", "hpcml.cli", "plan", "--model", "llama3-8b", "--gpus", "64", "--gpu",
-            "h100-80gb", "--seq-len", "8192", "--global-batch", "64", "--fsdp", "--recompute", "full", "--json"]
-    one = json.loads(subprocess.run(base + ["--node-gbps", "100"], capture_output=True, text=True, timeout=120,
-                                    check=True).stdout)
-    out = subprocess.run(base + ["--layouts", "-"], input='{"node_gbps": 100}\n{}\n',
-                         capture_output=True, text=True, timeout=120)
+def test_node_injection_gbps_from_the_command_line_layouts_and_calibrate(tmp_path):
+    """The flag and the --layouts key price the same; ``hpcml plan calibrate`` writes the network into
+    the device file (a later plan needs no flag), refuses it per run and for a CPU; a population's
+    member cannot have nodes of its own."""
+    cli = [sys.executable, "-m", "hpcml.cli", "plan"]
+    base = cli + ["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch",
+                  "64", "--fsdp", "--recompute", "full", "--json"]
+    run = lambda args, **kw: subprocess.run(args, capture_output=True, text=True, timeout=120, **kw)  # noqa: E731
+    one = json.loads(run(base + ["--node-injection-gbps", "12.5"]).stdout)
+    out = run(base + ["--layouts", "-"], input='{"node_injection_gbps": 12.5}\n{}\n')
     assert out.returncode == 0, out.stderr
     slow, fast = (json.loads(line) for line in out.stdout.splitlines())
     assert slow["step_s"] > fast["step_s"] and slow["step_s"] == pytest.approx(one["step_s"], rel=1e-9)
-    bad = subprocess.run(base + ["--node-gbps", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "node_gbps=0.0: expected a number of Gb/s in [1, 100000]" in bad.stderr
+    bad = run(base + ["--node-injection-gbps", "0"])
+    assert bad.returncode == 2 and "node_injection_gbps=0.0: expected GB/s (bytes) in [0.1, 10000]" in bad.stderr
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps({"tp": tp, "zero": 3, "step_s": s}) + "\n"
+                            for tp, s in ((1, 3.0), (2, 3.3), (4, 3.9), (8, 4.6), (1, 3.1))))
+    cal = cli + ["calibrate", str(runs), "--gpu", "h100-80gb", "--model", "llama3-8b", "--gpus", "64", "--seq-len",
+                 "8192", "--global-batch", "64"]
+    out = run(cal + ["--node-injection-gbps", "12.5", "--out", str(tmp_path / "slow.json")])
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "slow.json").read_text())["device"]["inter_gbps"] == pytest.approx(12.5 / 8)
+    runs.write_text(json.dumps({"tp": 2, "zero": 3, "step_s": 3.0, "node_injection_gbps": 12.5}) + "\n")
+    out = run(cal + ["--out", str(tmp_path / "x.json")])
+    assert out.returncode == 2 and "node_injection_gbps in a run: give the network once" in out.stderr
+    assert not (tmp_path / "x.json").exists()
+    out = run(base + ["--pop", "2", "--member", '{"node_injection_gbps": 1}', "--member", "{}"])
+    assert out.returncode == 2 and "--member 0 sets ['node_injection_gbps']" in out.stderr
+
+
+def test_a_search_prices_tied_embeddings_as_each_framework_runs_them():
+    """The search's pruning checks the same rules as a prediction: Megatron runs a tied model at any
+    tp x pp, torchtitan under tp only (its configs refuse weight tying with pp > 1, named), hpcml's
+    trainer under neither."""
+    from hpcml.plan.search import search
+
+    cfg = replace(TABLES["bloom-176b-a100"]()[0].layout.model, n_layers=8, dim=1024, n_heads=8, vocab_size=32000)
+    base = PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=2048, global_batch=64, degrees_checked=False)
+    fitting = {fw: search(replace(base, framework=fw), top=100_000).best for fw in ("megatron", "torchtitan", "hpcml")}
+    assert any(p.layout.pp > 1 for p in fitting["megatron"]) and any(p.layout.tp > 1 for p in fitting["megatron"])
+    assert all(p.layout.pp == 1 for p in fitting["torchtitan"]) and any(p.layout.tp > 1 for p in fitting["torchtitan"])
+    assert fitting["hpcml"] and all(p.layout.tp == 1 and p.layout.pp == 1 for p in fitting["hpcml"])
+    one = predict(PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=2048, global_batch=64, pp=2,
+                             framework="torchtitan"))
+    assert not one.fits and "torchtitan does not tie the embedding under pipeline parallelism (pp 2)" in one.why
+
+
+def test_the_tied_gradients_all_reduce_in_the_reduce_dtype():
+    lay = _bloom(16)
+    cfg = replace(lay.model, tie_embeddings=False)
+    dev = resolve_device(lay)
+    c = constants(dev)
+    sync = [step_time(cfg, replace(lay, reduce_dtype=r), dev, c, tied_copy=True).dp_s
+            - step_time(cfg, replace(lay, reduce_dtype=r), dev, c).dp_s for r in ("fp32", "bf16")]
+    assert sync[1] < sync[0] and sync[1] > 0

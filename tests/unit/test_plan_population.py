@@ -131,8 +131,8 @@ def test_members_of_different_layouts_step_at_the_slowest_and_swap_through_check
     (["--pop", "2", "--member", '{"tp": 8}'], "--member given 1 times for --pop 2: one layout a member"),
     (["--member", '{"tp": 8}'], "--member prices a population: give --pop too"),
     (["--pop", "2", "--member", '{"tp": 8}', "--member", '{"gpus": 8}'],
-     "--member 1 sets ['gpus']: a member's layout keys only (the model and the devices are the population's: "
-     "--model, --gpus / --pop)"),
+     "--member 1 sets ['gpus']: a member's layout keys only (the model, the devices and their nodes are the "
+     "population's: --model, --gpus / --pop)"),
     (["--pop", "2", "--member", '{"tp": 8}', "--member", "tp=4"],
      "--member 'tp=4': not JSON (Expecting value: line 1 column 1 (char 0)); expected an object such as "
      "'{\"tp\": 4}'"),
