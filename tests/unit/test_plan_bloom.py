@@ -150,3 +150,19 @@ def test_the_tied_gradients_all_reduce_in_the_reduce_dtype():
     sync = [step_time(cfg, replace(lay, reduce_dtype=r), dev, c, tied_copy=True).dp_s
             - step_time(cfg, replace(lay, reduce_dtype=r), dev, c).dp_s for r in ("fp32", "bf16")]
     assert sync[1] < sync[0] and sync[1] > 0
+
+
+def test_plan_validate_reports_every_published_table_alone():
+    """``benchmarks/plan_validate.py --tables --json``: every table's figures in a second, nothing
+    measured (the reproduce command of the tables in docs/benchmarks.md)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_validate.py"
+    out = subprocess.run([sys.executable, str(script), "--tables", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert set(got) == set(TABLES)
+    assert got["bloom-176b-a100"]["fit_agrees"] == 1.0 and got["bloom-176b-a100"]["fitted_on"] is None
+    assert got["nemo-llama31-70b-h100"]["median_abs_error"] <= 0.10
+    assert got["sc21-table1"]["fitted_on"] == "family constants" and got["sc21-table1"]["spearman_mfu"] > 0.9
