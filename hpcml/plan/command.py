@@ -174,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**p.to_dict(), **({"population": priced.to_dict()} if priced else {}),
                           "micro_batch_chosen": chosen}))
     else:
-        note = "" if not chosen else (f" (micro-batch {lay.micro_batch}: the fastest that fits; --micro-batch sets it)"
-                                      if p.fits else " (no micro-batch fits: shown at 1)")
+        note = "" if not chosen or not p.memory_gib else (  # a layout the model's plan refuses has no micro-batch
+            f" (micro-batch {lay.micro_batch}: the fastest that fits; --micro-batch sets it)" if p.fits
+            else " (no micro-batch fits: shown at 1)")
         print(_line(p) + note + (f"\n{population.line(priced)}" if priced else ""))
     return 0 if p.fits else 1
 

@@ -166,3 +166,13 @@ def test_plan_validate_reports_every_published_table_alone():
     assert got["bloom-176b-a100"]["fit_agrees"] == 1.0 and got["bloom-176b-a100"]["fitted_on"] is None
     assert got["nemo-llama31-70b-h100"]["median_abs_error"] <= 0.10
     assert got["sc21-table1"]["fitted_on"] == "family constants" and got["sc21-table1"]["spearman_mfu"] > 0.9
+
+
+def test_a_refused_layout_is_not_said_to_lack_a_micro_batch():
+    """A layout the model's plan refuses has no micro-batch to choose: the line names the rule and
+    nothing else (it said "no micro-batch fits: shown at 1" after it)."""
+    out = subprocess.run([sys.executable, "-m", "hpcml.cli", "plan", "--model", "small", "--gpus", "4", "--gpu",
+                          "h100-80gb", "--seq-len", "1024", "--global-batch", "8", "--pp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stdout.rstrip().endswith("tie_embeddings needs tp 1 and pp 1, got tp 1, pp 2"), out.stdout
