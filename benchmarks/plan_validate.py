@@ -253,7 +253,7 @@ def published_tables() -> dict:
     fitted |= {t: f"{d}'s sustained share of its peak" for d, ts in DEVICE_CALIBRATION.items() for t in ts}
     out = {}
     for name, make in TABLES.items():
-        rows, agree, close, n = [], 0, 0, 0
+        rows, agree, close, n, errs, mfu = [], 0, 0, 0, [], []
         cases = make()
         for case in cases:
             p = predict(case.layout)
@@ -263,21 +263,20 @@ def published_tables() -> dict:
                 err = p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1
                 n += 1
                 close += abs(err) <= 0.15
+                errs.append(abs(err))
+                mfu.append((p.mfu, p.mfu / (1 + err)))  # predicted, and as published (unrounded: no false ties)
             rows.append({"row": case.label, "published_fits": case.fits, "predicted_fits": p.fits,
                          "tokens_per_gpu_published": case.tokens_per_gpu and round(case.tokens_per_gpu, 1),
                          "tokens_per_gpu_predicted": round(p.tokens_per_s / case.layout.gpus, 1),
                          "error": None if err is None else round(err, 3),
                          "mfu_predicted": round(p.mfu, 4), "memory_gib_published": case.memory_gib,
                          "memory_gib_predicted": round(p.memory_gib.get("total", 0.0), 1)})
-        errs = sorted(abs(r["error"]) for r in rows if r["error"] is not None)
-        pred = [r for r in rows if r["error"] is not None]
+        errs.sort()
         out[name] = {"fitted_on": fitted.get(name), "fit_agrees": round(agree / len(cases), 3),
                      "within_15pct": round(close / max(1, n), 3),
                      "median_abs_error": round(statistics.median(errs), 4) if errs else None,
                      "p90_abs_error": round(errs[int(0.9 * (len(errs) - 1))], 4) if errs else None,
-                     "spearman_mfu": round(_spearman([r["mfu_predicted"] for r in pred],  # MFU as published:
-                                                     [r["mfu_predicted"] / (1 + r["error"]) for r in pred]), 3)
-                     if len(pred) > 2 else None, "rows": rows}
+                     "spearman_mfu": round(_spearman(*zip(*mfu)), 3) if len(mfu) > 2 else None, "rows": rows}
     return out
 
 
