@@ -115,7 +115,7 @@ def raw_zmq(args, key_file, held: bool = False) -> tuple[float, dict]:
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 8)
     port = s.bind_to_random_port("tcp://127.0.0.1")
-    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1))
+    buf = Buffer(BufferConfig(policy="fifo", capacity=16, watermark=1)) if held else None
     params = np.zeros(1, np.float32)
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     th = _consumer(buf, args.messages) if held else None

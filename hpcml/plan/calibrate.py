@@ -316,17 +316,19 @@ def base_of(gpu: str | None, site: str | None, device_file: str | None, cpu: boo
     return devfile.DeviceFile(name=dev.name, constants=calibration.constants(dev), device=dev)
 
 
-def with_network(base: devfile.DeviceFile, gbps: float, runs: list[Measured]) -> devfile.DeviceFile:
-    """``base`` with its nodes' injection bandwidth ``gbps`` (GB/s a node, ``--node-injection-gbps``):
-    the network the runs ran on, written into the device file, so every later plan prices it
-    without the flag. Given per run instead it would be fitted on and lost."""
-    if base.device is None:
-        raise ConfigError("--node-injection-gbps: a CPU calibration measures its own links (gloo's bus bandwidth): "
-                          "not with --cpu or a CPU device file")
+def with_network(base: devfile.DeviceFile, gbps: float | None, runs: list[Measured]) -> devfile.DeviceFile:
+    """``base`` with its nodes' injection bandwidth ``gbps`` (GB/s a node, ``--node-injection-gbps``;
+    None: as it is): the network the runs ran on, written into the device file, so every later plan
+    prices it without the flag. Given per run instead it would be fitted on and lost: refused."""
     for r in runs:
         if r.layout.node_injection_gbps is not None:
             raise ConfigError(f"{r.source}: node_injection_gbps in a run: give the network once, with "
                               f"--node-injection-gbps (it is written into the device file)")
+    if gbps is None:
+        return base
+    if base.device is None:
+        raise ConfigError("--node-injection-gbps: a CPU calibration measures its own links (gloo's bus bandwidth): "
+                          "not with --cpu or a CPU device file")
     return replace(base, device=replace(base.device, inter_gbps=gbps / base.device.gpus_per_node))
 
 

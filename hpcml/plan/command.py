@@ -261,10 +261,9 @@ def _run_calibrate(args: argparse.Namespace, given: dict) -> int:
         raise ConfigError(f"--name {name[:80]!r}: expected 1-64 letters, digits, '.', '_' or '-', not a built-in "
                           f"device's name (it would stand for that device in every later plan)")
     base = calibrate.base_of(given.pop("gpu", None), given.pop("site", None), args.device_file, args.cpu)
-    net = given.pop("node_injection_gbps", None)
+    net = given.pop("node_injection_gbps", None)  # the device file's, not each run's
     runs = calibrate.read_runs(args.runs, given)
-    if net is not None or any(r.layout.node_injection_gbps is not None for r in runs):
-        base = calibrate.with_network(base, net if net is not None else 1.0, runs)
+    base = calibrate.with_network(base, net, runs)
     df, report = calibrate.calibrate(runs, base, name)
     devfile.write(df, args.out)
     print(json.dumps({"device_file": args.out, **report}) if args.json

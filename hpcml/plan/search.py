@@ -51,6 +51,7 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                     continue
                 eps = [e for e in divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
                 schedules = [("1f1b", None)] if pp == 1 else [("1f1b", None), ("interleaved1f1b", 2)]
+                rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)  # the same for every layout below
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and cp == 1 and not cfg.n_experts else (False,)):
                         for schedule, v in schedules:
@@ -66,7 +67,6 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                                   schedule=schedule, stages_per_rank=v, micro_batch=mb)
                                 except ConfigError:
                                     continue
-                                rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)
                                 for zero in ZERO[fw]:
                                     if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
                                                                                   zero >= 2, sp, schedule, v,
