@@ -20,12 +20,20 @@ NORMS = ("rmsnorm", "layernorm")
 CP_KINDS = ("ulysses", "allgather")
 POSITIONS = ("rope", "learned", "alibi")
 LOSSES = ("eager", "fused")
-FRAMEWORKS = ("hpcml", "megatron", "torchtitan")
+FRAMEWORKS = ("hpcml", "megatron", "torchtitan", "deepspeed")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
 hpcml: fp32 weights and Adam, bf16 by autocast (``--bf16``), torch's sequence parallelism
 (keeps gathered inputs), one flat gradient all-reduce under DDP; megatron: bf16 weights, fp32
 main gradients, fp32 master weights and moments (the distributed optimizer shards them at ZeRO-1),
-sequence parallelism keeping shards; torchtitan: FSDP2 with bf16 compute over fp32 shards."""
+sequence parallelism keeping shards; torchtitan: FSDP2 with bf16 compute over fp32 shards;
+deepspeed: Megatron-DeepSpeed -- Megatron's blocks on DeepSpeed's engine, whose ``BF16_Optimizer``
+(ZeRO 0-1) keeps bf16 gradients and a whole fp32 copy it accumulates into and all-reduces after the
+last micro-batch (after the pipeline's schedule: nothing overlapped), fp32 master weights and
+moments sharded at ZeRO-1, the bf16 weights all-gathered after the step; ZeRO-2 and -3 without a
+pipeline (its pipeline engine runs ZeRO 0-1 and 1F1B only)."""
+MEGATRON_MODEL = ("megatron", "deepspeed")
+"""Frameworks running Megatron's model code: fused blocks, sequence parallelism keeping shards, a
+vocabulary-parallel embedding whose gradient is a shard."""
 
 
 MAX = 1 << 40
@@ -38,6 +46,22 @@ def _int(name: str, value, least: int = 1) -> int:
     if not is_int(value) or not least <= value <= MAX:
         raise ConfigError(f"{name}={repr(value)[:40]}: expected an integer in [{least}, 2^40]")
     return value
+
+
+def deepspeed_refuses(pp: int, zero: int, schedule: str, overlap: bool) -> str | None:
+    """Why Megatron-DeepSpeed cannot run these settings, or None: its pipeline engine runs one
+    schedule (1F1B) and, in bf16, ZeRO 0-1 only (``PP+BF16 only work for ZeRO Stage 1``); its
+    BF16_Optimizer reduces gradients after the last micro-batch, with nothing to overlap."""
+    if pp > 1 and zero >= 2:
+        return (f"framework deepspeed with pp {pp} and zero {zero}: DeepSpeed's pipeline engine runs ZeRO 0 or 1 "
+                f"only (PP+BF16 only work for ZeRO Stage 1) -- use zero 1, or pp 1")
+    if pp > 1 and schedule != "1f1b":
+        return (f"framework deepspeed with schedule {schedule}: DeepSpeed's pipeline engine runs 1F1B only "
+                f"(its TrainSchedule) -- use schedule 1f1b")
+    if overlap and zero < 2:
+        return (f"framework deepspeed with overlap at zero {zero}: DeepSpeed's BF16_Optimizer all-reduces the "
+                f"gradients after the last micro-batch, with nothing to overlap -- drop overlap")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +206,10 @@ class PlanLayout:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
         if (self.gpu is None) == (self.site is None):
             raise ConfigError(f"gpu={self.gpu!r}, site={self.site!r}: give exactly one of them")
+        why = deepspeed_refuses(self.pp, self.zero, self.schedule, self.overlap) if self.framework == "deepspeed" \
+            else None
+        if why:
+            raise ConfigError(why)
         if degrees_checked:
             self._check_degrees()
 

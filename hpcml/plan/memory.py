@@ -12,7 +12,7 @@ from functools import lru_cache
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.parallel.config import split_layers
-from hpcml.plan.candidate import PlanLayout
+from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _grad_elements(name: str, n: int, tp: int, whole_embedding_grad: bool = True
 
 def whole_embedding_grad(lay: PlanLayout) -> bool:
     """Whether ``lay``'s framework parallelizes the embedding with torch's DTensor plan (above)."""
-    return lay.framework != "megatron"
+    return lay.framework not in MEGATRON_MODEL
 
 
 def _chunk(n: int, ws: int, index: int = 0) -> int:
@@ -196,9 +196,9 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # hpcml: fp32 weights, fp32 residual
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
-                    sp_saves_gathered=lay.framework != "megatron", fpdt=lay.fpdt_chunk > 0,
+                    sp_saves_gathered=lay.framework not in MEGATRON_MODEL, fpdt=lay.fpdt_chunk > 0,
                     chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind,
-                    fused_blocks=lay.framework == "megatron")
+                    fused_blocks=lay.framework in MEGATRON_MODEL)
 
 
 @lru_cache(maxsize=4096)
@@ -275,9 +275,16 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, main gradients
     and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1 -- its main
     gradients are the buffer it reduces, so in the reduce dtype (bf16 without
-    ``--accumulate-allreduce-grads-in-fp32``: 16 bytes)."""
+    ``--accumulate-allreduce-grads-in-fp32``: 16 bytes). DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1)
+    keeps the bf16 gradients and, in fp32, a whole copy it accumulates them into and reduces
+    (``fp32_groups_gradients_flat``); its ZeRO-2 and -3 a fp32 gradient partition, ZeRO-2 the bf16
+    weights whole."""
     if lay.framework == "megatron" and lay.precision != "fp32" and lay.zero < 2:
         return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.grads, 12.0 * st.optimizer
+    if lay.framework == "deepspeed" and lay.precision != "fp32":
+        if lay.zero < 2:
+            return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 6.0) * st.grads, 12.0 * st.optimizer
+        return 2.0 * (st.compute_params if lay.zero == 2 else st.params), 4.0 * st.grads, 12.0 * st.optimizer
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 
 
@@ -295,6 +302,8 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
             if lay.hpz:  # hpZ: every block's secondary shard over the node's data ranks, from forward to backward
                 local = node_ranks(lay, lay.gpus_per_node or gpus_per_node)
                 buf += compute_bytes * (st.compute_params - st.root) / local
+        elif lay.zero == 2 and lay.framework == "deepspeed":  # ZeRO-2 keeps its weights whole (counted above)
+            buf += 4 * st.largest_unit
         elif lay.zero >= 2:  # FSDP without resharding after forward: every block stays gathered until backward
             buf += compute_bytes * st.compute_params + 4 * st.largest_unit
         if lay.zero >= 2 and (lay.framework == "hpcml" or lay.pp > 1) and lay.microbatches > 1:

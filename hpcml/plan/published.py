@@ -218,7 +218,7 @@ def bloom_176b() -> list[Case]:
     for gbs, mbs, tflops, step in published("bloom_176b_a100_2022")["rows"]:
         layout = PlanLayout(model=cfg, gpus=384, gpu="a100-80gb", node_injection_gbps=50, seq_len=seq, global_batch=gbs,
                             micro_batch=mbs, tp=4, pp=12, zero=1, recompute="full", attention="eager",
-                            framework="megatron")
+                            framework="deepspeed")
         out.append(Case("bloom-176b-a100", f"176B gbs {gbs} mbs {mbs}", layout, step_s=step,
                         tokens_per_gpu=tflops * 1e12 / megatron_flops(h, layers, seq, vocab, True)))
     return out

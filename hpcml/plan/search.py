@@ -2,8 +2,8 @@
 plan rules prune, memory filters, the time model ranks.
 
 The candidates are what the framework can run: for hpcml, ZeRO 0 (DDP), 2 and 3 (FSDP2 with
-and without resharding after forward), recompute none or full, flash attention; for Megatron
-and torchtitan their own options (ZeRO-1, selective recompute) as well.
+and without resharding after forward), recompute none or full, flash attention; for Megatron,
+Megatron-DeepSpeed and torchtitan their own options (ZeRO-1, selective recompute) as well.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
 from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device, tied
-from hpcml.plan.candidate import PlanLayout
+from hpcml.plan.candidate import PlanLayout, deepspeed_refuses
 
-ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3)}
+ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
 RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"),
+             "deepspeed": ("none", "selective", "full"),
              "torchtitan": ("none", "selective-op", "selective-layer", "full")}
 
 
@@ -50,7 +51,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                 if base.global_batch % dp:
                     continue
                 eps = [e for e in divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
-                schedules = [("1f1b", None)] if pp == 1 else [("1f1b", None), ("interleaved1f1b", 2)]
+                schedules = [("1f1b", None)] if pp == 1 or fw == "deepspeed" else \
+                    [("1f1b", None), ("interleaved1f1b", 2)]
                 rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)  # the same for every layout below
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and cp == 1 and not cfg.n_experts else (False,)):
@@ -68,6 +70,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                 except ConfigError:
                                     continue
                                 for zero in ZERO[fw]:
+                                    if fw == "deepspeed" and deepspeed_refuses(pp, zero, schedule, base.overlap):
+                                        continue  # its pipeline: ZeRO 0-1; its BF16_Optimizer: no overlap
                                     if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
                                                                                   zero >= 2, sp, schedule, v,
                                                                                   base.cp_kind)):

@@ -276,6 +276,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
             comm = gather * (m + 1 if lay.zero == 3 else 1) + rs
         elif lay.framework == "hpcml":
             comm = m * ag + rs
+        elif lay.framework == "deepspeed" and lay.zero == 2:  # weights kept whole: gathered once, after the step
+            comm = m * rs + gather
         else:
             comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
@@ -285,9 +287,13 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + gather / max(1, len(layers)) \
             + m * (len(layers) + 1) * c.fsdp_unit_s * (1.0 if lay.zero == 3 else 0.5)
     else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients
-        comm = _ring(grad_full, ws, dp_bw, c, 1.0) + _ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 \
-            else _ring(grad_full, ws, dp_bw, c)
-        hide = m * compute_mb if lay.overlap else 0.0 if lay.framework == "hpcml" else backward_mb
+        # (DeepSpeed's BF16_Optimizer all-reduces its whole fp32 copy at ZeRO-1 too)
+        whole = lay.zero == 0 or lay.framework == "deepspeed"
+        comm = _ring(grad_full, ws, dp_bw, c, 2.0 if whole else 1.0) \
+            + (_ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 else 0.0)
+        # hpcml's DDP and DeepSpeed's BF16_Optimizer reduce after the last backward (DeepSpeed's
+        # pipeline engine after its schedule): nothing hides them
+        hide = m * compute_mb if lay.overlap else 0.0 if lay.framework in ("hpcml", "deepspeed") else backward_mb
         dp = max(0.0, comm - c.dp_overlap * hide)
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes

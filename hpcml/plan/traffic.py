@@ -9,7 +9,8 @@ ranks' padded dim-0 chunks, every micro-batch's forward and, resharded after for
 backward (the root keeps its weights to backward); hpcml reduce-scatters gradients once a step.
 Under a pipeline ``torch.distributed.pipelining`` neither reshards nor reduces after a backward
 but the last: a stage is gathered once a step (once more in each backward if it reshards after
-forward), and reduced once, whatever the framework.
+forward), and reduced once, whatever the framework. DeepSpeed's ZeRO-2 keeps its weights whole:
+it gathers them once a step, after the optimizer.
 qwZ sends 1 byte a value and a 4-byte scale a block of the flat buffer; qgZ sends the node's
 chunks in full precision inside it and int8 blocks across.
 """
@@ -65,10 +66,11 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
     blocks, root = _units(cfg, lay, shard_ws, pp_rank)
     piped = lay.fsdp_piped
     after_forward = 2 if lay.zero == 3 and not lay.hpz else 1
+    once = piped or lay.framework == "deepspeed" and lay.zero == 2  # DeepSpeed's ZeRO-2: the updated weights, once
     for u in blocks:  # under a pipeline the first forward gathers, and each backward again at ZeRO-3
-        send(shard_ws, gathered(u), (m + 1 if lay.zero == 3 else 1) if piped else m * after_forward)
+        send(shard_ws, gathered(u), (m + 1 if lay.zero == 3 else 1) if once else m * after_forward)
     for r in root:
-        send(shard_ws, gathered(r), 1 if piped else m)
+        send(shard_ws, gathered(r), 1 if once else m)
     if lay.hpz and lay.zero == 3:  # backward gathers the secondary shards, over the node's ranks
         for u in _units(cfg, lay, min(local, ws), pp_rank)[0]:
             send(min(local, ws), gathered(u), m)

@@ -42,15 +42,15 @@ def test_bloom_table_is_held_out_and_read_as_published():
 
 def test_bloom_rows_fit_and_the_full_pipeline_within_fifteen_percent():
     """Every row ran, and is predicted to fit; the full pipeline (128 micro-batches) within 15%.
-    The two small-batch rows are predicted 42-46% fast (docs/plan.md says why): the bound here
-    keeps them from getting worse unnoticed."""
+    The two small-batch rows are predicted 29-30% fast (42-46% before DeepSpeed's own gradient
+    sync was priced; docs/plan.md says why): the bound here keeps them from getting worse unnoticed."""
     errors = []
     for c in TABLES["bloom-176b-a100"]():
         p = predict(c.layout)
         assert p.fits and p.memory_gib["total"] < 79
         errors.append(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1)
     assert abs(errors[2]) <= 0.15, errors
-    assert all(0 < e <= 0.5 for e in errors[:2]), errors
+    assert all(0 < e <= 0.35 for e in errors[:2]), errors
 
 
 def test_tied_embedding_under_a_pipeline_is_priced_as_megatron_runs_it():
