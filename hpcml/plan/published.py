@@ -192,17 +192,29 @@ def nemo_llama31_70b() -> list[Case]:
                             schedule="interleaved1f1b", cp_kind="allgather")
 
 
+def _nemotron4(h: int, heads: int, layers: int) -> TransformerConfig:
+    """A Nemotron-4 model: its squared-ReLU MLP of 4h planned as a GeLU one (the same matmuls and
+    tensors kept), LayerNorm for its LayerNorm1p, no biases, rope, 8 query groups, untied."""
+    return TransformerConfig(vocab_size=256000, dim=h, n_heads=heads, n_kv_heads=8, n_layers=layers,
+                             max_seq_len=4096, ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=False,
+                             positions="rope")
+
+
 def nemo_nemotron4_340b() -> list[Case]:
     """NVIDIA's Nemotron-4 340B recipe on 128-2,048 H100s (NeMo 24.11: TP 8 x PP 8 with 12 virtual
-    stages a rank, the distributed optimizer reducing in bf16, no recompute), in BF16 and FP8; its
-    squared-ReLU MLP of 4h planned as a GeLU one (the same matmuls and tensors kept)."""
-    h = 18432
-    cfg = TransformerConfig(vocab_size=256000, dim=h, n_heads=96, n_kv_heads=8, n_layers=96, max_seq_len=4096,
-                            ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=False, positions="rope")
-    rows = [("340B", cfg, gpus, gbs, {}, bf16, fp8)
+    stages a rank, the distributed optimizer reducing in bf16, no recompute), in BF16 and FP8."""
+    rows = [("340B", _nemotron4(18432, 96, 96), gpus, gbs, {}, bf16, fp8)
             for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]]
     return _megatron_recipe("nemo-nemotron4-340b-h100", 4096, rows, tp=8, pp=8, stages_per_rank=12,
                             schedule="interleaved1f1b", reduce_dtype="bf16")
+
+
+def nemo_nemotron4_15b() -> list[Case]:
+    """NVIDIA's Nemotron-4 15B recipe on 16-2,048 H100s (NeMo 24.11: TP 4, no pipeline, micro-batch
+    4, four a replica, 4 to 512 data ranks, no recompute), in BF16 and FP8."""
+    rows = [("15B", _nemotron4(6144, 48, 32), gpus, gbs, {}, bf16, fp8)
+            for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_15b_h100_2024")["rows"]]
+    return _megatron_recipe("nemo-nemotron4-15b-h100", 4096, rows, tp=4, micro_batch=4)
 
 
 def bloom_176b() -> list[Case]:
@@ -269,6 +281,7 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
+          "nemo-nemotron4-15b-h100": nemo_nemotron4_15b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 
