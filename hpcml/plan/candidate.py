@@ -20,6 +20,7 @@ NORMS = ("rmsnorm", "layernorm")
 CP_KINDS = ("ulysses", "allgather")
 POSITIONS = ("rope", "learned", "alibi")
 LOSSES = ("eager", "fused")
+MASTER_WEIGHTS = ("fp32", "remainder")
 FRAMEWORKS = ("hpcml", "megatron", "torchtitan", "deepspeed")
 """Whose implementation runs the layout: the same layout keeps different bytes in each.
 hpcml: fp32 weights and Adam, bf16 by autocast (``--bf16``), torch's sequence parallelism
@@ -117,6 +118,15 @@ class PlanLayout:
     """The model's blocks, where they differ from its config: activation swiglu or gelu (the
     MLP's width kept), norm rmsnorm or layernorm, bias (every projection's and norm's),
     positions rope, learned or alibi. None: the model's own (``TransformerConfig``'s fields)."""
+    master_weights: str = "fp32"
+    """How the optimizer keeps its master copy of the bf16 weights (``framework`` megatron, zero
+    0-1): fp32 (Megatron-core's distributed optimizer: 4 bytes a parameter) or remainder (NeMo's
+    Apex distributed Adam, ``store_param_remainders``: the 16 low bits the bf16 weight drops, which
+    with it make the fp32 value: 2 bytes)."""
+    fp8_params: bool = False
+    """Weights held in FP8 alone (Transformer Engine's ``fp8_model_init``, NeMo's ``fp8_params``;
+    precision fp8, framework megatron): 1 byte a parameter, all-gathered as such; the optimizer
+    keeps fp32 master weights (NeMo's distributed Adam then stores them whole)."""
     loss: str = "eager"
     """eager: the fp32 log-softmax of every logit kept and its gradient made whole (torch's
     ``cross_entropy``, hpcml's trainer without FPDT); fused: a loss kernel that keeps the
@@ -192,7 +202,7 @@ class PlanLayout:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
                               ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
-                              ("loss", LOSSES), ("cp_kind", CP_KINDS),
+                              ("loss", LOSSES), ("cp_kind", CP_KINDS), ("master_weights", MASTER_WEIGHTS),
                               ("schedule", PP_SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
@@ -201,11 +211,20 @@ class PlanLayout:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if self.bias is not None and not isinstance(self.bias, bool):
             raise ConfigError(f"bias={self.bias!r}: expected true or false")
-        for name in ("sequence_parallel", "overlap"):
+        for name in ("sequence_parallel", "overlap", "fp8_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
         if (self.gpu is None) == (self.site is None):
             raise ConfigError(f"gpu={self.gpu!r}, site={self.site!r}: give exactly one of them")
+        if self.fp8_params and (self.precision != "fp8" or self.framework != "megatron"):
+            raise ConfigError(f"fp8_params with precision {self.precision}, framework {self.framework}: weights held "
+                              f"in FP8 are Transformer Engine's (precision fp8, framework megatron)")
+        if self.master_weights == "remainder" and (self.framework != "megatron" or self.zero > 1
+                                                   or self.precision == "fp32" or self.fp8_params):
+            raise ConfigError(f"master_weights remainder with framework {self.framework}, zero {self.zero}, precision "
+                              f"{self.precision}, fp8_params {self.fp8_params}: remainders complete bf16 weights in "
+                              f"NeMo's distributed Adam (framework megatron, zero 0-1, bf16 or fp8 matmuls, "
+                              f"weights not in FP8)")
         why = deepspeed_refuses(self.pp, self.zero, self.schedule, self.overlap) if self.framework == "deepspeed" \
             else None
         if why:

@@ -12,8 +12,8 @@ from hpcml.errors import ConfigError
 from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import LINE_DEPTH, predict, predict_lines, resolve_device
-from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, NORMS, POSITIONS, PRECISIONS,
-                              RECOMPUTE, PlanLayout)
+from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, MASTER_WEIGHTS, NORMS,
+                              POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
 
 MAX_LAYOUT_FILE = 64 << 20
 MAX_LAYOUT_LINES = 20_000
@@ -75,7 +75,12 @@ def add_parser(sub) -> None:
     p.add_argument("--loss", choices=LOSSES, default=None, help="eager (default: the fp32 log-softmax kept) or fused "
                    "(a kernel that writes the gradient over the logits: flash-attn's, Liger's, llm-foundry's)")
     p.add_argument("--framework", choices=FRAMEWORKS, default=None,
-                   help="whose implementation (hpcml; megatron or torchtitan to compare)")
+                   help="whose implementation (hpcml; megatron, torchtitan or deepspeed -- Megatron-DeepSpeed -- "
+                        "to compare)")
+    p.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None, help="megatron: fp32 master weights "
+                   "(default) or remainder (NeMo's Apex distributed Adam: 16-bit remainders of the bf16 weights)")
+    p.add_argument("--fp8-params", action=argparse.BooleanOptionalAction, default=None,
+                   help="megatron, precision fp8: weights held in FP8 alone (Transformer Engine, NeMo's fp8_params)")
     p.add_argument("--layouts", metavar="FILE", help="JSON lines, one layout each ('-': standard input); the "
                    "options above fill keys a line lacks")
     p.add_argument("--top", type=int, default=None, help="search: how many layouts to print (default 5)")
@@ -107,7 +112,7 @@ def _given(args: argparse.Namespace) -> dict:
                                        "seq_len", "global_batch", "reduce_dtype", "tp", "pp", "cp", "ep", "zero",
                                        "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
-                                       "bias", "positions", "loss", "cp_kind")}
+                                       "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

@@ -275,12 +275,15 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, main gradients
     and fp32 master weights + moments (18 bytes a parameter unsharded) at ZeRO-0/1 -- its main
     gradients are the buffer it reduces, so in the reduce dtype (bf16 without
-    ``--accumulate-allreduce-grads-in-fp32``: 16 bytes). DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1)
+    ``--accumulate-allreduce-grads-in-fp32``: 16 bytes); NeMo's distributed Adam 2 bytes less of
+    master weights (``master_weights`` remainder), Transformer Engine's FP8 weights 1 byte less
+    (``fp8_params``). DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1)
     keeps the bf16 gradients and, in fp32, a whole copy it accumulates them into and reduces
     (``fp32_groups_gradients_flat``); its ZeRO-2 and -3 a fp32 gradient partition, ZeRO-2 the bf16
     weights whole."""
     if lay.framework == "megatron" and lay.precision != "fp32" and lay.zero < 2:
-        return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.grads, 12.0 * st.optimizer
+        return ((1.0 if lay.fp8_params else 2.0) * st.params, (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.grads,
+                (10.0 if lay.master_weights == "remainder" else 12.0) * st.optimizer)
     if lay.framework == "deepspeed" and lay.precision != "fp32":
         if lay.zero < 2:
             return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 6.0) * st.grads, 12.0 * st.optimizer

@@ -156,16 +156,24 @@ def llama3_405b(*, schedule: str = "1f1b", stages_per_rank: int | None = None) -
     return out
 
 
-def _megatron_recipe(table: str, seq: int, rows, **fixed) -> list[Case]:
+#: NeMo's recipes keep FP8 runs' weights in FP8 (``+model.fp8_params=$FP8_ENABLED``).
+FP8_PARAMS = {"fp8": {"fp8_params": True}}
+#: ... and with Apex's distributed Adam, a BF16 run's master weights as 16-bit remainders
+#: (NeMo's ``store_param_remainders``; an FP8-weight run's are stored whole).
+APEX_ADAM = {"bf16": {"master_weights": "remainder"}, "fp8": {"fp8_params": True}}
+
+
+def _megatron_recipe(table: str, seq: int, rows, by_precision: dict | None = None, **fixed) -> list[Case]:
     """Cases of one of NVIDIA's recipe tables: each row (label, model, GPUs, global batch, its own
     layout fields, BF16 and FP8 seconds a step) in both precisions, as Megatron-core runs them
-    (the distributed optimizer, sequence parallelism, TP, p2p and data-parallel traffic overlapped)."""
+    (the distributed optimizer, sequence parallelism, TP, p2p and data-parallel traffic overlapped);
+    ``by_precision``: fields of the BF16 or the FP8 runs alone."""
     out = []
     for label, cfg, gpus, gbs, own, bf16, fp8 in rows:
         for precision, step in (("bf16", bf16), ("fp8", fp8)):
             layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=seq, global_batch=gbs, zero=1,
                                 sequence_parallel=True, overlap=True, precision=precision, framework="megatron",
-                                **fixed, **own)
+                                **fixed, **own, **(by_precision or {}).get(precision, {}))
             out.append(Case(table, f"{label} x{gpus} {precision}", layout, step_s=step,
                             tokens_per_gpu=seq * gbs / step / gpus))
     return out
@@ -179,7 +187,7 @@ def nemo_llama31_405b() -> list[Case]:
     rows = [(f"{layers} layers", replace(base, n_layers=layers), gpus, gbs,
              {"pp": pp, "stages_per_rank": vp, "schedule": "interleaved1f1b" if vp else "1f1b"}, bf16, fp8)
             for gpus, layers, gbs, pp, vp, bf16, fp8 in published("nemo_llama31_405b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-llama31-405b-h100", 8192, rows, tp=8, cp=2, cp_kind="allgather")
+    return _megatron_recipe("nemo-llama31-405b-h100", 8192, rows, APEX_ADAM, tp=8, cp=2, cp_kind="allgather")
 
 
 def nemo_llama31_70b() -> list[Case]:
@@ -188,7 +196,7 @@ def nemo_llama31_70b() -> list[Case]:
     cfg = TransformerConfig.preset("llama3-70b")
     rows = [("70B", cfg, gpus, gbs, {}, bf16, fp8)
             for gpus, gbs, bf16, fp8 in published("nemo_llama31_70b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-llama31-70b-h100", 8192, rows, tp=4, cp=2, pp=4, stages_per_rank=5,
+    return _megatron_recipe("nemo-llama31-70b-h100", 8192, rows, APEX_ADAM, tp=4, cp=2, pp=4, stages_per_rank=5,
                             schedule="interleaved1f1b", cp_kind="allgather")
 
 
@@ -205,7 +213,7 @@ def nemo_nemotron4_340b() -> list[Case]:
     stages a rank, the distributed optimizer reducing in bf16, no recompute), in BF16 and FP8."""
     rows = [("340B", _nemotron4(18432, 96, 96), gpus, gbs, {}, bf16, fp8)
             for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-nemotron4-340b-h100", 4096, rows, tp=8, pp=8, stages_per_rank=12,
+    return _megatron_recipe("nemo-nemotron4-340b-h100", 4096, rows, FP8_PARAMS, tp=8, pp=8, stages_per_rank=12,
                             schedule="interleaved1f1b", reduce_dtype="bf16")
 
 
@@ -214,7 +222,7 @@ def nemo_nemotron4_15b() -> list[Case]:
     4, four a replica, 4 to 512 data ranks, no recompute), in BF16 and FP8."""
     rows = [("15B", _nemotron4(6144, 48, 32), gpus, gbs, {}, bf16, fp8)
             for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_15b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-nemotron4-15b-h100", 4096, rows, tp=4, micro_batch=4)
+    return _megatron_recipe("nemo-nemotron4-15b-h100", 4096, rows, FP8_PARAMS, tp=4, micro_batch=4, loss="fused")
 
 
 def bloom_176b() -> list[Case]:

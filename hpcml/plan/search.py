@@ -77,7 +77,10 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                                                                   base.cp_kind)):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
-                                    at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])
+                                    try:  # (NeMo's remainders need ZeRO 0-1: the layout's own rule)
+                                        at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])
+                                    except ConfigError:
+                                        continue
                                     for rc in RECOMPUTE[fw]:
                                         yield at_zero.with_recompute(rc)
 
