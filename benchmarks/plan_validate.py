@@ -246,37 +246,26 @@ def calibrate_runs(rounds: int = 2, runs_dir: str | None = None, reuse: bool = F
 
 
 def published_tables() -> dict:
-    from hpcml.plan.predict import predict
     from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, TABLES
+    from hpcml.plan.scoring import score_table
 
     fitted = {t: "family constants" for ts in CALIBRATION.values() for t in ts}
     fitted |= {t: f"{d}'s sustained share of its peak" for d, ts in DEVICE_CALIBRATION.items() for t in ts}
     out = {}
     for name, make in TABLES.items():
-        rows, agree, close, n, errs, mfu = [], 0, 0, 0, [], []
-        cases = make()
-        for case in cases:
-            p = predict(case.layout)
-            agree += p.fits == case.fits
-            err = None
-            if case.tokens_per_gpu and case.fits:
-                err = p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1
-                n += 1
-                close += abs(err) <= 0.15
-                errs.append(abs(err))
-                mfu.append((p.mfu, p.mfu / (1 + err)))  # predicted, and as published (unrounded: no false ties)
-            rows.append({"row": case.label, "published_fits": case.fits, "predicted_fits": p.fits,
-                         "tokens_per_gpu_published": case.tokens_per_gpu and round(case.tokens_per_gpu, 1),
-                         "tokens_per_gpu_predicted": round(p.tokens_per_s / case.layout.gpus, 1),
-                         "error": None if err is None else round(err, 3),
-                         "mfu_predicted": round(p.mfu, 4), "memory_gib_published": case.memory_gib,
-                         "memory_gib_predicted": round(p.memory_gib.get("total", 0.0), 1)})
-        errs.sort()
-        out[name] = {"fitted_on": fitted.get(name), "fit_agrees": round(agree / len(cases), 3),
-                     "within_15pct": round(close / max(1, n), 3),
-                     "median_abs_error": round(statistics.median(errs), 4) if errs else None,
-                     "p90_abs_error": round(errs[int(0.9 * (len(errs) - 1))], 4) if errs else None,
-                     "spearman_mfu": round(_spearman(*zip(*mfu)), 3) if len(mfu) > 2 else None, "rows": rows}
+        sc = score_table(make())
+        rows = [{"row": case.label, "published_fits": case.fits, "predicted_fits": p.fits,
+                 "tokens_per_gpu_published": case.tokens_per_gpu and round(case.tokens_per_gpu, 1),
+                 "tokens_per_gpu_predicted": round(p.tokens_per_s / case.layout.gpus, 1),
+                 "error": None if err is None else round(err, 3),
+                 "mfu_predicted": round(p.mfu, 4), "memory_gib_published": case.memory_gib,
+                 "memory_gib_predicted": round(p.memory_gib.get("total", 0.0), 1)}
+                for case, p, err in zip(sc.cases, sc.predictions, sc.errors)]
+        out[name] = {"fitted_on": fitted.get(name), "fit_agrees": round(sc.fit_agrees, 3),
+                     "within_15pct": round(sc.within_15pct, 3),
+                     "median_abs_error": None if sc.median is None else round(sc.median, 4),
+                     "p90_abs_error": None if sc.p90 is None else round(sc.p90, 4),
+                     "spearman_mfu": None if sc.spearman_mfu is None else round(sc.spearman_mfu, 3), "rows": rows}
     return out
 
 

@@ -121,7 +121,9 @@ def tied(cfg: TransformerConfig, framework: str, tp: int, pp: int, model: str | 
 
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
-    sp = lay.sequence_parallel and (lay.cp == 1 or lay.framework == "hpcml")  # other frameworks run SP with cp
+    # the trainer's refusals of sequence parallelism (with cp, with experts, with learned positions)
+    # are hpcml's own: Megatron, torchtitan and DeepSpeed run SP with each of them
+    sp = lay.sequence_parallel and lay.framework == "hpcml"
     return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
                       lay.schedule, lay.stages_per_rank, lay.cp_kind)
 

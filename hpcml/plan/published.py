@@ -167,15 +167,16 @@ def _megatron_recipe(table: str, seq: int, rows, by_precision: dict | None = Non
     """Cases of one of NVIDIA's recipe tables: each row (label, model, GPUs, global batch, its own
     layout fields, BF16 and FP8 seconds a step) in both precisions, as Megatron-core runs them
     (the distributed optimizer, sequence parallelism, TP, p2p and data-parallel traffic overlapped);
-    ``by_precision``: fields of the BF16 or the FP8 runs alone."""
+    ``by_precision``: fields of the BF16 or the FP8 runs alone; a row's own fields win."""
     out = []
     for label, cfg, gpus, gbs, own, bf16, fp8 in rows:
         for precision, step in (("bf16", bf16), ("fp8", fp8)):
-            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=seq, global_batch=gbs, zero=1,
-                                sequence_parallel=True, overlap=True, precision=precision, framework="megatron",
-                                **fixed, **own, **(by_precision or {}).get(precision, {}))
+            fields = {"seq_len": seq, "zero": 1, "sequence_parallel": True, "overlap": True, "framework": "megatron",
+                      **fixed, **(by_precision or {}).get(precision, {}), **own}
+            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", global_batch=gbs, precision=precision,
+                                **fields)
             out.append(Case(table, f"{label} x{gpus} {precision}", layout, step_s=step,
-                            tokens_per_gpu=seq * gbs / step / gpus))
+                            tokens_per_gpu=layout.seq_len * gbs / step / gpus))
     return out
 
 
@@ -223,6 +224,19 @@ def nemo_nemotron4_15b() -> list[Case]:
     rows = [("15B", _nemotron4(6144, 48, 32), gpus, gbs, {}, bf16, fp8)
             for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_15b_h100_2024")["rows"]]
     return _megatron_recipe("nemo-nemotron4-15b-h100", 4096, rows, FP8_PARAMS, tp=4, micro_batch=4, loss="fused")
+
+
+def nemo_grok1_314b() -> list[Case]:
+    """NVIDIA's Grok-1 314B recipe (8 experts, top-2, in every block) on 8-2,048 H100s: TP 4, EP 2-8,
+    CP 2 and PP 2-8 with 8 virtual stages from 64 GPUs, its proxies of 2-32 layers below 512; the
+    gated GeLU experts planned as SwiGLU ones (the same matmuls and tensors), BF16 and FP8."""
+    base = TransformerConfig(vocab_size=128256, dim=6144, n_heads=48, n_kv_heads=8, n_layers=64, max_seq_len=8192,
+                             ffn_hidden=32768, n_experts=8, moe_top_k=2)
+    rows = [(f"{layers} layers", replace(base, n_layers=layers), gpus, gbs,
+             {"seq_len": seq, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "stages_per_rank": vp,
+              "schedule": "interleaved1f1b" if vp else "1f1b"}, bf16, fp8)
+            for gpus, seq, layers, tp, pp, cp, ep, vp, gbs, bf16, fp8 in published("nemo_grok1_314b_h100_2024")["rows"]]
+    return _megatron_recipe("nemo-grok1-314b-h100", 8192, rows, FP8_PARAMS, reduce_dtype="bf16", cp_kind="allgather")
 
 
 def bloom_176b() -> list[Case]:
@@ -289,7 +303,7 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
-          "nemo-nemotron4-15b-h100": nemo_nemotron4_15b,
+          "nemo-nemotron4-15b-h100": nemo_nemotron4_15b, "nemo-grok1-314b-h100": nemo_grok1_314b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 

@@ -55,7 +55,9 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                     [("1f1b", None), ("interleaved1f1b", 2)]
                 rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)  # the same for every layout below
                 for ep in eps:
-                    for sp in ((False, True) if tp > 1 and cp == 1 and not cfg.n_experts else (False,)):
+                    # (hpcml's trainer runs SP without cp and experts; the other frameworks with both)
+                    sp_ok = tp > 1 and (fw != "hpcml" or cp == 1 and not cfg.n_experts)
+                    for sp in ((False, True) if sp_ok else (False,)):
                         for schedule, v in schedules:
                             for mb in divisors(base.global_batch // dp):
                                 if mb > max_micro_batch:

@@ -296,10 +296,8 @@ def test_nemotron4_15b_table_is_read_as_published_and_meets_the_throughput_bars(
     micro-batches of 4 a replica, BF16 and FP8. Every row fits; median |error| <= 10%, p90 <= 25%.
     Its MFU falls 4-5% from 16 to 2,048 GPUs while the planner's stays flat (docs/plan.md): the
     within-table ranking is that of BF16 against FP8 alone, which this pins."""
-    import statistics
-
-    from hpcml.plan.fit import spearman
     from hpcml.plan.published import CALIBRATION
+    from hpcml.plan.scoring import score_table
 
     assert all("nemo-nemotron4-15b-h100" not in t for t in CALIBRATION.values())
     cases = TABLES["nemo-nemotron4-15b-h100"]()
@@ -308,17 +306,10 @@ def test_nemotron4_15b_table_is_read_as_published_and_meets_the_throughput_bars(
     assert cases[0].tokens_per_gpu * 16 == pytest.approx(92630, abs=1)  # the README's 16-GPU BF16 figure
     assert cases[-1].tokens_per_gpu * 2048 == pytest.approx(15391941, abs=1)  # and its 2,048-GPU FP8 one
     assert 15.5e9 < cases[0].layout.model.num_params() < 16e9
-    errs, mfu_p, mfu_m = [], [], []
-    for c in cases:
-        p = predict(c.layout)
-        assert p.fits, (c.label, p.why)
-        e = p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1
-        errs.append(abs(e))
-        mfu_p.append(p.mfu)
-        mfu_m.append(p.mfu / (1 + e))
-    errs.sort()
-    assert statistics.median(errs) <= 0.10 and errs[int(0.9 * (len(errs) - 1))] <= 0.25, errs
-    assert 0.4 < spearman(mfu_p, mfu_m) < 0.6
+    sc = score_table(cases)
+    assert sc.fit_agrees == 1.0 and all(p.fits for p in sc.predictions)
+    assert sc.median <= 0.10 and sc.p90 <= 0.25, sc.errors
+    assert 0.4 < sc.spearman_mfu < 0.6
 
 
 def test_nemos_optimizer_remainders_and_fp8_weights():
