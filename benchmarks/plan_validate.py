@@ -246,10 +246,11 @@ def calibrate_runs(rounds: int = 2, runs_dir: str | None = None, reuse: bool = F
 
 
 def published_tables() -> dict:
-    from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, TABLES
+    from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, STAGED_CALIBRATION, TABLES
     from hpcml.plan.scoring import score_table
 
     fitted = {t: "family constants" for ts in CALIBRATION.values() for t in ts}
+    fitted |= {t: "the staged constants (attn_eff_fused)" for ts in STAGED_CALIBRATION.values() for t in ts}
     fitted |= {t: f"{d}'s sustained share of its peak" for d, ts in DEVICE_CALIBRATION.items() for t in ts}
     out = {}
     for name, make in TABLES.items():

@@ -13,7 +13,10 @@ from hpcml.numeric import is_int, is_real
 from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
-ATTENTION = ("flash", "eager")
+ATTENTION = ("flash", "flash-attn", "eager")
+"""flash: the framework's own fused attention (Megatron's Transformer Engine picks cuDNN's kernel on
+Hopper; hpcml's and torchtitan's SDPA, FlashAttention-2); flash-attn: FlashAttention-2's kernel
+whatever the framework (Transformer Engine with ``NVTE_FUSED_ATTN=0``); eager: the scores kept."""
 PRECISIONS = ("bf16", "fp32", "fp8")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")

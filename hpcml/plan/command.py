@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--sequence-parallel", action="store_true", default=None)
-    p.add_argument("--attention", choices=ATTENTION, default=None)
+    p.add_argument("--attention", choices=ATTENTION, default=None, help="flash (the framework's own fused kernel: "
+                   "cuDNN's under Megatron on Hopper), flash-attn (FlashAttention-2's: NVTE_FUSED_ATTN=0) or eager")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     p.add_argument("--cp-kind", choices=CP_KINDS, default=None, help="cp: ulysses (heads divisible by cp) or "
                    "allgather (keys and values gathered: any number of kv heads)")

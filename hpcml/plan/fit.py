@@ -112,14 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from hpcml.plan.devices import device
-    from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES
+    from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, STAGED_CALIBRATION, TABLES
 
     ap = argparse.ArgumentParser(prog="python -m hpcml.plan.fit")
     ap.add_argument("--check", action="store_true", help="fit, and fail if the stored constants differ")
     args = ap.parse_args(argv)
     out = {"about": "Time-model constants per device family, fitted by `python -m hpcml.plan.fit` on the "
-                    "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file); "
-                    "every other table is held out. reserved_gib (memory outside every count) is fitted on the "
+                    "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file), "
+                    "the staged constants (attn_eff_fused) on those and staged_fitted_on; every other table is held "
+                    "out. reserved_gib (memory outside every count) is fitted on the "
                     "rows of reserved_fitted_on that publish their memory; a family without such a table keeps "
                     "the default. devices: the share of its peak a power-capped part runs at, fitted on its own table "
                     "inside the range its source gives (nothing else is fitted there).", "families": {}, "devices": {}}
@@ -127,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     for family, tables in CALIBRATION.items():
         cases = [c for t in tables for c in TABLES[t]()]
         c, s = fit(cases)
-        c, s = fit(cases, c, grid=STAGED)
+        staged = STAGED_CALIBRATION.get(family, [])
+        c, _ = fit(cases + [x for t in staged for x in TABLES[t]()], c, grid=STAGED)
+        s = score(cases, c)
         consts = {k: v for k, v in asdict(c).items() if k in GRID or k in STAGED}
         entry = {"fitted_on": tables, "rms_log_error": round(math.sqrt(s), 4)}
+        if staged:
+            entry["staged_fitted_on"] = staged
         if family in MEMORY_CALIBRATION:
             entry["reserved_fitted_on"] = MEMORY_CALIBRATION[family]
             consts["reserved_gib"] = fit_reserved([x for t in MEMORY_CALIBRATION[family] for x in TABLES[t]()])

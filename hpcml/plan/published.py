@@ -11,24 +11,14 @@ to its rows here and in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
 from hpcml.plan.candidate import PlanLayout
-
-
-@dataclass(frozen=True)
-class Case:
-    table: str
-    label: str
-    layout: PlanLayout
-    fits: bool = True
-    """The run went (False: the publisher reports an out-of-memory error)."""
-    tokens_per_gpu: float | None = None
-    step_s: float | None = None
-    memory_gib: float | None = None
-    notes: dict = field(default_factory=dict)
+from hpcml.plan.cases import Case
+from hpcml.plan.published_nemo import (nemo_gpt3_175b, nemo_grok1_314b, nemo_llama31_8b, nemo_llama31_70b,
+                                       nemo_llama31_405b, nemo_nemotron4_15b, nemo_nemotron4_340b)
 
 
 def gpt(h: int, heads: int, layers: int, vocab: int, seq: int) -> TransformerConfig:
@@ -114,7 +104,8 @@ def megatron_core_h100() -> list[Case]:
         size, heads, h, layers, tp, pp, dp, gpus, batch, tflops, _mfu, _agg = row
         cfg = gpt(h, heads, layers, 131072, 4096)
         layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", seq_len=4096, global_batch=batch, tp=tp, pp=pp,
-                            zero=1, framework="megatron", sequence_parallel=tp > 1, overlap=True)
+                            zero=1, framework="megatron", sequence_parallel=tp > 1, overlap=True,
+                            attention="flash-attn")
         out.append(Case("megatron-core-h100", size, layout,
                         tokens_per_gpu=tflops * 1e12 / megatron_flops(h, layers, 4096, 131072, False)))
     return out
@@ -154,89 +145,6 @@ def llama3_405b(*, schedule: str = "1f1b", stages_per_rank: int | None = None) -
         out.append(Case("llama3-405b-h100", f"405B tp{tp} cp{cp} pp{pp} x{gpus}", layout,
                         tokens_per_gpu=tflops * 1e12 / cfg.flops_per_token(seq), notes={"mfu": tflops / 989}))
     return out
-
-
-#: NeMo's recipes keep FP8 runs' weights in FP8 (``+model.fp8_params=$FP8_ENABLED``).
-FP8_PARAMS = {"fp8": {"fp8_params": True}}
-#: ... and with Apex's distributed Adam, a BF16 run's master weights as 16-bit remainders
-#: (NeMo's ``store_param_remainders``; an FP8-weight run's are stored whole).
-APEX_ADAM = {"bf16": {"master_weights": "remainder"}, "fp8": {"fp8_params": True}}
-
-
-def _megatron_recipe(table: str, seq: int, rows, by_precision: dict | None = None, **fixed) -> list[Case]:
-    """Cases of one of NVIDIA's recipe tables: each row (label, model, GPUs, global batch, its own
-    layout fields, BF16 and FP8 seconds a step) in both precisions, as Megatron-core runs them
-    (the distributed optimizer, sequence parallelism, TP, p2p and data-parallel traffic overlapped);
-    ``by_precision``: fields of the BF16 or the FP8 runs alone; a row's own fields win."""
-    out = []
-    for label, cfg, gpus, gbs, own, bf16, fp8 in rows:
-        for precision, step in (("bf16", bf16), ("fp8", fp8)):
-            fields = {"seq_len": seq, "zero": 1, "sequence_parallel": True, "overlap": True, "framework": "megatron",
-                      **fixed, **(by_precision or {}).get(precision, {}), **own}
-            layout = PlanLayout(model=cfg, gpus=gpus, gpu="h100-80gb", global_batch=gbs, precision=precision,
-                                **fields)
-            out.append(Case(table, f"{label} x{gpus} {precision}", layout, step_s=step,
-                            tokens_per_gpu=layout.seq_len * gbs / step / gpus))
-    return out
-
-
-def nemo_llama31_405b() -> list[Case]:
-    """NVIDIA's Llama 3.1 405B recipe on 32-2,304 H100s (NeMo 24.09: TP 8 x CP 2 x PP 9 with 7
-    virtual stages a rank, no recompute; 16 query groups as its config has; the smaller GPU counts
-    are its proxies of 7, 21 and 42 layers), in BF16 and FP8."""
-    base = replace(TransformerConfig.preset("llama3-405b"), n_kv_heads=16)
-    rows = [(f"{layers} layers", replace(base, n_layers=layers), gpus, gbs,
-             {"pp": pp, "stages_per_rank": vp, "schedule": "interleaved1f1b" if vp else "1f1b"}, bf16, fp8)
-            for gpus, layers, gbs, pp, vp, bf16, fp8 in published("nemo_llama31_405b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-llama31-405b-h100", 8192, rows, APEX_ADAM, tp=8, cp=2, cp_kind="allgather")
-
-
-def nemo_llama31_70b() -> list[Case]:
-    """NVIDIA's Llama 3.1 70B recipe on 64-2,048 H100s (NeMo 24.09: TP 4 x CP 2 x PP 4 with 5
-    virtual stages a rank, 64 micro-batches a pipeline, no recompute), in BF16 and FP8."""
-    cfg = TransformerConfig.preset("llama3-70b")
-    rows = [("70B", cfg, gpus, gbs, {}, bf16, fp8)
-            for gpus, gbs, bf16, fp8 in published("nemo_llama31_70b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-llama31-70b-h100", 8192, rows, APEX_ADAM, tp=4, cp=2, pp=4, stages_per_rank=5,
-                            schedule="interleaved1f1b", cp_kind="allgather")
-
-
-def _nemotron4(h: int, heads: int, layers: int) -> TransformerConfig:
-    """A Nemotron-4 model: its squared-ReLU MLP of 4h planned as a GeLU one (the same matmuls and
-    tensors kept), LayerNorm for its LayerNorm1p, no biases, rope, 8 query groups, untied."""
-    return TransformerConfig(vocab_size=256000, dim=h, n_heads=heads, n_kv_heads=8, n_layers=layers,
-                             max_seq_len=4096, ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=False,
-                             positions="rope")
-
-
-def nemo_nemotron4_340b() -> list[Case]:
-    """NVIDIA's Nemotron-4 340B recipe on 128-2,048 H100s (NeMo 24.11: TP 8 x PP 8 with 12 virtual
-    stages a rank, the distributed optimizer reducing in bf16, no recompute), in BF16 and FP8."""
-    rows = [("340B", _nemotron4(18432, 96, 96), gpus, gbs, {}, bf16, fp8)
-            for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_340b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-nemotron4-340b-h100", 4096, rows, FP8_PARAMS, tp=8, pp=8, stages_per_rank=12,
-                            schedule="interleaved1f1b", reduce_dtype="bf16")
-
-
-def nemo_nemotron4_15b() -> list[Case]:
-    """NVIDIA's Nemotron-4 15B recipe on 16-2,048 H100s (NeMo 24.11: TP 4, no pipeline, micro-batch
-    4, four a replica, 4 to 512 data ranks, no recompute), in BF16 and FP8."""
-    rows = [("15B", _nemotron4(6144, 48, 32), gpus, gbs, {}, bf16, fp8)
-            for gpus, gbs, bf16, fp8 in published("nemo_nemotron4_15b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-nemotron4-15b-h100", 4096, rows, FP8_PARAMS, tp=4, micro_batch=4, loss="fused")
-
-
-def nemo_grok1_314b() -> list[Case]:
-    """NVIDIA's Grok-1 314B recipe (8 experts, top-2, in every block) on 8-2,048 H100s: TP 4, EP 2-8,
-    CP 2 and PP 2-8 with 8 virtual stages from 64 GPUs, its proxies of 2-32 layers below 512; the
-    gated GeLU experts planned as SwiGLU ones (the same matmuls and tensors), BF16 and FP8."""
-    base = TransformerConfig(vocab_size=128256, dim=6144, n_heads=48, n_kv_heads=8, n_layers=64, max_seq_len=8192,
-                             ffn_hidden=32768, n_experts=8, moe_top_k=2)
-    rows = [(f"{layers} layers", replace(base, n_layers=layers), gpus, gbs,
-             {"seq_len": seq, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "stages_per_rank": vp,
-              "schedule": "interleaved1f1b" if vp else "1f1b"}, bf16, fp8)
-            for gpus, seq, layers, tp, pp, cp, ep, vp, gbs, bf16, fp8 in published("nemo_grok1_314b_h100_2024")["rows"]]
-    return _megatron_recipe("nemo-grok1-314b-h100", 8192, rows, FP8_PARAMS, reduce_dtype="bf16", cp_kind="allgather")
 
 
 def bloom_176b() -> list[Case]:
@@ -304,12 +212,19 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
           "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
           "nemo-nemotron4-15b-h100": nemo_nemotron4_15b, "nemo-grok1-314b-h100": nemo_grok1_314b,
+          "nemo-gpt3-175b-h100": nemo_gpt3_175b, "nemo-llama31-8b-h100": nemo_llama31_8b,
           **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
 """Every table the planner is checked against, by name."""
 
 CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"],
                "nvidia-h100": ["megatron-core-h100", "foundry-h100", "foundry-h100-fp8"]}
 """The tables each device family's constants are fitted on; the others are held out."""
+
+STAGED_CALIBRATION = {"nvidia-h100": ["nemo-llama31-8b-h100"]}
+"""Tables added to the family's for its staged constants alone (:data:`hpcml.plan.fit.STAGED`),
+each fitted with the others held: a table that isolates what the constant prices. NVIDIA's
+Llama 3.1 8B recipe runs cuDNN's attention (``NVTE_FUSED_ATTN=1``) at 8K tokens on TP 1, a
+seventh of its FLOPs -- the fitted Megatron-core table, at 4K on TP 1-8, names no kernel."""
 
 DEVICE_CALIBRATION = {"h100-96gb-500w": ["torchtitan-h100"]}
 """The tables a device's ``sustained`` share of its peak is fitted on, inside the range its source

@@ -154,7 +154,7 @@ def emit(lay: PlanLayout) -> list[str]:
         bad.append("zero 1 (hpcml has DDP, or FSDP2: zero 2 and 3)")
     if lay.recompute not in ("none", "full"):
         bad.append(f"recompute {lay.recompute} (hpcml: none or full)")
-    if lay.attention != "flash":
+    if lay.attention == "eager":
         bad.append("eager attention (hpcml uses SDPA)")
     if lay.overlap:
         bad.append("overlap")

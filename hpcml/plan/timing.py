@@ -198,8 +198,9 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
     eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
     kinds = layer_kinds(cfg, layers)
-    flash = lay.attention == "flash"
-    fused = c.attn_eff_fused if lay.framework == "megatron" and c.attn_eff_fused > 0 else c.attn_eff
+    flash = lay.attention != "eager"
+    megatrons = lay.framework == "megatron" and lay.attention == "flash"  # TE's own pick: cuDNN's kernel
+    fused = c.attn_eff_fused if megatrons and c.attn_eff_fused > 0 else c.attn_eff
     a_eff = fused if flash and fused > 0 else eff
     flash_bwd = 0.0  # flash attention's backward recomputes the scores: half a forward of the core more
     # the linear layers' matmuls: at the FP8 peak under precision fp8 (attention and the output layer stay bf16)

@@ -250,9 +250,9 @@ def test_megatrons_main_gradients_are_held_in_the_reduce_dtype():
 
 def test_nemo_llama31_70b_table_is_held_out_and_priced():
     """NVIDIA's Llama 3.1 70B recipe (64-2,048 H100s, TP 4 x CP 2 x PP 4 x 5 virtual stages), held
-    out: every row fits as it ran; every row predicted 2-9% slow (median 6.5%, p90 8.3%). With
-    Megatron's attention at the efficiency fitted on llm-foundry's FlashAttention-2 runs it was
-    7-12% slow (median 10.7%: its recipe runs Transformer Engine's cuDNN kernel)."""
+    out: every row fits as it ran; BF16 predicted 3-5% fast, FP8 12-17% fast (median 8.4%, p90
+    14.6%: docs/plan.md). With cuDNN's attention at FlashAttention-2's efficiency it was 7-12%
+    slow (median 10.7%), at the efficiency Megatron-core's table alone gave 2-9% slow."""
     import statistics
 
     cases = TABLES["nemo-llama31-70b-h100"]()
@@ -263,15 +263,19 @@ def test_nemo_llama31_70b_table_is_held_out_and_priced():
         p = predict(c.layout)
         assert p.fits
         errs.append(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1)
-    assert all(-0.10 < e < 0 for e in errs), errs
+    bf16, fp8 = errs[::2], errs[1::2]
+    assert all(0 < e < 0.06 for e in bf16) and all(0.10 < e < 0.18 for e in fp8), errs
     assert statistics.median(abs(e) for e in errs) <= 0.10
 
 
 def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest():
-    """``attn_eff_fused`` prices Megatron's attention (Transformer Engine's kernel) and nothing else;
-    it is fitted alone after the family's joint fit (``fit.STAGED``), so the other constants are what
-    they were without it: H100's from Megatron-core's rows, 0.22 against FlashAttention-2's 0.18;
-    A100's tables run Megatron with its unfused softmax only, so it stays 0 (``attn_eff`` used)."""
+    """``attn_eff_fused`` prices Megatron's own attention (Transformer Engine's pick on Hopper:
+    cuDNN's kernel) and nothing else -- not FlashAttention-2 under Megatron (``attention:
+    flash-attn``, as with ``NVTE_FUSED_ATTN=0``); it is fitted alone after the family's joint fit
+    (``fit.STAGED``), on the fitted tables and NVIDIA's Llama 3.1 8B recipe
+    (``STAGED_CALIBRATION``), so the other constants are what they were without it: H100 0.62
+    against FlashAttention-2's 0.18; A100's tables run Megatron with its unfused softmax only, so
+    it stays 0 (``attn_eff`` used)."""
     from hpcml.plan.calibration import constants
     from hpcml.plan.fit import GRID, STAGED
     from hpcml.plan.predict import resolve_device
@@ -283,12 +287,16 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
                      sequence_parallel=True, framework="megatron")
     dev = resolve_device(lay)
     c = constants(dev)
-    assert (c.attn_eff_fused, c.attn_eff) == (0.22, 0.18)
+    assert (c.attn_eff_fused, c.attn_eff) == (0.62, 0.18)
     assert constants(resolve_device(replace(lay, gpu="a100-80gb"))).attn_eff_fused == 0.0
     plain = replace(c, attn_eff_fused=0.0)
     assert step_time(cfg, lay, dev, c).compute_s < step_time(cfg, lay, dev, plain).compute_s
-    titan = replace(lay, framework="torchtitan")
-    assert step_time(cfg, titan, dev, c).compute_s == step_time(cfg, titan, dev, plain).compute_s
+    for other in (replace(lay, framework="torchtitan"), replace(lay, attention="flash-attn")):
+        assert step_time(cfg, other, dev, c).compute_s == step_time(cfg, other, dev, plain).compute_s
+    assert step_time(cfg, replace(lay, attention="flash-attn"), dev, c).compute_s == \
+        step_time(cfg, replace(lay, framework="torchtitan"), dev, c).compute_s
+    from hpcml.plan.published import STAGED_CALIBRATION
+    assert STAGED_CALIBRATION == {"nvidia-h100": ["nemo-llama31-8b-h100"]}
 
 
 def test_nemotron4_15b_table_is_read_as_published_and_meets_the_throughput_bars():
