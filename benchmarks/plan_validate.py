@@ -275,7 +275,7 @@ SEARCHES = {"llama3-70b x 1024 frontier": ["--model", "llama3-70b", "--gpus", "1
             **{f"llama3-405b x 16384 h100, {fw}, batch {gb}": [
                 "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-80gb", "--seq-len", "8192",
                 "--global-batch", str(gb), "--framework", fw]
-               for fw in ("hpcml", "megatron", "torchtitan") for gb in (2048, 16384)}}
+               for fw in ("hpcml", "megatron", "torchtitan", "deepspeed") for gb in (2048, 16384)}}
 
 
 def search_speed(args: list[str] | None = None) -> dict:

@@ -54,11 +54,12 @@ def _int(name: str, value, least: int = 1) -> int:
 
 def deepspeed_refuses(pp: int, zero: int, schedule: str, overlap: bool) -> str | None:
     """Why Megatron-DeepSpeed cannot run these settings, or None: its pipeline engine runs one
-    schedule (1F1B) and, in bf16, ZeRO 0-1 only (``PP+BF16 only work for ZeRO Stage 1``); its
-    BF16_Optimizer reduces gradients after the last micro-batch, with nothing to overlap."""
+    schedule (1F1B) and ZeRO 0-1 only (``ZeRO-2 and ZeRO-3 are incompatible with pipeline
+    parallelism``); its BF16_Optimizer reduces gradients after the last micro-batch, with nothing
+    to overlap."""
     if pp > 1 and zero >= 2:
         return (f"framework deepspeed with pp {pp} and zero {zero}: DeepSpeed's pipeline engine runs ZeRO 0 or 1 "
-                f"only (PP+BF16 only work for ZeRO Stage 1) -- use zero 1, or pp 1")
+                f"only (ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism) -- use zero 1, or pp 1")
     if pp > 1 and schedule != "1f1b":
         return (f"framework deepspeed with schedule {schedule}: DeepSpeed's pipeline engine runs 1F1B only "
                 f"(its TrainSchedule) -- use schedule 1f1b")
@@ -253,7 +254,7 @@ class PlanLayout:
             raise ConfigError(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}")
         if self.sequence_parallel and self.cp > 1 and self.framework == "hpcml":
             raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported by hpcml's trainer: use cp "
-                              f"alone (framework megatron or torchtitan prices both)")
+                              f"alone (framework megatron, torchtitan or deepspeed prices both)")
         if self.fpdt_chunk and (self.sequence_parallel or self.seq_len % (self.cp * self.fpdt_chunk)):
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk}: seq_len {self.seq_len} must be a multiple of cp "
                               f"{self.cp} x fpdt_chunk, without sequence_parallel")

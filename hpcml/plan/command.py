@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     z.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
-    p.add_argument("--sequence-parallel", action="store_true", default=None)
+    p.add_argument("--sequence-parallel", action="store_true", default=None, help="Megatron-SP over tp: norms, "
+                   "dropout and residuals split over the sequence (hpcml's trainer: without cp and experts)")
     p.add_argument("--attention", choices=ATTENTION, default=None, help="flash (the framework's own fused kernel: "
                    "cuDNN's under Megatron on Hopper), flash-attn (FlashAttention-2's: NVTE_FUSED_ATTN=0) or eager")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
@@ -79,7 +80,8 @@ def add_parser(sub) -> None:
                    help="whose implementation (hpcml; megatron, torchtitan or deepspeed -- Megatron-DeepSpeed -- "
                         "to compare)")
     p.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None, help="megatron: fp32 master weights "
-                   "(default) or remainder (NeMo's Apex distributed Adam: 16-bit remainders of the bf16 weights)")
+                   "(default) or remainder (NeMo's Apex distributed Adam: 16-bit remainders of the bf16 weights; "
+                   "zero 0-1, bf16 or fp8 matmuls, not with --fp8-params)")
     p.add_argument("--fp8-params", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron, precision fp8: weights held in FP8 alone (Transformer Engine, NeMo's fp8_params)")
     p.add_argument("--layouts", metavar="FILE", help="JSON lines, one layout each ('-': standard input); the "

@@ -119,8 +119,19 @@ def tied(cfg: TransformerConfig, framework: str, tp: int, pp: int, model: str | 
     return untied, (untied if pp > 1 else cfg), pp > 1, None
 
 
+MEGATRON_MOE_SP = ("Megatron runs a MoE model under tp with sequence parallelism only (\"When using MoE and tensor "
+                   "parallelism, sequence parallelism must be used.\") -- add sequence_parallel, or tp 1")
+
+
+def megatron_wants_sp(cfg: TransformerConfig, framework: str, tp: int) -> bool:
+    """Megatron refuses a MoE model under tp without sequence parallelism (its argument checks)."""
+    return framework == "megatron" and cfg.n_experts > 0 and tp > 1
+
+
 def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     """Why the model's plan refuses ``lay``, or None (the rules the trainer checks before it builds)."""
+    if megatron_wants_sp(cfg, lay.framework, lay.tp) and not lay.sequence_parallel:
+        return MEGATRON_MOE_SP
     # the trainer's refusals of sequence parallelism (with cp, with experts, with learned positions)
     # are hpcml's own: Megatron, torchtitan and DeepSpeed run SP with each of them
     sp = lay.sequence_parallel and lay.framework == "hpcml"

@@ -20,7 +20,8 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import Prediction, evaluate, hf_dir, load_model, plan_rules, resolve_device, tied
+from hpcml.plan.predict import (Prediction, evaluate, hf_dir, load_model, megatron_wants_sp, plan_rules,
+                                resolve_device, tied)
 from hpcml.plan.candidate import PlanLayout, deepspeed_refuses
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
@@ -57,7 +58,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                 for ep in eps:
                     # (hpcml's trainer runs SP without cp and experts; the other frameworks with both)
                     sp_ok = tp > 1 and (fw != "hpcml" or cp == 1 and not cfg.n_experts)
-                    for sp in ((False, True) if sp_ok else (False,)):
+                    sps = (True,) if megatron_wants_sp(cfg, fw, tp) else (False, True) if sp_ok else (False,)
+                    for sp in sps:
                         for schedule, v in schedules:
                             for mb in divisors(base.global_batch // dp):
                                 if mb > max_micro_batch:
@@ -75,8 +77,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                     if fw == "deepspeed" and deepspeed_refuses(pp, zero, schedule, base.overlap):
                                         continue  # its pipeline: ZeRO 0-1; its BF16_Optimizer: no overlap
                                     if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
-                                                                                  zero >= 2, sp, schedule, v,
-                                                                                  base.cp_kind)):
+                                                                                  zero >= 2, sp and fw == "hpcml",
+                                                                                  schedule, v, base.cp_kind)):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
                                     try:  # (NeMo's remainders need ZeRO 0-1: the layout's own rule)

@@ -51,14 +51,25 @@ def test_sequence_parallel_with_experts_or_cp_is_refused_for_hpcml_alone(framewo
 
 
 def test_a_megatron_search_tries_sequence_parallelism_with_experts():
-    from hpcml.plan.search import candidates
-    from hpcml.plan.predict import resolve_device
+    """Through the search's own pruning (the path ``hpcml plan`` takes): Megatron's MoE layouts
+    under tp come with SP -- Megatron refuses them without ("When using MoE and tensor
+    parallelism, sequence parallelism must be used.") -- torchtitan's and DeepSpeed's with and
+    without, hpcml's never; and dense layouts try SP with cp."""
+    from hpcml.plan.search import search
 
     moe = TransformerConfig(vocab_size=32000, dim=1024, n_heads=16, n_kv_heads=8, n_layers=4, max_seq_len=4096,
                             n_experts=8, moe_top_k=2)
     base = PlanLayout(model=moe, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, framework="megatron",
                       degrees_checked=False)
-    lays = list(candidates(base, moe, resolve_device(base)))
-    assert any(x.sequence_parallel and x.ep > 1 for x in lays) and any(x.sequence_parallel and x.cp > 1 for x in lays)
-    mine = list(candidates(replace(base, framework="hpcml"), moe, resolve_device(base)))
-    assert not any(x.sequence_parallel for x in mine)
+    best = {fw: search(replace(base, framework=fw), top=100_000).best
+            for fw in ("megatron", "torchtitan", "deepspeed", "hpcml")}
+    tp_moe = {fw: [p.layout for p in b if p.layout.tp > 1] for fw, b in best.items()}
+    assert tp_moe["megatron"] and all(x.sequence_parallel for x in tp_moe["megatron"])
+    for fw in ("torchtitan", "deepspeed"):
+        assert {x.sequence_parallel for x in tp_moe[fw]} == {False, True}, fw
+    assert not any(p.layout.sequence_parallel for p in best["hpcml"])
+    no_sp = predict(PlanLayout(model=moe, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, tp=4, ep=4,
+                               zero=1, framework="megatron"))
+    assert not no_sp.fits and "sequence parallelism must be used" in no_sp.why
+    dense = replace(base, model=replace(moe, n_experts=0))
+    assert any(p.layout.sequence_parallel and p.layout.cp > 1 for p in search(dense, top=100_000).best)

@@ -39,3 +39,20 @@ def test_llama31_8b_table_fits_megatrons_attention_and_is_read_as_published():
         1, 2, 1, 32, "flash", False)
     sc = score_table(cases)
     assert sc.fit_agrees == 1.0 and all(abs(e) <= 0.05 for e in sc.errors), sc.errors
+
+
+def test_a_tables_p90_is_interpolated_and_never_under_its_median():
+    """Between ranks, as numpy's default: a 2-row table's p90 is not its smaller error."""
+    from hpcml.plan.scoring import TableScore
+
+    class Pred:
+        mfu, fits = 0.5, True
+
+    def p90(errs):
+        return TableScore([None] * len(errs), [Pred()] * len(errs), errs).p90
+
+    assert p90([0.014, 0.018]) == pytest.approx(0.0176) and p90([0.018, -0.014]) == pytest.approx(0.0176)
+    assert p90([0.1]) == 0.1 and p90([None]) is None
+    assert p90([i / 100 for i in range(11)]) == pytest.approx(0.09)
+    sc = score_table(TABLES["torchtitan-h100"]())
+    assert sc.p90 >= sc.median
