@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     fitted = {}
     for family, tables in CALIBRATION.items():
         cases = [c for t in tables for c in TABLES[t]()]
-        c, s = fit(cases)
+        c, _ = fit(cases)
         staged = STAGED_CALIBRATION.get(family, [])
         c, _ = fit(cases + [x for t in staged for x in TABLES[t]()], c, grid=STAGED)
-        s = score(cases, c)
+        s = score(cases, c)  # the family's own tables' error, the staged tables' left out
         consts = {k: v for k, v in asdict(c).items() if k in GRID or k in STAGED}
         entry = {"fitted_on": tables, "rms_log_error": round(math.sqrt(s), 4)}
         if staged:
