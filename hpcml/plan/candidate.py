@@ -297,6 +297,13 @@ class PlanLayout:
         return self.global_batch // (self.dp * self.micro_batch)
 
     @property
+    def split(self) -> str:
+        """How the framework splits blocks over pipeline stages (:func:`hpcml.plan.memory.stage_layer_lists`):
+        torchtitan counts the embedding and the output as a block each; hpcml's trainer and the rest
+        split the blocks alone."""
+        return "torchtitan" if self.framework == "torchtitan" else "blocks"
+
+    @property
     def v(self) -> int:
         """Pipeline stages per rank."""
         return self.stages_per_rank or (2 if self.schedule == "interleaved1f1b" else 1)

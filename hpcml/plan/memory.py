@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.errors import ConfigError
 from hpcml.parallel.config import split_layers
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
 
@@ -86,10 +87,32 @@ def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int, wh
     return {k: tuple(v) for k, v in out.items()}
 
 
+def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> list[int]:
+    """Blocks per stage as torchtitan splits them (``generate_llm_fqn_per_model_part``): the
+    embedding counts as ``first`` blocks and the output as ``last`` (its
+    ``pipeline_parallel_first/last_stage_less_layers``, 1 by default), the remainder of the
+    ``n_layers + first + last`` goes to the first stages. 126 blocks over 128 stages: the first
+    holds the embedding alone, the last the output alone (Llama 3 405B's split)."""
+    if n_stages == 1:
+        return [n_layers]
+    base, extra = divmod(n_layers + first + last, n_stages)
+    if base < max(1, first, last):
+        raise ConfigError(f"pipeline stages {n_stages} > {n_layers + first + last} (n_layers {n_layers} + the "
+                          f"embedding and the output, torchtitan's split): fewer stages, or more layers")
+    counts, left = [], n_layers
+    for s in range(n_stages):
+        want = base + (s < extra) - (first if s == 0 else last if s == n_stages - 1 else 0)
+        counts.append(min(want, left))
+        left -= counts[-1]
+    return counts
+
+
 @lru_cache(maxsize=4096)
-def stage_layer_lists(n_layers: int, n_stages: int) -> tuple[tuple[int, ...], ...]:
-    """The blocks of every pipeline stage, stage 0 first (the plan's split)."""
-    counts, out, start = split_layers(n_layers, n_stages), [], 0
+def stage_layer_lists(n_layers: int, n_stages: int, split: str = "blocks") -> tuple[tuple[int, ...], ...]:
+    """The blocks of every pipeline stage, stage 0 first (``split``: the framework's rule,
+    :attr:`PlanLayout.split`)."""
+    counts = titan_split(n_layers, n_stages) if split == "torchtitan" else split_layers(n_layers, n_stages)
+    out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))
         start += c
@@ -103,7 +126,7 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
     What :func:`rank_state` gives for shard 0, for any rank: tests compare it with the tensors
     of a parallelized model."""
     n_stages = lay.pp * lay.v
-    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    stages = stage_layer_lists(cfg.n_layers, n_stages, lay.split)
     mine = set(range(pp_rank, n_stages, lay.pp))
     ws = lay.dp * lay.cp // lay.dp_replicate
     shard %= ws  # HSDP: the same shard in every replica
@@ -124,12 +147,12 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
 
 
 @lru_cache(maxsize=4096)
-def rank_classes(n_layers: int, pp: int, v: int) -> tuple[int, ...]:
+def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks") -> tuple[int, ...]:
     """Pipeline ranks that stand for all: the first of each group holding stages of the same
     sizes and the same ends (embedding, output). Within a group states and step times are
     equal and the schedules keep the most micro-batches in flight on the lowest rank."""
     n_stages = pp * v
-    stages = stage_layer_lists(n_layers, n_stages)
+    stages = stage_layer_lists(n_layers, n_stages, split)
     seen: dict[tuple, int] = {}
     for r in range(pp):
         key = (tuple(len(stages[s]) for s in range(r, n_stages, pp)), r == 0, (n_stages - 1) % pp == r)
@@ -141,15 +164,15 @@ def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankSta
     """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
     # (HSDP shards over a replica's dp x cp / dp_replicate ranks)
     return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank,
-                       whole_embedding_grad(lay))
+                       whole_embedding_grad(lay), lay.split)
 
 
 @lru_cache(maxsize=65536)
 def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: int, zero: int,
-                pp_rank: int, whole_grad: bool = True) -> RankState:
+                pp_rank: int, whole_grad: bool = True, split: str = "blocks") -> RankState:
     parts = holder_parts(cfg, tp, ep, ws, ws // ep, whole_grad)
     n_stages = pp * v
-    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    stages = stage_layer_lists(cfg.n_layers, n_stages, split)
     holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]
     units = [parts[h][0] for h in holders]
     if pp_rank == 0:
@@ -202,9 +225,9 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
 
 
 @lru_cache(maxsize=4096)
-def _rank_layers(n_layers: int, n_stages: int, pp: int, pp_rank: int) -> tuple[int, ...]:
+def _rank_layers(n_layers: int, n_stages: int, pp: int, pp_rank: int, split: str = "blocks") -> tuple[int, ...]:
     """The blocks of every stage pipeline rank ``pp_rank`` holds, in order."""
-    stages = stage_layer_lists(n_layers, n_stages)
+    stages = stage_layer_lists(n_layers, n_stages, split)
     return tuple(i for s in range(pp_rank, n_stages, pp) for i in stages[s])
 
 
@@ -221,7 +244,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     tokens = lay.micro_batch * lay.seq_len
     per_mb = 0.0
     mine = list(range(pp_rank, n_stages, lay.pp))
-    kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank))  # alike counted once
+    kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank, lay.split))  # alike once
     per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in kinds.items())
     for s in mine:
         per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
@@ -291,10 +314,11 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 
 
-def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0, gpus_per_node: int = 8) -> Memory:
-    """The memory of the fullest pipeline rank of ``lay``."""
+def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0, gpus_per_node: int = 8,
+           pp_rank: int | None = None) -> Memory:
+    """The memory of the fullest pipeline rank of ``lay`` (of ``pp_rank``, if given)."""
     worst: Memory | None = None
-    for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
+    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split) if pp_rank is None else (pp_rank,):
         st = rank_state(cfg, lay, r)
         p, g, o = state_bytes(lay, st)
         act, buf = activation_bytes(cfg, lay, r, st)

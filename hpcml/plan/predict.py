@@ -18,7 +18,7 @@ from hpcml.numeric import is_real
 from hpcml.parallel.config import ParallelConfig
 from hpcml.plan import calibration, devfile, traffic
 from hpcml.plan.devices import Device, device, site_device
-from hpcml.plan.memory import memory
+from hpcml.plan.memory import memory, stage_layer_lists
 from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
 from hpcml.plan.timing import Constants, reserved_gib, step_time
 
@@ -136,17 +136,22 @@ def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     # are hpcml's own: Megatron, torchtitan and DeepSpeed run SP with each of them
     sp = lay.sequence_parallel and lay.framework == "hpcml"
     return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
-                      lay.schedule, lay.stages_per_rank, lay.cp_kind)
+                      lay.schedule, lay.stages_per_rank, lay.cp_kind, lay.split)
 
 
 @lru_cache(maxsize=65536)
 def plan_rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep: int, fsdp: bool, sp: bool,
-               schedule: str, stages_per_rank: int | None, cp_kind: str = "ulysses") -> str | None:
-    """:func:`model_rules` by the degrees alone (cached): what a search asks before it builds a layout."""
+               schedule: str, stages_per_rank: int | None, cp_kind: str = "ulysses", split: str = "blocks"
+               ) -> str | None:
+    """:func:`model_rules` by the degrees alone (cached): what a search asks before it builds a layout
+    (``split``: whose rule splits the blocks over the stages, :attr:`PlanLayout.split`)."""
     try:
         grid = Layout(world_size=gpus, tp=tp, cp=cp, pp=pp, ep=ep)
-        check_plan(cfg, grid, ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
-                                             stages_per_rank=stages_per_rank, cp_kind=cp_kind))
+        config = ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
+                                stages_per_rank=stages_per_rank, cp_kind=cp_kind)
+        check_plan(cfg, grid, config, stages=split == "blocks")
+        if split != "blocks" and pp > 1:
+            stage_layer_lists(cfg.n_layers, pp * config.n_stages_per_rank, split)
     except (ConfigError, GridError) as e:
         return str(e)
     return None

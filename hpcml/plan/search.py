@@ -66,8 +66,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                     break
                                 if schedule == "interleaved1f1b" and (base.global_batch // (dp * mb)) % pp:
                                     continue
-                                if pp * (v or 1) > cfg.n_layers:
-                                    continue
+                                if pp * (v or 1) > cfg.n_layers + (2 if fw == "torchtitan" else 0):
+                                    continue  # (torchtitan counts the embedding and the output as blocks)
                                 try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
                                     lay = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
                                                   schedule=schedule, stages_per_rank=v, micro_batch=mb)
@@ -78,7 +78,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                         continue  # its pipeline: ZeRO 0-1; its BF16_Optimizer: no overlap
                                     if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
                                                                                   zero >= 2, sp and fw == "hpcml",
-                                                                                  schedule, v, base.cp_kind)):
+                                                                                  schedule, v, base.cp_kind,
+                                                                                  lay.split)):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
                                     try:  # (NeMo's remainders need ZeRO 0-1: the layout's own rule)

@@ -175,7 +175,7 @@ def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants
         busy = crit.step_s - crit.bubble_s
         return replace(crit, step_s=max(crit.step_s, busy / share))
     worst = None
-    for r in rank_classes(cfg.n_layers, lay.pp, lay.v):
+    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split):
         t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r), tied_copy)
         if worst is None or t.step_s > worst.step_s:
             worst = t
@@ -186,7 +186,7 @@ def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants
 def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, pp_rank: int,
                st: RankState, tied_copy: bool = False) -> StepTime:
     n_stages = lay.pp * lay.v
-    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    stages = stage_layer_lists(cfg.n_layers, n_stages, lay.split)
     mine = list(range(pp_rank, n_stages, lay.pp))
     layers = tuple(i for s in mine for i in stages[s])
     tokens = lay.micro_batch * lay.seq_len / lay.cp  # tokens of a micro-batch on this rank

@@ -29,7 +29,7 @@ def _units(cfg: TransformerConfig, lay: PlanLayout, ws: int, pp_rank: int) -> tu
     (blocks, [root]) as FSDP2 groups them; trainable ones for the gradients are the same here."""
     parts = holder_parts(cfg, lay.tp, lay.ep, ws, max(1, ws // lay.ep))
     n_stages = lay.pp * lay.v
-    stages = stage_layer_lists(cfg.n_layers, n_stages)
+    stages = stage_layer_lists(cfg.n_layers, n_stages, lay.split)
     blocks = [parts[f"L{i}"][1] for s in range(pp_rank, n_stages, lay.pp) for i in stages[s]]
     ends = [h for h in ("tok_embeddings.weight", "pos_embeddings.weight") if pp_rank == 0 and h in parts]
     ends += [h for h in ("norm.weight", "norm.bias", "output.weight") if (n_stages - 1) % lay.pp == pp_rank

@@ -34,9 +34,11 @@ def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero):
     flat_many = replace(flat, global_batch=64)
     assert predict(flat_many).parts_s["dp"] > 3 * predict(flat).parts_s["dp"]
     lay = _pp_fsdp("torchtitan", 64, zero)
-    grads = 4 * rank_state(cfg, lay, memory(cfg, lay).pp_rank).compute_params
     one_mb = replace(lay, global_batch=8)  # one micro-batch a data rank: nothing to accumulate
-    assert memory(cfg, lay).buffers - memory(cfg, one_mb).buffers == pytest.approx(grads, rel=1e-9)
+    for r in range(lay.pp):  # (torchtitan's split: the ranks hold 2, 3, 2 and 1 blocks)
+        grads = 4 * rank_state(cfg, lay, r).compute_params
+        assert memory(cfg, lay, pp_rank=r).buffers - memory(cfg, one_mb, pp_rank=r).buffers == pytest.approx(
+            grads, rel=1e-9)
 
 
 def test_zero3_under_a_pipeline_gathers_again_in_each_backward():
@@ -74,17 +76,42 @@ def test_llama3_405b_table_is_held_out_and_read_as_published():
     assert 400e9 < cases[0].layout.model.num_params() < 410e9
 
 
-def test_llama3_405b_at_8k_within_a_tenth_with_interleaving_and_priced_as_measured():
-    """The 8K rows with four virtual stages a rank (the publisher's interleaved schedule; its
-    count is not published) within 10%; plain 1F1B's bubble is the lower bound. Before the
-    once-a-step rule they were predicted 43-57% too slow. The 128K row is not met: flash
-    attention's efficiency fitted on llm-foundry's FA2 runs prices its attention ~3x slower
-    than Meta's kernels ran it."""
-    for c in llama3_405b(schedule="interleaved1f1b", stages_per_rank=4)[:2]:
-        err = predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1
-        assert abs(err) <= 0.10, (c.label, err)
-    plain = [predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1 for c in llama3_405b()[:2]]
+def test_llama3_405b_at_8k_within_five_percent_with_the_papers_schedule():
+    """The paper's schedule (section 3.3.2): interleaved, the first chunk the embedding alone and the
+    last the output alone -- 126 blocks + 2 in 128 one-block chunks, 8 a rank (torchtitan's split).
+    Its 8K rows within 5%; four virtual stages within 10%; plain 1F1B's bubble is the lower bound.
+    The 128K row is not met: flash attention's efficiency fitted on llm-foundry's FA2 runs prices
+    its attention ~3x slower than Meta's kernels ran it."""
+    def errors(**kw) -> list[float]:
+        return [predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1 for c in llama3_405b(**kw)]
+
+    papers = errors()
+    assert llama3_405b()[0].layout.v == 8 and all(abs(e) <= 0.05 for e in papers[:2]), papers
+    assert -0.5 < papers[2] < -0.3, papers  # the 128K row, as documented
+    assert all(abs(e) <= 0.10 for e in errors(stages_per_rank=4)[:2])
+    plain = errors(schedule="1f1b", stages_per_rank=None)[:2]
     assert all(-0.45 < e < -0.2 for e in plain), plain
+
+
+def test_torchtitan_splits_stages_counting_the_embedding_and_the_output_as_blocks():
+    """torchtitan's ``generate_llm_fqn_per_model_part`` (``pipeline_parallel_first/last_stage_less_layers``
+    1 each by default): ``n_layers + 2`` units over the stages, the remainder to the first ones, the
+    first and last stages one block fewer. Other frameworks split the blocks alone."""
+    from hpcml.plan.memory import stage_layer_lists, titan_split
+
+    assert titan_split(126, 128) == [0] + [1] * 126 + [0]
+    assert titan_split(32, 4) == [8, 9, 8, 7] and titan_split(8, 4) == [2, 3, 2, 1] and titan_split(5, 1) == [5]
+    assert titan_split(126, 16) == [7] + [8] * 14 + [7]
+    with pytest.raises(ConfigError, match="pipeline stages 130 > 128"):
+        titan_split(126, 130)
+    assert [len(s) for s in stage_layer_lists(8, 4)] == [2, 2, 2, 2]  # hpcml's trainer's split
+    base = dict(model="llama3-405b", gpus=8192, gpu="h100-80gb", seq_len=8192, global_batch=2048, tp=8, pp=16,
+                zero=2, sequence_parallel=True, schedule="interleaved1f1b")
+    titan = predict(PlanLayout(**base, stages_per_rank=8, framework="torchtitan"))
+    assert titan.step_s > 0 and "refuses" not in titan.why
+    assert "pipeline stages 144 > 128" in predict(PlanLayout(**base, stages_per_rank=9, framework="torchtitan")).why
+    assert "n_layers 126 < pipeline stages 128" in predict(PlanLayout(**base, stages_per_rank=8,
+                                                                     framework="megatron")).why
 
 
 def test_a_config_hashes_its_fields_once_and_keeps_the_hash_to_itself():

@@ -10,11 +10,12 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.parallel.config import ParallelConfig, split_layers
 
 
-def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig) -> None:
+def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig, *, stages: bool = True) -> None:
     """Raise :class:`ConfigError` unless ``model`` can be laid out on ``layout``.
 
     Pure arithmetic on arguments every rank holds alike: call it before any collective
     (``hpcml.parallel.parallelize`` does), so a bad plan fails on every rank and nothing hangs.
+    ``stages`` False: the split of layers over pipeline stages is another framework's (the planner's).
     """
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     for name, value in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads), ("ffn hidden", model.hidden),
@@ -42,7 +43,7 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig)
     elif layout.moe:
         raise ConfigError(f"ep {layout.ep} (etp {layout.etp}) needs a MoE model: n_experts is 0")
     n_stages = pp * config.n_stages_per_rank
-    if pp > 1 or config.layers_per_stage is not None:
+    if stages and (pp > 1 or config.layers_per_stage is not None):
         if config.layers_per_stage is not None:
             if len(config.layers_per_stage) != n_stages or sum(config.layers_per_stage) != model.n_layers \
                     or min(config.layers_per_stage) < 1:
