@@ -21,6 +21,7 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 CP_KINDS = ("ulysses", "allgather")
+PIPELINE_SPLITS = ("blocks", "ends")
 POSITIONS = ("rope", "learned", "alibi")
 LOSSES = ("eager", "fused")
 MASTER_WEIGHTS = ("fp32", "remainder")
@@ -139,6 +140,12 @@ class PlanLayout:
     cp_kind: str = "ulysses"
     """How cp splits attention: ulysses (an all-to-all of q, k, v and the output; heads divisible by
     cp) or allgather (keys and values all-gathered, no heads split: Llama 3's form, any kv heads)."""
+    pipeline_split: str | None = None
+    """How a pipeline's blocks are split over its stages: blocks (the blocks alone, at least one a
+    stage: hpcml's trainer, Megatron's default, DeepSpeed) or ends (the embedding and the output
+    count as a block each, so the first and last stages hold one block fewer: torchtitan's default,
+    Megatron's ``--account-for-embedding/loss-in-pipeline-split``, Llama 3 405B's). None: the
+    framework's default."""
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
     loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
@@ -204,6 +211,12 @@ class PlanLayout:
                               f"hpcml")
         if self.zero > 3:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
+        if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
+            raise ConfigError(f"pipeline_split={self.pipeline_split!r}: expected one of {', '.join(PIPELINE_SPLITS)}")
+        if self.pipeline_split == "ends" and self.framework in ("hpcml", "deepspeed"):
+            raise ConfigError(f"pipeline_split ends with framework {self.framework}: its pipeline splits the blocks "
+                              f"alone (torchtitan's split counts the embedding and the output; Megatron's with "
+                              f"--account-for-embedding/loss-in-pipeline-split)")
         for name, allowed in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("precision", PRECISIONS),
                               ("framework", FRAMEWORKS), ("reduce_dtype", REDUCE_DTYPES),
                               ("loss", LOSSES), ("cp_kind", CP_KINDS), ("master_weights", MASTER_WEIGHTS),
@@ -298,10 +311,9 @@ class PlanLayout:
 
     @property
     def split(self) -> str:
-        """How the framework splits blocks over pipeline stages (:func:`hpcml.plan.memory.stage_layer_lists`):
-        torchtitan counts the embedding and the output as a block each; hpcml's trainer and the rest
-        split the blocks alone."""
-        return "torchtitan" if self.framework == "torchtitan" else "blocks"
+        """:attr:`pipeline_split`, or the framework's default: torchtitan counts the embedding and the
+        output as a block each (ends), the others split the blocks alone."""
+        return self.pipeline_split or ("ends" if self.framework == "torchtitan" else "blocks")
 
     @property
     def v(self) -> int:

@@ -13,7 +13,7 @@ from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import LINE_DEPTH, predict, predict_lines, resolve_device
 from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, MASTER_WEIGHTS, NORMS,
-                              POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
+                              PIPELINE_SPLITS, POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
 
 MAX_LAYOUT_FILE = 64 << 20
 MAX_LAYOUT_LINES = 20_000
@@ -61,6 +61,11 @@ def add_parser(sub) -> None:
     p.add_argument("--attention", choices=ATTENTION, default=None, help="flash (the framework's own fused kernel: "
                    "cuDNN's under Megatron on Hopper), flash-attn (FlashAttention-2's: NVTE_FUSED_ATTN=0) or eager")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    p.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="interleaved1f1b: pipeline "
+                   "stages a rank (Megatron's --virtual-pipeline-model-parallel-size; default 2)")
+    p.add_argument("--pipeline-split", choices=PIPELINE_SPLITS, default=None, help="blocks (the blocks alone) or "
+                   "ends (the embedding and the output a block each: torchtitan's default, Megatron's "
+                   "--account-for-embedding/loss-in-pipeline-split)")
     p.add_argument("--cp-kind", choices=CP_KINDS, default=None, help="cp: ulysses (heads divisible by cp) or "
                    "allgather (keys and values gathered: any number of kv heads)")
     p.add_argument("--fpdt-chunk", type=int, default=None, metavar="N",
@@ -115,7 +120,8 @@ def _given(args: argparse.Namespace) -> dict:
                                        "seq_len", "global_batch", "reduce_dtype", "tp", "pp", "cp", "ep", "zero",
                                        "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
-                                       "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params")}
+                                       "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params",
+                                       "stages_per_rank", "pipeline_split")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

@@ -88,7 +88,7 @@ def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int, wh
 
 
 def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> list[int]:
-    """Blocks per stage as torchtitan splits them (``generate_llm_fqn_per_model_part``): the
+    """Blocks per stage as torchtitan splits them (``pipeline_split`` ends) (``generate_llm_fqn_per_model_part``): the
     embedding counts as ``first`` blocks and the output as ``last`` (its
     ``pipeline_parallel_first/last_stage_less_layers``, 1 by default), the remainder of the
     ``n_layers + first + last`` goes to the first stages. 126 blocks over 128 stages: the first
@@ -109,9 +109,9 @@ def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> 
 
 @lru_cache(maxsize=4096)
 def stage_layer_lists(n_layers: int, n_stages: int, split: str = "blocks") -> tuple[tuple[int, ...], ...]:
-    """The blocks of every pipeline stage, stage 0 first (``split``: the framework's rule,
+    """The blocks of every pipeline stage, stage 0 first (``split``: blocks or ends,
     :attr:`PlanLayout.split`)."""
-    counts = titan_split(n_layers, n_stages) if split == "torchtitan" else split_layers(n_layers, n_stages)
+    counts = titan_split(n_layers, n_stages) if split == "ends" else split_layers(n_layers, n_stages)
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))

@@ -135,8 +135,12 @@ def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     # the trainer's refusals of sequence parallelism (with cp, with experts, with learned positions)
     # are hpcml's own: Megatron, torchtitan and DeepSpeed run SP with each of them
     sp = lay.sequence_parallel and lay.framework == "hpcml"
-    return plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
-                      lay.schedule, lay.stages_per_rank, lay.cp_kind, lay.split)
+    why = plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
+                     lay.schedule, lay.stages_per_rank, lay.cp_kind, lay.split)
+    if why and "< pipeline stages" in why and lay.split == "blocks" and lay.framework in ("megatron", "torchtitan") \
+            and cfg.n_layers < lay.pp * lay.v <= cfg.n_layers + 2:
+        why += f"; {lay.framework} takes it with pipeline_split ends (the embedding and the output a stage's block)"
+    return why
 
 
 @lru_cache(maxsize=65536)
@@ -150,7 +154,7 @@ def plan_rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep:
         config = ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
                                 stages_per_rank=stages_per_rank, cp_kind=cp_kind)
         check_plan(cfg, grid, config, stages=split == "blocks")
-        if split != "blocks" and pp > 1:
+        if split == "ends" and pp > 1:
             stage_layer_lists(cfg.n_layers, pp * config.n_stages_per_rank, split)
     except (ConfigError, GridError) as e:
         return str(e)

@@ -66,8 +66,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                     break
                                 if schedule == "interleaved1f1b" and (base.global_batch // (dp * mb)) % pp:
                                     continue
-                                if pp * (v or 1) > cfg.n_layers + (2 if fw == "torchtitan" else 0):
-                                    continue  # (torchtitan counts the embedding and the output as blocks)
+                                if pp * (v or 1) > cfg.n_layers + (2 if base.split == "ends" else 0):
+                                    continue  # (ends: the embedding and the output count as blocks)
                                 try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
                                     lay = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
                                                   schedule=schedule, stages_per_rank=v, micro_batch=mb)

@@ -393,3 +393,36 @@ def test_the_command_line_takes_nemos_optimizer_flags():
     assert got[("--master-weights", "remainder")] == pytest.approx(got[()] * 10 / 12, rel=1e-3)
     bad = subprocess.run(base + ["--fp8-params"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "fp8_params with precision bf16" in bad.stderr
+
+
+def test_pipeline_split_is_a_key_and_a_flag_refused_where_the_framework_has_none(capsys):
+    """``pipeline_split`` ends for Megatron (its --account-for-embedding/loss-in-pipeline-split), blocks
+    for torchtitan (first/last_stage_less_layers 0); hpcml's trainer and DeepSpeed split the blocks
+    alone and say so in one line. A blocks refusal that ends would take names the key."""
+    import json
+
+    from hpcml.cli import main as cli
+
+    base = dict(model="llama3-405b", gpus=8192, gpu="h100-80gb", seq_len=8192, global_batch=2048, tp=8, pp=16,
+                zero=2, sequence_parallel=True, schedule="interleaved1f1b", stages_per_rank=8, micro_batch=1)
+    meg = predict(PlanLayout(**base, framework="megatron", pipeline_split="ends"))
+    titan = predict(PlanLayout(**base, framework="torchtitan"))
+    assert meg.step_s > 0 and meg.layout.split == "ends" and titan.layout.split == "ends"
+    assert meg.memory_gib["activations"] < titan.memory_gib["activations"]  # Megatron's SP keeps sharded inputs
+    why = predict(PlanLayout(**base, framework="megatron")).why
+    assert why.endswith("megatron takes it with pipeline_split ends (the embedding and the output a stage's block)")
+    heads = predict(PlanLayout(**{**base, "cp": 2, "gpus": 16384}, framework="megatron")).why  # another rule first
+    assert "heads per rank is not divisible by cp 2" in heads and "pipeline_split" not in heads
+    assert "refuses" in predict(PlanLayout(**base, framework="torchtitan", pipeline_split="blocks")).why
+    for fw in ("hpcml", "deepspeed"):
+        with pytest.raises(ConfigError, match=f"pipeline_split ends with framework {fw}: its pipeline splits"):
+            PlanLayout(**{**base, "zero": 1}, framework=fw, pipeline_split="ends")
+    with pytest.raises(ConfigError, match="pipeline_split='both': expected one of blocks, ends"):
+        PlanLayout(**base, framework="megatron", pipeline_split="both")
+    flags = ["plan", "--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100-80gb", "--seq-len", "8192",
+             "--global-batch", "2048", "--tp", "8", "--pp", "16", "--zero", "2", "--sequence-parallel",
+             "--schedule", "interleaved1f1b", "--stages-per-rank", "8", "--micro-batch", "1", "--json"]
+    assert cli(flags + ["--framework", "megatron", "--pipeline-split", "ends"]) == 1  # it does not fit: exit 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["pipeline_split"] == "ends" and out["layout"]["stages_per_rank"] == 8
+    assert out["step_s"] == pytest.approx(meg.step_s, rel=1e-4)
