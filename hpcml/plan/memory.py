@@ -267,7 +267,22 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     if lay.recompute != "none":
         full = _kept_whole(how)
         buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for i in kinds), default=0.0)
-    return saved, buffers
+    return saved, buffers + stage_outputs(cfg, lay, pp_rank, how, mine)
+
+
+def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp.Saved, mine: list[int]) -> float:
+    """Bytes of the stage outputs a pipeline rank keeps while their micro-batches are in flight:
+    ``torch.distributed.pipelining`` holds each forward's output until its backward (``fwd_cache``:
+    hpcml's trainer, torchtitan) -- a block's output (sharded over tp under sequence parallelism),
+    or on the last stage the logits the loss reads; Megatron and DeepSpeed free them once sent
+    (Megatron's ``deallocate_pipeline_outputs``), as Llama 3's training did."""
+    if lay.pp == 1 or lay.framework not in ("hpcml", "torchtitan"):
+        return 0.0
+    rows = lay.micro_batch * lay.seq_len / lay.cp
+    last = lay.pp * lay.v - 1
+    block = rows * cfg.dim * how.stream_bytes / (lay.tp if lay.sequence_parallel else 1)
+    logits = rows * cfg.padded_vocab / lay.tp * how.act_bytes if how.loss != "fused" else 0.0  # (fused: kept)
+    return in_flight(lay, pp_rank) * sum(logits if s == last else block for s in mine)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ def _pp_fsdp(framework: str, global_batch: int, zero: int = 2) -> PlanLayout:
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero):
+def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero, monkeypatch):
     """torch.distributed.pipelining keeps an FSDP stage's parameters gathered and its gradients
     unreduced until the last micro-batch (``set_requires_gradient_sync(False)`` on every other
     backward): the data-parallel time does not grow with the micro-batches, and the unsharded
@@ -35,6 +35,9 @@ def test_fsdp_under_a_pipeline_gathers_and_reduces_once_a_step(zero):
     assert predict(flat_many).parts_s["dp"] > 3 * predict(flat).parts_s["dp"]
     lay = _pp_fsdp("torchtitan", 64, zero)
     one_mb = replace(lay, global_batch=8)  # one micro-batch a data rank: nothing to accumulate
+    from hpcml.plan import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "stage_outputs", lambda *a: 0.0)  # (their count: the test below)
     for r in range(lay.pp):  # (torchtitan's split: the ranks hold 2, 3, 2 and 1 blocks)
         grads = 4 * rank_state(cfg, lay, r).compute_params
         assert memory(cfg, lay, pp_rank=r).buffers - memory(cfg, one_mb, pp_rank=r).buffers == pytest.approx(
@@ -426,3 +429,29 @@ def test_pipeline_split_is_a_key_and_a_flag_refused_where_the_framework_has_none
     out = json.loads(capsys.readouterr().out)
     assert out["layout"]["pipeline_split"] == "ends" and out["layout"]["stages_per_rank"] == 8
     assert out["step_s"] == pytest.approx(meg.step_s, rel=1e-4)
+
+
+def test_torch_pipelining_keeps_each_stage_output_until_its_backward(monkeypatch):
+    """``torch.distributed.pipelining`` holds a forward's output in ``fwd_cache`` until that
+    micro-batch's backward (hpcml's trainer, torchtitan): a block's output on every stage but the
+    last (tp-sharded under sequence parallelism), the logits on the last; Megatron frees them once
+    sent. 1F1B on 2 ranks with 4 micro-batches: the first rank keeps 2, the last 1."""
+    from hpcml.plan.memory import saved_how, stage_outputs
+
+    cfg = replace(load_model("llama3-8b"), n_layers=4)
+    lay = PlanLayout(model=cfg, gpus=4, gpu="h100-80gb", seq_len=2048, global_batch=4, pp=2, tp=2,
+                     framework="torchtitan", micro_batch=1)
+    how = saved_how(lay)
+    assert lay.microbatches == 4
+    assert stage_outputs(cfg, lay, 0, how, [0]) == 2 * 2048 * cfg.dim * 2
+    assert stage_outputs(cfg, lay, 1, how, [1]) == 1 * 2048 * cfg.padded_vocab / 2 * 2
+    sp = replace(lay, sequence_parallel=True)
+    assert stage_outputs(cfg, sp, 0, saved_how(sp), [0]) == 2 * 2048 * cfg.dim * 2 / 2
+    meg = replace(lay, framework="megatron")
+    assert stage_outputs(cfg, meg, 0, saved_how(meg), [0]) == 0.0
+    assert stage_outputs(cfg, replace(lay, pp=1, gpus=2), 0, how, [0]) == 0.0
+    from hpcml.plan import memory as memory_module
+
+    with_out = memory(cfg, lay, pp_rank=0).buffers
+    monkeypatch.setattr(memory_module, "stage_outputs", lambda *a: 0.0)
+    assert with_out - memory(cfg, lay, pp_rank=0).buffers == 2 * 2048 * cfg.dim * 2  # counted in the rank's memory

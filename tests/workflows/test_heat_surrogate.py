@@ -121,7 +121,8 @@ def test_trainer_killed_twice_on_another_rank_then_restarts_exhausted(tmp_path):
     s, run_dir = run(tmp_path, *long, "--trainer-restarts", "2", ok=False)
     out = (run_dir / "train.out").read_text()
     resumed = (run_dir / "train.err").read_text().count("INFO hpcml.train.online: resumed at step 20 from")
-    assert "killing trainer rank 1 after step 30 (crash 2 of 2)" in out and resumed == 2
+    assert "killing trainer rank 1 after step 30 (crash 2 of 2)" in out and resumed == 2, (
+        out[-1500:] + (run_dir / "train.err").read_text()[-3000:])
     assert s["gradient_steps"] == 60 and s["sims_completed"] == 6
     assert s["samples_ingested"] == _checkpointed_samples(run_dir) and s["duplicate_samples"] == 0
     assert s["samples_ingested"] + s["samples_missing"] == 60

@@ -192,6 +192,7 @@ def test_a_trainer_killed_without_a_checkpoint_fails_the_run_naming_what_is_miss
     assert out.returncode == 1, out.stdout[-2000:] + _why(run)
     failed = _line(out.stdout, "FAILED")  # before: campaign.json "ok", exit 0, 158 of 160 ingested
     record = json.loads((run / "campaign.json").read_text())
+    assert record.get("samples"), f"failed for another reason: {failed}; {record.get('error')}" + _why(run)
     missing = record["samples"]["missing"]
     assert missing >= 2 and failed.startswith(f"{missing} of 40 samples of completed simulations never reached "
                                               f"training (simulation "), failed
