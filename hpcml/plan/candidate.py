@@ -311,9 +311,12 @@ class PlanLayout:
 
     @property
     def split(self) -> str:
-        """:attr:`pipeline_split`, or the framework's default: torchtitan counts the embedding and the
-        output as a block each (ends), the others split the blocks alone."""
-        return self.pipeline_split or ("ends" if self.framework == "torchtitan" else "blocks")
+        """The rule that splits the blocks over stages (:data:`hpcml.plan.memory.SPLITS`): ends where
+        :attr:`pipeline_split` says so or torchtitan's default; the blocks alone otherwise, the
+        remainder to the first stages in torchtitan (``first``), to the middle ones elsewhere."""
+        if (self.pipeline_split or ("ends" if self.framework == "torchtitan" else "blocks")) == "ends":
+            return "ends"
+        return "first" if self.framework == "torchtitan" else "blocks"
 
     @property
     def v(self) -> int:

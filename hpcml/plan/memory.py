@@ -87,18 +87,26 @@ def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int, wh
     return {k: tuple(v) for k, v in out.items()}
 
 
+#: How blocks are split over stages: ends (the embedding and the output a block each, the remainder to
+#: the first stages: torchtitan's default, Megatron's account-for-embedding/loss split), first
+#: (the blocks alone, the remainder to the first stages: torchtitan without those weights), blocks
+#: (the blocks alone, the remainder to the middle stages: hpcml's trainer's ``split_layers``).
+SPLITS = ("ends", "first", "blocks")
+
+
 def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> list[int]:
     """Blocks per stage as torchtitan splits them (``pipeline_split`` ends) (``generate_llm_fqn_per_model_part``): the
     embedding counts as ``first`` blocks and the output as ``last`` (its
     ``pipeline_parallel_first/last_stage_less_layers``, 1 by default), the remainder of the
     ``n_layers + first + last`` goes to the first stages. 126 blocks over 128 stages: the first
     holds the embedding alone, the last the output alone (Llama 3 405B's split)."""
-    if n_stages == 1:
+    if n_stages <= 1:
         return [n_layers]
     base, extra = divmod(n_layers + first + last, n_stages)
     if base < max(1, first, last):
-        raise ConfigError(f"pipeline stages {n_stages} > {n_layers + first + last} (n_layers {n_layers} + the "
-                          f"embedding and the output, torchtitan's split): fewer stages, or more layers")
+        what = " + the embedding and the output" if first or last else ""
+        raise ConfigError(f"pipeline stages {n_stages} > {n_layers + first + last} (n_layers {n_layers}{what}): "
+                          f"fewer stages, or more layers")
     counts, left = [], n_layers
     for s in range(n_stages):
         want = base + (s < extra) - (first if s == 0 else last if s == n_stages - 1 else 0)
@@ -109,9 +117,11 @@ def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> 
 
 @lru_cache(maxsize=4096)
 def stage_layer_lists(n_layers: int, n_stages: int, split: str = "blocks") -> tuple[tuple[int, ...], ...]:
-    """The blocks of every pipeline stage, stage 0 first (``split``: blocks or ends,
-    :attr:`PlanLayout.split`)."""
-    counts = titan_split(n_layers, n_stages) if split == "ends" else split_layers(n_layers, n_stages)
+    """The blocks of every pipeline stage, stage 0 first (``split``: :attr:`PlanLayout.split`)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    counts = (titan_split(n_layers, n_stages) if split == "ends" else titan_split(n_layers, n_stages, 0, 0)
+              if split == "first" else split_layers(n_layers, n_stages))
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))
@@ -147,7 +157,8 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
 
 
 @lru_cache(maxsize=4096)
-def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks") -> tuple[int, ...]:
+def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks", moe: tuple[bool, ...] = ()
+                 ) -> tuple[int, ...]:
     """Pipeline ranks that stand for all: the first of each group holding stages of the same
     sizes and the same ends (embedding, output). Within a group states and step times are
     equal and the schedules keep the most micro-batches in flight on the lowest rank."""
@@ -155,9 +166,16 @@ def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks") -> tuple
     stages = stage_layer_lists(n_layers, n_stages, split)
     seen: dict[tuple, int] = {}
     for r in range(pp):
-        key = (tuple(len(stages[s]) for s in range(r, n_stages, pp)), r == 0, (n_stages - 1) % pp == r)
+        key = (tuple(tuple(moe[i] for i in stages[s]) if moe else len(stages[s]) for s in range(r, n_stages, pp)),
+               r == 0, (n_stages - 1) % pp == r)
         seen.setdefault(key, r)
     return tuple(sorted(seen.values()))
+
+
+def moe_layers(cfg: TransformerConfig) -> tuple[bool, ...]:
+    """Which blocks are MoE, where some are and some not (ranks alike in sizes may then differ); else ()."""
+    flags = tuple(cfg.is_moe(i) for i in range(cfg.n_layers)) if cfg.n_experts else ()
+    return flags if len(set(flags)) > 1 else ()
 
 
 def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
@@ -333,7 +351,8 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
            pp_rank: int | None = None) -> Memory:
     """The memory of the fullest pipeline rank of ``lay`` (of ``pp_rank``, if given)."""
     worst: Memory | None = None
-    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split) if pp_rank is None else (pp_rank,):
+    ranks = rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg)) if pp_rank is None else (pp_rank,)
+    for r in ranks:
         st = rank_state(cfg, lay, r)
         p, g, o = state_bytes(lay, st)
         act, buf = activation_bytes(cfg, lay, r, st)

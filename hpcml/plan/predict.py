@@ -137,8 +137,13 @@ def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
     sp = lay.sequence_parallel and lay.framework == "hpcml"
     why = plan_rules(cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp,
                      lay.schedule, lay.stages_per_rank, lay.cp_kind, lay.split)
-    if why and "< pipeline stages" in why and lay.split == "blocks" and lay.framework in ("megatron", "torchtitan") \
-            and cfg.n_layers < lay.pp * lay.v <= cfg.n_layers + 2:
+    stages, units = lay.pp * lay.v, cfg.n_layers + 2
+    if not why and lay.framework == "megatron" and lay.split == "ends" and lay.pp > 1 and units % stages:
+        return (f"framework megatron with pipeline_split ends: n_layers {cfg.n_layers} + the embedding and the "
+                f"output = {units} is not divisible by pp {lay.pp} x {lay.v} stages per rank = {stages} (Megatron's "
+                f"--account-for-embedding/loss-in-pipeline-split split whole layers evenly)")
+    if why and "< pipeline stages" in why and lay.split != "ends" and cfg.n_layers < stages <= units and (
+            lay.framework == "torchtitan" or lay.framework == "megatron" and units % stages == 0):
         why += f"; {lay.framework} takes it with pipeline_split ends (the embedding and the output a stage's block)"
     return why
 
@@ -153,7 +158,7 @@ def plan_rules(cfg: TransformerConfig, gpus: int, tp: int, cp: int, pp: int, ep:
         grid = Layout(world_size=gpus, tp=tp, cp=cp, pp=pp, ep=ep)
         config = ParallelConfig(fsdp=fsdp, sequence_parallel=sp, pp_schedule=schedule,
                                 stages_per_rank=stages_per_rank, cp_kind=cp_kind)
-        check_plan(cfg, grid, config, stages=split == "blocks")
+        check_plan(cfg, grid, config, stages=split != "ends")
         if split == "ends" and pp > 1:
             stage_layer_lists(cfg.n_layers, pp * config.n_stages_per_rank, split)
     except (ConfigError, GridError) as e:
@@ -176,7 +181,11 @@ class Prediction:
     """FSDP's bytes a data rank sends a step inside and across nodes (:mod:`hpcml.plan.traffic`)."""
 
     def to_dict(self) -> dict:
-        r = {"layout": self.layout.to_dict(), "fits": self.fits,
+        lay = self.layout.to_dict()
+        if self.layout.pp > 1:  # what was priced, the framework's defaults resolved
+            lay |= {"pipeline_split": "ends" if self.layout.split == "ends" else "blocks",
+                    "stages_per_rank": self.layout.v}
+        r = {"layout": lay, "fits": self.fits,
              "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
              "step_s": _sig(self.step_s) if math.isfinite(self.step_s) else None,
              "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),

@@ -46,14 +46,14 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
             if base.seq_len % cp:
                 continue
             for pp in divisors(gpus // (tp * cp)):
-                if pp > cfg.n_layers:
+                if pp > cfg.n_layers + (2 if base.split == "ends" else 0):
                     continue
                 dp = gpus // (tp * cp * pp)
                 if base.global_batch % dp:
                     continue
                 eps = [e for e in divisors(cp * dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]
                 schedules = [("1f1b", None)] if pp == 1 or fw == "deepspeed" else \
-                    [("1f1b", None), ("interleaved1f1b", 2)]
+                    [("1f1b", None), ("interleaved1f1b", base.stages_per_rank or 2)]
                 rules_cfg, _, _, why = tied(cfg, fw, tp, pp, base.model)  # the same for every layout below
                 for ep in eps:
                     # (hpcml's trainer runs SP without cp and experts; the other frameworks with both)

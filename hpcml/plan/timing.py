@@ -12,8 +12,8 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan import traffic
 from hpcml.plan.devices import Device
-from hpcml.plan.memory import (RankState, rank_classes, rank_state, saved_how, stage_layer_lists, state_bytes,
-                               weight_bytes)
+from hpcml.plan.memory import (RankState, moe_layers, rank_classes, rank_state, saved_how, stage_layer_lists,
+                               state_bytes, weight_bytes)
 from hpcml.plan.candidate import PlanLayout
 
 
@@ -175,7 +175,7 @@ def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants
         busy = crit.step_s - crit.bubble_s
         return replace(crit, step_s=max(crit.step_s, busy / share))
     worst = None
-    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split):
+    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg)):
         t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r), tied_copy)
         if worst is None or t.step_s > worst.step_s:
             worst = t

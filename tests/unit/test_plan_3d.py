@@ -96,27 +96,6 @@ def test_llama3_405b_at_8k_within_five_percent_with_the_papers_schedule():
     assert all(-0.45 < e < -0.2 for e in plain), plain
 
 
-def test_torchtitan_splits_stages_counting_the_embedding_and_the_output_as_blocks():
-    """torchtitan's ``generate_llm_fqn_per_model_part`` (``pipeline_parallel_first/last_stage_less_layers``
-    1 each by default): ``n_layers + 2`` units over the stages, the remainder to the first ones, the
-    first and last stages one block fewer. Other frameworks split the blocks alone."""
-    from hpcml.plan.memory import stage_layer_lists, titan_split
-
-    assert titan_split(126, 128) == [0] + [1] * 126 + [0]
-    assert titan_split(32, 4) == [8, 9, 8, 7] and titan_split(8, 4) == [2, 3, 2, 1] and titan_split(5, 1) == [5]
-    assert titan_split(126, 16) == [7] + [8] * 14 + [7]
-    with pytest.raises(ConfigError, match="pipeline stages 130 > 128"):
-        titan_split(126, 130)
-    assert [len(s) for s in stage_layer_lists(8, 4)] == [2, 2, 2, 2]  # hpcml's trainer's split
-    base = dict(model="llama3-405b", gpus=8192, gpu="h100-80gb", seq_len=8192, global_batch=2048, tp=8, pp=16,
-                zero=2, sequence_parallel=True, schedule="interleaved1f1b")
-    titan = predict(PlanLayout(**base, stages_per_rank=8, framework="torchtitan"))
-    assert titan.step_s > 0 and "refuses" not in titan.why
-    assert "pipeline stages 144 > 128" in predict(PlanLayout(**base, stages_per_rank=9, framework="torchtitan")).why
-    assert "n_layers 126 < pipeline stages 128" in predict(PlanLayout(**base, stages_per_rank=8,
-                                                                     framework="megatron")).why
-
-
 def test_a_config_hashes_its_fields_once_and_keeps_the_hash_to_itself():
     import pickle
     from dataclasses import fields
@@ -396,62 +375,3 @@ def test_the_command_line_takes_nemos_optimizer_flags():
     assert got[("--master-weights", "remainder")] == pytest.approx(got[()] * 10 / 12, rel=1e-3)
     bad = subprocess.run(base + ["--fp8-params"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "fp8_params with precision bf16" in bad.stderr
-
-
-def test_pipeline_split_is_a_key_and_a_flag_refused_where_the_framework_has_none(capsys):
-    """``pipeline_split`` ends for Megatron (its --account-for-embedding/loss-in-pipeline-split), blocks
-    for torchtitan (first/last_stage_less_layers 0); hpcml's trainer and DeepSpeed split the blocks
-    alone and say so in one line. A blocks refusal that ends would take names the key."""
-    import json
-
-    from hpcml.cli import main as cli
-
-    base = dict(model="llama3-405b", gpus=8192, gpu="h100-80gb", seq_len=8192, global_batch=2048, tp=8, pp=16,
-                zero=2, sequence_parallel=True, schedule="interleaved1f1b", stages_per_rank=8, micro_batch=1)
-    meg = predict(PlanLayout(**base, framework="megatron", pipeline_split="ends"))
-    titan = predict(PlanLayout(**base, framework="torchtitan"))
-    assert meg.step_s > 0 and meg.layout.split == "ends" and titan.layout.split == "ends"
-    assert meg.memory_gib["activations"] < titan.memory_gib["activations"]  # Megatron's SP keeps sharded inputs
-    why = predict(PlanLayout(**base, framework="megatron")).why
-    assert why.endswith("megatron takes it with pipeline_split ends (the embedding and the output a stage's block)")
-    heads = predict(PlanLayout(**{**base, "cp": 2, "gpus": 16384}, framework="megatron")).why  # another rule first
-    assert "heads per rank is not divisible by cp 2" in heads and "pipeline_split" not in heads
-    assert "refuses" in predict(PlanLayout(**base, framework="torchtitan", pipeline_split="blocks")).why
-    for fw in ("hpcml", "deepspeed"):
-        with pytest.raises(ConfigError, match=f"pipeline_split ends with framework {fw}: its pipeline splits"):
-            PlanLayout(**{**base, "zero": 1}, framework=fw, pipeline_split="ends")
-    with pytest.raises(ConfigError, match="pipeline_split='both': expected one of blocks, ends"):
-        PlanLayout(**base, framework="megatron", pipeline_split="both")
-    flags = ["plan", "--model", "llama3-405b", "--gpus", "8192", "--gpu", "h100-80gb", "--seq-len", "8192",
-             "--global-batch", "2048", "--tp", "8", "--pp", "16", "--zero", "2", "--sequence-parallel",
-             "--schedule", "interleaved1f1b", "--stages-per-rank", "8", "--micro-batch", "1", "--json"]
-    assert cli(flags + ["--framework", "megatron", "--pipeline-split", "ends"]) == 1  # it does not fit: exit 1
-    out = json.loads(capsys.readouterr().out)
-    assert out["layout"]["pipeline_split"] == "ends" and out["layout"]["stages_per_rank"] == 8
-    assert out["step_s"] == pytest.approx(meg.step_s, rel=1e-4)
-
-
-def test_torch_pipelining_keeps_each_stage_output_until_its_backward(monkeypatch):
-    """``torch.distributed.pipelining`` holds a forward's output in ``fwd_cache`` until that
-    micro-batch's backward (hpcml's trainer, torchtitan): a block's output on every stage but the
-    last (tp-sharded under sequence parallelism), the logits on the last; Megatron frees them once
-    sent. 1F1B on 2 ranks with 4 micro-batches: the first rank keeps 2, the last 1."""
-    from hpcml.plan.memory import saved_how, stage_outputs
-
-    cfg = replace(load_model("llama3-8b"), n_layers=4)
-    lay = PlanLayout(model=cfg, gpus=4, gpu="h100-80gb", seq_len=2048, global_batch=4, pp=2, tp=2,
-                     framework="torchtitan", micro_batch=1)
-    how = saved_how(lay)
-    assert lay.microbatches == 4
-    assert stage_outputs(cfg, lay, 0, how, [0]) == 2 * 2048 * cfg.dim * 2
-    assert stage_outputs(cfg, lay, 1, how, [1]) == 1 * 2048 * cfg.padded_vocab / 2 * 2
-    sp = replace(lay, sequence_parallel=True)
-    assert stage_outputs(cfg, sp, 0, saved_how(sp), [0]) == 2 * 2048 * cfg.dim * 2 / 2
-    meg = replace(lay, framework="megatron")
-    assert stage_outputs(cfg, meg, 0, saved_how(meg), [0]) == 0.0
-    assert stage_outputs(cfg, replace(lay, pp=1, gpus=2), 0, how, [0]) == 0.0
-    from hpcml.plan import memory as memory_module
-
-    with_out = memory(cfg, lay, pp_rank=0).buffers
-    monkeypatch.setattr(memory_module, "stage_outputs", lambda *a: 0.0)
-    assert with_out - memory(cfg, lay, pp_rank=0).buffers == 2 * 2048 * cfg.dim * 2  # counted in the rank's memory
