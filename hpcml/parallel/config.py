@@ -64,7 +64,18 @@ class ParallelConfig:
     ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, DDP's flat all-reduce cast): each rank's
     gradient rounded to bf16 and summed in bf16, the result back in the parameters' dtype."""
 
+    param_dtype: str = "fp32"
+    """FSDP: the dtype its all-gather hands the compute (FSDP2's ``MixedPrecisionPolicy(param_dtype=)``;
+    the shards, the optimizer and the checkpoints stay fp32). bf16 gathers half the bytes and computes
+    in bf16 without autocast's cached bf16 copy of every weight (torchtitan's way); the LLM trainer
+    sets it when it trains in bf16 under FSDP."""
+
     def __post_init__(self) -> None:
+        if self.param_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"param_dtype {self.param_dtype!r}: expected one of {', '.join(REDUCE_DTYPES)}")
+        if self.param_dtype != "fp32" and not self.fsdp:
+            raise ConfigError(f"param_dtype {self.param_dtype!r} without fsdp: it is FSDP's gather dtype (set "
+                              f"fsdp=True, or train in bf16 by autocast alone)")
         if self.dp_replicate != "node" and (not is_int(self.dp_replicate) or self.dp_replicate < 1):
             raise ConfigError(f"dp_replicate {self.dp_replicate!r}: expected a whole number >= 1 of replicas, or "
                               f"'node' (one per node)")

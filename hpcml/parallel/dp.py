@@ -19,14 +19,17 @@ def wire_dtype(reduce_dtype: str) -> torch.dtype | None:
     return _WIRE[reduce_dtype]
 
 
-def _policy(reduce_dtype: str) -> MixedPrecisionPolicy:
-    """FSDP2's policy: parameters and compute in their own dtype, the reduce-scatter (and HSDP's
-    all-reduce) in ``reduce_dtype``."""
-    return MixedPrecisionPolicy(reduce_dtype=wire_dtype(reduce_dtype))
+def _policy(reduce_dtype: str, param_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """FSDP2's policy: the gathered parameters and compute in ``param_dtype`` (fp32: their own),
+    the reduce-scatter (and HSDP's all-reduce) in ``reduce_dtype`` -- fp32 named as such under bf16
+    parameters, which FSDP2 would otherwise reduce in."""
+    if param_dtype == "fp32":
+        return MixedPrecisionPolicy(reduce_dtype=wire_dtype(reduce_dtype))
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=wire_dtype(reduce_dtype) or torch.float32)
 
 
 def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
-               reshard_after_forward: bool | int = True, reduce_dtype: str = "fp32") -> None:
+               reshard_after_forward: bool | int = True, reduce_dtype: str = "fp32", param_dtype: str = "fp32") -> None:
     """``fully_shard`` each unit (a transformer block), then the rest of the model (torchtitan's wrapping).
 
     Parameters already sharded by tensor parallelism become 2-D (dp x tp) DTensors.
@@ -34,7 +37,7 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
     (ZeRO-2-like), an int N reshards them over N consecutive ranks (hpZ). The root keeps its
     parameters gathered after forward: they are needed first in backward anyway.
     """
-    mp = _policy(reduce_dtype)
+    mp = _policy(reduce_dtype, param_dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
@@ -42,7 +45,7 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh,
 
 def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Module], mesh: DeviceMesh,
                    expert_mesh: DeviceMesh | None, reshard_after_forward: bool | int = True,
-                   reduce_dtype: str = "fp32") -> None:
+                   reduce_dtype: str = "fp32", param_dtype: str = "fp32") -> None:
     """:func:`apply_fsdp` for a model whose ``experts`` are sharded over ep: each experts module
     is its own unit over the expert-data-parallel mesh (edp; its DTensors on ep make the FSDP
     + EP 2-D layout torchtitan uses). FSDP averages their gradients over edp; they need the
@@ -50,7 +53,7 @@ def apply_fsdp_moe(model: nn.Module, units: list[nn.Module], experts: list[nn.Mo
     PREMUL_SUM for ``set_gradient_divide_factor``). With edp 1 (``expert_mesh`` None) the
     experts stay out of FSDP (``ignored_params``)."""
     ignored: set[nn.Parameter] = set()
-    mp = _policy(reduce_dtype)
+    mp = _policy(reduce_dtype, param_dtype)
     for ex in experts:
         if expert_mesh is None:
             ignored |= set(ex.parameters())

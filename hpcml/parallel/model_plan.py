@@ -111,9 +111,9 @@ class ParallelPlan:
         if grid.layout.moe:
             edp = grid.torch.expert_mesh["edp"] if grid.layout.edp > 1 else None
             dp.apply_fsdp_moe(part, self.fsdp_units(part), self.expert_modules(part), data_mesh, edp, reshard,
-                              config.reduce_dtype)
+                              config.reduce_dtype, config.param_dtype)
         else:
-            dp.apply_fsdp(part, self.fsdp_units(part), data_mesh, reshard, config.reduce_dtype)
+            dp.apply_fsdp(part, self.fsdp_units(part), data_mesh, reshard, config.reduce_dtype, config.param_dtype)
 
     def fsdp_grad_syncs(self, parts: list[nn.Module], layout: Layout) -> list[dp.GradAllReduce]:
         """What FSDP leaves to reduce: the experts' gradients, FSDP's mean over edp turned into the

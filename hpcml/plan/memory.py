@@ -225,16 +225,22 @@ def node_ranks(lay: PlanLayout, gpus_per_node: int) -> int:
     return max(1, min(lay.dp * lay.cp, gpus_per_node // lay.tp))
 
 
+def bf16_weights(lay: PlanLayout) -> bool:
+    """Compute sees bf16 weights: Megatron's and torchtitan's, and hpcml's under FSDP (its trainer
+    gathers bf16 there, ``ParallelConfig.param_dtype``); hpcml without FSDP keeps fp32 weights that
+    autocast casts per matmul."""
+    return lay.precision != "fp32" and (lay.framework != "hpcml" or lay.zero >= 2)
+
+
 def weight_bytes(lay: PlanLayout) -> int:
-    """Bytes of a weight as compute sees it (what FSDP gathers): bf16 where the framework casts
-    its weights (Megatron, torchtitan), fp32 in hpcml (autocast casts after the gather)."""
-    return 2 if lay.precision != "fp32" and lay.framework != "hpcml" else 4
+    """Bytes of a weight as compute sees it (what FSDP gathers): :func:`bf16_weights` or fp32."""
+    return 2 if bf16_weights(lay) else 4
 
 
 def saved_how(lay: PlanLayout) -> fp.Saved:
     """Tensor widths and placements of ``lay`` as the activation count takes them."""
     act = 4 if lay.precision == "fp32" else 2
-    stream = 4 if lay.precision == "fp32" or lay.framework == "hpcml" else 2  # hpcml: fp32 weights, fp32 residual
+    stream = 2 if bf16_weights(lay) else 4  # hpcml without FSDP: fp32 weights, an fp32 residual stream
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework not in MEGATRON_MODEL, fpdt=lay.fpdt_chunk > 0,
@@ -270,7 +276,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     if lay.framework == "hpcml":  # its ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
         per_mb += len(mine) * fp.bias_saved(cfg, lay.seq_len, how)
     saved = per_mb * in_flight(lay, pp_rank) + fp.head_constant(cfg, how, last=n_stages - 1 in mine)
-    if lay.framework == "hpcml" and lay.precision != "fp32":
+    if lay.framework == "hpcml" and lay.precision != "fp32" and not bf16_weights(lay):
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
         saved += 2 * state.compute_params

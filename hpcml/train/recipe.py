@@ -32,6 +32,10 @@ def build_llm_trainer(model_cfg: TransformerConfig, train_cfg: TrainConfig, para
     from mpi4py import MPI
 
     parallel_cfg = parallel_cfg or ParallelConfig()
+    if train_cfg.bf16 and parallel_cfg.fsdp and parallel_cfg.param_dtype == "fp32":
+        # FSDP in bf16: gather bf16 weights (half the bytes) rather than autocast's bf16 copy of each
+        # fp32 weight, which autograd would keep for the whole step
+        parallel_cfg = dataclasses.replace(parallel_cfg, param_dtype="bf16")
     if grid is None:
         comm = comm or MPI.COMM_WORLD
         layout = check_llm_layout(model_cfg, train_cfg, parallel_cfg, comm.Get_size(), degrees, data)

@@ -135,7 +135,13 @@ def test_bf16_autocast_and_hooks(comm):
     trainer = build_llm_trainer(MODEL, TrainConfig(**{**TRAIN.__dict__, "bf16": True}), ParallelConfig(fsdp=True),
                                 dp=WORLD)
     trainer.hooks.append(lambda tr, m: seen.append(m["step"]))
+    computed = set()  # FSDP in bf16 gathers bf16 weights (no autocast copy of fp32 ones); shards stay fp32
+    for mod in trainer.model.parts[0].modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(lambda m, args: computed.add(m.weight.dtype))
     losses = [m["loss"] for m in trainer.fit()]
+    assert computed == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parts[0].parameters()} == {torch.float32}
     assert seen == [1, 2, 3, 4, 5] and trainer.step == 5
     assert losses == pytest.approx(ref_losses, rel=2e-2)  # bf16 matmuls: close, not equal
     assert losses != pytest.approx(ref_losses, rel=1e-7)  # and autocast really ran in bf16

@@ -480,7 +480,8 @@ def test_node_aware_data_parallelism_moves_bytes_off_the_network():
     (4x FSDP's optimizer state here) and hpZ a node's secondary shard of the weights."""
     from hpcml.plan.traffic import dp_bytes
 
-    base = {"model": "llama3-8b", "gpus": 32, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 32, "zero": 3}
+    base = {"model": "llama3-8b", "gpus": 32, "gpu": "h100-80gb", "seq_len": 4096, "global_batch": 32, "zero": 3,
+            "precision": "fp32"}  # (weights and gradients alike 4 bytes: the collectives' bytes compare as counts)
     cfg = load_model("llama3-8b")
     got = {name: dp_bytes(cfg, PlanLayout(**base, **kw), 8) for name, kw in (
         ("fsdp", {}), ("hsdp", {"dp_replicate": 4}), ("hpz", {"hpz": True}),

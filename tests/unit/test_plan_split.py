@@ -141,3 +141,25 @@ def test_torch_pipelining_keeps_each_stage_output_until_its_backward(monkeypatch
     with_out = memory(cfg, lay, pp_rank=0).buffers
     monkeypatch.setattr(memory_module, "stage_outputs", lambda *a: 0.0)
     assert with_out - memory(cfg, lay, pp_rank=0).buffers == 2 * 2048 * cfg.dim * 2  # counted in the rank's memory
+
+
+def test_hpcml_under_fsdp_in_bf16_gathers_bf16_weights_and_caches_no_copies():
+    """hpcml's trainer in bf16 under FSDP gathers bf16 weights (``ParallelConfig.param_dtype``), so
+    the planner prices its gathers at 2 bytes a weight, a bf16 residual stream and no autocast copy
+    of every weight; without FSDP autocast still casts fp32 weights (and keeps the copies)."""
+    from hpcml.parallel import ParallelConfig
+    from hpcml.plan.memory import rank_state, saved_how, weight_bytes
+
+    base = dict(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=4096, global_batch=8)
+    fsdp, ddp = PlanLayout(**base, zero=3), PlanLayout(**base, zero=0)
+    assert (weight_bytes(fsdp), saved_how(fsdp).stream_bytes) == (2, 2)
+    assert (weight_bytes(ddp), saved_how(ddp).stream_bytes) == (4, 4)
+    assert weight_bytes(replace(fsdp, precision="fp32")) == 4
+    cfg = load_model("llama3-8b")
+    copies = 2 * rank_state(cfg, ddp, 0).compute_params / 2 ** 30
+    act = {lay.zero: predict(lay).memory_gib["activations"] for lay in (fsdp, ddp)}
+    assert act[0] - act[3] > copies  # the copies, and a residual stream half as wide
+    with pytest.raises(ConfigError, match="param_dtype 'bf16' without fsdp"):
+        ParallelConfig(param_dtype="bf16")
+    with pytest.raises(ConfigError, match="param_dtype 'fp16': expected one of fp32, bf16"):
+        ParallelConfig(fsdp=True, param_dtype="fp16")
