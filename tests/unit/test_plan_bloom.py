@@ -187,6 +187,13 @@ def test_plan_validate_reports_every_published_table_alone():
     assert got["bloom-176b-a100"]["fit_agrees"] == 1.0 and got["bloom-176b-a100"]["fitted_on"] is None
     assert got["nemo-llama31-70b-h100"]["median_abs_error"] <= 0.10
     assert got["sc21-table1"]["fitted_on"] == "family constants" and got["sc21-table1"]["spearman_mfu"] > 0.9
+    out = subprocess.run([sys.executable, str(script), "--tables", "--json", "--as-framework", "hpcml"],
+                         capture_output=True, text=True, timeout=120)  # the FSDP rows as hpcml's trainer runs them
+    assert out.returncode == 0, out.stderr
+    fsdp = {k: v for k, v in json.loads(out.stdout).items() if k.startswith("foundry-") and "fp8" not in k
+            or k == "torchtitan-a100"}
+    right = sum(round(t["fit_agrees"] * len(t["rows"])) for t in fsdp.values())
+    assert sum(len(t["rows"]) for t in fsdp.values()) == 219 and right == 176  # (101 with fp32 gathers)
 
 
 def test_a_refused_layout_is_not_said_to_lack_a_micro_batch():
