@@ -245,7 +245,7 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework not in MEGATRON_MODEL, fpdt=lay.fpdt_chunk > 0,
                     chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind,
-                    fused_blocks=lay.framework in MEGATRON_MODEL)
+                    fused_blocks=lay.framework in MEGATRON_MODEL, norm_upcast=lay.framework == "hpcml")
 
 
 @lru_cache(maxsize=4096)

@@ -133,3 +133,36 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
     got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"
     trainer.close()
+
+
+# (without FSDP, autocast's path: tp 2 saved 851,332 B against 823,296 planned, 3.4% more -- not yet
+# traced; the FSDP path, which gathers bf16, is exact)
+BF16 = {4: [("fsdp4", {"dp": 4}, {"fsdp": True}), ("zero2-4", {"dp": 4}, {"fsdp": True,
+                                                                         "reshard_after_forward": False})],
+        2: [("fsdp2", {"dp": 2}, {"fsdp": True})]}
+
+
+@pytest.mark.parametrize("name,degrees,pkw", BF16.get(WORLD, []), ids=[x[0] for x in BF16.get(WORLD, [])])
+def test_saved_activations_in_bf16_match_the_plan(comm, name, degrees, pkw):
+    """:func:`test_saved_activations_match_the_plan` in bf16 under FSDP: the trainer gathers bf16
+    weights (no autocast copies, a bf16 residual stream; its RMSNorm keeps an fp32 copy of its
+    input). It failed by 13.7% before the norm's copy was counted."""
+    import dataclasses
+
+    pcfg = ParallelConfig(**pkw)
+    train = dataclasses.replace(TRAIN, bf16=True)
+    trainer = build_llm_trainer(MODEL, train, pcfg, **degrees)
+    model = trainer.model.parts[0]
+    account = SavedBytes({}, [model])
+    x, y = trainer.local_batch(0)
+    x, y = x[:TRAIN.micro_batch], y[:TRAIN.micro_batch]
+    with trainer.model.loss_context(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with account:
+            loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
+    loss.backward()
+    lay = _plan_layout(degrees, pcfg, MODEL)
+    lay = dataclasses.replace(lay, precision="bf16")
+    want, _ = activation_bytes(MODEL, lay, 0, rank_state(MODEL, lay, 0))
+    got = sum(account.take()[0].values())
+    assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"
+    trainer.close()

@@ -457,12 +457,13 @@ def test_a_search_leaves_headroom_and_emit_refuses_a_layout_at_the_edge(capsys):
     base = PlanLayout(model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=4096, global_batch=16)
     full, kept = search(base, top=20), search(base, top=20, headroom=0.10)
     assert all(p.memory_gib["total"] <= 0.9 * 79.15 for p in kept.best) and kept.fitting <= full.fitting
-    common = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "4096", "--global-batch", "16",
-              "--fsdp"]
-    edge = next(((mb, rc) for rc in ("none", "full") for mb in (1, 2) if 0.9 * 79.15 < predict(PlanLayout(
-        model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=4096, global_batch=16, zero=3, micro_batch=mb,
-        recompute=rc)).memory_gib["total"] <= 79.15), None)
+    edge = next(((mb, rc, seq) for seq in (4096, 3072) for rc in ("none", "full") for mb in (1, 2)
+                 if 0.9 * 79.15 < predict(PlanLayout(model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=seq,
+                                                     global_batch=16, zero=3, micro_batch=mb,
+                                                     recompute=rc)).memory_gib["total"] <= 79.15), None)
     assert edge is not None  # a layout that fits, but within 10% of the device's memory
+    common = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", str(edge[2]),
+              "--global-batch", "16", "--fsdp"]
     flags = ["--micro-batch", str(edge[0]), "--recompute", edge[1]]
     assert cli(["plan", *common, *flags, "--emit", "args"]) == 2
     err = capsys.readouterr().err

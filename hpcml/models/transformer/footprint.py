@@ -152,10 +152,21 @@ class Saved:
     """Megatron-core's fused kernels (its bias-SwiGLU, Transformer Engine's norms): the MLP keeps
     its gate and up projections and their product (three tensors of its width; the SiLU is
     recomputed in backward), an RMSNorm its input and 1/rms (no normalised copy)."""
+    norm_upcast: bool = False
+    """The RMSNorm computes in fp32 from a narrower input and keeps that fp32 copy (hpcml's): its
+    input's bytes are 4 whatever the stream's, beside the normalised output in the stream's."""
     loss: str = "eager"
     """eager: the log-softmax of every logit kept (fp32), its gradient made whole in backward;
     fused: the logits kept in ``act_bytes``, the gradient written over them (flash-attn's
     cross-entropy, Liger's, Megatron's in-place kernel); chunked: see ``chunked_loss``."""
+
+
+def _rms_bytes(how: Saved) -> int:
+    """Bytes an RMSNorm keeps per element of its input: the input and the normalised tensor in the
+    stream's width (its input alone under fused kernels); an fp32 copy for the input where it upcasts."""
+    if how.fused_blocks:
+        return how.stream_bytes
+    return (4 if how.norm_upcast else how.stream_bytes) + how.stream_bytes
 
 
 def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) -> float:
@@ -182,7 +193,7 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     # two sub-blocks: RMSNorm keeps its input, the normalised fp32 tensor and 1/rms; LayerNorm its input,
     # mean and 1/std (its output is the projections' input, counted there)
     if cfg.norm == "rmsnorm":
-        norm_side = 2 * (r * cfg.dim * (1 if how.fused_blocks else 2) + 4)
+        norm_side = 2 * (_rms_bytes(how) * cfg.dim + 4)
     else:
         norm_side = 2 * (r * cfg.dim + 8)
     shared_in = 2 * cfg.dim  # the projections' input of each sub-block
@@ -265,8 +276,7 @@ def head_saved(cfg: TransformerConfig, how: Saved, *, first: bool, last: bool) -
         out += how.stream_bytes * cfg.dim
     elif last:
         logit = how.act_bytes if how.loss == "fused" else 4  # the logits kept, or their fp32 log-softmax
-        norm = ((1 if how.fused_blocks else 2) * how.stream_bytes * cfg.dim + 4 if cfg.norm == "rmsnorm"
-                else how.stream_bytes * cfg.dim + 8)
+        norm = (_rms_bytes(how) * cfg.dim + 4 if cfg.norm == "rmsnorm" else how.stream_bytes * cfg.dim + 8)
         out += norm / (how.tp if how.sequence_parallel else 1) \
             + how.act_bytes * cfg.dim + logit * cfg.padded_vocab / how.tp
     return out / how.cp
