@@ -314,9 +314,10 @@ class PlanLayout:
         """The rule that splits the blocks over stages (:data:`hpcml.plan.memory.SPLITS`): ends where
         :attr:`pipeline_split` says so or torchtitan's default; the blocks alone otherwise, the
         remainder to the first stages in torchtitan (``first``), to the middle ones elsewhere."""
-        if (self.pipeline_split or ("ends" if self.framework == "torchtitan" else "blocks")) == "ends":
+        titan = self.framework == "torchtitan"
+        if self.pipeline_split == "ends" or self.pipeline_split is None and titan:
             return "ends"
-        return "first" if self.framework == "torchtitan" else "blocks"
+        return "first" if titan else "blocks"
 
     @property
     def v(self) -> int:

@@ -95,7 +95,7 @@ SPLITS = ("ends", "first", "blocks")
 
 
 def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> list[int]:
-    """Blocks per stage as torchtitan splits them (``pipeline_split`` ends) (``generate_llm_fqn_per_model_part``): the
+    """Blocks per stage as torchtitan's ``generate_llm_fqn_per_model_part`` splits them: the
     embedding counts as ``first`` blocks and the output as ``last`` (its
     ``pipeline_parallel_first/last_stage_less_layers``, 1 by default), the remainder of the
     ``n_layers + first + last`` goes to the first stages. 126 blocks over 128 stages: the first
@@ -118,10 +118,14 @@ def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> 
 @lru_cache(maxsize=4096)
 def stage_layer_lists(n_layers: int, n_stages: int, split: str = "blocks") -> tuple[tuple[int, ...], ...]:
     """The blocks of every pipeline stage, stage 0 first (``split``: :attr:`PlanLayout.split`)."""
-    if split not in SPLITS:
+    if split == "ends":
+        counts = titan_split(n_layers, n_stages)
+    elif split == "first":
+        counts = titan_split(n_layers, n_stages, 0, 0)
+    elif split == "blocks":
+        counts = split_layers(n_layers, n_stages)
+    else:
         raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
-    counts = (titan_split(n_layers, n_stages) if split == "ends" else titan_split(n_layers, n_stages, 0, 0)
-              if split == "first" else split_layers(n_layers, n_stages))
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))
@@ -172,6 +176,7 @@ def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks", moe: tup
     return tuple(sorted(seen.values()))
 
 
+@lru_cache(maxsize=256)
 def moe_layers(cfg: TransformerConfig) -> tuple[bool, ...]:
     """Which blocks are MoE, where some are and some not (ranks alike in sizes may then differ); else ()."""
     flags = tuple(cfg.is_moe(i) for i in range(cfg.n_layers)) if cfg.n_experts else ()

@@ -142,8 +142,10 @@ def model_rules(cfg: TransformerConfig, lay: PlanLayout) -> str | None:
         return (f"framework megatron with pipeline_split ends: n_layers {cfg.n_layers} + the embedding and the "
                 f"output = {units} is not divisible by pp {lay.pp} x {lay.v} stages per rank = {stages} (Megatron's "
                 f"--account-for-embedding/loss-in-pipeline-split split whole layers evenly)")
-    if why and "< pipeline stages" in why and lay.split != "ends" and cfg.n_layers < stages <= units and (
-            lay.framework == "torchtitan" or lay.framework == "megatron" and units % stages == 0):
+    if why and lay.split != "ends" and lay.framework in ("torchtitan", "megatron") and lay.pp > 1 and (
+            lay.framework == "torchtitan" or units % stages == 0) and plan_rules(
+            cfg, lay.gpus, lay.tp, lay.cp, lay.pp, lay.ep, lay.zero >= 2, sp, lay.schedule, lay.stages_per_rank,
+            lay.cp_kind, "ends") is None:  # the split alone refuses it
         why += f"; {lay.framework} takes it with pipeline_split ends (the embedding and the output a stage's block)"
     return why
 

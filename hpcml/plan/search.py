@@ -39,6 +39,7 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
     are counted there instead of yielded -- pruned before they cost anything (most of a large
     search is refused: 31,260 of 39,612 layouts of a 405B model on 16,384 GPUs)."""
     fw, gpus = base.framework, base.gpus
+    max_stages = cfg.n_layers + (2 if base.split == "ends" else 0)  # (ends: the embedding and the output as blocks)
     for tp in divisors(min(gpus, dev.gpus_per_node)):
         if gpus % tp:
             continue
@@ -46,7 +47,7 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
             if base.seq_len % cp:
                 continue
             for pp in divisors(gpus // (tp * cp)):
-                if pp > cfg.n_layers + (2 if base.split == "ends" else 0):
+                if pp > max_stages:
                     continue
                 dp = gpus // (tp * cp * pp)
                 if base.global_batch % dp:
@@ -66,8 +67,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                     break
                                 if schedule == "interleaved1f1b" and (base.global_batch // (dp * mb)) % pp:
                                     continue
-                                if pp * (v or 1) > cfg.n_layers + (2 if base.split == "ends" else 0):
-                                    continue  # (ends: the embedding and the output count as blocks)
+                                if pp * (v or 1) > max_stages:
+                                    continue
                                 try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
                                     lay = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
                                                   schedule=schedule, stages_per_rank=v, micro_batch=mb)
