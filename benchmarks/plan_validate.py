@@ -198,8 +198,8 @@ def cpu_runs(indices: list[int]) -> dict:
 
 #: issue 42 item 4: five layouts to calibrate on, one per axis over 1, 2 and 4 ranks (many micro-
 #: batches on one rank, tp, FSDP, cp, pp), and ten others to predict
-CAL_FIT = [2, 8, 6, 20, 18]
-CAL_CHECK = [0, 3, 4, 7, 9, 10, 12, 15, 16, 21]
+CAL_FIT = [2, 8, 15, 20, 18]
+CAL_CHECK = [0, 3, 4, 6, 7, 9, 10, 12, 16, 21]
 
 
 def calibrate_runs(rounds: int = 2, runs_dir: str | None = None, reuse: bool = False) -> dict:

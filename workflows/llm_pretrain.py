@@ -38,7 +38,7 @@ from hpcml.grid import check_pop, install_abort_handler
 from hpcml.interop import hf
 from hpcml.models.transformer import PRESETS, TransformerConfig
 from hpcml.parallel import ParallelConfig
-from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
+from hpcml.parallel.config import GRAD_SYNCS, PP_SCHEDULES, REDUCE_DTYPES
 
 
 def replicas(text: str) -> int | str:
@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qwz", action="store_true", help="with --fsdp: ZeRO++ qwZ, weights all-gathered in int8")
     p.add_argument("--qgz", action="store_true", help="with --fsdp: ZeRO++ qgZ, gradients reduced in int8 across nodes")
     p.add_argument("--quant-block", type=int, default=256, help="qwZ/qgZ: values per int8 block and its scale")
+    p.add_argument("--grad-sync", choices=GRAD_SYNCS, default=None,
+                   help="with --fsdp: reduce-scatter gradients after each micro-batch (default: sharded gradients) "
+                        "or once a step (fewer collectives, every rank holding its unsharded fp32 gradients)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron-SP norms over tp")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
                    help="the dtype gradients are reduced in over dp (bf16: half the bytes)")
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
                                   cp_kind=args.cp_kind, hpz=args.hpz, qwz=args.qwz, qgz=args.qgz,
                                   quant_block=args.quant_block, dp_replicate=args.dp_replicate,
-                                  reduce_dtype=args.reduce_dtype)
+                                  reduce_dtype=args.reduce_dtype, grad_sync=args.grad_sync)
         data = open_tokens(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
         if args.doc_mask and data is None:
             raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")

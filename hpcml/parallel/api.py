@@ -121,9 +121,10 @@ class ParallelModel:
         self.plan.set_grad_scale(model, 1.0 / n_micro)  # losses the model adds through its gradients follow the mean
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
+        every = self.config.grad_sync != "step"  # reduce-scatter each micro-batch's, or once after the last
         for i, (x, y, k) in enumerate(_micro_batches(inputs, targets, kw, n_micro)):
             if fsdp:
-                model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last
+                model.set_requires_gradient_sync(every or i == n_micro - 1)
             with self.loss_context(), autocast:
                 loss = model(*x, targets=y, **k) if self.computes_loss else self.loss_fn(model(*x, **k), y)
                 (loss / n_micro).backward()
@@ -207,6 +208,9 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     plan = checked_plan(plan) if plan is not None else plan_of(model)
     lay = grid.layout
     plan.check(lay, config)
+    if config.grad_sync == "microbatch" and lay.pp > 1:
+        raise ConfigError(f"grad_sync microbatch with pp {lay.pp}: torch.distributed.pipelining reduce-scatters "
+                          f"after a step's last backward only; drop grad_sync (or set it to step)")
     n_replicas = hsdp.replicas(grid, config)  # the node map's checks, before any collective
     hsdp.hpz_size(grid, config)
     zeropp.check(grid, config)

@@ -10,6 +10,8 @@ from hpcml.numeric import is_int
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 #: The data-parallel gradient reduction's dtypes (the planner prices the same names).
 REDUCE_DTYPES = ("fp32", "bf16")
+#: When FSDP reduce-scatters gradients under accumulation (the planner prices the same names).
+GRAD_SYNCS = ("microbatch", "step")
 #: FPDT's chunked attention kernel takes no document mask (refused where a run asks for both).
 NO_DOC_MASK = ("document masking under FPDT is not built (its chunked kernel takes no mask): drop --fpdt-chunk "
                "(Ulysses and all-gather cp take the mask), or --doc-mask")
@@ -64,6 +66,13 @@ class ParallelConfig:
     ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, DDP's flat all-reduce cast): each rank's
     gradient rounded to bf16 and summed in bf16, the result back in the parameters' dtype."""
 
+    grad_sync: str | None = None
+    """FSDP: when gradients are reduce-scattered under gradient accumulation. microbatch: after each
+    micro-batch's backward (FSDP2's and torchtitan's way: a rank holds its gradients sharded, at the
+    cost of a reduce-scatter a micro-batch); step: once, after the last (fewer collectives, but every
+    rank holds the whole of its unsharded fp32 gradients meanwhile: 4 bytes a parameter). None:
+    microbatch, or under a pipeline its schedule's rule (``torch.distributed.pipelining`` reduces
+    after the last backward only)."""
     param_dtype: str = "fp32"
     """FSDP: the dtype its all-gather hands the compute (FSDP2's ``MixedPrecisionPolicy(param_dtype=)``;
     the shards, the optimizer and the checkpoints stay fp32). bf16 gathers half the bytes and computes
@@ -76,6 +85,11 @@ class ParallelConfig:
         if self.param_dtype != "fp32" and not self.fsdp:
             raise ConfigError(f"param_dtype {self.param_dtype!r} without fsdp: it is FSDP's gather dtype (set "
                               f"fsdp=True, or train in bf16 by autocast alone)")
+        if self.grad_sync is not None and self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(f"grad_sync {self.grad_sync!r}: expected one of {', '.join(GRAD_SYNCS)}")
+        if self.grad_sync is not None and not self.fsdp:
+            raise ConfigError(f"grad_sync {self.grad_sync!r} without fsdp: it is when FSDP reduce-scatters; DDP "
+                              f"all-reduces once a step, after the last micro-batch (set fsdp=True, or drop it)")
         if self.dp_replicate != "node" and (not is_int(self.dp_replicate) or self.dp_replicate < 1):
             raise ConfigError(f"dp_replicate {self.dp_replicate!r}: expected a whole number >= 1 of replicas, or "
                               f"'node' (one per node)")

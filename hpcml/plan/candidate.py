@@ -5,12 +5,12 @@ per axis. Validated in ``__post_init__`` with the numbers in the message, so a b
 from __future__ import annotations
 
 import copy
-from dataclasses import InitVar, asdict, dataclass, fields
+from dataclasses import InitVar, asdict, dataclass, fields, replace
 
 from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int, is_real
-from hpcml.parallel.config import PP_SCHEDULES, REDUCE_DTYPES
+from hpcml.parallel.config import GRAD_SYNCS, PP_SCHEDULES, REDUCE_DTYPES
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "flash-attn", "eager")
@@ -45,6 +45,10 @@ MAX = 1 << 40
 """Largest device count, batch, sequence or degree a layout may name (beyond it the arithmetic
 is no plan of anything that runs)."""
 MAX_LAYERS = 100_000
+
+
+#: What :meth:`PlanLayout.with_degrees` may change.
+_DEGREE_FIELDS = ("tp", "pp", "cp", "ep", "sequence_parallel", "schedule", "stages_per_rank", "micro_batch")
 
 
 def _int(name: str, value, least: int = 1) -> int:
@@ -115,6 +119,12 @@ class PlanLayout:
     defaults) or bf16 (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, Megatron without
     ``--accumulate-allreduce-grads-in-fp32``): half the bytes on the wire; Megatron's main gradients
     are the buffer it reduces, so they are held in it too."""
+    grad_sync: str | None = None
+    """FSDP (``zero`` 2 or 3) under gradient accumulation: microbatch (reduce-scatter each
+    micro-batch's gradients: FSDP2's default, torchtitan's, DeepSpeed's ZeRO-2/3) or step (once,
+    after the last: every rank holds its unsharded gradients meanwhile; hpcml's ``--grad-sync
+    step``). None: the framework's default, microbatch; step under a pipeline, whose schedule
+    reduces after the last backward only."""
     framework: str = "hpcml"
     activation: str | None = None
     norm: str | None = None
@@ -211,6 +221,14 @@ class PlanLayout:
                               f"hpcml")
         if self.zero > 3:
             raise ConfigError(f"zero={self.zero}: expected 0, 1, 2 or 3")
+        if self.grad_sync is not None:
+            if self.grad_sync not in GRAD_SYNCS:
+                raise ConfigError(f"grad_sync={self.grad_sync!r}: expected one of {', '.join(GRAD_SYNCS)}")
+            if self.zero < 2 or self.grad_sync == "step" and self.framework != "hpcml" \
+                    or self.grad_sync == "microbatch" and self.pp > 1:
+                raise ConfigError(f"grad_sync {self.grad_sync} with zero {self.zero}, pp {self.pp}, framework "
+                                  f"{self.framework}: it is when FSDP (zero 2-3) reduce-scatters; a pipeline "
+                                  f"reduces once a step, and only hpcml's trainer can be told step without one")
         if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
             raise ConfigError(f"pipeline_split={self.pipeline_split!r}: expected one of {', '.join(PIPELINE_SPLITS)}")
         if self.pipeline_split == "ends" and self.framework in ("hpcml", "deepspeed"):
@@ -284,6 +302,22 @@ class PlanLayout:
         elif self.stages_per_rank not in (None, 1):
             raise ConfigError(f"{self.schedule} runs one stage per rank, got stages_per_rank {self.stages_per_rank}")
 
+    def with_degrees(self, **degrees) -> PlanLayout:
+        """This layout with other degrees, micro-batch, schedule or sequence parallelism (the search's
+        loop), checked by the rules that read them (``replace`` checked every field again)."""
+        unknown = sorted(set(degrees) - set(_DEGREE_FIELDS))
+        if unknown:
+            raise ConfigError(f"with_degrees({', '.join(unknown)}): expected some of {', '.join(_DEGREE_FIELDS)}")
+        out = copy.copy(self)
+        for name, value in degrees.items():
+            object.__setattr__(out, name, value)
+        if out.framework == "deepspeed" or out.grad_sync or out.schedule not in PP_SCHEDULES or not all(
+                is_int(getattr(out, k)) for k in ("tp", "pp", "cp", "ep", "micro_batch", "stages_per_rank")
+                if getattr(out, k) is not None) or not isinstance(out.sequence_parallel, bool):
+            return replace(out)  # the rules these fields meet beyond the degrees', named by the full check
+        out._check_degrees()
+        return out
+
     def with_recompute(self, recompute: str) -> PlanLayout:
         """This layout with another recompute mode, without checking the rest again: no other field's
         rule depends on it (the search's inner loop: a full check per mode was a fifth of a search)."""
@@ -303,6 +337,12 @@ class PlanLayout:
         Megatron's alike): no backward but the last reshards or reduces, so a stage is gathered once a
         step (once more in each backward at ZeRO-3) and its gradients reduced once."""
         return self.zero >= 2 and self.pp > 1 and not self.hpz
+
+    @property
+    def step_sync(self) -> bool:
+        """FSDP's gradients reduce-scattered once a step, after the last micro-batch (held unsharded
+        until then): under a pipeline, or where :attr:`grad_sync` says step."""
+        return self.zero >= 2 and (self.pp > 1 or self.grad_sync == "step")
 
     @property
     def microbatches(self) -> int:

@@ -12,8 +12,8 @@ from hpcml.errors import ConfigError
 from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
 from hpcml.plan.predict import LINE_DEPTH, predict, predict_lines, resolve_device
-from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, LOSSES, MASTER_WEIGHTS, NORMS,
-                              PIPELINE_SPLITS, POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
+from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, GRAD_SYNCS, LOSSES, MASTER_WEIGHTS,
+                              NORMS, PIPELINE_SPLITS, POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
 
 MAX_LAYOUT_FILE = 64 << 20
 MAX_LAYOUT_LINES = 20_000
@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
                    "the device's or site's")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), help="the data-parallel gradient reduction's dtype "
                    "(default fp32; bf16 halves its bytes)")
+    p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce-scatter each "
+                   "micro-batch's gradients (default) or once a step (hpcml: every rank holds them unsharded)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch", type=int, help="sequences per step")
     p.add_argument("--tp", type=int)
@@ -121,7 +123,7 @@ def _given(args: argparse.Namespace) -> dict:
                                        "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
                                        "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params",
-                                       "stages_per_rank", "pipeline_split")}
+                                       "stages_per_rank", "pipeline_split", "grad_sync")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

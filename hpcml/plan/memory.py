@@ -378,9 +378,9 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
             buf += 4 * st.largest_unit
         elif lay.zero >= 2:  # FSDP without resharding after forward: every block stays gathered until backward
             buf += compute_bytes * st.compute_params + 4 * st.largest_unit
-        if lay.zero >= 2 and (lay.framework == "hpcml" or lay.pp > 1) and lay.microbatches > 1:
-            # unsharded gradients accumulate until the last micro-batch syncs (hpcml's own rule; under a
-            # pipeline torch.distributed.pipelining's, whatever the framework), in FSDP2's reduce dtype
+        if lay.step_sync and lay.microbatches > 1:
+            # unsharded gradients accumulate until the last micro-batch syncs (hpcml's ``grad_sync step``;
+            # under a pipeline torch.distributed.pipelining's, whatever the framework), in FSDP2's reduce dtype
             buf += (2 if lay.reduce_dtype == "bf16" else 4) * st.compute_params
         elif lay.zero == 0 and lay.framework == "hpcml" and lay.dp * lay.cp > 1:
             buf += 4 * st.grads  # hpcml's DDP all-reduces one flat copy of every gradient

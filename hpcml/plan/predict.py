@@ -187,6 +187,8 @@ class Prediction:
         if self.layout.pp > 1:  # what was priced, the framework's defaults resolved
             lay |= {"pipeline_split": "ends" if self.layout.split == "ends" else "blocks",
                     "stages_per_rank": self.layout.v}
+        if self.layout.zero >= 2:
+            lay["grad_sync"] = "step" if self.layout.step_sync else "microbatch"
         r = {"layout": lay, "fits": self.fits,
              "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
              "step_s": _sig(self.step_s) if math.isfinite(self.step_s) else None,

@@ -8,6 +8,7 @@ Megatron-DeepSpeed and torchtitan their own options (ZeRO-1, selective recompute
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 from collections.abc import Iterator
@@ -32,13 +33,23 @@ RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"
 
 def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
                refused: list[int] | None = None) -> Iterator[PlanLayout]:
+    """Every layout of ``base``'s model, devices, sequence and batch that the grid and the model's
+    plan accept (:func:`candidate_groups`, one by one)."""
+    for group in candidate_groups(base, cfg, dev, max_micro_batch=max_micro_batch, refused=refused):
+        yield from group
+
+
+def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
+                     refused: list[int] | None = None) -> Iterator[list[PlanLayout]]:
     """Every layout of ``base``'s model, devices, sequence and batch that the grid and the
     model's plan accept: tp within a node, cp, pp, ep for MoE models, micro-batch, ZeRO stage,
     recompute, sequence parallelism, and the pipeline schedule. ``refused`` (a one-item
     counter): the model's plan is checked before a layout is built, and the layouts it refuses
     are counted there instead of yielded -- pruned before they cost anything (most of a large
-    search is refused: 31,260 of 39,612 layouts of a 405B model on 16,384 GPUs)."""
+    search is refused: 31,260 of 39,612 layouts of a 405B model on 16,384 GPUs). Yielded in groups
+    alike but for the recompute mode, ``full`` last: the least memory of them."""
     fw, gpus = base.framework, base.gpus
+    sync, base = base.grad_sync, _with_sync(base, None)  # asked for, or both tried where hpcml's FSDP accumulates
     max_stages = cfg.n_layers + (2 if base.split == "ends" else 0)  # (ends: the embedding and the output as blocks)
     for tp in divisors(min(gpus, dev.gpus_per_node)):
         if gpus % tp:
@@ -70,8 +81,8 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                 if pp * (v or 1) > max_stages:
                                     continue
                                 try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
-                                    lay = replace(base, tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
-                                                  schedule=schedule, stages_per_rank=v, micro_batch=mb)
+                                    lay = base.with_degrees(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
+                                                            schedule=schedule, stages_per_rank=v, micro_batch=mb)
                                 except ConfigError:
                                     continue
                                 for zero in ZERO[fw]:
@@ -87,8 +98,21 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
                                         at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])
                                     except ConfigError:
                                         continue
-                                    for rc in RECOMPUTE[fw]:
-                                        yield at_zero.with_recompute(rc)
+                                    if zero >= 2 and pp > 1 and sync == "microbatch":
+                                        continue  # (a pipeline reduces once a step)
+                                    syncs = (None,) if zero < 2 or pp > 1 or lay.microbatches == 1 else \
+                                        (sync,) if sync else (None, "step") if fw == "hpcml" else (None,)
+                                    for gs in syncs:
+                                        yield [_with_sync(at_zero.with_recompute(rc), gs) for rc in RECOMPUTE[fw]]
+
+
+def _with_sync(lay: PlanLayout, sync: str | None) -> PlanLayout:
+    """``lay`` with ``grad_sync`` set, unchecked: the search sets it only where it is valid."""
+    if lay.grad_sync == sync:
+        return lay
+    out = copy.copy(lay)
+    object.__setattr__(out, "grad_sync", sync)
+    return out
 
 
 @dataclass(frozen=True)
@@ -107,12 +131,18 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
     n = fitting = 0
     refused = [0]
     scored: list[Prediction] = []
-    for lay in candidates(base, cfg, dev, refused=refused):
-        n += 1
-        p = evaluate(cfg, dev, c, lay, time_if_oom=False)
-        if _fits(p, dev, headroom):
-            fitting += 1
-            scored.append(p)
+    for group in candidate_groups(base, cfg, dev, refused=refused):
+        n += len(group)
+        least = evaluate(cfg, dev, c, group[-1], time_if_oom=False)  # full recompute: if it does not fit, none does
+        if not _fits(least, dev, headroom):
+            continue
+        for lay in group[:-1]:
+            p = evaluate(cfg, dev, c, lay, time_if_oom=False)
+            if _fits(p, dev, headroom):
+                fitting += 1
+                scored.append(p)
+        fitting += 1
+        scored.append(least)
     scored.sort(key=_faster)
     return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
 
@@ -187,6 +217,7 @@ def emit(lay: PlanLayout) -> list[str]:
         args += ["--dp-replicate", str(lay.dp_replicate)] if lay.dp_replicate > 1 else []
         args += [f"--{k}" for k in ("hpz", "qwz", "qgz") if getattr(lay, k)]
         args += ["--quant-block", str(lay.quant_block)] if (lay.qwz or lay.qgz) and lay.quant_block != 256 else []
+        args += ["--grad-sync", "step"] if lay.grad_sync == "step" else []
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     if lay.pp > 1:
@@ -209,7 +240,7 @@ def emit(lay: PlanLayout) -> list[str]:
 MEMBER_FLAGS = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--cp-kind": 1, "--fsdp": 0, "--zero2": 0,
                 "--dp-replicate": 1, "--hpz": 0, "--qwz": 0, "--qgz": 0, "--quant-block": 1, "--sequence-parallel": 0,
                 "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--reduce-dtype": 1,
-                "--micro-batch": 1}
+                "--grad-sync": 1, "--micro-batch": 1}
 
 
 def member_entry(lay: PlanLayout) -> dict:
@@ -221,6 +252,7 @@ def member_entry(lay: PlanLayout) -> dict:
         entry |= {"dp_replicate": lay.dp_replicate} if lay.dp_replicate > 1 else {}
         entry |= {k: True for k in ("hpz", "qwz", "qgz") if getattr(lay, k)}
         entry |= {"quant_block": lay.quant_block} if (lay.qwz or lay.qgz) and lay.quant_block != 256 else {}
+        entry |= {"grad_sync": "step"} if lay.grad_sync == "step" else {}
     entry |= {"sequence_parallel": True} if lay.sequence_parallel else {}
     entry |= {"pp_schedule": lay.schedule} if lay.pp > 1 else {}
     entry |= {"activation_checkpointing": True} if lay.recompute == "full" else {}

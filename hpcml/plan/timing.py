@@ -271,11 +271,11 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         gather = _ring(weight_bytes(lay) * st.compute_params, ws, dp_bw, c, 1.0)  # the stage's parameters, once
         ag = gather * (2 if lay.zero == 3 else 1)
         rs = _ring(grad_full, ws, dp_bw, c, 1.0)
-        # hpcml syncs gradients after the last micro-batch only; torch's default after each. Under a
-        # pipeline the parameters a backward gathered serve the next forward (``fsdp_piped``)
+        # gradients reduce-scattered after each micro-batch (torch's default) or the last one only
+        # (``step_sync``). Under a pipeline the parameters a backward gathered serve the next forward
         if lay.fsdp_piped:
             comm = gather * (m + 1 if lay.zero == 3 else 1) + rs
-        elif lay.framework == "hpcml":
+        elif lay.step_sync:
             comm = m * ag + rs
         elif lay.framework == "deepspeed" and lay.zero == 2:  # weights kept whole: gathered once, after the step
             comm = m * rs + gather

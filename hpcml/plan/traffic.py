@@ -6,7 +6,8 @@ The direct algorithm's bytes: a collective over ``n`` ranks, ``a`` of them on th
 sends ``per_peer`` to each of ``a - 1`` ranks inside and ``n - a`` across. FSDP2 all-gathers each
 unit (a block; the root -- embeddings, final norm, output -- apart) as one flat buffer of the
 ranks' padded dim-0 chunks, every micro-batch's forward and, resharded after forward, its
-backward (the root keeps its weights to backward); hpcml reduce-scatters gradients once a step.
+backward (the root keeps its weights to backward); gradients are reduce-scattered each micro-batch, or once a
+step (``grad_sync step``).
 Under a pipeline ``torch.distributed.pipelining`` neither reshards nor reduces after a backward
 but the last: a stage is gathered once a step (once more in each backward if it reshards after
 forward), and reduced once, whatever the framework. DeepSpeed's ZeRO-2 keeps its weights whole:
@@ -74,7 +75,7 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
     if lay.hpz and lay.zero == 3:  # backward gathers the secondary shards, over the node's ranks
         for u in _units(cfg, lay, min(local, ws), pp_rank)[0]:
             send(min(local, ws), gathered(u), m)
-    syncs = 1 if lay.framework == "hpcml" or piped else m
+    syncs = 1 if lay.step_sync else m
     for u in blocks + root:
         if lay.qgz and local < shard_ws:  # the node's chunks in full precision, then int8 across
             nodes = shard_ws // local

@@ -20,7 +20,7 @@ from hpcml import ckpt
 from hpcml.errors import ConfigError
 from hpcml.grid import ProcessGrid
 from hpcml.grid.layout import Layout
-from hpcml.models.transformer import TransformerConfig
+from hpcml.models.transformer import Transformer, TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import load_trainer, save_trainer
@@ -85,9 +85,9 @@ def test_hybrid_layouts_equal_one_process_in_fp64(comm, name, degrees, pkw, mode
     trainer.close()
 
 
-def _fp32_runs(kinds: dict[str, dict], steps: int) -> dict[str, list[dict]]:
+def _fp32_runs(kinds: dict[str, dict], steps: int, train: TrainConfig = TRAIN) -> dict[str, list[dict]]:
     """Each of ``kinds`` trained ``steps`` steps in fp32 on dp 4 (2 nodes x 2): its metrics."""
-    train = TrainConfig(**{**TRAIN.__dict__, "steps": steps})
+    train = TrainConfig(**{**train.__dict__, "steps": steps})
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     runs = {}
@@ -131,6 +131,27 @@ def test_bytes_inside_and_across_nodes_are_the_planners_exactly(comm):
                          micro_batch=TRAIN.micro_batch, zero=3, precision="fp32", gpus_per_node=2,
                          **{k: (2 if v == "node" else v) for k, v in pkw.items()})
         assert got[name] == dp_bytes(MODEL, lay, 2), name
+
+
+def test_gradients_reduce_scattered_each_micro_batch_or_once_a_step_as_the_planner_counts(comm):
+    """Two micro-batches a rank, fp32: FSDP2 reduce-scatters each micro-batch's gradients by default
+    (``grad_sync`` microbatch) and once a step with ``grad_sync step``; both train the same model
+    (the sum of the reductions is the reduction of the sum) and send exactly the planner's bytes:
+    one reduce-scatter of the model's gradients more a step by default."""
+    from hpcml.plan.candidate import PlanLayout
+    from hpcml.plan.traffic import dp_bytes
+
+    train = TrainConfig(**{**TRAIN.__dict__, "global_batch": 16})
+    runs = _fp32_runs({"microbatch": {}, "step": {"grad_sync": "step"}}, 2, train)
+    got = {k: {b: r[1][b] for b in ("dp_bytes_intra_node", "dp_bytes_inter_node")} for k, r in runs.items()}
+    assert [m["loss"] for m in runs["step"]] == pytest.approx([m["loss"] for m in runs["microbatch"]], rel=1e-5)
+    for sync in ("microbatch", "step"):
+        lay = PlanLayout(model=MODEL, gpus=4, gpu="a100-80gb", seq_len=train.seq_len, global_batch=16,
+                         micro_batch=train.micro_batch, zero=3, precision="fp32", gpus_per_node=2, grad_sync=sync)
+        assert lay.microbatches == 2 and got[sync] == dp_bytes(MODEL, lay, 2), sync
+    params = sum(p.numel() for p in Transformer(MODEL).parameters())
+    extra = sum(got["microbatch"].values()) - sum(got["step"].values())  # one more reduce-scatter: 3/4 of it sent
+    assert params * 4 * 3 / 4 <= extra <= 1.1 * params * 4 * 3 / 4, (extra, params)  # (dim-0 padding to 4 ranks)
 
 
 @pytest.mark.parametrize("zero", [3, 2])

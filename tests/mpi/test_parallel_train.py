@@ -28,6 +28,7 @@ RTOL = 1e-4
 LAYOUTS = {
     4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}),
         ("tp2xdp2", {"tp": 2}, {}), ("tp2xfsdp2", {"tp": 2}, {"fsdp": True}),
+        ("tp2xfsdp2-step", {"tp": 2}, {"fsdp": True, "grad_sync": "step"}),
         ("pp2xdp2", {"pp": 2}, {}), ("cp2xdp2", {"cp": 2}, {}),
         ("tp2xpp2", {"tp": 2, "pp": 2}, {}), ("cp2xtp2", {"cp": 2, "tp": 2}, {}),
         ("pp2xfsdp2-interleaved", {"pp": 2}, {"fsdp": True, "pp_schedule": "interleaved1f1b"}),
@@ -35,6 +36,7 @@ LAYOUTS = {
         ("pp4-gpipe", {"pp": 4}, {"pp_schedule": "gpipe"}),
         ("zero2-4-ac", {"dp": 4}, {"fsdp": True, "reshard_after_forward": False, "activation_checkpointing": True})],
     2: [("dp2", {"dp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("tp2", {"tp": 2}, {}),
+        ("fsdp2-step", {"dp": 2}, {"fsdp": True, "grad_sync": "step"}),
         ("pp2", {"pp": 2}, {}), ("cp2", {"cp": 2}, {})],
 }
 
@@ -113,11 +115,14 @@ BAD = [
     ({"dp": WORLD}, MODEL, {}, TrainConfig(global_batch=6, micro_batch=2),
      "global batch 6 is not divisible by dp {w} x micro-batch 2 = {m}"),
     ({"cp": WORLD}, MODEL, {}, TrainConfig(seq_len=30 if WORLD == 4 else 31), "seq_len {s} is not divisible by cp {w}"),
+    ({"pp": WORLD}, MODEL, {"fsdp": True, "grad_sync": "microbatch"}, TrainConfig(global_batch=8, micro_batch=1),
+     "grad_sync microbatch with pp {w}: torch.distributed.pipelining reduce-scatters after a step's last backward "
+     "only; drop grad_sync (or set it to step)"),
 ]
 
 
 @pytest.mark.parametrize("degrees,model,pkw,train,message", BAD, ids=["heads-tp", "kv-cp", "ffn-tp", "layers-pp",
-                                                                       "batch-dp", "seq-cp"])
+                                                                       "batch-dp", "seq-cp", "sync-pp"])
 def test_bad_plans_raise_on_every_rank_before_collectives(comm, degrees, model, pkw, train, message):
     with pytest.raises(ConfigError) as info:
         build_llm_trainer(model, train, ParallelConfig(**pkw), **degrees)

@@ -65,18 +65,20 @@ def test_a_bf16_reduction_is_each_ranks_gradient_rounded_then_summed_in_bf16(com
 
 
 @needs_world(2)
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_micro_batches_accumulate_in_fp32_under_ddp_and_in_bf16_under_fsdp(comm, fsdp):
+@pytest.mark.parametrize("fsdp,sync", [(False, None), (True, None), (True, "step")], ids=["ddp", "fsdp", "fsdp-step"])
+def test_micro_batches_accumulate_as_each_data_parallel_form_reduces_them(comm, fsdp, sync):
     """Four micro-batches a rank, a bf16 reduction: DDP sums them in fp32 and rounds the sum once
-    for the wire; FSDP2 keeps a gradient not yet synchronised in its reduce dtype
-    (``FSDPParam.to_accumulated_grad_if_needed``), so each micro-batch's running sum is rounded to
-    bf16 -- exactly so, as docs/parallel.md says (a rounding per micro-batch, not per step)."""
+    for the wire; FSDP2 by default reduces each micro-batch's gradient in bf16 and adds the results
+    in fp32 (its sharded gradient); with ``grad_sync="step"`` it keeps a gradient not yet
+    synchronised in its reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``), so each
+    micro-batch's running sum is rounded to bf16 -- exactly so, as docs/parallel.md says."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
     alone = copy.deepcopy(model)
     grid = ProcessGrid(dp=2)
     grid.init_torch()
-    pm = parallelize(model, grid, ParallelConfig(fsdp=fsdp, reduce_dtype="bf16"), loss_fn=nn.functional.mse_loss)
+    pm = parallelize(model, grid, ParallelConfig(fsdp=fsdp, reduce_dtype="bf16", grad_sync=sync),
+                     loss_fn=nn.functional.mse_loss)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
     pm.forward_backward(x, y, n_micro=4)
@@ -89,6 +91,11 @@ def test_micro_batches_accumulate_in_fp32_under_ddp_and_in_bf16_under_fsdp(comm,
     ranks = comm.allgather(per)
     for name, p in pm.named_parameters():
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if fsdp and sync is None:  # each micro-batch reduced alone, the results summed in fp32
+            each = [(torch.from_numpy(ranks[0][k][name]).bfloat16() + torch.from_numpy(ranks[1][k][name]).bfloat16())
+                    .float() / 2 for k in range(4)]
+            assert torch.equal(got, each[0] + each[1] + each[2] + each[3]), name
+            continue
         sums = []
         for mine in ranks:
             g = [torch.from_numpy(m[name]) for m in mine]

@@ -320,6 +320,9 @@ def test_search_ranks_valid_fitting_layouts_and_emits_them():
     half = dataclasses.replace(fsdp, reduce_dtype="bf16")
     assert llm_pretrain.parse_args(emit(half)).reduce_dtype == "bf16"
     assert member_entry(half)["reduce_dtype"] == "bf16" and "reduce_dtype" not in member_entry(fsdp)
+    # gradients synced once a step, as priced
+    assert llm_pretrain.parse_args(emit(dataclasses.replace(fsdp, grad_sync="step"))).grad_sync == "step"
+    assert args.grad_sync is None
 
 
 def test_model_from_config_files(tmp_path):
@@ -457,7 +460,7 @@ def test_a_search_leaves_headroom_and_emit_refuses_a_layout_at_the_edge(capsys):
     base = PlanLayout(model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=4096, global_batch=16)
     full, kept = search(base, top=20), search(base, top=20, headroom=0.10)
     assert all(p.memory_gib["total"] <= 0.9 * 79.15 for p in kept.best) and kept.fitting <= full.fitting
-    edge = next(((mb, rc, seq) for seq in (4096, 3072) for rc in ("none", "full") for mb in (1, 2)
+    edge = next(((mb, rc, seq) for seq in (4096, 3072, 7168) for rc in ("none", "full") for mb in (1, 2)
                  if 0.9 * 79.15 < predict(PlanLayout(model="llama3-8b", gpus=8, gpu="a100-80gb", seq_len=seq,
                                                      global_batch=16, zero=3, micro_batch=mb,
                                                      recompute=rc)).memory_gib["total"] <= 79.15), None)

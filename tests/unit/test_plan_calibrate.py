@@ -29,11 +29,11 @@ TRUTH = replace(cpu_device(FACTS, 1, {})[1], gemm_eff=0.55, elementwise_passes=4
                 tp_block_s=12e-3, sp_block_s=24e-3, cp_block_s=5e-3, fsdp_unit_s=6e-3, latency_s=2e-4)
 BASE = dict(model="mini", seq_len=128, global_batch=16, precision="fp32")
 #: (ranks, keys): the five to fit on cover one axis each, as plan_validate.py's CAL_FIT
-FIT = [(1, {"micro_batch": 1}), (2, {"tp": 2, "micro_batch": 8}), (2, {"zero": 3, "micro_batch": 8}),
+FIT = [(1, {"micro_batch": 1}), (2, {"tp": 2, "micro_batch": 8}), (4, {"zero": 3, "micro_batch": 2}),
        (4, {"cp": 2, "micro_batch": 4}), (4, {"pp": 2, "micro_batch": 2})]
 CHECK = [(1, {"micro_batch": 16}), (1, {"micro_batch": 4, "recompute": "full"}), (2, {"micro_batch": 8}),
          (2, {"zero": 2, "micro_batch": 4}), (2, {"tp": 2, "sequence_parallel": True, "micro_batch": 4}),
-         (2, {"pp": 2, "micro_batch": 2}), (2, {"cp": 2, "micro_batch": 8}), (4, {"zero": 3, "micro_batch": 2}),
+         (2, {"pp": 2, "micro_batch": 2}), (2, {"cp": 2, "micro_batch": 8}), (2, {"zero": 3, "micro_batch": 8}),
          (4, {"tp": 2, "micro_batch": 4}), (4, {"tp": 2, "pp": 2, "micro_batch": 2})]
 
 
