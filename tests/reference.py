@@ -16,6 +16,21 @@ from hpcml.train import SyntheticTokens, TrainConfig
 from hpcml.train.loop import make_optimizer
 
 
+def assert_trains_as_one_process(trainer, model_cfg: TransformerConfig, cfg: TrainConfig, tol: float) -> None:
+    """``trainer.fit()`` gives the one-process run's losses and gradient norms to ``tol`` (relative),
+    and its parameters (whole, from their shards) to ``tol`` of each one's norm; the trainer closed."""
+    import pytest
+
+    ref_losses, ref_norms, ref_params = reference_run(model_cfg, cfg)
+    history = trainer.fit()
+    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=tol)
+    assert [m["grad_norm"] for m in history] == pytest.approx(ref_norms, rel=tol)
+    for name, p in trainer.model.named_parameters():
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        assert float((full - ref_params[name]).norm()) <= tol * float(ref_params[name].norm()) + 1e-12, name
+    trainer.close()
+
+
 def document_by_document_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor, eod: int) -> torch.Tensor:
     """The mean next-token loss of packed sequences, each document (ended by ``eod``) run through
     the model alone, from position 0: what document masking must give with no mask at all

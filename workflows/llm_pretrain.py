@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fpdt-chunk", type=int, default=0, metavar="N",
                    help="FPDT on cp: strided chunks of N positions per rank, attention/MLP/loss chunk by chunk "
                         "(docs/parallel.md; 0: plain Ulysses)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+                   help="the output layer and loss N positions at a time, gradients taken in forward (the fp32 "
+                        "logits never whole: long sequences, large vocabularies); 0: whole")
     p.add_argument("--memory-account", action="store_true",
                    help="bytes saved for backward per layer in each step's metrics (saved_mib, saved_mib_per_layer)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -220,7 +223,8 @@ def main(argv=None) -> int:
                                   activation_checkpointing=args.activation_checkpointing, fpdt_chunk=args.fpdt_chunk,
                                   cp_kind=args.cp_kind, hpz=args.hpz, qwz=args.qwz, qgz=args.qgz,
                                   quant_block=args.quant_block, dp_replicate=args.dp_replicate,
-                                  reduce_dtype=args.reduce_dtype, grad_sync=args.grad_sync)
+                                  reduce_dtype=args.reduce_dtype, grad_sync=args.grad_sync,
+                                  loss_chunk=args.loss_chunk)
         data = open_tokens(args.data, seq_len=args.seq_len, seed=args.seed) if args.data else None
         if args.doc_mask and data is None:
             raise ConfigError("--doc-mask needs --data: synthetic tokens have no documents")

@@ -211,6 +211,9 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     if config.grad_sync == "microbatch" and lay.pp > 1:
         raise ConfigError(f"grad_sync microbatch with pp {lay.pp}: torch.distributed.pipelining reduce-scatters "
                           f"after a step's last backward only; drop grad_sync (or set it to step)")
+    if config.loss_chunk and (lay.pp > 1 or not plan.computes_loss(config)):
+        raise ConfigError(f"loss_chunk {config.loss_chunk} with pp {lay.pp}: the chunked loss is the model's own "
+                          f"(hpcml's Transformer) without a pipeline, whose schedule computes the loss itself")
     n_replicas = hsdp.replicas(grid, config)  # the node map's checks, before any collective
     hsdp.hpz_size(grid, config)
     zeropp.check(grid, config)
@@ -241,6 +244,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
         if lay.tp > 1:
             plan.apply_tp(part, hybrid.tp if hybrid else mesh["tp"], config)
         expert_params += plan.apply_moe(part, grid, data_mesh)
+        if config.loss_chunk:
+            plan.apply_loss_chunk(part, config.loss_chunk)
         if config.fpdt_chunk:
             plan.apply_fpdt(part, mesh.get_group("cp") if lay.cp > 1 else None, grid.coords["cp"], lay.cp,
                             config.fpdt_chunk)

@@ -61,6 +61,11 @@ class ParallelConfig:
     """cp: FPDT (docs/parallel.md): each rank's sequence in strided chunks of this many positions,
     attention, MLP and logits + loss chunk by chunk, so activation memory follows the chunk, not
     the sequence; 0: plain Ulysses. Works on cp 1 too (chunking alone)."""
+    loss_chunk: int = 0
+    """The output layer and the loss this many positions at a time, each chunk's gradients taken in
+    its forward (a fused linear cross-entropy: the vocabulary-sized fp32 logits and their gradient
+    are never whole, one chunk's at a time); 0: whole. Without a pipeline and sequence parallelism;
+    FPDT chunks its loss by ``fpdt_chunk`` already."""
     reduce_dtype: str = "fp32"
     """dp: the dtype gradients cross the wire in. bf16 halves the reduction's bytes (FSDP2's
     ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, DDP's flat all-reduce cast): each rank's
@@ -114,6 +119,12 @@ class ParallelConfig:
                               f"shards inside the node; hpZ is for FSDP over every data rank")
         if not is_int(self.fpdt_chunk) or self.fpdt_chunk < 0:
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk!r}: expected a whole number of positions >= 0 (0: off)")
+        if not is_int(self.loss_chunk) or self.loss_chunk < 0:
+            raise ConfigError(f"loss_chunk {self.loss_chunk!r}: expected a whole number of positions >= 0 (0: off)")
+        if self.loss_chunk and (self.fpdt_chunk or self.sequence_parallel):
+            raise ConfigError(f"loss_chunk {self.loss_chunk} with fpdt_chunk {self.fpdt_chunk}, sequence_parallel "
+                              f"{self.sequence_parallel}: FPDT chunks its loss by fpdt_chunk already, and sequence "
+                              f"parallelism splits the positions the chunks would take; drop one")
         if self.cp_kind not in ("ulysses", "allgather"):
             raise ConfigError(f"cp_kind {self.cp_kind!r}: expected ulysses or allgather")
         if self.fpdt_chunk and self.cp_kind != "ulysses":

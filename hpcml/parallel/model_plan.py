@@ -82,6 +82,10 @@ class ParallelPlan:
         the trainer slices tokens and labels by it); ``group`` is None on cp 1 (chunking alone)."""
         raise ConfigError(f"{type(self).__name__} has no FPDT plan")
 
+    def apply_loss_chunk(self, part: nn.Module, chunk: int) -> None:
+        """The model's loss ``chunk`` positions at a time (``ParallelConfig.loss_chunk``)."""
+        raise ConfigError(f"{type(self).__name__} has no chunked loss")
+
     def computes_loss(self, config: ParallelConfig) -> bool:
         """Whether the model's forward takes ``targets=`` and returns the mean loss itself (FPDT's
         chunked logits + loss: the vocabulary-sized logits are never whole). Not under pp, and

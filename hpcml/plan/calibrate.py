@@ -122,7 +122,7 @@ def _run_dir(path: Path, defaults: dict) -> Measured:
              "sequence_parallel": bool(par.get("sequence_parallel", False)),
              "schedule": par.get("pp_schedule") or "1f1b",
              "recompute": "full" if par.get("activation_checkpointing") else "none",
-             "fpdt_chunk": int(par.get("fpdt_chunk") or 0)}
+             "fpdt_chunk": int(par.get("fpdt_chunk") or 0), "loss_chunk": int(par.get("loss_chunk") or 0)}
         if par.get("fsdp") and degrees["pp"] == 1:  # a record without the key: its trainer synced once a step
             d["grad_sync"] = par.get("grad_sync", "step") or "microbatch"
         if par.get("stages_per_rank"):

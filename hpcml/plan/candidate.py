@@ -11,6 +11,7 @@ from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int, is_real
 from hpcml.parallel.config import GRAD_SYNCS, PP_SCHEDULES, REDUCE_DTYPES
+from hpcml.plan.framework_rules import deepspeed_refuses
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "flash-attn", "eager")
@@ -55,23 +56,6 @@ def _int(name: str, value, least: int = 1) -> int:
     if not is_int(value) or not least <= value <= MAX:
         raise ConfigError(f"{name}={repr(value)[:40]}: expected an integer in [{least}, 2^40]")
     return value
-
-
-def deepspeed_refuses(pp: int, zero: int, schedule: str, overlap: bool) -> str | None:
-    """Why Megatron-DeepSpeed cannot run these settings, or None: its pipeline engine runs one
-    schedule (1F1B) and ZeRO 0-1 only (``ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    parallelism``); its BF16_Optimizer reduces gradients after the last micro-batch, with nothing
-    to overlap."""
-    if pp > 1 and zero >= 2:
-        return (f"framework deepspeed with pp {pp} and zero {zero}: DeepSpeed's pipeline engine runs ZeRO 0 or 1 "
-                f"only (ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism) -- use zero 1, or pp 1")
-    if pp > 1 and schedule != "1f1b":
-        return (f"framework deepspeed with schedule {schedule}: DeepSpeed's pipeline engine runs 1F1B only "
-                f"(its TrainSchedule) -- use schedule 1f1b")
-    if overlap and zero < 2:
-        return (f"framework deepspeed with overlap at zero {zero}: DeepSpeed's BF16_Optimizer all-reduces the "
-                f"gradients after the last micro-batch, with nothing to overlap -- drop overlap")
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +140,9 @@ class PlanLayout:
     count as a block each, so the first and last stages hold one block fewer: torchtitan's default,
     Megatron's ``--account-for-embedding/loss-in-pipeline-split``, Llama 3 405B's). None: the
     framework's default."""
+    loss_chunk: int = 0
+    """hpcml's ``--loss-chunk``: the output layer and loss this many positions at a time, their
+    gradients taken in forward (no whole logits; without pp, FPDT and sequence parallelism)."""
     fpdt_chunk: int = 0
     """FPDT on cp (hpcml's ``--fpdt-chunk``): positions per chunk per rank; attention, MLP and
     loss run chunk by chunk (docs/parallel.md). 0: plain Ulysses."""
@@ -214,6 +201,11 @@ class PlanLayout:
             raise ConfigError(f"dp_replicate {self.dp_replicate} with hpz {self.hpz}, qgz {self.qgz}: hybrid "
                               f"sharding keeps its shards inside the node; hpz and qgz are for FSDP over every rank")
         _int("fpdt_chunk", self.fpdt_chunk, least=0)
+        _int("loss_chunk", self.loss_chunk, least=0)
+        if self.loss_chunk and (self.framework != "hpcml" or self.fpdt_chunk or self.sequence_parallel or self.pp > 1):
+            raise ConfigError(f"loss_chunk {self.loss_chunk} with framework {self.framework}, fpdt_chunk "
+                              f"{self.fpdt_chunk}, sequence_parallel {self.sequence_parallel}, pp {self.pp}: hpcml's "
+                              f"chunked loss runs without them (other frameworks: loss fused)")
         if self.fpdt_chunk and self.cp_kind != "ulysses":
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with cp_kind {self.cp_kind}: FPDT runs on Ulysses")
         if self.fpdt_chunk and self.framework != "hpcml":
@@ -311,9 +303,10 @@ class PlanLayout:
         out = copy.copy(self)
         for name, value in degrees.items():
             object.__setattr__(out, name, value)
-        if out.framework == "deepspeed" or out.grad_sync or out.schedule not in PP_SCHEDULES or not all(
-                is_int(getattr(out, k)) for k in ("tp", "pp", "cp", "ep", "micro_batch", "stages_per_rank")
-                if getattr(out, k) is not None) or not isinstance(out.sequence_parallel, bool):
+        plain = all(is_int(getattr(out, k)) for k in ("tp", "pp", "cp", "ep", "micro_batch", "stages_per_rank")
+                    if getattr(out, k) is not None) and isinstance(out.sequence_parallel, bool)
+        if not plain or out.framework == "deepspeed" or out.grad_sync or out.loss_chunk \
+                or out.schedule not in PP_SCHEDULES:
             return replace(out)  # the rules these fields meet beyond the degrees', named by the full check
         out._check_degrees()
         return out

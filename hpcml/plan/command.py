@@ -47,6 +47,8 @@ def add_parser(sub) -> None:
                    "(default fp32; bf16 halves its bytes)")
     p.add_argument("--grad-sync", choices=GRAD_SYNCS, help="FSDP under gradient accumulation: reduce-scatter each "
                    "micro-batch's gradients (default) or once a step (hpcml: every rank holds them unsharded)")
+    p.add_argument("--loss-chunk", type=int, metavar="N", help="hpcml: the output layer and loss N positions at a "
+                   "time (no whole logits: llm_pretrain.py --loss-chunk)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch", type=int, help="sequences per step")
     p.add_argument("--tp", type=int)
@@ -123,7 +125,7 @@ def _given(args: argparse.Namespace) -> dict:
                                        "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
                                        "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params",
-                                       "stages_per_rank", "pipeline_split", "grad_sync")}
+                                       "stages_per_rank", "pipeline_split", "grad_sync", "loss_chunk")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

@@ -249,7 +249,8 @@ def saved_how(lay: PlanLayout) -> fp.Saved:
     return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                     attention=lay.attention, act_bytes=act, stream_bytes=stream,
                     sp_saves_gathered=lay.framework not in MEGATRON_MODEL, fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=lay.fpdt_chunk > 0 and lay.pp == 1, loss=lay.loss, cp_kind=lay.cp_kind,
+                    chunked_loss=(lay.fpdt_chunk or lay.loss_chunk) > 0 and lay.pp == 1, loss=lay.loss,
+                    cp_kind=lay.cp_kind,
                     fused_blocks=lay.framework in MEGATRON_MODEL, norm_upcast=lay.framework == "hpcml")
 
 
@@ -289,7 +290,8 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     buffers = 0.0
     if n_stages - 1 in mine and how.loss != "fused":  # (FPDT's chunked loss: one chunk's logits at a time;
         # a fused loss writes the gradient over the logits it kept)
-        logit_rows = min(tokens / lay.cp, lay.micro_batch * lay.fpdt_chunk) if how.chunked_loss else tokens / lay.cp
+        chunk = lay.fpdt_chunk or lay.loss_chunk
+        logit_rows = min(tokens / lay.cp, lay.micro_batch * chunk) if how.chunked_loss else tokens / lay.cp
         buffers += 2 * 4 * cfg.padded_vocab / lay.tp * logit_rows
     if lay.ep > 1 and any(cfg.is_moe(i) for i in kinds):  # all-to-all send and receive buffers of one MoE block
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes

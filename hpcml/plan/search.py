@@ -23,7 +23,8 @@ from hpcml.plan import calibration
 from hpcml.plan.devices import Device
 from hpcml.plan.predict import (Prediction, evaluate, hf_dir, load_model, megatron_wants_sp, plan_rules,
                                 resolve_device, tied)
-from hpcml.plan.candidate import PlanLayout, deepspeed_refuses
+from hpcml.plan.candidate import PlanLayout
+from hpcml.plan.framework_rules import deepspeed_refuses
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
 RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"),
@@ -226,6 +227,8 @@ def emit(lay: PlanLayout) -> list[str]:
         args.append("--activation-checkpointing")
     if lay.fpdt_chunk:
         args += ["--fpdt-chunk", str(lay.fpdt_chunk)]
+    if lay.loss_chunk:
+        args += ["--loss-chunk", str(lay.loss_chunk)]
     if lay.precision == "bf16":
         args.append("--bf16")
     if lay.reduce_dtype != "fp32":
@@ -240,7 +243,7 @@ def emit(lay: PlanLayout) -> list[str]:
 MEMBER_FLAGS = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--cp-kind": 1, "--fsdp": 0, "--zero2": 0,
                 "--dp-replicate": 1, "--hpz": 0, "--qwz": 0, "--qgz": 0, "--quant-block": 1, "--sequence-parallel": 0,
                 "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--reduce-dtype": 1,
-                "--grad-sync": 1, "--micro-batch": 1}
+                "--grad-sync": 1, "--loss-chunk": 1, "--micro-batch": 1}
 
 
 def member_entry(lay: PlanLayout) -> dict:
@@ -257,6 +260,7 @@ def member_entry(lay: PlanLayout) -> dict:
     entry |= {"pp_schedule": lay.schedule} if lay.pp > 1 else {}
     entry |= {"activation_checkpointing": True} if lay.recompute == "full" else {}
     entry |= {"fpdt_chunk": lay.fpdt_chunk} if lay.fpdt_chunk else {}
+    entry |= {"loss_chunk": lay.loss_chunk} if lay.loss_chunk else {}
     entry |= {"reduce_dtype": lay.reduce_dtype} if lay.reduce_dtype != "fp32" else {}
     return {**entry, "micro_batch": lay.micro_batch}
 

@@ -95,9 +95,9 @@ class TrainConfig(LoopConfig):
         if eod is not None and (not is_int(eod) or eod < 0):
             raise ConfigError(f"doc_mask_eod {eod!r}: expected a token id (an int >= 0) or None")
 
-    def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0) -> None:
-        """Raise unless the batch and sequence split evenly over ``layout`` (and FPDT's chunks of
-        ``fpdt_chunk`` positions per rank), with no collective."""
+    def check_layout(self, layout: Layout, max_seq_len: int, fpdt_chunk: int = 0, loss_chunk: int = 0) -> None:
+        """Raise unless the batch and sequence split evenly over ``layout`` (and FPDT's, or the
+        loss's, chunks of ``fpdt_chunk`` / ``loss_chunk`` positions per rank), with no collective."""
         per = layout.dp * self.micro_batch
         if self.global_batch % per:
             raise ConfigError(f"global batch {self.global_batch} is not divisible by dp {layout.dp} x micro-batch "
@@ -107,6 +107,9 @@ class TrainConfig(LoopConfig):
         if fpdt_chunk and self.seq_len % (layout.cp * fpdt_chunk):
             raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x fpdt_chunk {fpdt_chunk} = "
                               f"{layout.cp * fpdt_chunk} (each rank holds whole chunks)")
+        if loss_chunk and self.seq_len % (layout.cp * loss_chunk):
+            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {layout.cp} x loss_chunk {loss_chunk} = "
+                              f"{layout.cp * loss_chunk} (the loss runs over whole chunks of each rank's positions)")
         if fpdt_chunk and self.doc_mask_eod is not None:
             raise ConfigError(NO_DOC_MASK)
         if self.seq_len > max_seq_len:

@@ -36,7 +36,7 @@ def check_llm_plan(model_cfg: TransformerConfig, train_cfg: TrainConfig, paralle
     if data is not None:
         check_source(data, train_cfg.seq_len, model_cfg.vocab_size, eod=train_cfg.doc_mask_eod)
     check_plan(model_cfg, layout, parallel_cfg)
-    train_cfg.check_layout(layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk)
+    train_cfg.check_layout(layout, model_cfg.max_seq_len, parallel_cfg.fpdt_chunk, parallel_cfg.loss_chunk)
 
 
 class MemberConfig(NamedTuple):

@@ -35,7 +35,8 @@ class Trainer(TrainLoop):
 
     def __init__(self, *, model: ParallelModel, config: TrainConfig, data: TokenSource,
                  flops_per_token: float | None = None, hooks: list[Callable] | None = None) -> None:
-        config.check_layout(model.grid.layout, model.parts[0].config.max_seq_len, model.config.fpdt_chunk)
+        config.check_layout(model.grid.layout, model.parts[0].config.max_seq_len, model.config.fpdt_chunk,
+                            model.config.loss_chunk)
         super().__init__(model, config, hooks)
         self.data, self.flops_per_token = data, flops_per_token
         self.val: tuple[TokenSource, int, int] | None = None

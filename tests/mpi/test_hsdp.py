@@ -25,7 +25,7 @@ from hpcml.parallel import ParallelConfig
 from hpcml.train import TrainConfig
 from hpcml.train.checkpointing import load_trainer, save_trainer
 from hpcml.train.recipe import build_llm_trainer
-from tests.reference import reference_run
+from tests.reference import assert_trains_as_one_process
 
 WORLD = MPI.COMM_WORLD.Get_size()
 pytestmark = [pytest.mark.skipif(WORLD != 4, reason="4 ranks as 2 nodes x 2"), pytest.mark.usefixtures("fp64_default")]
@@ -74,15 +74,7 @@ def _quiet_dtensor():
 
 @pytest.mark.parametrize("name,degrees,pkw,model", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_hybrid_layouts_equal_one_process_in_fp64(comm, name, degrees, pkw, model):
-    ref_losses, ref_norms, ref_params = reference_run(model, TRAIN)
-    trainer = trainer_of(model, degrees, pkw)
-    history = trainer.fit()
-    assert [m["loss"] for m in history] == pytest.approx(ref_losses, rel=TOL)
-    assert [m["grad_norm"] for m in history] == pytest.approx(ref_norms, rel=TOL)
-    for pname, p in trainer.model.named_parameters():
-        full = _full(p).detach()
-        assert float((full - ref_params[pname]).norm()) <= TOL * float(ref_params[pname].norm()) + 1e-12, pname
-    trainer.close()
+    assert_trains_as_one_process(trainer_of(model, degrees, pkw), model, TRAIN, TOL)
 
 
 def _fp32_runs(kinds: dict[str, dict], steps: int, train: TrainConfig = TRAIN) -> dict[str, list[dict]]:

@@ -104,10 +104,13 @@ SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2
              ("cp2xtp2-allgather", {"cp": 2, "tp": 2}, {"cp_kind": "allgather"}),
              ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}),
              ("alibi-cp2xdp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}),
-             ("alibi-fsdp4", {"dp": 4}, {"fsdp": True})],
+             ("alibi-fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2xdp2-loss-chunk", {"cp": 2}, {"loss_chunk": 4}),
+             ("tp2xdp2-loss-chunk", {"tp": 2}, {"loss_chunk": 8})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
              ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
-             ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}), ("alibi-tp2", {"tp": 2}, {})]}
+             ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}), ("alibi-tp2", {"tp": 2}, {}),
+             ("fsdp2-loss-chunk", {"dp": 2}, {"fsdp": True, "loss_chunk": 8}),
+             ("tp2-loss-chunk", {"tp": 2}, {"loss_chunk": 4})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", SAVED.get(WORLD, []), ids=[x[0] for x in SAVED.get(WORLD, [])])
@@ -128,7 +131,7 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
             loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
         loss.backward()
     lay = _plan_layout(degrees, pcfg, cfg, recompute="full" if pcfg.activation_checkpointing else "none",
-                       fpdt_chunk=pcfg.fpdt_chunk, cp_kind=pcfg.cp_kind)
+                       fpdt_chunk=pcfg.fpdt_chunk, cp_kind=pcfg.cp_kind, loss_chunk=pcfg.loss_chunk)
     want, _ = activation_bytes(cfg, lay, 0, rank_state(cfg, lay, 0))
     got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"
@@ -139,7 +142,7 @@ def test_saved_activations_match_the_plan(comm, name, degrees, pkw):
 # traced; the FSDP path, which gathers bf16, is exact)
 BF16 = {4: [("fsdp4", {"dp": 4}, {"fsdp": True}), ("zero2-4", {"dp": 4}, {"fsdp": True,
                                                                          "reshard_after_forward": False})],
-        2: [("fsdp2", {"dp": 2}, {"fsdp": True})]}
+        2: [("fsdp2", {"dp": 2}, {"fsdp": True}), ("fsdp2-loss-chunk", {"dp": 2}, {"fsdp": True, "loss_chunk": 8})]}
 
 
 @pytest.mark.parametrize("name,degrees,pkw", BF16.get(WORLD, []), ids=[x[0] for x in BF16.get(WORLD, [])])
@@ -161,7 +164,7 @@ def test_saved_activations_in_bf16_match_the_plan(comm, name, degrees, pkw):
             loss = model(x, targets=y) if trainer.model.computes_loss else trainer.model.loss_fn(model(x), y)
     loss.backward()
     lay = _plan_layout(degrees, pcfg, MODEL)
-    lay = dataclasses.replace(lay, precision="bf16")
+    lay = dataclasses.replace(lay, precision="bf16", loss_chunk=pcfg.loss_chunk)
     want, _ = activation_bytes(MODEL, lay, 0, rank_state(MODEL, lay, 0))
     got = sum(account.take()[0].values())
     assert got == pytest.approx(want, rel=0.02), f"rank {comm.rank}: saved {got} B, planned {want:.0f} B"

@@ -183,6 +183,8 @@ class Transformer(nn.Module):
         """(index, count): this module is rank ``index`` of ``count`` on cp; set by its context-parallel plan."""
         self.fpdt_chunk = 0
         """FPDT: positions per local chunk (its strided placement, :func:`local_positions`; 0: a contiguous slice)."""
+        self.loss_chunk = 0
+        """Positions a chunk of the output layer and loss takes, when ``forward`` is given targets (0: all)."""
         self.sp_size = 1
         """Tensor-parallel ranks the hidden states are sequence-sharded over between regions (Megatron-SP)."""
         self.init_weights()
@@ -210,7 +212,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """Logits (or hidden states off the last pipeline stage); with ``targets`` [B, S] on the
-        last stage, the mean next-token loss, computed chunk by chunk under FPDT. ``doc_ids``
+        last stage, the mean next-token loss, computed chunk by chunk under FPDT or ``loss_chunk``. ``doc_ids``
         [B, S] (the document of every position of the whole sequence, on every pipeline stage
         and cp rank: :func:`~hpcml.parallel.docmask.document_ids`): attention stays within documents."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
@@ -249,7 +251,7 @@ class Transformer(nn.Module):
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean of the equal chunks' mean losses, their gradients taken in forward: the logits are never whole."""
         params = [p for p in (*self.norm.parameters(), *self.output.parameters()) if p.requires_grad]
-        return chunked_loss(self._chunk_loss, h, targets, self.fpdt_chunk or h.shape[1], params)
+        return chunked_loss(self._chunk_loss, h, targets, self.fpdt_chunk or self.loss_chunk or h.shape[1], params)
 
 
 IGNORE = -100

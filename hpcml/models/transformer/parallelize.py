@@ -132,8 +132,12 @@ class TransformerPlan(ParallelPlan):
             block.attention.core = FPDTAttention(group, chunk)
             block.mlp_chunk = 0 if isinstance(block.feed_forward, MoE) else chunk
 
+    def apply_loss_chunk(self, part: Transformer, chunk: int) -> None:
+        """The output layer and the loss ``chunk`` positions at a time (``ParallelConfig.loss_chunk``)."""
+        part.loss_chunk = chunk
+
     def computes_loss(self, config: ParallelConfig) -> bool:
-        return bool(config.fpdt_chunk)
+        return bool(config.fpdt_chunk or config.loss_chunk)
 
     def apply_moe(self, part: Transformer, grid, data_mesh: DeviceMesh | None) -> list:
         """Shard each MoE layer's experts over ep (and tp), give it its dispatch and groups;
