@@ -34,7 +34,7 @@ from hpcml import ckpt, log, safeio
 from hpcml.errors import DivergenceError
 from hpcml import stop as stop_flag
 from hpcml.parallel.api import ParallelModel
-from hpcml.train import memory
+from hpcml.train import memory, run_record
 from hpcml.train.config import LoopConfig
 from hpcml.train.resume_schema import check_loop_extra
 from hpcml.train.schedule import WarmupCosine
@@ -115,13 +115,19 @@ class TrainLoop:
         self.stop_requested = False
         """Set on any rank to stop after the current step on all (a signal does this through :mod:`hpcml.stop`)."""
         self._metrics_file = None
+        self._pending_config: str | None = None
+        """config.json, not written over an earlier run's until this one's first step says whether it resumes it."""
         if config.run_dir and self.grid.rank == 0:
             Path(config.run_dir).mkdir(parents=True, exist_ok=True)
             shape = getattr(model.parts[0], "config", None) if getattr(model, "parts", None) else None
-            safeio.replace(Path(config.run_dir) / "config.json", json.dumps(
+            record = json.dumps(
                 {"train": asdict(config), "layout": self.grid.layout.degrees, "parallel": asdict(model.config),
                  # the model's own config where it has one (hpcml plan calibrate reads the blocks from it)
-                 **({"model": shape.to_dict()} if hasattr(shape, "to_dict") else {})}, indent=1, default=str))
+                 **({"model": shape.to_dict()} if hasattr(shape, "to_dict") else {})}, indent=1, default=str)
+            if run_record.holds_run(config.run_dir):
+                self._pending_config = record
+            else:
+                safeio.replace(Path(config.run_dir) / "config.json", record)
         self.account = memory.account_of(model) if config.memory_account else None
         # dp ranks draw different randomness (e.g. dropout); tp / cp / pp ranks of one replica agree
         torch.manual_seed(config.seed + 1 + self.grid.coords["dp"])
@@ -270,6 +276,11 @@ class TrainLoop:
         if self.grid.rank != 0:
             return
         if self.config.run_dir:
+            if self._pending_config is not None:  # an earlier run's record: continued if resumed, else set aside
+                if m["step"] == 1:
+                    run_record.set_aside(self.config.run_dir)
+                safeio.replace(Path(self.config.run_dir) / "config.json", self._pending_config)
+                self._pending_config = None
             if self._metrics_file is None:  # appended: a resumed run's history shows the steps it redid
                 self._metrics_file = os.fdopen(safeio.open_fd(Path(self.config.run_dir) / "metrics.jsonl",
                                                               os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
