@@ -23,7 +23,7 @@ from hpcml import log
 from hpcml.errors import ConfigError, LaunchError
 from hpcml.grid.mpi import ProcessGrid
 from hpcml.parallel import clip, dp, hsdp, pp, zeropp
-from hpcml.parallel.config import ParallelConfig
+from hpcml.parallel.config import ParallelConfig, pipeline_refuses
 from hpcml.parallel.model_plan import DataParallelPlan, ParallelPlan, checked_plan, plan_of
 
 logger = log.get_logger(__name__)
@@ -208,12 +208,13 @@ def parallelize(model: nn.Module, grid: ProcessGrid, config: ParallelConfig | No
     plan = checked_plan(plan) if plan is not None else plan_of(model)
     lay = grid.layout
     plan.check(lay, config)
-    if config.grad_sync == "microbatch" and lay.pp > 1:
-        raise ConfigError(f"grad_sync microbatch with pp {lay.pp}: torch.distributed.pipelining reduce-scatters "
-                          f"after a step's last backward only; drop grad_sync (or set it to step)")
-    if config.loss_chunk and (lay.pp > 1 or not plan.computes_loss(config)):
-        raise ConfigError(f"loss_chunk {config.loss_chunk} with pp {lay.pp}: the chunked loss is the model's own "
-                          f"(hpcml's Transformer) without a pipeline, whose schedule computes the loss itself")
+    why = pipeline_refuses(config, lay.pp)
+    if why:
+        raise ConfigError(why)
+    if config.loss_chunk and (loss_fn is not None or not plan.computes_loss(config)):
+        raise ConfigError(f"loss_chunk {config.loss_chunk} with {type(model).__name__}"
+                          + (" and a loss_fn given" if loss_fn is not None else "") + ": the chunked loss is the "
+                          "model's own (hpcml's Transformer, its loss computed inside its forward)")
     n_replicas = hsdp.replicas(grid, config)  # the node map's checks, before any collective
     hsdp.hpz_size(grid, config)
     zeropp.check(grid, config)

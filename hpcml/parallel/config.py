@@ -149,6 +149,18 @@ class ParallelConfig:
         return self.stages_per_rank or (2 if self.pp_schedule == "interleaved1f1b" else 1)
 
 
+def pipeline_refuses(config: ParallelConfig, pp: int) -> str | None:
+    """Why ``config`` cannot run under a pipeline of ``pp`` ranks, or None: the schedule reduces
+    gradients after its last backward and computes the loss itself."""
+    if pp > 1 and config.grad_sync == "microbatch":
+        return (f"grad_sync microbatch with pp {pp}: torch.distributed.pipelining reduce-scatters after a step's "
+                f"last backward only; drop grad_sync (or set it to step)")
+    if pp > 1 and config.loss_chunk:
+        return (f"loss_chunk {config.loss_chunk} with pp {pp}: the pipeline's schedule computes the loss itself; "
+                f"the chunked loss runs without a pipeline")
+    return None
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[int]:
     """Layers per stage: as even as possible; the remainder goes to the stages nearest the
     middle, and the first and last stages (which also hold the embedding and the output

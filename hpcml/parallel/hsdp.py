@@ -2,12 +2,12 @@
 FSDP's collectives send inside and across nodes.
 
 At the node counts of Frontier or Aurora, FSDP over every data rank all-gathers each block's
-weights across the slow inter-node network twice a step and reduce-scatters its gradients
-once. HSDP (torch's, FSDP2 on a 2-D mesh) shards inside a replica -- consecutive data ranks,
-a node's when the node map allows -- and all-reduces gradients across replicas: one crossing a
-step. hpZ keeps FSDP's one shard over every rank but, after forward, a second copy of the
-weights sharded over the node's ranks only (``reshard_after_forward=`` the node's data ranks),
-so backward gathers inside the node.
+weights across the slow inter-node network twice a micro-batch and reduce-scatters its
+gradients once a micro-batch (once a step with ``grad_sync="step"``). HSDP (torch's, FSDP2 on a
+2-D mesh) shards inside a replica -- consecutive data ranks, a node's when the node map allows --
+and all-reduces gradients across replicas: one crossing a gradient reduction. hpZ keeps FSDP's one
+shard over every rank but, after forward, a second copy of the weights sharded over the node's
+ranks only (``reshard_after_forward=`` the node's data ranks), so backward gathers inside the node.
 
 :class:`CommBytes` wraps FSDP2's all-gather and reduce-scatter (its custom-collective hooks) and
 counts the bytes this rank sends to ranks of its own node and of other nodes, as each

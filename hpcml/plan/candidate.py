@@ -11,7 +11,7 @@ from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.numeric import is_int, is_real
 from hpcml.parallel.config import GRAD_SYNCS, PP_SCHEDULES, REDUCE_DTYPES
-from hpcml.plan.framework_rules import deepspeed_refuses
+from hpcml.plan.framework_rules import check_degrees, deepspeed_refuses
 
 RECOMPUTE = ("none", "selective", "selective-op", "selective-layer", "full")
 ATTENTION = ("flash", "flash-attn", "eager")
@@ -202,10 +202,11 @@ class PlanLayout:
                               f"sharding keeps its shards inside the node; hpz and qgz are for FSDP over every rank")
         _int("fpdt_chunk", self.fpdt_chunk, least=0)
         _int("loss_chunk", self.loss_chunk, least=0)
-        if self.loss_chunk and (self.framework != "hpcml" or self.fpdt_chunk or self.sequence_parallel or self.pp > 1):
+        if self.loss_chunk and (self.framework != "hpcml" or self.fpdt_chunk or self.sequence_parallel or self.pp > 1
+                                or self.loss != "eager"):
             raise ConfigError(f"loss_chunk {self.loss_chunk} with framework {self.framework}, fpdt_chunk "
-                              f"{self.fpdt_chunk}, sequence_parallel {self.sequence_parallel}, pp {self.pp}: hpcml's "
-                              f"chunked loss runs without them (other frameworks: loss fused)")
+                              f"{self.fpdt_chunk}, sequence_parallel {self.sequence_parallel}, pp {self.pp}, loss "
+                              f"{self.loss}: hpcml's chunked loss runs without them (other frameworks: loss fused)")
         if self.fpdt_chunk and self.cp_kind != "ulysses":
             raise ConfigError(f"fpdt_chunk {self.fpdt_chunk} with cp_kind {self.cp_kind}: FPDT runs on Ulysses")
         if self.fpdt_chunk and self.framework != "hpcml":
@@ -216,11 +217,6 @@ class PlanLayout:
         if self.grad_sync is not None:
             if self.grad_sync not in GRAD_SYNCS:
                 raise ConfigError(f"grad_sync={self.grad_sync!r}: expected one of {', '.join(GRAD_SYNCS)}")
-            if self.zero < 2 or self.grad_sync == "step" and self.framework != "hpcml" \
-                    or self.grad_sync == "microbatch" and self.pp > 1:
-                raise ConfigError(f"grad_sync {self.grad_sync} with zero {self.zero}, pp {self.pp}, framework "
-                                  f"{self.framework}: it is when FSDP (zero 2-3) reduce-scatters; a pipeline "
-                                  f"reduces once a step, and only hpcml's trainer can be told step without one")
         if self.pipeline_split is not None and self.pipeline_split not in PIPELINE_SPLITS:
             raise ConfigError(f"pipeline_split={self.pipeline_split!r}: expected one of {', '.join(PIPELINE_SPLITS)}")
         if self.pipeline_split == "ends" and self.framework in ("hpcml", "deepspeed"):
@@ -260,39 +256,7 @@ class PlanLayout:
             self._check_degrees()
 
     def _check_degrees(self) -> None:
-        model_ranks = self.tp * self.cp * self.pp
-        if self.gpus % model_ranks:
-            raise ConfigError(f"gpus {self.gpus} is not divisible by tp {self.tp} x cp {self.cp} x pp {self.pp} = "
-                              f"{model_ranks}")
-        if (self.cp * self.dp) % self.ep:
-            raise ConfigError(f"ep {self.ep} does not divide cp {self.cp} x dp {self.dp} = {self.cp * self.dp} "
-                              f"(experts fold over the data ranks)")
-        if self.global_batch % (self.dp * self.micro_batch):
-            raise ConfigError(f"global_batch {self.global_batch} is not divisible by dp {self.dp} x micro_batch "
-                              f"{self.micro_batch} = {self.dp * self.micro_batch}")
-        if self.seq_len % self.cp or (self.sequence_parallel and self.seq_len % (self.cp * self.tp)):
-            raise ConfigError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}"
-                              + (f" x tp {self.tp} (sequence parallel)" if self.sequence_parallel else ""))
-        if self.dp % self.dp_replicate:
-            raise ConfigError(f"dp_replicate {self.dp_replicate} does not divide dp {self.dp}")
-        if self.sequence_parallel and self.cp > 1 and self.framework == "hpcml":
-            raise ConfigError(f"sequence_parallel with cp {self.cp} > 1 is not supported by hpcml's trainer: use cp "
-                              f"alone (framework megatron, torchtitan or deepspeed prices both)")
-        if self.fpdt_chunk and (self.sequence_parallel or self.seq_len % (self.cp * self.fpdt_chunk)):
-            raise ConfigError(f"fpdt_chunk {self.fpdt_chunk}: seq_len {self.seq_len} must be a multiple of cp "
-                              f"{self.cp} x fpdt_chunk, without sequence_parallel")
-        if self.pp > 1 and self.framework == "hpcml" and self.microbatches < self.pp:
-            raise ConfigError(f"{self.microbatches} micro-batches per step < pp {self.pp}: hpcml's pipeline would "
-                              f"idle (raise global_batch or lower micro_batch)")
-        if self.schedule == "interleaved1f1b":
-            if self.stages_per_rank is not None and self.stages_per_rank < 2:
-                raise ConfigError(f"interleaved1f1b needs stages_per_rank >= 2, got {self.stages_per_rank}")
-            rounds = max(1, self.microbatches // self.pp)
-            if self.microbatches % rounds:
-                raise ConfigError(f"interleaved1f1b needs micro-batches ({self.microbatches}) divisible by its rounds "
-                                  f"({rounds} = micro-batches // pp {self.pp}, torch's rule)")
-        elif self.stages_per_rank not in (None, 1):
-            raise ConfigError(f"{self.schedule} runs one stage per rank, got stages_per_rank {self.stages_per_rank}")
+        check_degrees(self)
 
     def with_degrees(self, **degrees) -> PlanLayout:
         """This layout with other degrees, micro-batch, schedule or sequence parallelism (the search's
@@ -303,8 +267,9 @@ class PlanLayout:
         out = copy.copy(self)
         for name, value in degrees.items():
             object.__setattr__(out, name, value)
-        plain = all(is_int(getattr(out, k)) for k in ("tp", "pp", "cp", "ep", "micro_batch", "stages_per_rank")
-                    if getattr(out, k) is not None) and isinstance(out.sequence_parallel, bool)
+        plain = all(is_int(v) and 1 <= v <= MAX for v in (getattr(out, k) for k in
+                    ("tp", "pp", "cp", "ep", "micro_batch", "stages_per_rank")) if v is not None) \
+            and isinstance(out.sequence_parallel, bool)
         if not plain or out.framework == "deepspeed" or out.grad_sync or out.loss_chunk \
                 or out.schedule not in PP_SCHEDULES:
             return replace(out)  # the rules these fields meet beyond the degrees', named by the full check

@@ -51,6 +51,10 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
     alike but for the recompute mode, ``full`` last: the least memory of them."""
     fw, gpus = base.framework, base.gpus
     sync, base = base.grad_sync, _with_sync(base, None)  # asked for, or both tried where hpcml's FSDP accumulates
+    if sync == "step" and fw != "hpcml":
+        raise ConfigError(f"grad_sync step with framework {fw}: without a pipeline only hpcml's trainer can be told "
+                          f"to reduce once a step ({fw} reduces each micro-batch's; under a pipeline every framework "
+                          f"reduces once a step)")
     max_stages = cfg.n_layers + (2 if base.split == "ends" else 0)  # (ends: the embedding and the output as blocks)
     for tp in divisors(min(gpus, dev.gpus_per_node)):
         if gpus % tp:
@@ -107,6 +111,14 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
                                         yield [_with_sync(at_zero.with_recompute(rc), gs) for rc in RECOMPUTE[fw]]
 
 
+def _full_is_least(cfg: TransformerConfig, lay: PlanLayout) -> bool:
+    """Full recompute needs the least memory of the modes: it keeps each block's input and one block
+    whole for its recompute, where the others keep each block's activations (at least its input and
+    more), so it is least wherever a rank holds two or more blocks; with one, keeping that block
+    whole may be less than its input and the recompute's copy."""
+    return cfg.n_layers >= 2 * lay.pp * lay.v
+
+
 def _with_sync(lay: PlanLayout, sync: str | None) -> PlanLayout:
     """``lay`` with ``grad_sync`` set, unchecked: the search sets it only where it is valid."""
     if lay.grad_sync == sync:
@@ -135,15 +147,16 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
     for group in candidate_groups(base, cfg, dev, refused=refused):
         n += len(group)
         least = evaluate(cfg, dev, c, group[-1], time_if_oom=False)  # full recompute: if it does not fit, none does
-        if not _fits(least, dev, headroom):
+        if not _fits(least, dev, headroom) and _full_is_least(cfg, group[-1]):
             continue
         for lay in group[:-1]:
             p = evaluate(cfg, dev, c, lay, time_if_oom=False)
             if _fits(p, dev, headroom):
                 fitting += 1
                 scored.append(p)
-        fitting += 1
-        scored.append(least)
+        if _fits(least, dev, headroom):
+            fitting += 1
+            scored.append(least)
     scored.sort(key=_faster)
     return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
 

@@ -45,8 +45,8 @@ def test_a_tied_embedding_takes_both_gradients(comm):
 
 BAD = [
     ({"pp": WORLD}, {"loss_chunk": 8}, TrainConfig(global_batch=8, micro_batch=1),
-     "loss_chunk 8 with pp {w}: the chunked loss is the model's own (hpcml's Transformer) without a pipeline, whose "
-     "schedule computes the loss itself"),
+     "loss_chunk 8 with pp {w}: the pipeline's schedule computes the loss itself; the chunked loss runs without a "
+     "pipeline"),
     ({"cp": WORLD}, {"loss_chunk": 12}, TRAIN,
      "seq_len 32 is not divisible by cp {w} x loss_chunk 12 = {c} (the loss runs over whole chunks of each rank's "
      "positions)"),

@@ -146,7 +146,8 @@ def test_files_are_read_and_written_by_one_layer():
                "hpcml/ckpt/tools.py": "a consolidated HDF5 file h5py wrote, renamed once whole",
                "hpcml/ckpt/linking.py": "a step directory of hard links to another root's, committed by renaming it",
                "hpcml/data/pack.py": "a token file the MPI ranks wrote in parallel, renamed once whole",
-               "hpcml/ensemble/driver_lease.py": "a stale lease moved aside (of two drivers, one wins)"}
+               "hpcml/ensemble/driver_lease.py": "a stale lease moved aside (of two drivers, one wins)",
+               "hpcml/train/run_record.py": "an earlier run's record moved aside whole into previous-N/"}
     found = []
     for p in sorted(ROOT.rglob("*.py")):
         rel = str(p.relative_to(ROOT.parent))

@@ -73,13 +73,35 @@ def test_the_default_is_priced_as_torchtitan_prices_fsdp():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(grad_sync="often"), "grad_sync='often': expected one of microbatch, step"),
-    (dict(grad_sync="step", zero=0), "grad_sync step with zero 0, pp 1, framework hpcml: it is when FSDP"),
-    (dict(grad_sync="step", framework="torchtitan"), "only hpcml's trainer can be told step"),
-    (dict(grad_sync="microbatch", pp=2, micro_batch=1), "a pipeline reduces once a step"),
+    (dict(grad_sync="step", zero=0), "grad_sync step with zero 0: it is when FSDP \\(zero 2 or 3\\) reduce-scatters"),
+    (dict(grad_sync="step", framework="torchtitan"), "grad_sync step with framework torchtitan: without a pipeline "
+                                                     "only hpcml's trainer"),
+    (dict(grad_sync="microbatch", pp=2, micro_batch=1), "grad_sync microbatch with pp 2: a pipeline reduces once"),
 ])
 def test_bad_grad_sync_layouts_are_refused_naming_the_value(kw, match):
     with pytest.raises(ConfigError, match=match):
         _fsdp(**kw)
+
+
+def test_json_reads_back_what_it_wrote():
+    """``--json`` names the sync a layout was priced with; a pipeline's (once a step, every
+    framework's) reads back as a layout."""
+    from hpcml.plan.predict import predict
+
+    for fw in ("torchtitan", "megatron", "hpcml"):
+        lay = _fsdp(framework=fw, pp=2, model="llama3-8b")
+        d = predict(lay).to_dict()["layout"]
+        assert d["grad_sync"] == "step" and PlanLayout.from_dict(d).step_sync, fw
+
+
+def test_a_search_takes_the_sync_asked_for(capsys):
+    common = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "a100-80gb", "--seq-len", "4096",
+              "--global-batch", "256", "--json"]
+    assert cli([*common, "--grad-sync", "step"]) == 0
+    best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["best"]
+    assert all(b["layout"].get("grad_sync", "step") == "step" or b["layout"]["zero"] < 2 for b in best)
+    assert cli([*common, "--grad-sync", "step", "--framework", "torchtitan"]) == 2
+    assert "grad_sync step with framework torchtitan: without a pipeline only hpcml" in capsys.readouterr().err
 
 
 def test_the_trainers_config_refuses_what_it_cannot_do():
@@ -149,6 +171,27 @@ def test_a_search_tries_both_syncs_for_hpcml_and_prunes_as_brute_force_would():
         assert syncs == ({None, "step"} if fw == "hpcml" else {None}), fw
 
 
+def test_the_recompute_prune_keeps_a_one_block_stage_whose_full_recompute_needs_more():
+    """A rank holding one block keeps its input and a whole block for the recompute under full
+    recompute, more than the block alone without it: such a group is priced mode by mode."""
+    from hpcml.plan import calibration
+    from hpcml.plan.predict import evaluate, resolve_device
+    from hpcml.plan.search import search
+
+    cfg = TransformerConfig(vocab_size=128000, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                            max_seq_len=8192)
+    base = PlanLayout(model=cfg, gpus=2, gpu="h100-80gb", seq_len=8192, global_batch=8, degrees_checked=False)
+    dev = resolve_device(base)
+    c = calibration.constants(dev)
+    at = dict(model=cfg, gpus=2, gpu="h100-80gb", seq_len=8192, global_batch=8, pp=2, micro_batch=1)
+    none, full = (evaluate(cfg, dev, c, PlanLayout(**at, recompute=rc), time_if_oom=False).memory_gib["total"]
+                  for rc in ("none", "full"))
+    assert none < full
+    headroom = 1 - (none + full) / 2 / dev.memory_gib  # none fits, full does not
+    got = [p.layout for p in search(base, top=1000, headroom=headroom).best]
+    assert any(lay.pp == 2 and lay.zero == 0 and lay.micro_batch == 1 and lay.recompute == "none" for lay in got)
+
+
 def test_with_degrees_checks_what_the_degrees_break():
     base = _fsdp()
     assert base.with_degrees(tp=8, micro_batch=2) == replace(base, tp=8, micro_batch=2)
@@ -158,5 +201,8 @@ def test_with_degrees_checks_what_the_degrees_break():
         base.with_degrees(zero=2)
     with pytest.raises(ConfigError, match="a pipeline reduces once a step"):
         _fsdp(grad_sync="microbatch").with_degrees(pp=2)
+    for bad in (dict(tp=-1), dict(pp=0), dict(micro_batch=0), dict(tp=1 << 41)):
+        with pytest.raises(ConfigError, match="expected an integer in \\[1, 2\\^40\\]"):
+            base.with_degrees(**bad)
     with pytest.raises(ConfigError, match="ZeRO 0 or 1 only"):
         _fsdp(framework="deepspeed").with_degrees(pp=2)

@@ -233,8 +233,8 @@ def bias_saved(cfg: TransformerConfig, seq_len: int, how: Saved) -> float:
 def head_constant(cfg: TransformerConfig, how: Saved, *, last: bool) -> float:
     """Bytes outside the blocks that do not grow with the tokens: a chunked loss (FPDT's,
     ``loss_chunk``) keeps the final norm's and the output layer's gradients from forward to
-    backward, in the dtype compute sees the weights in (bf16 under FSDP's bf16 gathers)."""
-    return how.stream_bytes * (cfg.padded_vocab * cfg.dim / how.tp + cfg.dim) if last and how.chunked_loss else 0.0
+    backward, summed in fp32 (bf16 weights too: a rounding per chunk otherwise)."""
+    return 4.0 * (cfg.padded_vocab * cfg.dim / how.tp + cfg.dim) if last and how.chunked_loss else 0.0
 
 
 def block_recompute(recompute: str, layer: int) -> str:

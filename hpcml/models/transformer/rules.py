@@ -7,7 +7,7 @@ from __future__ import annotations
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.parallel.config import ParallelConfig, split_layers
+from hpcml.parallel.config import ParallelConfig, pipeline_refuses, split_layers
 
 
 def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig, *, stages: bool = True) -> None:
@@ -38,6 +38,9 @@ def check_plan(model: TransformerConfig, layout: Layout, config: ParallelConfig,
                           f"biases; use cp_kind ulysses or allgather without fpdt_chunk, or rotary positions")
     if config.sequence_parallel and cp > 1:
         raise ConfigError(f"sequence_parallel (Megatron-SP over tp) with cp {cp} > 1 is not supported: use cp alone")
+    why = pipeline_refuses(config, pp)
+    if why:
+        raise ConfigError(why)
     if model.n_experts:
         check_moe_plan(model, layout, config)
     elif layout.moe:
