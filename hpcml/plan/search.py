@@ -115,7 +115,8 @@ def _full_is_least(cfg: TransformerConfig, lay: PlanLayout) -> bool:
     """Full recompute needs the least memory of the modes: it keeps each block's input and one block
     whole for its recompute, where the others keep each block's activations (at least its input and
     more), so it is least wherever a rank holds two or more blocks; with one, keeping that block
-    whole may be less than its input and the recompute's copy."""
+    whole may be less than its input and the recompute's copy (then none is priced too: the
+    selective modes keep each block's share and one block whole, never less than full)."""
     return cfg.n_layers >= 2 * lay.pp * lay.v
 
 
@@ -146,17 +147,18 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
     scored: list[Prediction] = []
     for group in candidate_groups(base, cfg, dev, refused=refused):
         n += len(group)
-        least = evaluate(cfg, dev, c, group[-1], time_if_oom=False)  # full recompute: if it does not fit, none does
-        if not _fits(least, dev, headroom) and _full_is_least(cfg, group[-1]):
-            continue
-        for lay in group[:-1]:
-            p = evaluate(cfg, dev, c, lay, time_if_oom=False)
+        priced = {len(group) - 1: evaluate(cfg, dev, c, group[-1], time_if_oom=False)}  # full recompute first
+        if not _fits(priced[len(group) - 1], dev, headroom):
+            if _full_is_least(cfg, group[-1]):
+                continue  # full keeps the least: none of the group fits
+            priced[0] = evaluate(cfg, dev, c, group[0], time_if_oom=False)
+            if not _fits(priced[0], dev, headroom):
+                continue  # the selective modes keep more than full (each block's share, one block whole)
+        for i, lay in enumerate(group):
+            p = priced[i] if i in priced else evaluate(cfg, dev, c, lay, time_if_oom=False)
             if _fits(p, dev, headroom):
                 fitting += 1
                 scored.append(p)
-        if _fits(least, dev, headroom):
-            fitting += 1
-            scored.append(least)
     scored.sort(key=_faster)
     return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
 
