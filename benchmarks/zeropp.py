@@ -13,7 +13,9 @@ curve. On one host the "network" is loopback, so step times show the cost of the
 arithmetic, not the bytes saved. Last JSON line: ``internode_bytes_fsdp``,
 ``internode_bytes_zeropp``, ``ratio``, ``loss_rel_diff_200_steps`` (|ZeRO++ - FSDP| / FSDP at
 the last step), ``loss_rel_diff_bf16_reduce`` (the same for ``reduce_dtype="bf16"``),
-``bf16_reduce_bytes_over_fsdp``, ``planner_max_rel_error`` and per kind ``kinds``.
+``bf16_reduce_bytes_over_fsdp``, ``hsdp_internode_over_fsdp`` (with ``--micro-batches N``: HSDP
+all-reduces across nodes once a step, FSDP reduce-scatters across them each micro-batch),
+``planner_max_rel_error`` and per kind ``kinds``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches a step on each rank (gradient accumulation; HSDP then crosses once a step)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="the node map of a local run (0: the real nodes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -61,8 +65,9 @@ def main(argv=None) -> int:
     curves = {}
     for name, pkw in KINDS.items():
         steps = args.steps if name in ("fsdp", "zeropp", "bf16_reduce") else 5
-        train = TrainConfig(steps=steps, global_batch=args.global_batch, micro_batch=args.global_batch // world,
-                            seq_len=args.seq_len, progress=False)
+        train = TrainConfig(steps=steps, global_batch=args.global_batch,
+                            micro_batch=args.global_batch // (world * args.micro_batches), seq_len=args.seq_len,
+                            progress=False)
         grid = ProcessGrid(Layout.from_degrees(world, {"dp": world}), node_name=node)
         per_node = len(grid.local_ranks())
         trainer = build_llm_trainer(model, train, ParallelConfig(fsdp=True, **pkw), grid=grid)
@@ -85,6 +90,9 @@ def main(argv=None) -> int:
               for b in k["planned"]]
     out.update({"loss_curve_every_20": {n: [round(c[i], 4) for i in range(0, len(c), 20)] + [round(c[-1], 4)]
                                         for n, c in curves.items()},
+                "micro_batches": args.micro_batches,
+                "hsdp_internode_over_fsdp": round(out["kinds"]["hsdp"]["dp_bytes_inter_node"]
+                                                  / f["dp_bytes_inter_node"], 4),
                 "internode_bytes_fsdp": f["dp_bytes_inter_node"], "internode_bytes_zeropp": z["dp_bytes_inter_node"],
                 "ratio": round(z["dp_bytes_inter_node"] / f["dp_bytes_inter_node"], 4),
                 "loss_rel_diff_200_steps": abs(curves["zeropp"][-1] - curves["fsdp"][-1]) / curves["fsdp"][-1],

@@ -122,9 +122,13 @@ class ParallelModel:
         total = 0.0
         fsdp = self.config.fsdp and hasattr(model, "set_requires_gradient_sync")
         every = self.config.grad_sync != "step"  # reduce-scatter each micro-batch's, or once after the last
+        hsdp = fsdp and every and self.config.dp_replicate != 1  # (dp_replicate "node" or > 1)
         for i, (x, y, k) in enumerate(_micro_batches(inputs, targets, kw, n_micro)):
             if fsdp:
                 model.set_requires_gradient_sync(every or i == n_micro - 1)
+            if hsdp:  # reduce-scatter inside the replica each micro-batch, all-reduce across replicas (the
+                # nodes) once, after the last: FSDP2 sums the shards meanwhile (``set_requires_all_reduce``)
+                model.set_requires_all_reduce(i == n_micro - 1)
             with self.loss_context(), autocast:
                 loss = model(*x, targets=y, **k) if self.computes_loss else self.loss_fn(model(*x, **k), y)
                 (loss / n_micro).backward()

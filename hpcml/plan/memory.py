@@ -1,231 +1,18 @@
-"""Memory of the fullest rank of a layout: parameters, gradients and optimizer state counted
-from the model's real parameter shapes as the plan shards them (tp, ep, pp stages, FSDP's
-dim-0 chunks), activations per layer and recompute mode for the micro-batches a pipeline
-schedule keeps in flight, and the transient buffers of the step."""
+"""Memory of the fullest rank of a layout: parameters, gradients and optimizer state in the bytes
+each framework keeps them (their elements: :mod:`hpcml.plan.placement`), activations per layer
+and recompute mode for the micro-batches a pipeline schedule keeps in flight, and the transient
+buffers of the step."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.errors import ConfigError
-from hpcml.parallel.config import split_layers
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
-
-
-@dataclass(frozen=True)
-class RankState:
-    """Elements one rank holds (its worst case over the data-parallel shards: the first)."""
-
-    params: int
-    """Parameter elements at rest (after tp, ep, pp and FSDP's sharding at ZeRO-2 and -3)."""
-    compute_params: int
-    """Parameter elements as compute sees them (tp, ep, pp only: gathered by FSDP)."""
-    grads: int
-    optimizer: int
-    """Elements of each optimizer moment (Adam keeps two)."""
-    tensors: int
-    """Trainable parameter tensors (torch's Adam keeps a ``step`` scalar for each)."""
-    largest_unit: int
-    """Compute elements of the largest FSDP unit (a block) on this rank."""
-    root: int
-    """Compute elements outside the blocks (embedding, final norm, output) on this rank."""
-
-
-def _local_shape(name: str, shape: tuple[int, ...], tp: int, ep: int) -> tuple[list[int], bool]:
-    """The shape of one rank's piece of parameter ``name`` after tp and ep, and whether it is an expert's."""
-    tdim, edim = fp.shard_dims(name)
-    s = list(shape)
-    if tdim is not None:
-        s[tdim] //= tp
-    if edim is not None:
-        s[edim] //= ep
-    return s, edim is not None
-
-
-def _grad_elements(name: str, n: int, tp: int, whole_embedding_grad: bool = True) -> int:
-    """Elements of a parameter's gradient outside FSDP: its own, but the vocabulary-parallel
-    embedding's gradient comes back from torch's ``RowwiseParallel`` backward as a Replicate
-    DTensor of the whole table (measured with torch 2.13; FSDP reduce-scatters it to the shard).
-    Megatron's ``VocabParallelEmbedding`` is a plain shard with a shard's gradient
-    (``whole_embedding_grad`` False)."""
-    return n * tp if whole_embedding_grad and name == "tok_embeddings.weight" else n
-
-
-def whole_embedding_grad(lay: PlanLayout) -> bool:
-    """Whether ``lay``'s framework parallelizes the embedding with torch's DTensor plan (above)."""
-    return lay.framework not in MEGATRON_MODEL
-
-
-def _chunk(n: int, ws: int, index: int = 0) -> int:
-    """Rows shard ``index`` of ``ws`` holds of ``n`` split as ``torch.chunk`` does (FSDP2's dim-0
-    shard): ceil(n / ws) each, the last ones fewer or none; the first holds the most."""
-    c = -(-n // ws)
-    return max(0, min(c, n - index * c))
-
-
-@lru_cache(maxsize=4096)
-def holder_parts(cfg: TransformerConfig, tp: int, ep: int, ws: int, ews: int, whole_grad: bool = True
-                 ) -> dict[str, tuple[int, ...]]:
-    """Per holder -- ``"L<i>"`` for block i, else the parameter's name (embedding, norm, output) --
-    the element counts (compute, at-rest shard, trainable compute, trainable shard, trainable
-    tensors, unsharded gradient) after tp and ep, a shard being FSDP's dim-0 chunk over ``ws``
-    (``ews`` for experts). Blocks alike in their parameters are counted once (a 405B model's 126
-    blocks were 0.7 s of a search's cold start)."""
-    return {key: _holder_counts(params, tp, ep, ws, ews, whole_grad) for key, params in _holders(cfg)}
-
-
-@lru_cache(maxsize=64)
-def _holders(cfg: TransformerConfig) -> tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]:
-    """(holder, its parameters' (name, shape)), the blocks' names taken as block 0's: the counts
-    read a name's suffix only, so blocks alike share one key of :func:`_holder_counts`' cache."""
-    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape in fp.param_shapes(cfg).items():
-        if name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            out.setdefault(f"L{index}", []).append((f"layers.0.{rest}", tuple(shape)))
-        else:
-            out.setdefault(name, []).append((name, tuple(shape)))
-    return tuple((k, tuple(v)) for k, v in out.items())
-
-
-@lru_cache(maxsize=16384)
-def _holder_counts(params: tuple[tuple[str, tuple[int, ...]], ...], tp: int, ep: int, ws: int, ews: int,
-                   whole_grad: bool) -> tuple[int, ...]:
-    acc = [0, 0, 0, 0, 0, 0]
-    for name, shape in params:
-        s, expert = _local_shape(name, shape, tp, ep)
-        n = math.prod(s)
-        chunked = _chunk(s[0], ews if expert else ws) * (n // s[0]) if s[0] else 0
-        t = fp.trainable(name)
-        for j, v in enumerate((n, chunked, n * t, chunked * t, int(t), _grad_elements(name, n, tp, whole_grad) * t)):
-            acc[j] += v
-    return tuple(acc)
-
-
-#: How blocks are split over stages: ends (the embedding and the output a block each, the remainder to
-#: the first stages: torchtitan's default, Megatron's account-for-embedding/loss split), first
-#: (the blocks alone, the remainder to the first stages: torchtitan without those weights), blocks
-#: (the blocks alone, the remainder to the middle stages: hpcml's trainer's ``split_layers``).
-SPLITS = ("ends", "first", "blocks")
-
-
-def titan_split(n_layers: int, n_stages: int, first: int = 1, last: int = 1) -> list[int]:
-    """Blocks per stage as torchtitan's ``generate_llm_fqn_per_model_part`` splits them: the
-    embedding counts as ``first`` blocks and the output as ``last`` (its
-    ``pipeline_parallel_first/last_stage_less_layers``, 1 by default), the remainder of the
-    ``n_layers + first + last`` goes to the first stages. 126 blocks over 128 stages: the first
-    holds the embedding alone, the last the output alone (Llama 3 405B's split)."""
-    if n_stages <= 1:
-        return [n_layers]
-    base, extra = divmod(n_layers + first + last, n_stages)
-    if base < max(1, first, last):
-        what = " + the embedding and the output" if first or last else ""
-        raise ConfigError(f"pipeline stages {n_stages} > {n_layers + first + last} (n_layers {n_layers}{what}): "
-                          f"fewer stages, or more layers")
-    counts, left = [], n_layers
-    for s in range(n_stages):
-        want = base + (s < extra) - (first if s == 0 else last if s == n_stages - 1 else 0)
-        counts.append(min(want, left))
-        left -= counts[-1]
-    return counts
-
-
-@lru_cache(maxsize=4096)
-def stage_layer_lists(n_layers: int, n_stages: int, split: str = "blocks") -> tuple[tuple[int, ...], ...]:
-    """The blocks of every pipeline stage, stage 0 first (``split``: :attr:`PlanLayout.split`)."""
-    if split == "ends":
-        counts = titan_split(n_layers, n_stages)
-    elif split == "first":
-        counts = titan_split(n_layers, n_stages, 0, 0)
-    elif split == "blocks":
-        counts = split_layers(n_layers, n_stages)
-    else:
-        raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
-    out, start = [], 0
-    for c in counts:
-        out.append(tuple(range(start, start + c)))
-        start += c
-    return tuple(out)
-
-
-def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: int, expert_shard: int = 0
-                  ) -> dict[str, int]:
-    """Elements one rank holds, exactly: pipeline rank ``pp_rank``, index ``shard`` in the flat
-    dp x cp group FSDP shards dense weights over (``expert_shard`` in the expert-data group).
-    What :func:`rank_state` gives for shard 0, for any rank: tests compare it with the tensors
-    of a parallelized model."""
-    n_stages = lay.pp * lay.v
-    stages = stage_layer_lists(cfg.n_layers, n_stages, lay.split)
-    mine = set(range(pp_rank, n_stages, lay.pp))
-    ws = lay.dp * lay.cp // lay.dp_replicate
-    shard %= ws  # HSDP: the same shard in every replica
-    out = {"params": 0, "grads": 0, "optimizer": 0, "tensors": 0}
-    for name, shape in fp.param_shapes(cfg).items():
-        if not mine.intersection(fp.stage_of(name, stages)):
-            continue
-        s, expert = _local_shape(name, shape, lay.tp, lay.ep)
-        n = math.prod(s)
-        group, index = (ws // lay.ep, expert_shard) if expert else (ws, shard)
-        chunked = _chunk(s[0], group, index) * (n // s[0]) if s[0] else 0
-        out["params"] += chunked if lay.zero >= 2 else n
-        if fp.trainable(name):
-            out["grads"] += chunked if lay.zero >= 2 else _grad_elements(name, n, lay.tp, whole_embedding_grad(lay))
-            out["optimizer"] += chunked if lay.zero >= 1 else n
-            out["tensors"] += 1
-    return out
-
-
-@lru_cache(maxsize=4096)
-def rank_classes(n_layers: int, pp: int, v: int, split: str = "blocks", moe: tuple[bool, ...] = ()
-                 ) -> tuple[int, ...]:
-    """Pipeline ranks that stand for all: the first of each group holding stages of the same
-    sizes and the same ends (embedding, output). Within a group states and step times are
-    equal and the schedules keep the most micro-batches in flight on the lowest rank."""
-    n_stages = pp * v
-    stages = stage_layer_lists(n_layers, n_stages, split)
-    seen: dict[tuple, int] = {}
-    for r in range(pp):
-        key = (tuple(tuple(moe[i] for i in stages[s]) if moe else len(stages[s]) for s in range(r, n_stages, pp)),
-               r == 0, (n_stages - 1) % pp == r)
-        seen.setdefault(key, r)
-    return tuple(sorted(seen.values()))
-
-
-@lru_cache(maxsize=256)
-def moe_layers(cfg: TransformerConfig) -> tuple[bool, ...]:
-    """Which blocks are MoE, where some are and some not (ranks alike in sizes may then differ); else ()."""
-    flags = tuple(cfg.is_moe(i) for i in range(cfg.n_layers)) if cfg.n_experts else ()
-    return flags if len(set(flags)) > 1 else ()
-
-
-def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
-    """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
-    # (HSDP shards over a replica's dp x cp / dp_replicate ranks)
-    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank,
-                       whole_embedding_grad(lay), lay.split)
-
-
-@lru_cache(maxsize=65536)
-def _rank_state(cfg: TransformerConfig, tp: int, ep: int, ws: int, pp: int, v: int, zero: int,
-                pp_rank: int, whole_grad: bool = True, split: str = "blocks") -> RankState:
-    parts = holder_parts(cfg, tp, ep, ws, ws // ep, whole_grad)
-    n_stages = pp * v
-    stages = stage_layer_lists(cfg.n_layers, n_stages, split)
-    holders = [f"L{i}" for s in range(pp_rank, n_stages, pp) for i in stages[s]]
-    units = [parts[h][0] for h in holders]
-    if pp_rank == 0:
-        holders += [h for h in ("tok_embeddings.weight", "pos_embeddings.weight") if h in parts]
-    if (n_stages - 1) % pp == pp_rank:
-        holders += [h for h in ("norm.weight", "norm.bias", "output.weight") if h in parts]
-    tot = [sum(parts[h][j] for h in holders) for j in range(6)]
-    n, chunked, tn, tchunked, tensors, gn = tot
-    return RankState(params=chunked if zero >= 2 else n, compute_params=n, grads=tchunked if zero >= 2 else gn,
-                     optimizer=tchunked if zero >= 1 else tn, tensors=tensors, largest_unit=max(units, default=0),
-                     root=n - sum(units))
+from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
 
 
 def in_flight(lay: PlanLayout, pp_rank: int) -> float:
@@ -286,41 +73,58 @@ def _kept_whole(how: fp.Saved) -> fp.Saved:
     return replace(how, recompute="none")
 
 
-def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState) -> tuple[float, float]:
-    """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``."""
+@lru_cache(maxsize=16384)
+def _rank_saved(cfg: TransformerConfig, how: fp.Saved, seq_len: int, n_stages: int, pp: int, pp_rank: int,
+                split: str, hpcml: bool) -> tuple[float, float, float, bool, float]:
+    """What a pipeline rank's stages keep whatever the micro-batch: (bytes per token of its blocks and
+    heads, bytes per micro-batch of hpcml's ALiBi mask, the last stage's constant, whether it holds an
+    MoE block, the bytes per token of its largest block kept whole) -- a search prices thousands of
+    layouts alike in these (cached)."""
+    mine = range(pp_rank, n_stages, pp)
+    kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, pp, pp_rank, split))  # alike once
+    per_token = sum(n * fp.layer_saved(cfg, i, seq_len, how) for i, n in kinds.items())
+    per_token += sum(fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1) for s in mine)
+    # hpcml's ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
+    bias = len(mine) * fp.bias_saved(cfg, seq_len, how) if hpcml else 0.0
+    const = fp.head_constant(cfg, how, last=n_stages - 1 in mine)
+    whole = 0.0
+    if how.recompute != "none":
+        full = _kept_whole(how)
+        whole = max((fp.layer_saved(cfg, i, seq_len, full) for i in kinds), default=0.0)
+    return per_token, bias, const, any(cfg.is_moe(i) for i in kinds), whole
+
+
+def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState,
+                     how: fp.Saved | None = None) -> tuple[float, float]:
+    """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``
+    (``how``: :func:`saved_how` of ``lay``, where the caller has it)."""
     n_stages = lay.pp * lay.v
-    how = saved_how(lay)
+    how = how or saved_how(lay)
+    flight = in_flight(lay, pp_rank)
     tokens = lay.micro_batch * lay.seq_len
-    per_mb = 0.0
-    mine = list(range(pp_rank, n_stages, lay.pp))
-    kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank, lay.split))  # alike once
-    per_mb += sum(n * fp.layer_saved(cfg, i, lay.seq_len, how) for i, n in kinds.items())
-    for s in mine:
-        per_mb += fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1)
-    per_mb *= tokens
-    if lay.framework == "hpcml":  # its ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
-        per_mb += len(mine) * fp.bias_saved(cfg, lay.seq_len, how)
-    saved = per_mb * in_flight(lay, pp_rank) + fp.head_constant(cfg, how, last=n_stages - 1 in mine)
+    per_token, bias, const, moe, whole = _rank_saved(cfg, how, lay.seq_len, n_stages, lay.pp, pp_rank, lay.split,
+                                                     lay.framework == "hpcml")
+    last = (n_stages - 1) % lay.pp == pp_rank
+    saved = (per_token * tokens + bias) * flight + const
     if lay.framework == "hpcml" and lay.precision != "fp32" and not bf16_weights(lay):
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
         saved += 2 * state.compute_params
     # transients: the logits' gradient on the last stage, one block recomputed in backward
     buffers = 0.0
-    if n_stages - 1 in mine and how.loss != "fused":  # (FPDT's chunked loss: one chunk's logits at a time;
+    if last and how.loss != "fused":  # (FPDT's chunked loss: one chunk's logits at a time;
         # a fused loss writes the gradient over the logits it kept)
         chunk = lay.fpdt_chunk or lay.loss_chunk
         logit_rows = min(tokens / lay.cp, lay.micro_batch * chunk) if how.chunked_loss else tokens / lay.cp
         buffers += 2 * 4 * cfg.padded_vocab / lay.tp * logit_rows
-    if lay.ep > 1 and any(cfg.is_moe(i) for i in kinds):  # all-to-all send and receive buffers of one MoE block
+    if lay.ep > 1 and moe:  # all-to-all send and receive buffers of one MoE block
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes
-    if lay.recompute != "none":
-        full = _kept_whole(how)
-        buffers += tokens * max((fp.layer_saved(cfg, i, lay.seq_len, full) for i in kinds), default=0.0)
-    return saved, buffers + stage_outputs(cfg, lay, pp_rank, how, mine)
+    buffers += tokens * whole
+    return saved, buffers + stage_outputs(cfg, lay, pp_rank, how, range(pp_rank, n_stages, lay.pp), flight)
 
 
-def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp.Saved, mine: list[int]) -> float:
+def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp.Saved, mine: Sequence[int],
+                  flight: float | None = None) -> float:
     """Bytes of the stage outputs a pipeline rank keeps while their micro-batches are in flight:
     ``torch.distributed.pipelining`` holds each forward's output until its backward (``fwd_cache``:
     hpcml's trainer, torchtitan) -- a block's output (sharded over tp under sequence parallelism),
@@ -332,7 +136,8 @@ def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp
     last = lay.pp * lay.v - 1
     block = rows * cfg.dim * how.stream_bytes / (lay.tp if lay.sequence_parallel else 1)
     logits = rows * cfg.padded_vocab / lay.tp * how.act_bytes if how.loss != "fused" else 0.0  # (fused: kept)
-    return in_flight(lay, pp_rank) * sum(logits if s == last else block for s in mine)
+    flight = in_flight(lay, pp_rank) if flight is None else flight
+    return flight * sum(logits if s == last else block for s in mine)
 
 
 @dataclass(frozen=True)
@@ -384,10 +189,11 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
     """The memory of the fullest pipeline rank of ``lay`` (of ``pp_rank``, if given)."""
     worst: Memory | None = None
     ranks = rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg)) if pp_rank is None else (pp_rank,)
+    how = saved_how(lay)
     for r in ranks:
         st = rank_state(cfg, lay, r)
         p, g, o = state_bytes(lay, st)
-        act, buf = activation_bytes(cfg, lay, r, st)
+        act, buf = activation_bytes(cfg, lay, r, st, how)
         compute_bytes = weight_bytes(lay)
         if lay.zero == 3 and not lay.fsdp_piped:  # FSDP: a gathered block and the one prefetched, the root kept
             # gathered, a block's grads (under a pipeline no backward but the last reshards: every block gathered)

@@ -18,7 +18,8 @@ from hpcml.numeric import is_real
 from hpcml.parallel.config import ParallelConfig
 from hpcml.plan import calibration, devfile, traffic
 from hpcml.plan.devices import Device, device, site_device
-from hpcml.plan.memory import memory, stage_layer_lists
+from hpcml.plan.memory import memory
+from hpcml.plan.placement import stage_layer_lists
 from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
 from hpcml.plan.timing import Constants, reserved_gib, step_time
 

@@ -11,7 +11,6 @@ to its rows here and in docs/plan.md.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published

@@ -8,7 +8,6 @@ Megatron-DeepSpeed and torchtitan their own options (ZeRO-1, selective recompute
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 from collections.abc import Iterator
@@ -100,7 +99,7 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
                                     try:  # (NeMo's remainders need ZeRO 0-1: the layout's own rule)
-                                        at_zero = replace(lay, zero=zero, recompute=RECOMPUTE[fw][0])
+                                        at_zero = lay.with_zero(zero)
                                     except ConfigError:
                                         continue
                                     if zero >= 2 and pp > 1 and sync == "microbatch":
@@ -124,9 +123,7 @@ def _with_sync(lay: PlanLayout, sync: str | None) -> PlanLayout:
     """``lay`` with ``grad_sync`` set, unchecked: the search sets it only where it is valid."""
     if lay.grad_sync == sync:
         return lay
-    out = copy.copy(lay)
-    object.__setattr__(out, "grad_sync", sync)
-    return out
+    return lay.unchecked(grad_sync=sync)
 
 
 @dataclass(frozen=True)

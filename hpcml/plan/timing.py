@@ -12,8 +12,8 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan import traffic
 from hpcml.plan.devices import Device
-from hpcml.plan.memory import (RankState, moe_layers, rank_classes, rank_state, saved_how, stage_layer_lists,
-                               state_bytes, weight_bytes)
+from hpcml.plan.memory import saved_how, state_bytes, weight_bytes
+from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
 from hpcml.plan.candidate import PlanLayout
 
 

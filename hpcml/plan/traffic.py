@@ -7,7 +7,8 @@ sends ``per_peer`` to each of ``a - 1`` ranks inside and ``n - a`` across. FSDP2
 unit (a block; the root -- embeddings, final norm, output -- apart) as one flat buffer of the
 ranks' padded dim-0 chunks, every micro-batch's forward and, resharded after forward, its
 backward (the root keeps its weights to backward); gradients are reduce-scattered each micro-batch, or once a
-step (``grad_sync step``).
+step (``grad_sync step``); HSDP's all-reduce across replicas follows each reduce-scatter, but in hpcml's
+trainer once a step.
 Under a pipeline ``torch.distributed.pipelining`` neither reshards nor reduces after a backward
 but the last: a stage is gathered once a step (once more in each backward if it reshards after
 forward), and reduced once, whatever the framework. DeepSpeed's ZeRO-2 keeps its weights whole:
@@ -22,7 +23,8 @@ import math
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.memory import holder_parts, node_ranks, stage_layer_lists, weight_bytes
+from hpcml.plan.memory import node_ranks, weight_bytes
+from hpcml.plan.placement import holder_parts, stage_layer_lists
 
 
 def _units(cfg: TransformerConfig, lay: PlanLayout, ws: int, pp_rank: int) -> tuple[list[int], list[int]]:
@@ -76,6 +78,9 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
         for u in _units(cfg, lay, min(local, ws), pp_rank)[0]:
             send(min(local, ws), gathered(u), m)
     syncs = 1 if lay.step_sync else m
+    # HSDP's all-reduce across replicas: hpcml's trainer sums each micro-batch's reduce-scattered shards
+    # and all-reduces them once, after the last (FSDP2's ``set_requires_all_reduce``); the others with each
+    all_reduces = 1 if lay.framework == "hpcml" else syncs
     for u in blocks + root:
         if lay.qgz and local < shard_ws:  # the node's chunks in full precision, then int8 across
             nodes = shard_ws // local
@@ -87,6 +92,6 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
         if lay.dp_replicate > 1:  # HSDP: the reduce-scatter's output all-reduced across replicas, shard_ws apart
             r = lay.dp_replicate
             here = max(1, min(r, local // shard_ws)) if local % shard_ws == 0 else 1
-            out["dp_bytes_intra_node"] += syncs * (2 * u * g // r) * (here - 1)
-            out["dp_bytes_inter_node"] += syncs * (2 * u * g // r) * (r - here)
+            out["dp_bytes_intra_node"] += all_reduces * (2 * u * g // r) * (here - 1)
+            out["dp_bytes_inter_node"] += all_reduces * (2 * u * g // r) * (r - here)
     return out

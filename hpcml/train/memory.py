@@ -76,8 +76,10 @@ class SavedBytes:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         local = _local(t)
         # a weight: FSDP's gathered ones and DTensor's are Parameters too (a storage address alone
-        # would not do: FSDP frees a gathered weight after its block, and an activation may reuse it)
-        if isinstance(t, nn.Parameter) or isinstance(local._base, nn.Parameter) or local.device.type == "meta":
+        # would not do: FSDP frees a gathered weight after its block, and an activation may reuse it);
+        # a view of one (a transposed weight) is a Parameter's view: a DTensor's above its local tensor
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or isinstance(local._base, nn.Parameter) \
+                or local.device.type == "meta":
             return t
         storage = local.untyped_storage()
         ptr = storage.data_ptr()

@@ -146,6 +146,36 @@ def test_gradients_reduce_scattered_each_micro_batch_or_once_a_step_as_the_plann
     assert params * 4 * 3 / 4 <= extra <= 1.1 * params * 4 * 3 / 4, (extra, params)  # (dim-0 padding to 4 ranks)
 
 
+def test_hsdp_all_reduces_across_nodes_once_a_step_whatever_the_micro_batches(comm):
+    """HSDP with two micro-batches a rank, fp32: each micro-batch's gradients are reduce-scattered
+    inside the node, and summed there; the all-reduce across the nodes runs once, after the last
+    (FSDP2's ``set_requires_all_reduce``): the bytes across nodes a step are those of one
+    micro-batch's step (half what an all-reduce each micro-batch sent), inside the node two
+    reduce-scatters, equal to the planner's count; the losses equal FSDP's."""
+    from hpcml.plan.candidate import PlanLayout
+    from hpcml.plan.traffic import dp_bytes
+
+    two = TrainConfig(**{**TRAIN.__dict__, "global_batch": 16})
+    runs = _fp32_runs({"hsdp": {"dp_replicate": "node"}, "fsdp": {}}, 2, two)
+    one = _fp32_runs({"hsdp": {"dp_replicate": "node"}}, 1)["hsdp"]
+    got = {k: r[1]["dp_bytes_inter_node"] for k, r in runs.items()}
+    assert got["hsdp"] == one[0]["dp_bytes_inter_node"] > 0  # one all-reduce a step: as with one micro-batch
+    assert [m["loss"] for m in runs["hsdp"]] == pytest.approx([m["loss"] for m in runs["fsdp"]], rel=1e-5)
+    lay = PlanLayout(model=MODEL, gpus=4, gpu="a100-80gb", seq_len=two.seq_len, global_batch=16,
+                     micro_batch=two.micro_batch, zero=3, precision="fp32", gpus_per_node=2, dp_replicate=2)
+    assert lay.microbatches == 2
+    want = dp_bytes(MODEL, lay, 2)
+    assert {b: runs["hsdp"][1][b] for b in want} == want
+    each = dp_bytes(MODEL, PlanLayout.from_dict({**lay.to_dict(), "framework": "torchtitan"}), 2)
+    assert each["dp_bytes_inter_node"] == 2 * want["dp_bytes_inter_node"]  # an all-reduce each micro-batch: twice
+
+
+def test_hsdp_with_micro_batches_equals_one_process_in_fp64(comm):
+    """The shards summed inside the node across micro-batches, all-reduced once: the same model."""
+    two = TrainConfig(**{**TRAIN.__dict__, "global_batch": 16})
+    assert_trains_as_one_process(trainer_of(MODEL, {"dp": 4}, {"dp_replicate": "node"}, two), MODEL, two, TOL)
+
+
 @pytest.mark.parametrize("zero", [3, 2])
 def test_fsdp_under_a_pipeline_sends_what_the_planner_counts(comm, zero):
     """pp 2 x dp 2 (each stage's data ranks on one node), four micro-batches, fp32:

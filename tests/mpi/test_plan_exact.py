@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from hpcml.models.transformer import TransformerConfig
 from hpcml.parallel import ParallelConfig
-from hpcml.plan.memory import activation_bytes, rank_elements, rank_state
+from hpcml.plan.memory import activation_bytes
+from hpcml.plan.placement import rank_elements, rank_state
 from hpcml.plan.candidate import PlanLayout
 from hpcml.train import TrainConfig
 from hpcml.train.memory import SavedBytes
@@ -105,7 +106,8 @@ SAVED = {4: [("dp4", {"dp": 4}, {}), ("fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2
              ("alibi-cp2xtp2", {"cp": 2, "tp": 2}, {}),
              ("alibi-cp2xdp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}),
              ("alibi-fsdp4", {"dp": 4}, {"fsdp": True}), ("cp2xdp2-loss-chunk", {"cp": 2}, {"loss_chunk": 4}),
-             ("tp2xdp2-loss-chunk", {"tp": 2}, {"loss_chunk": 8})],
+             ("tp2xdp2-loss-chunk", {"tp": 2}, {"loss_chunk": 8}), ("tp2xfsdp2", {"tp": 2}, {"fsdp": True}),
+             ("gpt-tp2xfsdp2", {"tp": 2}, {"fsdp": True})],
          2: [("tp2", {"tp": 2}, {}), ("fsdp2", {"dp": 2}, {"fsdp": True}), ("cp2-fpdt", {"cp": 2}, {"fpdt_chunk": 4}),
              ("dp2-fpdt", {"dp": 2}, {"fpdt_chunk": 8, "fsdp": True}), ("gpt-tp2", {"tp": 2}, {}),
              ("cp2-allgather", {"cp": 2}, {"cp_kind": "allgather"}), ("alibi-tp2", {"tp": 2}, {}),

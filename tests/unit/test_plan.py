@@ -22,7 +22,7 @@ from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.model import Transformer, TransformerConfig, cross_entropy
 from hpcml.models.transformer.presets import PRESETS
 from hpcml.plan import PlanLayout, load_model, predict
-from hpcml.plan.memory import rank_elements, rank_state
+from hpcml.plan.placement import rank_elements, rank_state
 from hpcml.plan.published import CALIBRATION, TABLES
 from hpcml.plan.search import candidates, emit, member_entry, search
 from hpcml.train.memory import SavedBytes

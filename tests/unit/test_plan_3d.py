@@ -10,7 +10,8 @@ import pytest
 
 from hpcml.errors import ConfigError
 from hpcml.plan import PlanLayout, predict
-from hpcml.plan.memory import memory, rank_state
+from hpcml.plan.memory import memory
+from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import load_model
 from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES, llama3_405b
 

@@ -14,7 +14,7 @@ import pytest
 
 from hpcml.errors import ConfigError
 from hpcml.plan import PlanLayout, predict
-from hpcml.plan.memory import rank_state
+from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import resolve_device
 from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES, published
 from hpcml.plan.timing import step_time

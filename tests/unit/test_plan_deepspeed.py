@@ -16,7 +16,8 @@ from hpcml.errors import ConfigError
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan import PlanLayout, predict
 from hpcml.plan.calibration import constants
-from hpcml.plan.memory import memory, rank_state
+from hpcml.plan.memory import memory
+from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import resolve_device
 from hpcml.plan.timing import _link, _ring, step_time
 

@@ -17,7 +17,8 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.plan.calibrate import read_runs
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.memory import memory, rank_state
+from hpcml.plan.memory import memory
+from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import predict
 from hpcml.plan.search import emit as emit_args, member_entry
 from hpcml.plan.traffic import dp_bytes

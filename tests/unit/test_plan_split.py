@@ -19,7 +19,7 @@ def test_torchtitan_splits_stages_counting_the_embedding_and_the_output_as_block
     """torchtitan's ``generate_llm_fqn_per_model_part`` (``pipeline_parallel_first/last_stage_less_layers``
     1 each by default): ``n_layers + 2`` units over the stages, the remainder to the first ones, the
     first and last stages one block fewer. Other frameworks split the blocks alone."""
-    from hpcml.plan.memory import stage_layer_lists, titan_split
+    from hpcml.plan.placement import stage_layer_lists, titan_split
 
     assert titan_split(126, 128) == [0] + [1] * 126 + [0]
     assert titan_split(32, 4) == [8, 9, 8, 7] and titan_split(8, 4) == [2, 3, 2, 1] and titan_split(5, 1) == [5]
@@ -74,7 +74,7 @@ def test_the_splits_edges_a_review_found():
     ones); a search tries pp up to n_layers + 2 under ends and the stages a rank it is given; Megatron
     takes ends only where its account-for split divides whole layers, and is advised it only then."""
     from hpcml.plan.candidate import PlanLayout as L
-    from hpcml.plan.memory import stage_layer_lists
+    from hpcml.plan.placement import stage_layer_lists
     from hpcml.plan.search import candidates
     from hpcml.plan.predict import resolve_device
 
@@ -148,7 +148,8 @@ def test_hpcml_under_fsdp_in_bf16_gathers_bf16_weights_and_caches_no_copies():
     the planner prices its gathers at 2 bytes a weight, a bf16 residual stream and no autocast copy
     of every weight; without FSDP autocast still casts fp32 weights (and keeps the copies)."""
     from hpcml.parallel import ParallelConfig
-    from hpcml.plan.memory import rank_state, saved_how, weight_bytes
+    from hpcml.plan.memory import saved_how, weight_bytes
+    from hpcml.plan.placement import rank_state
 
     base = dict(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=4096, global_batch=8)
     fsdp, ddp = PlanLayout(**base, zero=3), PlanLayout(**base, zero=0)
