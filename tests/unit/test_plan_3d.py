@@ -145,6 +145,22 @@ def test_with_recompute_is_replace_without_the_other_checks():
         lay.with_recompute("most")
 
 
+def test_with_zero_is_replace_where_no_rule_reads_the_stage_and_checks_in_full_where_one_does():
+    """The search's ZeRO loop: a plain layout at another stage equals ``replace``'s; where a rule
+    reads the stage (hpZ needs zero 3, NeMo's remainders zero 0-1, the range) the full check names it."""
+    lay = _pp_fsdp("torchtitan", 64)
+    for zero in (0, 1, 2, 3):
+        assert lay.with_zero(zero) == replace(lay, zero=zero)
+    assert lay.with_zero(1).zero == 1 and lay.zero == 2  # a copy
+    with pytest.raises(ConfigError, match="zero=4: expected 0, 1, 2 or 3"):
+        lay.with_zero(4)
+    base = dict(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=4096, global_batch=8)
+    with pytest.raises(ConfigError, match="hpz True.*with zero 2"):
+        PlanLayout(**base, zero=3, hpz=True).with_zero(2)
+    with pytest.raises(ConfigError, match="master_weights remainder with framework megatron, zero 2"):
+        PlanLayout(**base, zero=1, framework="megatron", master_weights="remainder").with_zero(2)
+
+
 def test_nemo_llama31_405b_table_is_held_out_and_read_as_published():
     """NVIDIA's recipe at 32-2,304 H100s: TP 8 x CP 2, 63 micro-batches a pipeline in every column,
     16 query groups as its config has; tokens/s a GPU from its seconds a step."""
