@@ -12,7 +12,8 @@ from functools import lru_cache
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
-from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
+from hpcml.plan.placement import (RankState, holder_parts, moe_layers, rank_classes, rank_state, stage_layer_lists,
+                                  whole_embedding_grad)
 
 
 def in_flight(lay: PlanLayout, pp_rank: int) -> float:
@@ -109,7 +110,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     if lay.framework == "hpcml" and lay.precision != "fp32" and not bf16_weights(lay):
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
-        saved += 2 * state.compute_params
+        saved += 2 * (state.compute_params - _never_cast(cfg, lay, pp_rank))
     # transients: the logits' gradient on the last stage, one block recomputed in backward
     buffers = 0.0
     if last and how.loss != "fused":  # (FPDT's chunked loss: one chunk's logits at a time;
@@ -121,6 +122,21 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes
     buffers += tokens * whole
     return saved, buffers + stage_outputs(cfg, lay, pp_rank, how, range(pp_rank, n_stages, lay.pp), flight)
+
+
+def _never_cast(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> int:
+    """Elements of a pipeline rank's weights autocast never casts: the embeddings it looks up (an
+    untied token embedding) and the norms, which run in fp32; it casts every matmul's weight."""
+    n_stages = lay.pp * lay.v
+    norm = cfg.dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    out = 2 * norm * len(_rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank, lay.split))
+    out += norm if (n_stages - 1) % lay.pp == pp_rank else 0
+    if pp_rank == 0:
+        ws = lay.dp * lay.cp // lay.dp_replicate
+        parts = holder_parts(cfg, lay.tp, lay.ep, ws, ws // lay.ep, whole_embedding_grad(lay))
+        names = ("pos_embeddings.weight",) if cfg.tie_embeddings else ("tok_embeddings.weight", "pos_embeddings.weight")
+        out += sum(parts[h][0] for h in names if h in parts)
+    return out
 
 
 def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp.Saved, mine: Sequence[int],

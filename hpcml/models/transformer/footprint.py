@@ -197,6 +197,10 @@ def layer_saved(cfg: TransformerConfig, layer: int, seq_len: int, how: Saved) ->
     else:
         norm_side = 2 * (r * cfg.dim + 8)
     shared_in = 2 * cfg.dim  # the projections' input of each sub-block
+    if how.stream_bytes > a and not cfg.is_moe(layer) and not how.fpdt:  # autocast over an fp32 stream: each
+        # linear keeps its own cast of the input -- q, k and v (fused: one); the MLP's gate and up (GeLU: up)
+        two = cfg.activation == "swiglu" and not cfg.fused_mlp
+        shared_in = ((1 if cfg.fused_qkv else 3) + (2 if two else 1)) * cfg.dim
     if how.sequence_parallel:
         norm_side /= tp
         if not how.sp_saves_gathered:
