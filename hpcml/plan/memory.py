@@ -12,8 +12,8 @@ from functools import lru_cache
 from hpcml.models.transformer import footprint as fp
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
-from hpcml.plan.placement import (RankState, holder_parts, moe_layers, rank_classes, rank_state, stage_layer_lists,
-                                  whole_embedding_grad)
+from hpcml.plan.placement import (RankState, holder_parts, moe_layers, rank_classes, rank_state, shard_ranks,
+                                  stage_layer_lists, whole_embedding_grad)
 
 
 def in_flight(lay: PlanLayout, pp_rank: int) -> float:
@@ -100,7 +100,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     """(saved for backward at the peak, transient buffers) in bytes, on pipeline rank ``pp_rank``
     (``how``: :func:`saved_how` of ``lay``, where the caller has it)."""
     n_stages = lay.pp * lay.v
-    how = how or saved_how(lay)
+    how = saved_how(lay) if how is None else how
     flight = in_flight(lay, pp_rank)
     tokens = lay.micro_batch * lay.seq_len
     per_token, bias, const, moe, whole = _rank_saved(cfg, how, lay.seq_len, n_stages, lay.pp, pp_rank, lay.split,
@@ -132,7 +132,7 @@ def _never_cast(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> int:
     out = 2 * norm * len(_rank_layers(cfg.n_layers, n_stages, lay.pp, pp_rank, lay.split))
     out += norm if (n_stages - 1) % lay.pp == pp_rank else 0
     if pp_rank == 0:
-        ws = lay.dp * lay.cp // lay.dp_replicate
+        ws = shard_ranks(lay)
         parts = holder_parts(cfg, lay.tp, lay.ep, ws, ws // lay.ep, whole_embedding_grad(lay))
         names = ("pos_embeddings.weight",) if cfg.tie_embeddings else ("tok_embeddings.weight", "pos_embeddings.weight")
         out += sum(parts[h][0] for h in names if h in parts)

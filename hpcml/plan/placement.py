@@ -59,6 +59,11 @@ def whole_embedding_grad(lay: PlanLayout) -> bool:
     return lay.framework not in MEGATRON_MODEL
 
 
+def shard_ranks(lay: PlanLayout) -> int:
+    """Ranks FSDP shards a dense weight over: dp x cp, a replica's share of them under HSDP."""
+    return lay.dp * lay.cp // lay.dp_replicate
+
+
 def _chunk(n: int, ws: int, index: int = 0) -> int:
     """Rows shard ``index`` of ``ws`` holds of ``n`` split as ``torch.chunk`` does (FSDP2's dim-0
     shard): ceil(n / ws) each, the last ones fewer or none; the first holds the most."""
@@ -160,7 +165,7 @@ def rank_elements(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, shard: 
     n_stages = lay.pp * lay.v
     stages = stage_layer_lists(cfg.n_layers, n_stages, lay.split)
     mine = set(range(pp_rank, n_stages, lay.pp))
-    ws = lay.dp * lay.cp // lay.dp_replicate
+    ws = shard_ranks(lay)
     shard %= ws  # HSDP: the same shard in every replica
     out = {"params": 0, "grads": 0, "optimizer": 0, "tensors": 0}
     for name, shape in fp.param_shapes(cfg).items():
@@ -203,8 +208,7 @@ def moe_layers(cfg: TransformerConfig) -> tuple[bool, ...]:
 
 def rank_state(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> RankState:
     """What pipeline rank ``pp_rank`` holds (its stages ``pp_rank + k * pp``)."""
-    # (HSDP shards over a replica's dp x cp / dp_replicate ranks)
-    return _rank_state(cfg, lay.tp, lay.ep, lay.dp * lay.cp // lay.dp_replicate, lay.pp, lay.v, lay.zero, pp_rank,
+    return _rank_state(cfg, lay.tp, lay.ep, shard_ranks(lay), lay.pp, lay.v, lay.zero, pp_rank,
                        whole_embedding_grad(lay), lay.split)
 
 

@@ -24,7 +24,7 @@ import math
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.memory import node_ranks, weight_bytes
-from hpcml.plan.placement import holder_parts, stage_layer_lists
+from hpcml.plan.placement import holder_parts, shard_ranks, stage_layer_lists
 
 
 def _units(cfg: TransformerConfig, lay: PlanLayout, ws: int, pp_rank: int) -> tuple[list[int], list[int]]:
@@ -54,7 +54,7 @@ def dp_bytes(cfg: TransformerConfig, lay: PlanLayout, gpus_per_node: int, pp_ran
     if lay.zero < 2 or ws == 1:
         return out
     local = node_ranks(lay, gpus_per_node)
-    shard_ws = ws // lay.dp_replicate
+    shard_ws = shard_ranks(lay)
     w, g, m = weight_bytes(lay), 2 if lay.reduce_dtype == "bf16" else 4, lay.microbatches
 
     def send(n: int, per_peer: float, calls: float = 1.0) -> None:
