@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
                                     "for the best (docs/plan.md)")
     p.add_argument("--model", help="preset name, or a Hugging Face config.json (or its directory), or hpcml's")
     p.add_argument("--gpus", type=int, help="devices (training ranks)")
-    p.add_argument("action", nargs="?", choices=("calibrate",), help="calibrate RUNS...: fit the time model on "
+    # (no ``choices``: argparse then blamed the value of an unknown flag -- ``--dp-replicate 7`` -- as an
+    # invalid action; it now names the flag, and :func:`run` an action that is not one)
+    p.add_argument("action", nargs="?", help="calibrate RUNS...: fit the time model on "
                    "runs measured on your machine and write a device file (--out) for --device-file")
     p.add_argument("runs", nargs="*", metavar="RUNS", help="calibrate: JSON-lines files (a layout and its step_s or "
                    "tokens_per_s a line) or llm_pretrain.py run directories")
@@ -137,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--headroom {args.headroom:g}: expected a fraction of device memory in [0, 0.9)")
     if args.action == "calibrate":
         return _run_calibrate(args, given)
+    if args.action is not None:
+        raise ConfigError(f"hpcml plan {args.action[:80]!r}: invalid choice of action: expected calibrate (hpcml "
+                          f"plan calibrate RUNS...), or none (a layout's flags, --layouts or a search)")
     args.job_site = None
     if args.site and (args.gpu or args.device_file):  # the device prices it, the site is where the job goes
         args.job_site = given.pop("site")
