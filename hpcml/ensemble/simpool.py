@@ -168,8 +168,7 @@ class SimPool:
         if s.outcome == "completed":
             self.on_complete(s)
         elif s.final_error is not None:  # every other simulation would fail the same way: stop here
-            raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a "
-                              f"retry or a resume would fail the same way): {s.final_error}")
+            raise _deterministic(s)
         elif s.outcome == "failed":
             alike = failed_alike(str(s.dir), len(s.recorded)) if len(s.recorded) < self.c.retries + 1 else None
             logger.warning("simulation %d failed after %d attempt(s)%s: %s", s.spec.sim_id, len(s.recorded),
@@ -185,9 +184,7 @@ class SimPool:
                 self.on_complete(s)
         final = [s for s in task.sims if s.final_error is not None]
         if final:  # every other member would fail the same way: stop here
-            s = final[0]
-            raise ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a retry or "
-                              f"a resume would fail the same way): {s.final_error}")
+            raise _deterministic(final[0])
         failed = [s.spec.sim_id for s in task.sims if s.outcome == "failed"]
         if failed:
             logger.warning("bundle %s: %d member(s) failed: %s%s", task.dir.name, len(failed), failed[:10],
@@ -237,3 +234,9 @@ class _Queue:
 
     def __bool__(self) -> bool:
         return self.peek() is not None
+
+
+def _deterministic(s) -> ConfigError:
+    """The campaign's end on a simulation's deterministic error: what the next run must change."""
+    return ConfigError(f"simulation {s.spec.sim_id} failed on a deterministic error, not retried (a retry, or a "
+                       f"resume before its cause is fixed, would fail the same way): {s.final_error}")

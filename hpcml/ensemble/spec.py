@@ -84,8 +84,9 @@ class TrainingJob:
     """Whether the simulations of the same ``run()`` stream into it, each to one rank
     (``hpcml.stream.route``): then every rank needs a simulation, which ``run()`` checks
     before anything starts, and the campaign makes the stream's secret and publishes its
-    endpoints (the contract, :mod:`hpcml.contract`). None: streaming when ``run()`` has
-    simulations; False: it reads files (offline)."""
+    endpoints (the contract, :mod:`hpcml.contract`). None: streaming only when ``run()`` is
+    given a ``ready_file``; False: it reads files (offline). A simulation whose training job
+    takes no stream and that makes a Producer fails at once, not retried, naming this."""
     steps: int | None = None
     """Gradient steps, handed to the trainer in the contract (None: the trainer's own)."""
     batch: int | None = None

@@ -196,11 +196,13 @@ class Producer:
         ``HPCML_STREAM_WAIT_S`` (120 s) -- an earlier run's file is never used. ``comm`` is the
         simulation's communicator."""
         c = contract or Contract.from_env()
-        if not c.streams:
-            raise ConfigError(f"campaign {c.campaign!r} gives this simulation no stream (no secret or endpoints "
-                              f"file: {ENV['secret_file']}, {ENV['endpoints_file']}); the campaign's training job "
-                              f"does not take a stream")
         sim = _env_int(ENV_SIM_ID) if sim_id is None else sim_id
+        if not c.streams:  # the same in every attempt: recorded as final, so the campaign retries nothing
+            text = (f"simulation {sim}: campaign {c.campaign!r} gives it no stream (no {ENV['secret_file']} or "
+                    f"{ENV['endpoints_file']}): its training job takes none -- give it TrainingJob(stream=True), "
+                    f"or write files instead of using a Producer")
+            write_final_error(text, sim, _env_int(ENV_ATTEMPT, 0) if attempt is None else attempt)
+            raise ConfigError(text)
         _, endpoints = read_endpoints(c.endpoints_file, timeout_s=float(os.environ.get("HPCML_STREAM_WAIT_S", "120")),
                                       contract=c)
         return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),

@@ -107,7 +107,8 @@ class StreamServer(SampleSource):
         c = contract or Contract.from_env()
         if not c.streams:
             raise ConfigError(f"the campaign {c.campaign!r} gives this trainer no stream (no secret or endpoints "
-                              f"file): its simulations do not stream to it (TrainingJob(stream=False))")
+                              f"file): its TrainingJob takes no stream (stream=False, or None without a ready_file): "
+                              f"give it TrainingJob(stream=True) for its simulations to stream to it")
         host = config.pop("host", None) or c.stream_host or (
             interface_address(c.stream_interface) if c.stream_interface else "127.0.0.1")
         port = config.pop("port", 0) or _published_port(c, rank, n_trainers)

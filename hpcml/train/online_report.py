@@ -92,8 +92,8 @@ def problems(summary: dict, stats: list[dict], steps: int, *, batch: int = 1, bu
             continue  # said once below, naming them
         if expected and not any(expected.values()):
             out.append(f"trainer rank {r} received no sample: the {len(expected)} completed simulation(s) routed to "
-                       f"it ({sorted(int(k) for k in expected)[:_LISTED]}) streamed none (a simulation run without "
-                       f"its stream, e.g. without --stream, sends nothing)")
+                       f"it ({sorted(int(k) for k in expected)[:_LISTED]}) streamed none: each ended having sent 0 "
+                       f"samples (no output step reached, or run without its stream, e.g. without --stream)")
         else:
             out.append(f"trainer rank {r} received no sample")
     dropped = {k: n for k, n in summary["dropped_messages"].items() if k not in BENIGN_DROPS}

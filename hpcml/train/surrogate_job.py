@@ -74,7 +74,8 @@ def train_surrogate(model, *, params: Sequence[str], fields: Sequence[str], scal
     ``shape``: the simulation's grid (as ``ServerConfig.shape``). It bounds what one producer
     connection may make a trainer hold to a few samples; without it the bound is ``hwm``
     samples of ``max_sample_bytes`` (8 GiB, and the server says so), and the first sample
-    fixes the grid. ``population``: a
+    fixes the grid. Without ``online``, it checkpoints every ``steps // 20`` steps (at least 1):
+    a relaunched trainer loses at most a twentieth of its steps. ``population``: a
     :class:`~hpcml.train.population_online.PopulationConfig`, K members in this job, each
     training on its own simulations, selected by tournaments or PBT (docs/populations.md).
     """
@@ -170,6 +171,11 @@ def _run(model, c: Contract, *, params, fields, scales, steps, batch, config, bu
     if population is not None and (population.tournament or population.pbt) and not val_files:
         raise ConfigError("train_surrogate(population=...) selects members by their held-out error: give val_files "
                           "(the campaign's held-out simulations' files)")
+    lo = getattr(scales, "param_lo", None)
+    if lo is not None and len(lo) != len(params):  # every rank alike, before any collective
+        raise ConfigError(f"train_surrogate(scales=FieldScales(param_lo={tuple(lo)}, ...)): {len(lo)} bounds for the "
+                          f"{len(params)} parameter(s) {list(params)}: expected one (lo, hi) pair per parameter, in "
+                          f"params' order")
     grid = ProcessGrid(pop=population.members if population else 1, dp=-1)
     grid.init_torch()  # one rank per GPU with the device's backend; gloo on CPU
     if torch_threads:

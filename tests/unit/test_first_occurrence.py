@@ -39,3 +39,42 @@ def test_a_driver_whose_site_disagrees_with_its_batch_job_says_so():
         "on this node; pass a slurm site of this machine to use the job's nodes")
     assert site_mismatch(slurm, {"SLURM_JOB_ID": "12", "HPCML_SITE": "slurm-local"}) is None
     assert site_mismatch(local, {}) is None
+
+
+def test_a_producer_in_a_campaign_without_a_stream_is_refused_once_as_final(tmp_path, monkeypatch):
+    """A training job built without stream=True gives its simulations no stream: the first
+    attempt's Producer refuses, naming the fix, and records it so no retry launches."""
+    import pytest
+    from hpcml.contract import Contract
+    from hpcml.errors import ConfigError
+    from hpcml.stream.producer import Producer
+
+    sim = tmp_path / "sims" / "sim_00004"
+    sim.mkdir(parents=True)
+    monkeypatch.setenv("HPCML_STREAM_RECORD", str(sim / "attempt_0.stream.json"))
+    monkeypatch.setenv("HPCML_SIM_ID", "4")
+    monkeypatch.setenv("HPCML_ATTEMPT", "0")
+    with pytest.raises(ConfigError, match=r"^simulation 4: campaign 'c1' gives it no stream \(no HPCML_STREAM_SECRET_"
+                                          r"FILE or HPCML_STREAM_ENDPOINTS_FILE\): its training job takes none -- "
+                                          r"give it TrainingJob\(stream=True\), or write files instead"):
+        Producer.from_campaign(comm=None, params={"a": 1.0}, global_shape=(8,), offset=(0,), local_shape=(8,),
+                               contract=Contract(run_dir=str(tmp_path), campaign="c1"))
+    assert read_final_error(sim).startswith("simulation 4: campaign 'c1' gives it no stream")
+    retry = hpcml_sim(str(sim), 4, "mpiexec -n 2", ["sim.py"], 1, 5, parsl_resource_specification={})
+    assert retry == "exit 78" and not (sim / "attempt_1.start").exists()
+
+
+def test_train_surrogate_refuses_bounds_for_another_number_of_parameters_before_any_collective(tmp_path, capsys):
+    """Three (lo, hi) bounds for two parameters: one line naming both, exit 78 -- not numpy's
+    broadcast error from the first batch, after the simulations started."""
+    from hpcml.contract import Contract
+    from hpcml.train.fields import FieldScales
+    from hpcml.train.surrogate_job import train_surrogate
+
+    scales = FieldScales(param_lo=(0.0, 0.0, 0.0), param_hi=(1.0, 1.0, 1.0), t_max=1.0)
+    c = Contract(run_dir=str(tmp_path), campaign="c2")
+    assert train_surrogate(None, params=("nu", "amp"), fields=("u",), scales=scales, steps=2, batch=1,
+                           contract=c, files=[]) == 78
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train_surrogate: error: train_surrogate(scales=FieldScales(param_lo=(0.0, 0.0, 0.0), ...)): 3 bounds for the "
+        "2 parameter(s) ['nu', 'amp']: expected one (lo, hi) pair per parameter, in params' order")

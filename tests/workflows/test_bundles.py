@@ -80,9 +80,9 @@ def test_members_described_not_listed_run_once_each_and_are_the_same_campaign_as
 def test_a_bundled_members_deterministic_error_ends_the_campaign_naming_it(tmp_path):
     sims = [SimSpec(sim_id=i, params={"x": float(i), **({"bad": 1} if i == 3 else {})}, entry="my_members:member",
                     stream=False) for i in range(10)]
-    with pytest.raises(ConfigError, match=r"^simulation 3 failed on a deterministic error, not retried \(a retry or a "
-                                          r"resume would fail the same way\): ConfigError: params\['bad'\]=1: "
-                                          r"expected none$"):
+    with pytest.raises(ConfigError, match=r"^simulation 3 failed on a deterministic error, not retried \(a retry, or "
+                                          r"a resume before its cause is fixed, would fail the same way\): "
+                                          r"ConfigError: params\['bad'\]=1: expected none$"):
         _campaign(tmp_path, "bad").run(sims)
     rows = [json.loads(x) for x in (tmp_path / "bad" / "provenance.jsonl").read_text().splitlines()]
     assert [(r["attempt"], r["status"]) for r in rows if r["sim_id"] == 3] == [(0, "failed")]  # not retried

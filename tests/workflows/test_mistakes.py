@@ -85,8 +85,9 @@ def test_a_deterministic_mistake_ends_the_campaign_at_once_with_its_cause(tmp_pa
                      train_timeout_s=120)
     wall = time.monotonic() - t0
     text = str(e.value)
-    assert text.startswith("simulation ") and ("failed on a deterministic error, not retried (a retry or a "
-                                               "resume would fail the same way): simulation ") in text, text
+    assert text.startswith("simulation ") and ("failed on a deterministic error, not retried (a retry, or a resume "
+                                               "before its cause is fixed, would fail the same way): simulation "
+                                               ) in text, text
     assert cause in text, text
     assert "resume=True" not in text
     prov = [json.loads(x) for x in (run_dir / "provenance.jsonl").read_text().splitlines()]
