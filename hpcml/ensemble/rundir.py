@@ -50,6 +50,11 @@ logger = get_logger(__name__)
 IDENTITY_FILE = "campaign_id.json"
 #: What a campaign leaves in its run directory; without an identity file, an older version's run.
 STATE = ("campaign.json", "training.json", "provenance.jsonl", "sims_done.json", "metrics.jsonl", "checkpoints")
+#: The parts of a simulation's definition hashed apart, so a refused resume names what changed.
+PARTS = ("ids", "params", "argv")
+PART_NAMES = {"ids": "simulation ids", "params": "parameters", "argv": "argv"}
+#: The first simulation's definition is kept in the record up to this many characters of JSON.
+FIRST_MAX = 2048
 #: Written by one run for the other side; never read by another run (they carry their run id).
 #: The done record is also the simulations' record of a training-only run's campaign: it stays
 #: until a run with simulations starts (:func:`clear_done`).
@@ -79,20 +84,29 @@ def definition(sims: Sequence[SimSpec], training: TrainingJob | None, adaptive: 
     given (a training-only run defines no simulations); the training argv is recorded."""
     d: dict[str, Any] = {}
     h = hashlib.sha256(json.dumps(adaptive, sort_keys=True).encode() if adaptive is not None else b"")
+    parts, first = {name: hashlib.sha256() for name in PARTS}, None  # each part apart: a refusal names what changed
     if len(sims):  # the text json.dumps would give the sorted [id, params, argv] list, hashed a spec at a time
         ordered = sims.definitions() if isinstance(sims, Specs) else (
             (s.sim_id, dict(s.params), list(s.argv)) for s in sorted(sims, key=lambda s: s.sim_id))
+        argv, argv_text = None, ""
         for k, one in enumerate(ordered):
             try:
-                text = json.dumps(list(one), sort_keys=True, allow_nan=False)
+                if one[2] != argv:  # members share theirs ([]): written once
+                    argv, argv_text = one[2], json.dumps(one[2], allow_nan=False)
+                texts = [json.dumps(one[0]), json.dumps(one[1], sort_keys=True, allow_nan=False), argv_text]
             except (TypeError, ValueError) as e:  # a Members rule's parameters, met here first
                 raise ConfigError(f"simulation {one[0]}: params {one[1]!r} must be finite JSON values ({e})") from None
-            h.update((", " if k else "[").encode() + text.encode())
+            h.update((", " if k else "[").encode() + ("[" + ", ".join(texts) + "]").encode())
+            for name, text in zip(PARTS, texts):
+                parts[name].update(text.encode() + b"\n")
+            if k == 0 and sum(map(len, texts)) <= FIRST_MAX:
+                first = list(one)
         h.update(b"]")
-    if len(sims) and adaptive is None:
-        d["simulations"] = {"count": len(sims), "digest": h.hexdigest()[:16]}
-    if adaptive is not None:  # waves: the plan defines them (each one's spec.json pins it), and the fixed ones
-        d["simulations"] = {"adaptive": True, "digest": h.hexdigest()[:16], "count": adaptive.get("budget") + len(sims)}
+    if len(sims) or adaptive is not None:  # waves: the plan defines them (each one's spec.json pins it), and the fixed
+        d["simulations"] = {**({"adaptive": True} if adaptive is not None else {}), "digest": h.hexdigest()[:16],
+                            "count": len(sims) + (adaptive.get("budget") if adaptive is not None else 0),
+                            "parts": {name: p.hexdigest()[:16] for name, p in parts.items()},
+                            **({"first": first} if first is not None else {})}
     if training is not None:
         d["training"] = {"argv": list(training.argv)}
     return d
@@ -161,12 +175,39 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
     if (both or not now) and not resume:
         raise ConfigError(f"{where} holds campaign {cid} (started {rec.get('created', '?')}): resume it "
                           f"(resume=True) or use a new directory")
-    if "simulations" in both and rec["simulations"] != now["simulations"]:
+    if "simulations" in both and _defined(rec["simulations"]) != _defined(now["simulations"]):
         was, got = (f"{v['simulations']['count']} {'adaptive ' if v['simulations'].get('adaptive') else ''}"
                     f"simulations, digest {v['simulations']['digest']}" for v in (rec, now))
-        raise ConfigError(f"{where} holds campaign {cid}, defined with other simulations ({was}; given {got}): resume "
-                          f"it unchanged or use a new directory")
+        raise ConfigError(f"{where} holds campaign {cid}, defined with other simulations ({was}; given {got})"
+                          f"{_changed(rec['simulations'], now['simulations'])}: resume it unchanged or use a new "
+                          f"directory")
     return cid, True, {**rec, **now}  # a new part, or the training job's latest argv (e.g. more --steps)
+
+
+def _defined(sims: Any) -> tuple:
+    """What must match for two runs to be one campaign (a record written before ``parts`` existed too)."""
+    return (sims.get("count"), sims.get("digest"), bool(sims.get("adaptive"))) if isinstance(sims, dict) else (sims,)
+
+
+def _changed(was: Any, got: dict) -> str:
+    """Which parts of the simulations' definition differ, with the first simulation's old and new
+    values where they differ there ("" for a record without parts)."""
+    old = was.get("parts") if isinstance(was, dict) else None
+    if not isinstance(old, dict):
+        return ""
+    what = [name for name in PARTS if old.get(name) != got["parts"][name]]
+    text = ": other " + " and ".join(PART_NAMES[name] for name in what) if what else ""
+    a, b = was.get("first"), got.get("first")
+    if text and isinstance(a, list) and len(a) == 3 and b is not None and a[0] == b[0]:
+        for i, name in ((1, "params"), (2, "argv")):
+            if name in what and a[i] != b[i]:
+                return f"{text} (simulation {b[0]}'s {PART_NAMES[name]} {_short(a[i])}, now {_short(b[i])})"
+    return text
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 160 else r[:157] + "..."
 
 
 def _lock(run_dir: Path) -> None:

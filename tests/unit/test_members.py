@@ -134,11 +134,34 @@ def test_members_and_the_simspecs_they_describe_are_one_campaign():
     simulations are given: a run of Members resumes from a list of SimSpecs and back."""
     listed = [SimSpec(sim_id=i, params=_x(i), entry="p.m:f") for i in range(1000)]
     members = Members(entry="p.m:f", count=1000, params=_x)
-    want = {"simulations": {"count": 1000, "digest": definition(listed, None)["simulations"]["digest"]}}
+    want = definition(listed, None)
     assert definition(Specs([members]), None) == want
     assert definition(Specs(listed[::-1]), None) == want  # listed in any order
-    assert definition([SimSpec(sim_id=i, params={"x": float(i)}, entry="p.m:f") for i in range(5)], None) == {
-        "simulations": {"count": 5, "digest": "f8d9725c3e60b45e"}}  # the digest before issue 39's Specs
+    five = definition([SimSpec(sim_id=i, params={"x": float(i)}, entry="p.m:f") for i in range(5)], None)
+    assert (five["simulations"]["count"], five["simulations"]["digest"]) == (5, "f8d9725c3e60b45e")  # the digest
+    # before issue 39's Specs: run directories written since resume
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"argv": ["sim.py", "--steps", "20"]}, r": other argv \(simulation 0's argv \['sim.py', '--steps', '10'\], now "
+                                            r"\['sim.py', '--steps', '20'\]\): resume it unchanged"),
+    ({"params": {"nu": 0.5}}, r": other parameters \(simulation 0's parameters \{'nu': 0.1\}, now \{'nu': 0.5\}\)"),
+    ({"sim_id": 7}, r": other simulation ids and parameters: resume it"),  # in id order: the first is another
+])
+def test_a_resume_with_other_simulations_is_refused_naming_what_changed(tmp_path, change, named):
+    from hpcml.ensemble import rundir
+
+    def sims(**first):
+        spec = {"sim_id": 0, "params": {"nu": 0.1}, "argv": ["sim.py", "--steps", "10"], **first}
+        return [SimSpec(**spec), SimSpec(sim_id=1, params={"nu": 0.2}, argv=["sim.py", "--steps", "10"])]
+
+    rundir.claim(tmp_path, sims(), None, resume=False)
+    rundir.release(tmp_path)
+    rundir.claim(tmp_path, sims(), None, resume=True)  # unchanged: the same campaign
+    rundir.release(tmp_path)
+    with pytest.raises(ConfigError, match=r"defined with other simulations \(2 simulations, digest \w+; given 2 "
+                                          r"simulations, digest \w+\)" + named):
+        rundir.claim(tmp_path, sims(**change), None, resume=True)
 
 
 # -- the Book ---------------------------------------------------------------------------------

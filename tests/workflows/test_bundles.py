@@ -73,7 +73,8 @@ def test_members_described_not_listed_run_once_each_and_are_the_same_campaign_as
     assert (again.status, again.skipped, again.attempts[3]) == ("ok", [*range(30), 100], 0)
     other = Members(entry="my_members:member", count=30, params=lambda i: {"x": float(i) + 1}, stream=False)
     with pytest.raises(ConfigError, match=r"holds campaign .*, defined with other simulations \(31 simulations, "
-                                          r"digest \w+; given 31 simulations, digest \w+\): resume it unchanged"):
+                                          r"digest \w+; given 31 simulations, digest \w+\): other parameters "
+                                          r"\(simulation 0's parameters \{'x': 0.0\}, now \{'x': 1.0\}\): resume it"):
         _campaign(tmp_path, "run").run([other, extra], resume=True)
 
 
