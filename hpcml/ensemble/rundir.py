@@ -157,6 +157,8 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
         rec = safeio.read_json(path, 1 << 20)
         if rec is not None and not isinstance(rec.get("campaign_id"), str):
             raise ConfigError(f"{path}: no campaign_id")
+        if rec is not None and not isinstance(rec.get("simulations", {}), dict):
+            raise ConfigError(f"{path}: simulations={str(rec['simulations'])[:40]}, expected an object")
     except ConfigError as e:
         raise ConfigError(f"{where}: {path.name} is unreadable ({e}); expected the campaign's id and definition: "
                           f"use a new directory") from None

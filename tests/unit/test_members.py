@@ -206,3 +206,17 @@ def test_a_campaign_result_of_id_sets_is_what_json_and_asdict_take():
     assert (d["completed"], d["cancelled"], d["skipped"], d["attempts"]) == ([1], [0, 2], [1], {0: 0, 1: 0, 2: 0})
     assert type(d["completed"]) is list and json.loads(json.dumps(d))["attempts"] == {"0": 0, "1": 0, "2": 0}
     assert repr(r.attempts) == "{0: 0, 1: 0, 2: 0}"
+
+
+def test_a_tampered_definition_in_the_run_directory_is_refused_in_one_line(tmp_path):
+    """The record is run-directory input others may write: another shape is a ConfigError, not a TypeError."""
+    from hpcml.ensemble import rundir
+
+    sims = [SimSpec(sim_id=0, params={"a": 1.0}, argv=["x"])]
+    rundir.claim(tmp_path, sims, None, resume=False)
+    rundir.release(tmp_path)
+    rec = json.loads((tmp_path / "campaign_id.json").read_text())
+    (tmp_path / "campaign_id.json").write_text(json.dumps({**rec, "simulations": [1, 2]}))
+    with pytest.raises(ConfigError, match=r"campaign_id.json is unreadable \(.*simulations=\[1, 2\], expected an "
+                                          r"object\); expected the campaign's id and definition: use a new directory$"):
+        rundir.claim(tmp_path, sims, None, resume=True)
