@@ -58,8 +58,8 @@ def test_a_run_directory_holds_one_campaign_and_refuses_another(tmp_path):
     other = [sims[0], SimSpec(sim_id=1, params={"alpha": 9.0}, argv=sims[1].argv)]
     with pytest.raises(ConfigError, match=rf"^run directory {run_dir} holds campaign {cid}, defined with other "
                                           r"simulations \(2 simulations, digest \w{16}; given 2 simulations, digest "
-                                          r"\w{16}\): resume it unchanged or use a new directory$"):
-        c.run(other, resume=True)
+                                          r"\w{16}\): other parameters: resume it unchanged or use a new directory$"):
+        c.run(other, resume=True)  # simulation 1's: the first simulation's are the same, so none are quoted
     assert {n: (run_dir / n).read_bytes() for n in kept} == kept  # nothing of the campaign was touched
     again = c.run(sims, resume=True)
     assert (again.campaign_id, again.skipped, again.completed, again.ok) == (cid, [0, 1], [0, 1], True)
