@@ -186,15 +186,15 @@ def _identity(run_dir: Path, sims: Sequence[SimSpec], training: TrainingJob | No
     return cid, True, {**rec, **now}  # a new part, or the training job's latest argv (e.g. more --steps)
 
 
-def _defined(sims: Any) -> tuple:
+def _defined(sims: dict) -> tuple:
     """What must match for two runs to be one campaign (a record written before ``parts`` existed too)."""
-    return (sims.get("count"), sims.get("digest"), bool(sims.get("adaptive"))) if isinstance(sims, dict) else (sims,)
+    return sims.get("count"), sims.get("digest"), bool(sims.get("adaptive"))
 
 
-def _changed(was: Any, got: dict) -> str:
+def _changed(was: dict, got: dict) -> str:
     """Which parts of the simulations' definition differ, with the first simulation's old and new
     values where they differ there ("" for a record without parts)."""
-    old = was.get("parts") if isinstance(was, dict) else None
+    old = was.get("parts")
     if not isinstance(old, dict):
         return ""
     what = [name for name in PARTS if old.get(name) != got["parts"][name]]

@@ -65,6 +65,12 @@ def trainer_mismatch(info: dict, *, campaign: str, run: str, fields: Sequence[st
     return None
 
 
+def _final(text: str, sim: int, attempt: int) -> ConfigError:
+    """A deterministic mistake of simulation ``sim``: recorded for its campaign (no retry, the cause named)."""
+    write_final_error(text, sim, attempt)
+    return ConfigError(text)
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -136,9 +142,7 @@ class Producer:
 
     def _error(self, what: str) -> ConfigError:
         """A deterministic mistake: recorded for the campaign (no retry, the cause named), raised here."""
-        text = f"simulation {self.sim_id} rank {self.rank}: {what}"
-        write_final_error(text, self.sim_id, self.attempt)
-        return ConfigError(text)
+        return _final(f"simulation {self.sim_id} rank {self.rank}: {what}", self.sim_id, self.attempt)
 
     def _check(self) -> None:
         """Refuse now what the trainer's decoder and assembly would drop later (message.decode, server)."""
@@ -198,11 +202,10 @@ class Producer:
         c = contract or Contract.from_env()
         sim = _env_int(ENV_SIM_ID) if sim_id is None else sim_id
         if not c.streams:  # the same in every attempt: recorded as final, so the campaign retries nothing
-            text = (f"simulation {sim}: campaign {c.campaign!r} gives it no stream (no {ENV['secret_file']} or "
-                    f"{ENV['endpoints_file']}): its training job takes none -- give it TrainingJob(stream=True), "
-                    f"or write files instead of using a Producer")
-            write_final_error(text, sim, _env_int(ENV_ATTEMPT, 0) if attempt is None else attempt)
-            raise ConfigError(text)
+            raise _final(f"simulation {sim}: campaign {c.campaign!r} gives it no stream (no {ENV['secret_file']} or "
+                         f"{ENV['endpoints_file']}): its training job takes none -- give it TrainingJob(stream=True), "
+                         f"or write files instead of using a Producer",
+                         sim, _env_int(ENV_ATTEMPT, 0) if attempt is None else attempt)
         _, endpoints = read_endpoints(c.endpoints_file, timeout_s=float(os.environ.get("HPCML_STREAM_WAIT_S", "120")),
                                       contract=c)
         return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),
