@@ -210,11 +210,9 @@ def predict(lay: PlanLayout, constants: Constants | None = None) -> Prediction:
     return evaluate(load_model(lay.model), dev, constants or calibration.constants(dev), lay)
 
 
-def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True
-             ) -> Prediction:
-    """:func:`predict` with the model, device and constants resolved (the search's inner loop).
-    A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
-    tables are the only thing it sizes)."""
+def planned(cfg: TransformerConfig, dev: Device, lay: PlanLayout) -> tuple[TransformerConfig, bool, str | None]:
+    """The model as ``lay`` runs it (its block keys, a tied embedding's copy), whether the last stage
+    holds that copy, and the model's rule ``lay`` breaks (None if none)."""
     if cfg.n_layers > MAX_LAYERS:
         raise ConfigError(f"model n_layers {cfg.n_layers}: expected at most {MAX_LAYERS}")
     if lay.activation is not None or lay.norm is not None or lay.bias is not None or lay.positions is not None:
@@ -222,7 +220,21 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     rules_cfg, cfg, tied_copy, refused = tied(cfg, lay.framework, lay.tp, lay.pp, lay.model)
     if lay.precision == "fp8" and dev.fp8_tflops is None:
         raise ConfigError(f"precision fp8 on {dev.name}: it has no FP8 tensor cores (an H100 or H200 has)")
-    refused = refused or model_rules(rules_cfg, lay)
+    return cfg, tied_copy, refused or model_rules(rules_cfg, lay)
+
+
+def tokens_per_s(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout) -> float:
+    """:func:`evaluate`'s tokens/s alone (0 where the model's rules refuse ``lay``): the fit's inner loop."""
+    cfg, tied_copy, refused = planned(cfg, dev, lay)
+    return 0.0 if refused else lay.global_batch * lay.seq_len / step_time(cfg, lay, dev, c, tied_copy=tied_copy).step_s
+
+
+def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True
+             ) -> Prediction:
+    """:func:`predict` with the model, device and constants resolved (the search's inner loop).
+    A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
+    tables are the only thing it sizes)."""
+    cfg, tied_copy, refused = planned(cfg, dev, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
     mem = memory(cfg, lay, reserved_gib(c, lay.zero) * (1 << 30), dev.gpus_per_node)

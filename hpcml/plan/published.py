@@ -16,6 +16,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan.calibration import published
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.cases import Case
+from hpcml.plan.published_nanotron import nanotron_h100
 from hpcml.plan.published_nemo import (nemo_gpt3_175b, nemo_grok1_314b, nemo_llama31_8b, nemo_llama31_70b,
                                        nemo_llama31_405b, nemo_nemotron4_15b, nemo_nemotron4_340b)
 
@@ -213,7 +214,7 @@ TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, 
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
           "nemo-nemotron4-15b-h100": nemo_nemotron4_15b, "nemo-grok1-314b-h100": nemo_grok1_314b,
           "nemo-gpt3-175b-h100": nemo_gpt3_175b, "nemo-llama31-8b-h100": nemo_llama31_8b,
-          **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}}
+          **{name: (lambda n=name: llm_foundry(n)) for name in FOUNDRY}, "nanotron-h100": nanotron_h100}
 """Every table the planner is checked against, by name."""
 
 CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"],

@@ -159,6 +159,24 @@ def _node_aware_share(cfg: TransformerConfig, lay: PlanLayout, dev: Device, pp_r
     return cost(traffic.dp_bytes(cfg, lay, nodes, pp_rank)) / plain if plain > 0 else 1.0
 
 
+#: Megatron-core's gradient bucket, in parameters: ``max(40e6, 1e6 x dp x cp)`` by default
+#: (``DistributedDataParallelConfig.bucket_size``: "larger DP sizes need larger buckets").
+BUCKET_MIN, BUCKET_PER_RANK = 40e6, 1e6
+
+
+def _megatron_tail(lay: PlanLayout, st: RankState, ws: int, bw: float, c: Constants, grad_full: float,
+                   p_bytes: float) -> float:
+    """What of Megatron-core's data-parallel traffic nothing hides: the last bucket's reduction
+    (its gradients are the backward's last) and, at ZeRO-1, the first bucket's parameter gather
+    before the next forward. Buckets grow with the data-parallel size, so the exposed share does too."""
+    if ws <= 1 or st.compute_params <= 0:
+        return 0.0
+    share = min(1.0, max(BUCKET_MIN, BUCKET_PER_RANK * ws) / (st.compute_params / lay.v))
+    whole = lay.zero == 0
+    out = _ring(share * grad_full, ws, bw, c, 2.0 if whole else 1.0)
+    return out + (_ring(share * p_bytes, ws, bw, c, 1.0) if lay.zero == 1 else 0.0)
+
+
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, *, tied_copy: bool = False
               ) -> StepTime:
     """The step time of the slowest pipeline rank. Ranks sharing fewer cores (``dev.shared_cores``,
@@ -295,7 +313,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         # hpcml's DDP and DeepSpeed's BF16_Optimizer reduce after the last backward (DeepSpeed's
         # pipeline engine after its schedule): nothing hides them
         hide = m * compute_mb if lay.overlap else 0.0 if lay.framework in ("hpcml", "deepspeed") else backward_mb
-        dp = max(0.0, comm - c.dp_overlap * hide)
+        tail = _megatron_tail(lay, st, ws, dp_bw, c, grad_full, p_bytes) if lay.framework == "megatron" else 0.0
+        dp = tail + max(0.0, comm - tail - c.dp_overlap * hide)
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
     opt = opt_bytes / (dev.hbm_gbps * 1e9)

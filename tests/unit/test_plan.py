@@ -230,7 +230,7 @@ def test_torchtitan_h100_fits_and_memory():
     nvidia-h100's reserved constant, is within 5%. The only thing fitted on its throughput is the
     share of the SXM peak its parts run at, inside the range its source gives (NVL's 835 to SXM's
     989 TFLOPS); with the family's constants fitted with flash attention's own efficiency it
-    lands at 0.95 of the SXM peak, inside that range, and the rows are predicted 1% slow and 2%
+    lands at 0.92 of the SXM peak, inside that range, and the rows are predicted 2% slow and 1%
     fast there (held to that, not to the bar, so that a change moving them shows)."""
     from hpcml.plan import calibration
     from hpcml.plan.devices import device
@@ -241,12 +241,12 @@ def test_torchtitan_h100_fits_and_memory():
         p = predict(case.layout)
         assert p.fits and p.memory_gib["total"] == pytest.approx(case.memory_gib, rel=0.05), case.label
         errors.append(p.tokens_per_s / case.layout.gpus / case.tokens_per_gpu - 1)
-    assert [round(e, 2) for e in errors] == [-0.01, 0.02], errors
+    assert [round(e, 2) for e in errors] == [-0.02, 0.01], errors
     assert "torchtitan-h100" in MEMORY_CALIBRATION["nvidia-h100"]
     assert DEVICE_CALIBRATION == {"h100-96gb-500w": ["torchtitan-h100"]}
     raw = device("h100-96gb-500w")
     assert raw.sustained_range == pytest.approx((835 / 989, 1.0))
-    assert calibration.calibrated(raw).sustained == pytest.approx(0.95, abs=1e-4)
+    assert calibration.calibrated(raw).sustained == pytest.approx(0.92, abs=1e-4)
     assert calibration.calibrated(device("h100-80gb")).sustained == 1.0  # a part without a range is not touched
 
 
@@ -262,7 +262,7 @@ def test_a_sustained_share_outside_its_range_is_refused():
 
 def test_calibration_file_is_what_the_fit_gives():
     out = subprocess.run([sys.executable, "-m", "hpcml.plan.fit", "--check"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+                         cwd=ROOT, timeout=600)  # ~35 s: four starts a family, to convergence
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -276,8 +276,8 @@ def test_megatrons_main_gradients_are_held_in_the_reduce_dtype():
 
 def test_nemo_llama31_70b_table_is_held_out_and_priced():
     """NVIDIA's Llama 3.1 70B recipe (64-2,048 H100s, TP 4 x CP 2 x PP 4 x 5 virtual stages), held
-    out: every row fits as it ran; BF16 predicted 3-5% fast, FP8 12-17% fast (median 8.4%, p90
-    14.6%: docs/plan.md). With cuDNN's attention at FlashAttention-2's efficiency it was 7-12%
+    out: every row fits as it ran; BF16 predicted 3-6% fast, FP8 9-15% fast (median 7.5%, p90
+    13.1%: docs/plan.md). With cuDNN's attention at FlashAttention-2's efficiency it was 7-12%
     slow (median 10.7%), at the efficiency Megatron-core's table alone gave 2-9% slow."""
     import statistics
 
@@ -290,7 +290,7 @@ def test_nemo_llama31_70b_table_is_held_out_and_priced():
         assert p.fits
         errs.append(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1)
     bf16, fp8 = errs[::2], errs[1::2]
-    assert all(0 < e < 0.06 for e in bf16) and all(0.10 < e < 0.18 for e in fp8), errs
+    assert all(0 < e < 0.06 for e in bf16) and all(0.09 < e < 0.15 for e in fp8), errs
     assert statistics.median(abs(e) for e in errs) <= 0.10
 
 
@@ -299,7 +299,7 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
     cuDNN's kernel) and nothing else -- not FlashAttention-2 under Megatron (``attention:
     flash-attn``, as with ``NVTE_FUSED_ATTN=0``); it is fitted alone after the family's joint fit
     (``fit.STAGED``), on the fitted tables and NVIDIA's Llama 3.1 8B recipe
-    (``STAGED_CALIBRATION``), so the other constants are what they were without it: H100 0.62
+    (``STAGED_CALIBRATION``), so the other constants are what they were without it: H100 0.58
     against FlashAttention-2's 0.18; A100's tables run Megatron with its unfused softmax only, so
     it stays 0 (``attn_eff`` used)."""
     from hpcml.plan.calibration import constants
@@ -313,7 +313,7 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
                      sequence_parallel=True, framework="megatron")
     dev = resolve_device(lay)
     c = constants(dev)
-    assert (c.attn_eff_fused, c.attn_eff) == (0.62, 0.18)
+    assert (c.attn_eff_fused, c.attn_eff) == (0.58, 0.18)
     assert constants(resolve_device(replace(lay, gpu="a100-80gb"))).attn_eff_fused == 0.0
     plain = replace(c, attn_eff_fused=0.0)
     assert step_time(cfg, lay, dev, c).compute_s < step_time(cfg, lay, dev, plain).compute_s
@@ -328,8 +328,9 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
 def test_nemotron4_15b_table_is_read_as_published_and_meets_the_throughput_bars():
     """NVIDIA's Nemotron-4 15B recipe, held out: TP 4 on 16-2,048 H100s (4 to 512 data ranks), four
     micro-batches of 4 a replica, BF16 and FP8. Every row fits; median |error| <= 10%, p90 <= 25%.
-    Its MFU falls 4-5% from 16 to 2,048 GPUs while the planner's stays flat (docs/plan.md): the
-    within-table ranking is that of BF16 against FP8 alone, which this pins."""
+    Its MFU falls 4-5% from 16 to 2,048 GPUs; the planner's falls too, by Megatron-core's last
+    gradient bucket and first parameter gather, which grow with the data ranks and hide behind
+    nothing (``timing._megatron_tail``): the Spearman of MFU passes 0.6 (0.53 without it)."""
     from hpcml.plan.published import CALIBRATION
     from hpcml.plan.scoring import score_table
 
@@ -343,7 +344,7 @@ def test_nemotron4_15b_table_is_read_as_published_and_meets_the_throughput_bars(
     sc = score_table(cases)
     assert sc.fit_agrees == 1.0 and all(p.fits for p in sc.predictions)
     assert sc.median <= 0.10 and sc.p90 <= 0.25, sc.errors
-    assert 0.4 < sc.spearman_mfu < 0.6
+    assert sc.spearman_mfu >= 0.6, sc.spearman_mfu
 
 
 def test_nemos_optimizer_remainders_and_fp8_weights():

@@ -97,22 +97,25 @@ def test_node_bandwidth_sets_each_devices_share_off_the_node():
 def test_bloom_at_the_nccl_rate_measured_on_its_nodes_within_eleven_percent():
     """BigScience's all-reduce benchmark on the same A100 nodes (``all_reduce_bench-a100-n4.txt``:
     4 GB over 32 GPUs of 4 nodes, bus bandwidth 40.5 Gb/s = 5.06 GB/s): the node's network that
-    gives a ring of two members a node that rate in the planner's model is 5.06 / (2 x 0.9) x 8 =
-    22.5 GB/s, against the links' nominal 50. At it the three rows come within 11% (at 50: 29-30%
-    fast at the small batches), so the rows' residual is the site's NCCL over Omni-Path."""
+    gives a ring of two members a node that rate in the planner's model is 5.06 / (2 x comm_eff) x 8
+    GB/s (28.9 at the A100 family's fitted 0.7), against the links' nominal 50. At it the three rows
+    come within 11% (at 50: 16-20% fast at the small batches), so the rows' residual is the site's
+    NCCL over Omni-Path."""
     from hpcml.plan.published import bloom_176b
     from hpcml.plan.timing import _link
     from hpcml.plan import calibration
 
-    lay = replace(_bloom(), node_injection_gbps=22.5)
+    eff = calibration.constants(resolve_device(_bloom())).comm_eff
+    node = 5.06 / (2 * eff) * 8
+    lay = replace(_bloom(), node_injection_gbps=node)
     dev = resolve_device(lay)
-    ring = _link(dev, lay.dp, lay.tp) * calibration.constants(dev).comm_eff  # a dp ring: 2 members a node
-    assert ring == pytest.approx(5.06e9, rel=0.01)
-    errors = [predict(replace(c.layout, node_injection_gbps=22.5)).tokens_per_s / c.layout.gpus
+    ring = _link(dev, lay.dp, lay.tp) * eff  # a dp ring: 2 members a node
+    assert ring == pytest.approx(5.06e9, rel=0.01) and node < 40
+    errors = [predict(replace(c.layout, node_injection_gbps=node)).tokens_per_s / c.layout.gpus
               / c.tokens_per_gpu - 1 for c in bloom_176b()]
     assert all(abs(e) <= 0.11 for e in errors), errors
     nominal = [predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1 for c in bloom_176b()]
-    assert nominal[0] > 0.25 and nominal[1] > 0.25  # the table's own input: not met, as documented
+    assert nominal[0] > 0.15 and nominal[1] > 0.15  # the table's own input: not met, as documented
 
 
 def test_node_injection_gbps_from_the_command_line_layouts_and_calibrate(tmp_path):

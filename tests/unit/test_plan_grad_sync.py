@@ -65,9 +65,13 @@ def test_each_micro_batch_sends_a_reduce_scatter_more():
 
 def test_the_default_is_priced_as_torchtitan_prices_fsdp():
     """The data-parallel time of the default equals torchtitan's (the same collectives), and is more
-    than once a step's at 16 micro-batches."""
-    each, step = predict(_fsdp()), predict(_fsdp(grad_sync="step"))
-    titan = predict(_fsdp(framework="torchtitan"))
+    than once a step's at 16 micro-batches (none of it hidden here, so the sends are what differ)."""
+    from hpcml.plan.calibration import constants
+    from hpcml.plan.predict import resolve_device
+
+    c = replace(constants(resolve_device(_fsdp())), dp_overlap=0.0)
+    each, step = predict(_fsdp(), c), predict(_fsdp(grad_sync="step"), c)
+    titan = predict(_fsdp(framework="torchtitan"), c)
     assert each.parts_s['dp'] == pytest.approx(titan.parts_s['dp'], rel=1e-12)
     assert each.parts_s['dp'] > step.parts_s['dp'] and each.memory_gib["total"] < step.memory_gib["total"] - 20
 
