@@ -39,7 +39,13 @@ def nanotron_h100(measured_network: bool = False, comm_eff: float | None = None)
     """Every run of the table: those that ran with their tokens/s per GPU and peak reserved memory,
     the others as out of memory. ``measured_network``: each multi-node run priced on the network
     its job measured (its all-reduce bus bandwidth over ``comm_eff``, the share a ring moves), as
-    ``node_injection_gbps``; the table's own input is the device's."""
+    ``node_injection_gbps`` (default: the H100 family's fitted one); the table's own input is the device's.
+    Priced as Megatron runs it, so Megatron-core's bucket rule stands for nanotron's DDP buckets of 25 MB."""
+    if measured_network and comm_eff is None:
+        from hpcml.plan.calibration import constants
+        from hpcml.plan.devices import device
+
+        comm_eff = constants(device("h100-80gb")).comm_eff
     data = published("nanotron_ultrascale_h100_2025")
     shapes = {k: v for k, v in data["source"]["models"].items() if k != "source"}
     out = []

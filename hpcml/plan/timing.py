@@ -164,17 +164,47 @@ def _node_aware_share(cfg: TransformerConfig, lay: PlanLayout, dev: Device, pp_r
 BUCKET_MIN, BUCKET_PER_RANK = 40e6, 1e6
 
 
-def _megatron_tail(lay: PlanLayout, st: RankState, ws: int, bw: float, c: Constants, grad_full: float,
-                   p_bytes: float) -> float:
-    """What of Megatron-core's data-parallel traffic nothing hides: the last bucket's reduction
-    (its gradients are the backward's last) and, at ZeRO-1, the first bucket's parameter gather
-    before the next forward. Buckets grow with the data-parallel size, so the exposed share does too."""
-    if ws <= 1 or st.compute_params <= 0:
+def _chunk0_tensors(cfg: TransformerConfig, lay: PlanLayout, layers: tuple[int, ...], first: bool) -> list[float]:
+    """The parameters of a rank's first model chunk, one entry a tensor, in the forward's order
+    (the embedding first on the first stage), as one tp rank holds them."""
+    hd, tp = cfg.head_dim, lay.tp
+    out = [cfg.padded_vocab * cfg.dim / tp] if first else []
+    for i in layers:
+        if cfg.is_moe(i):
+            mlp = [3 * cfg.dim * (cfg.n_experts * cfg.expert_hidden + cfg.moe_shared_hidden) / (tp * lay.ep)]
+        else:
+            mlp = [(cfg.mlp_matrices - 1) * cfg.dim * cfg.hidden / tp, cfg.dim * cfg.hidden / tp]
+        out += [cfg.dim, cfg.dim * hd * (cfg.n_heads + 2 * cfg.kv_heads) / tp, cfg.n_heads * hd * cfg.dim / tp,
+                cfg.dim, *mlp]
+    return out
+
+
+def _last_bucket(tensors: list[float], bucket: float) -> float:
+    """Parameters in the last bucket Megatron-core reduces: it fills buckets from the last tensor
+    back and closes one once it holds ``bucket`` parameters, never splitting a tensor, so the last
+    holds the remainder and the first tensors (the whole embedding shard on the first stage)."""
+    fill = closed = 0.0
+    for n in reversed(tensors):
+        fill += n
+        if fill >= bucket:
+            closed, fill = fill, 0.0
+    return fill or closed
+
+
+def _megatron_tail(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, layers: tuple[int, ...], ws: int,
+                   bw: float, c: Constants, grad_per_param: float, param_bytes: float, shared: bool = False) -> float:
+    """What of Megatron-core's overlapped data-parallel traffic nothing hides: its last gradient
+    bucket's reduction (its gradients are the backward's last) and, at ZeRO-1, that bucket's
+    parameter gather before the next forward (the first it needs). Only a rank's first model chunk
+    is bucketed (the others reduce whole, behind the remaining chunks' backward); ``shared``: a tied
+    embedding under a pipeline, which Megatron-core puts in a bucket of its own."""
+    if ws <= 1 or not layers:
         return 0.0
-    share = min(1.0, max(BUCKET_MIN, BUCKET_PER_RANK * ws) / (st.compute_params / lay.v))
-    whole = lay.zero == 0
-    out = _ring(share * grad_full, ws, bw, c, 2.0 if whole else 1.0)
-    return out + (_ring(share * p_bytes, ws, bw, c, 1.0) if lay.zero == 1 else 0.0)
+    bucket = max(BUCKET_MIN, BUCKET_PER_RANK * ws)
+    tensors = _chunk0_tensors(cfg, lay, layers, pp_rank == 0)
+    last = tensors[0] if shared and pp_rank == 0 else _last_bucket(tensors, bucket)
+    out = _ring(last * grad_per_param, ws, bw, c, 2.0 if lay.zero == 0 else 1.0)
+    return out + (_ring(last * param_bytes, ws, bw, c, 1.0) if lay.zero == 1 else 0.0)
 
 
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, *, tied_copy: bool = False
@@ -192,12 +222,17 @@ def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants
         crit = step_time(cfg, lay, whole, replace(c, **fixed), tied_copy=tied_copy)
         busy = crit.step_s - crit.bubble_s
         return replace(crit, step_s=max(crit.step_s, busy / share))
-    worst = None
-    for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg)):
-        t = _rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r), tied_copy)
-        if worst is None or t.step_s > worst.step_s:
-            worst = t
-    assert worst is not None
+    times = [_rank_time(cfg, lay, dev, c, r, rank_state(cfg, lay, r), tied_copy)
+             for r in rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg))]
+    worst = max(times, key=lambda t: t.step_s)
+    if lay.pp > 1 and lay.framework == "megatron" and lay.overlap:
+        # a pipeline drains on its first rank: that rank's last bucket goes out after the slowest
+        # rank's schedule, whichever rank that is (the others' hide behind the drain)
+        first = times[0]
+        pipe = max(t.step_s - t.dp_s - t.optimizer_s for t in times)
+        drained = pipe + first.dp_s + first.optimizer_s
+        if drained > worst.step_s:
+            worst = replace(worst, step_s=drained, dp_s=first.dp_s, optimizer_s=first.optimizer_s)
     return worst
 
 
@@ -313,7 +348,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         # hpcml's DDP and DeepSpeed's BF16_Optimizer reduce after the last backward (DeepSpeed's
         # pipeline engine after its schedule): nothing hides them
         hide = m * compute_mb if lay.overlap else 0.0 if lay.framework in ("hpcml", "deepspeed") else backward_mb
-        tail = _megatron_tail(lay, st, ws, dp_bw, c, grad_full, p_bytes) if lay.framework == "megatron" else 0.0
+        tail = 0.0
+        if lay.framework == "megatron" and lay.overlap and st.compute_params > 0:  # buckets only when overlapped
+            tail = _megatron_tail(cfg, lay, pp_rank, stages[pp_rank], ws, dp_bw, c, grad_full / st.compute_params,
+                                  p_bytes / st.compute_params, shared=tied_copy)
         dp = tail + max(0.0, comm - tail - c.dp_overlap * hide)
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes

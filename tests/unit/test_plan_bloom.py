@@ -99,7 +99,7 @@ def test_bloom_at_the_nccl_rate_measured_on_its_nodes_within_eleven_percent():
     4 GB over 32 GPUs of 4 nodes, bus bandwidth 40.5 Gb/s = 5.06 GB/s): the node's network that
     gives a ring of two members a node that rate in the planner's model is 5.06 / (2 x comm_eff) x 8
     GB/s (28.9 at the A100 family's fitted 0.7), against the links' nominal 50. At it the three rows
-    come within 11% (at 50: 16-20% fast at the small batches), so the rows' residual is the site's
+    come within 11% (at 50: 20-22% fast at the small batches), so the rows' residual is the site's
     NCCL over Omni-Path."""
     from hpcml.plan.published import bloom_176b
     from hpcml.plan.timing import _link
