@@ -3,6 +3,7 @@ and in words why (what fills the memory, or where the step's time goes)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -312,10 +313,11 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
         try:
             d = safeio.parse_json(line, "a layout", max_depth=LINE_DEPTH, unique=True)
             if isinstance(d, dict) and isinstance(d.get("model"), str) and d["model"] not in PRESETS:
+                near = difflib.get_close_matches(d["model"], list(PRESETS), n=1)
                 raise ConfigError(f"model {d['model'][:80]!r}: a line of layouts names a preset "
-                                  f"({', '.join(list(PRESETS)[:4])}, ...: hpcml plan --help) or gives the config "
-                                  f"as an object; a config file's path goes in --model (a file of layouts never "
-                                  f"makes hpcml read another file)")
+                                  f"({'did you mean ' + repr(near[0]) + '? ' if near else ''}the presets: "
+                                  f"{', '.join(PRESETS)}) or gives the config as an object; a config file's path "
+                                  f"goes in --model (a file of layouts never makes hpcml read another file)")
             measured = pop_measured(d) if isinstance(d, dict) else None
             lay = PlanLayout.from_dict(d, **(defaults or {}))
             r = predict(lay).to_dict()

@@ -313,6 +313,15 @@ def test_a_file_of_layouts_never_makes_hpcml_read_another_file_nor_takes_a_key_t
                         {"gpu": "a100-80gb", "seq_len": 128, "global_batch": 16})
     assert out[0]["error"].startswith(f"model {str(secret)!r}: a line of layouts names a preset") and \
         "secret_key_name" not in out[0]["error"]
+    typo = predict_lines(['{"model": "llama3-8B", "gpus": 8}'], {"gpu": "a100-80gb", "seq_len": 128,
+                                                                  "global_batch": 16})[0]["error"]
+    assert "did you mean 'llama3-8b'?" in typo and "llama3-405b" in typo and "--help" not in typo
+    from hpcml.plan.devices import site_device
+
+    with pytest.raises(ConfigError, match=r"^unknown site 'perlmuter': known sites are .*perlmutter"):
+        site_device("perlmuter")
+    with pytest.raises(ConfigError, match=r"^site 'slurm-local' has no device the planner knows"):
+        site_device("slurm-local")
     assert out[1]["error"] == "a layout: not JSON (key(s) ['tp'] given twice in one object)"
     assert out[2]["error"] == "a layout: JSON nested more than 8 deep: refused before parsing"
     assert "error" not in out[3] and out[3]["step_s"] > 0

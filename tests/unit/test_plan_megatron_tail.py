@@ -42,7 +42,7 @@ def test_the_15b_recipes_exposed_time_is_its_embedding_bucket():
     dp_s = []
     for c in rows:
         lay = c.layout
-        dev, st = resolve_device(lay), rank_state(lay.model, lay, 0)
+        dev = resolve_device(lay)
         k, ws = constants(dev), lay.dp * lay.cp
         last = timing._last_bucket(timing._chunk0_tensors(lay.model, lay, tuple(range(32)), True),
                                    max(40e6, 1e6 * ws))
