@@ -157,7 +157,20 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchRe
                 fitting += 1
                 scored.append(p)
     scored.sort(key=_faster)
-    return SearchResult(scored[:top], n + refused[0], fitting, refused[0])
+    best: list[Prediction] = []
+    for p in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same
+        if not any(_twin(p, q) for q in best):
+            best.append(p)
+            if len(best) == top:
+                break
+    return SearchResult(best, n + refused[0], fitting, refused[0])
+
+
+def _twin(p: Prediction, q: Prediction) -> bool:
+    """``p`` is ``q`` but for its ZeRO stage, with the same step time and memory (ZeRO-2 and -3
+    under a pipeline, whose stages gather once a step either way)."""
+    return p.step_s == q.step_s and p.memory_gib == q.memory_gib and p.layout.zero != q.layout.zero \
+        and p.layout.unchecked(zero=q.layout.zero) == q.layout
 
 
 def _fits(p: Prediction, dev: Device, headroom: float) -> bool:

@@ -58,3 +58,23 @@ def test_when_no_micro_batch_fits_the_answer_is_at_1_and_says_so(capsys):
     rc, text = _plan(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "8192",
                      "--global-batch", "8", "--tp", "8")
     assert rc == 1 and " mb 1 " in text and "OOM" in text and text.endswith("(no micro-batch fits: shown at 1)")
+
+
+def test_a_search_lists_a_layout_once_whatever_zero_stage_prices_it_the_same():
+    """Under a pipeline ZeRO-2 and ZeRO-3 gather once a step alike: the same layout at either is
+    priced the same, and a search lists it once (a newcomer saw two of five rows repeat)."""
+    from dataclasses import replace as _replace
+
+    from hpcml.plan.candidate import PlanLayout
+    from hpcml.plan.predict import predict
+    from hpcml.plan.search import search
+
+    base = PlanLayout(model="llama3-70b", gpus=256, gpu="h100-80gb", seq_len=8192, global_batch=1024)
+    best = search(base, headroom=0.1).best
+    keys = [(p.layout.tp, p.layout.cp, p.layout.pp, p.layout.micro_batch, p.layout.recompute, p.step_s)
+            for p in best]
+    assert len(best) == 5 and len(set(keys)) == 5
+    piped = [p for p in best if p.layout.pp > 1 and p.layout.zero == 2]
+    assert piped  # the twin exists and is priced alike: without the rule it would be listed too
+    twin = predict(_replace(piped[0].layout, zero=3))
+    assert twin.fits and twin.step_s == piped[0].step_s and twin.memory_gib == piped[0].memory_gib
