@@ -315,17 +315,22 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
     results = predict_lines(lines, given)
     if not results:  # nothing predicted is no success
         raise ConfigError(f"--layouts {args.layouts}: no layout in it (one JSON object a line)")
-    for r in results:
-        if args.json:
-            print(json.dumps(r))
-        elif "error" in r:
-            print(f"line {r['line']}: {r['error']}")
-        else:
-            vs = f" (measured {r['measured_step_s']:.4g} s: {r['step_error']:+.1%})" \
-                if r.get("step_error") is not None else ""
-            print(f"{r['fits']!s:5} {r['tokens_per_s']:>12.5g} tok/s mfu {r['mfu']:.3f} "
-                  f"{r['memory_gib'].get('total', 0):7.1f} GiB {r['why']}{vs}")
+    numbers = [n for n, line in enumerate(lines, 1) if line.strip()]  # predict_lines answers these, in order
+    for n, r in zip(numbers, results):
+        err = r.get("step_error")
+        vs = f" (measured {r['measured_step_s']:.4g} s: {err:+.1%})" if err is not None else ""
+        print(json.dumps(r) if args.json else f"line {r['line']}: {r['error']}" if "error" in r
+              else f"line {n}: {_verdict(_shape(r['layout']), r)}{vs}")
     return 1 if any("error" in r for r in results) else 0
+
+
+def _shape(lay: dict) -> str:
+    """A layout's degrees and options in a line (a layouts line's and a search's alike)."""
+    dp = lay["gpus"] // (lay["tp"] * lay["pp"] * lay["cp"])
+    return (f"tp {lay['tp']} cp {lay['cp']} pp {lay['pp']} dp {dp}" + (f" ep {lay['ep']}" if lay["ep"] > 1 else "")
+            + f" zero {lay['zero']} mb {lay['micro_batch']} recompute {lay['recompute']}"
+            + (" sp" if lay["sequence_parallel"] else "") + (f" {lay['schedule']}" if lay["pp"] > 1 else "")
+            + (f" fpdt {lay['fpdt_chunk']}" if lay["fpdt_chunk"] else ""))
 
 
 def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
@@ -372,9 +377,8 @@ def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: 
         run, pop = emit(lay), ["--pop", str(members), *every] if members > 1 else []
     if args.emit == "job":
         print(emit_job(lay, args.walltime or "01:00:00", steps=args.steps, account=args.account,
-                       ckpt_dir=args.ckpt_dir or "checkpoints",
-                       ckpt_every=args.ckpt_every, data=args.data, step_s=step_s, site=args.job_site,
-                       members=members, population=pop, run=run))
+                       ckpt_dir=args.ckpt_dir or "checkpoints", ckpt_every=args.ckpt_every, data=args.data,
+                       step_s=step_s, site=args.job_site, members=members, population=pop, run=run))
     else:
         extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
         print(shlex.join([*run, *pop, *extra]))
@@ -382,12 +386,13 @@ def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: 
 
 
 def _line(p) -> str:
-    lay = p.layout
-    shape = (f"tp {lay.tp} cp {lay.cp} pp {lay.pp} dp {lay.dp}" + (f" ep {lay.ep}" if lay.ep > 1 else "")
-             + f" zero {lay.zero} mb {lay.micro_batch} recompute {lay.recompute}"
-             + (" sp" if lay.sequence_parallel else "") + (f" {lay.schedule}" if lay.pp > 1 else "")
-             + (f" fpdt {lay.fpdt_chunk}" if lay.fpdt_chunk else ""))
-    if not p.memory_gib:
-        return f"{shape}: {p.why}"
-    return (f"{shape}: {'fits' if p.fits else 'OOM '} {p.memory_gib['total']:.1f} GiB, step {p.step_s:.3g} s, "
-            f"{p.tokens_per_s:.4g} tok/s, MFU {p.mfu:.1%} -- {p.why}")
+    r = p.to_dict()
+    return _verdict(_shape(r["layout"]), r)
+
+
+def _verdict(shape: str, r: dict) -> str:
+    """A prediction in a line: does it fit, in how much, how fast, and why."""
+    if not r["memory_gib"]:
+        return f"{shape}: {r['why']}"
+    return (f"{shape}: {'fits' if r['fits'] else 'OOM '} {r['memory_gib']['total']:.1f} GiB, step {r['step_s']:.3g} s, "
+            f"{r['tokens_per_s']:.4g} tok/s, MFU {r['mfu']:.1%} -- {r['why']}")

@@ -78,3 +78,20 @@ def test_a_search_lists_a_layout_once_whatever_zero_stage_prices_it_the_same():
     assert piped  # the twin exists and is priced alike: without the rule it would be listed too
     twin = predict(_replace(piped[0].layout, zero=3))
     assert twin.fits and twin.step_s == piped[0].step_s and twin.memory_gib == piped[0].memory_gib
+
+
+def test_a_layouts_line_is_priced_as_written_and_its_answer_names_it(tmp_path, capsys):
+    """Without ``micro_batch`` a line is priced at 1 (the command line would pick the fastest that
+    fits); each answer names its line and its layout, blank lines counted, a measured step compared."""
+    from hpcml.cli import main as cli
+
+    f = tmp_path / "sweep.jsonl"
+    f.write_text('{"tp": 2}\n\n{"tp": 2, "micro_batch": 4, "step_s": 0.5}\n{"tp": 3}\n')
+    rc = cli(["plan", "--model", "mini", "--gpus", "4", "--gpu", "a100-80gb", "--seq-len", "128", "--global-batch",
+              "16", "--layouts", str(f)])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 1 and len(out) == 3  # line 4 is not a layout: exit 1, the others still answered
+    assert out[0].startswith("line 1: tp 2 cp 1 pp 1 dp 2 zero 0 mb 1 recompute none: fits ")
+    assert out[1].startswith("line 3: tp 2 cp 1 pp 1 dp 2 zero 0 mb 4 recompute none: fits ")
+    assert "(measured 0.5 s: " in out[1]
+    assert out[2] == "line 4: gpus 4 is not divisible by tp 3 x cp 1 x pp 1 = 3"
