@@ -7,9 +7,10 @@ from __future__ import annotations
 import re
 
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.plan.calibration import published
+from hpcml.plan.calibration import constants, published
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.cases import Case
+from hpcml.plan.devices import device
 
 TABLE = "nanotron-h100"
 _NAME = re.compile(r"^(?P<size>[0-9.]+G)_dp(?P<dp>\d+)_tp(?P<tp>\d+)_pp(?P<pp>\d+)_acc(?P<acc>[0-9.]+)"
@@ -42,9 +43,6 @@ def nanotron_h100(measured_network: bool = False, comm_eff: float | None = None)
     ``node_injection_gbps`` (default: the H100 family's fitted one); the table's own input is the device's.
     Priced as Megatron runs it, so Megatron-core's bucket rule stands for nanotron's DDP buckets of 25 MB."""
     if measured_network and comm_eff is None:
-        from hpcml.plan.calibration import constants
-        from hpcml.plan.devices import device
-
         comm_eff = constants(device("h100-80gb")).comm_eff
     data = published("nanotron_ultrascale_h100_2025")
     shapes = {k: v for k, v in data["source"]["models"].items() if k != "source"}

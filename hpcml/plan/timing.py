@@ -166,7 +166,11 @@ BUCKET_MIN, BUCKET_PER_RANK = 40e6, 1e6
 
 def _chunk0_tensors(cfg: TransformerConfig, lay: PlanLayout, layers: tuple[int, ...], first: bool) -> list[float]:
     """The parameters of a rank's first model chunk, one entry a tensor, in the forward's order
-    (the embedding first on the first stage), as one tp rank holds them."""
+    (the embedding first on the first stage), as one tp rank holds them -- Megatron-core's tensors,
+    not hpcml's own model's (``footprint.param_shapes``): its Transformer Engine layers fuse q, k, v
+    into one weight and the MLP's gate and up projections into another, and a bucket never splits a
+    tensor. The final norm and output layer of a one-chunk last stage are left out: they fill the
+    backward's first buckets, and move the last one's remainder only when a bucket outgrows them."""
     hd, tp = cfg.head_dim, lay.tp
     out = [cfg.padded_vocab * cfg.dim / tp] if first else []
     for i in layers:
