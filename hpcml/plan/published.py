@@ -167,6 +167,24 @@ def bloom_176b() -> list[Case]:
     return out
 
 
+def mtnlg_530b() -> list[Case]:
+    """Megatron-Turing NLG 530B on 2,240-3,360 A100s of Selene (DeepSpeed's pipeline engine and
+    ZeRO-1 with Megatron's tensor slicing: TP 8 x PP 35, 3 blocks a stage, data-parallel 8-12),
+    a global batch of 1,920 x 2,048 tokens: a second Megatron-DeepSpeed table beside BLOOM's, on
+    HDR InfiniBand rather than Omni-Path. GPT-3's blocks, full recompute, Megatron's fused
+    softmax, micro-batch 1 (unverified: the table's file says which of these its source gives)."""
+    h, heads, layers, vocab, seq, gbs = 20480, 128, 105, 50272, 2048, 1920
+    cfg = TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
+                            activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions="learned")
+    out = []
+    for nodes, step, _tflops in published("mtnlg_530b_a100_2022")["rows"]:
+        layout = PlanLayout(model=cfg, gpus=8 * nodes, gpu="a100-80gb", seq_len=seq, global_batch=gbs, micro_batch=1,
+                            tp=8, pp=35, zero=1, recompute="full", attention="eager", framework="deepspeed")
+        out.append(Case("mtnlg-530b-a100", f"530B x{8 * nodes}", layout, step_s=step,
+                        tokens_per_gpu=gbs * seq / (step * 8 * nodes)))
+    return out
+
+
 #: MPT shapes of llm-foundry's yamls (d_model, n_heads, n_layers)
 MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
        "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
@@ -210,7 +228,7 @@ def llm_foundry(name: str) -> list[Case]:
 
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
-          "bloom-176b-a100": bloom_176b, "nemo-llama31-405b-h100": nemo_llama31_405b,
+          "bloom-176b-a100": bloom_176b, "mtnlg-530b-a100": mtnlg_530b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
           "nemo-nemotron4-15b-h100": nemo_nemotron4_15b, "nemo-grok1-314b-h100": nemo_grok1_314b,
           "nemo-gpt3-175b-h100": nemo_gpt3_175b, "nemo-llama31-8b-h100": nemo_llama31_8b,
