@@ -11,7 +11,7 @@ from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
-from hpcml.plan.predict import LINE_DEPTH, predict, predict_lines, resolve_device
+from hpcml.plan.predict import LINE_DEPTH, numbered, predict, predict_lines, resolve_device
 from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, GRAD_SYNCS, LOSSES, MASTER_WEIGHTS,
                               NORMS, PIPELINE_SPLITS, POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
 
@@ -315,8 +315,7 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
     results = predict_lines(lines, given)
     if not results:  # nothing predicted is no success
         raise ConfigError(f"--layouts {args.layouts}: no layout in it (one JSON object a line)")
-    numbers = [n for n, line in enumerate(lines, 1) if line.strip()]  # predict_lines answers these, in order
-    for n, r in zip(numbers, results):
+    for (n, _), r in zip(numbered(lines), results, strict=True):  # predict_lines answers these, in order
         err = r.get("step_error")
         vs = f" (measured {r['measured_step_s']:.4g} s: {err:+.1%})" if err is not None else ""
         print(json.dumps(r) if args.json else f"line {r['line']}: {r['error']}" if "error" in r

@@ -112,14 +112,12 @@ def device(name: str) -> Device:
 def site_device(site: str) -> Device:
     """The device of ``site``, with the node facts its site file states (GPUs per node, memory,
     peak, node injection bandwidth shared by the node's devices)."""
-    if site not in SITE_DEVICE:
-        from hpcml.ensemble.site import load_site
+    from hpcml.ensemble.site import load_site
 
+    if site not in SITE_DEVICE:
         load_site(site)  # a name no site has: "unknown site", the known ones listed
         raise ConfigError(f"site {site!r} has no device the planner knows: expected one of {', '.join(SITE_DEVICE)} "
                           f"(or give --gpu)")
-    from hpcml.ensemble.site import load_site
-
     hw = load_site(site).hardware
     base = DEVICES[SITE_DEVICE[site]]
     return replace(base, name=f"{base.name}@{site}", gpus_per_node=hw.gpus_per_node,

@@ -298,15 +298,17 @@ def measured_step(lay: PlanLayout, key: str, value: float) -> float:
 LINE_DEPTH = 8
 
 
+def numbered(lines) -> list[tuple[int, str]]:
+    """A layouts file's lines that hold something, stripped, with their 1-based numbers (blank ones skipped)."""
+    return [(n, line.strip()) for n, line in enumerate(lines, 1) if line.strip()]
+
+
 def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
     """One prediction per JSON line, in order; a line that is not a valid layout gets
     ``{"error": "..."}`` in its place (the rest still run). A line with a measured ``step_s``
     or ``tokens_per_s`` also gets the prediction's error against it."""
     out = []
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
+    for n, line in numbered(lines):
         if len(line) > MAX_LINE:
             out.append({"line": n, "error": f"line of {len(line)} characters: expected at most {MAX_LINE}"})
             continue

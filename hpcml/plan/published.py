@@ -35,6 +35,13 @@ def megatron_flops(h: int, layers: int, seq: int, vocab: int, recompute: bool) -
     return k * layers * h * h * (1 + seq / (6 * h) + vocab / (v * layers * h))
 
 
+def gpt_blocks(h: int, heads: int, layers: int, vocab: int, seq: int, positions: str = "learned") -> TransformerConfig:
+    """GPT-3's blocks (GeLU MLP of 4h, LayerNorm, biases, tied embedding), as BLOOM, MT-NLG and MPT
+    build them; ``positions``: learned, or BLOOM's ALiBi."""
+    return TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
+                             activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions=positions)
+
+
 def sc21_table1() -> list[Case]:
     """Narayanan et al. SC'21 Table 1 (A100 80GB, fp16, full recompute, seq 2048, vocab 51,200)
     with the layouts of Megatron-LM's ``examples/sc21/run_table_1.sh``."""
@@ -156,8 +163,7 @@ def bloom_176b() -> list[Case]:
     than flash attention (``eager``), its nodes' 4 x 100 Gb/s Omni-Path (``node_injection_gbps`` 50 GB/s)."""
     out = []
     h, heads, layers, vocab, seq = 14336, 112, 70, 250880, 2048
-    cfg = TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
-                            activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions="alibi")
+    cfg = gpt_blocks(h, heads, layers, vocab, seq, positions="alibi")
     for gbs, mbs, tflops, step in published("bloom_176b_a100_2022")["rows"]:
         layout = PlanLayout(model=cfg, gpus=384, gpu="a100-80gb", node_injection_gbps=50, seq_len=seq, global_batch=gbs,
                             micro_batch=mbs, tp=4, pp=12, zero=1, recompute="full", attention="eager",
@@ -174,8 +180,7 @@ def mtnlg_530b() -> list[Case]:
     HDR InfiniBand rather than Omni-Path. GPT-3's blocks, full recompute, Megatron's fused
     softmax, micro-batch 1 (unverified: the table's file says which of these its source gives)."""
     h, heads, layers, vocab, seq, gbs = 20480, 128, 105, 50272, 2048, 1920
-    cfg = TransformerConfig(vocab_size=vocab, dim=h, n_heads=heads, n_layers=layers, max_seq_len=seq, ffn_hidden=4 * h,
-                            activation="gelu", norm="layernorm", bias=True, tie_embeddings=True, positions="learned")
+    cfg = gpt_blocks(h, heads, layers, vocab, seq)
     out = []
     for nodes, step, _tflops in published("mtnlg_530b_a100_2022")["rows"]:
         layout = PlanLayout(model=cfg, gpus=8 * nodes, gpu="a100-80gb", seq_len=seq, global_batch=gbs, micro_batch=1,
@@ -213,9 +218,7 @@ def llm_foundry(name: str) -> list[Case]:
         if models is not None and r["model"] not in models:
             continue
         h, heads, layers = MPT[r["model"]]
-        cfg = TransformerConfig(vocab_size=50368, dim=h, n_heads=heads, n_layers=layers, max_seq_len=r["seq_len"],
-                                ffn_hidden=4 * h, activation="gelu", norm="layernorm", bias=True, tie_embeddings=True,
-                                positions="learned")
+        cfg = gpt_blocks(h, heads, layers, 50368, r["seq_len"])
         layout = PlanLayout(model=cfg, gpus=r["gpus"], gpu=gpu, seq_len=r["seq_len"], global_batch=r["global_batch"],
                             micro_batch=r["micro_batch"], zero=3, framework="torchtitan", loss="fused",
                             precision="fp8" if r["precision"] == "amp_fp8" else "bf16",
