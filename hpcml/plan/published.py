@@ -178,13 +178,15 @@ def mtnlg_530b() -> list[Case]:
     ZeRO-1 with Megatron's tensor slicing: TP 8 x PP 35, 3 blocks a stage, data-parallel 8-12),
     a global batch of 1,920 x 2,048 tokens: a second Megatron-DeepSpeed table beside BLOOM's, on
     HDR InfiniBand rather than Omni-Path. GPT-3's blocks, full recompute, Megatron's fused
-    softmax, micro-batch 1 (unverified: the table's file says which of these its source gives)."""
+    softmax, micro-batch 1 (unverified: the table's file says which of these its source gives);
+    16-bit gradients (``reduce_dtype`` bf16): it ran before DeepSpeed's BF16_Optimizer existed."""
     h, heads, layers, vocab, seq, gbs = 20480, 128, 105, 50272, 2048, 1920
     cfg = gpt_blocks(h, heads, layers, vocab, seq)
     out = []
     for nodes, step, _tflops in published("mtnlg_530b_a100_2022")["rows"]:
         layout = PlanLayout(model=cfg, gpus=8 * nodes, gpu="a100-80gb", seq_len=seq, global_batch=gbs, micro_batch=1,
-                            tp=8, pp=35, zero=1, recompute="full", attention="eager", framework="deepspeed")
+                            tp=8, pp=35, zero=1, recompute="full", attention="eager", framework="deepspeed",
+                            reduce_dtype="bf16")
         out.append(Case("mtnlg-530b-a100", f"530B x{8 * nodes}", layout, step_s=step,
                         tokens_per_gpu=gbs * seq / (step * 8 * nodes)))
     return out

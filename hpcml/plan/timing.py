@@ -14,7 +14,7 @@ from hpcml.plan import traffic
 from hpcml.plan.devices import Device
 from hpcml.plan.memory import saved_how, state_bytes, weight_bytes
 from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
-from hpcml.plan.candidate import PlanLayout
+from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
 
 
 #: Memory outside every count that a layout without FSDP keeps (communicator buffers, library
@@ -211,6 +211,30 @@ def _megatron_tail(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, layers
     return out + (_ring(last * param_bytes, ws, bw, c, 1.0) if lay.zero == 1 else 0.0)
 
 
+def _p2p(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, whole: float) -> float:
+    """A pipeline stage's sends and receives of one micro-batch (``whole``: its activation's bytes).
+    Each tensor-parallel rank holds the whole activation unless it is sequence-parallel; Megatron
+    (``scatter_gather_tensors_in_pipeline``, on by default) and DeepSpeed's engine (``pipe_partitioned``
+    under tp) send a 1/tp slice each and all-gather it over the tp group after each receive; torch's
+    pipelining sends it whole. Megatron pairs a send with a receive in one batched exchange, twice a
+    micro-batch; DeepSpeed's schedule makes them four blocking calls, one after the other
+    (``SendGrad`` then ``RecvActivation``, ``RecvGrad`` then ``SendActivation``)."""
+    split = lay.tp > 1 and not lay.sequence_parallel and lay.framework in MEGATRON_MODEL
+    sent = whole / lay.tp if lay.sequence_parallel or split else whole
+    one = sent / (_link(dev, lay.pp, lay.tp * lay.cp * lay.dp) * c.comm_eff) + c.latency_s
+    gather = _ring(whole, lay.tp, _link(dev, lay.tp, 1), c, 1.0) if split else 0.0
+    return 2 * one * (2 if lay.framework == "deepspeed" else 1) + 2 * gather
+
+
+def _bf16_accumulate(lay: PlanLayout, st: RankState, dev: Device) -> float:
+    """DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1, fp32 gradient accumulation) adds each micro-batch's
+    bf16 gradients into its fp32 copy after that backward (``update_hp_grads``: a bf16 read, an fp32
+    temporary written and read, the copy read and written: 18 bytes a parameter), on the stream."""
+    if lay.framework != "deepspeed" or lay.precision == "fp32" or lay.zero >= 2 or lay.reduce_dtype == "bf16":
+        return 0.0
+    return 18.0 * st.compute_params / (dev.hbm_gbps * 1e9)
+
+
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, *, tied_copy: bool = False
               ) -> StepTime:
     """The step time of the slowest pipeline rank. Ranks sharing fewer cores (``dev.shared_cores``,
@@ -280,7 +304,8 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
                           "full": mm + ew + sm, "selective": core, "selective-op": (mm - core) / 2 + ew + core}[mode]
     head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff) if n_stages - 1 in mine else 0.0
     full_layers = sum(n for i, n in kinds.items() if block_recompute(lay.recompute, i) == "full")
-    compute_mb = 3 * (fwd + head) + refwd + flash_bwd + c.block_s * (len(layers) + full_layers / 3)
+    compute_mb = 3 * (fwd + head) + refwd + flash_bwd + c.block_s * (len(layers) + full_layers / 3) \
+        + _bf16_accumulate(lay, st, dev)
     head_flops = 2 * cfg.dim * cfg.padded_vocab / lay.tp if n_stages - 1 in mine else 0.0
     flops_mb = 3 * tokens * (sum(n * layer_flops(cfg, i, lay.seq_len, lay.tp) for i, n in kinds.items()) + head_flops) \
         + _recompute_flops(cfg, lay, kinds, tokens)  # hardware FLOPs, recomputation included
@@ -311,10 +336,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         recomputed = sum(n for i, n in kinds.items() if cfg.is_moe(i) and block_recompute(lay.recompute, i) == "full")
         ep_mb = (4 * moe_layers + 2 * recomputed) * ((lay.ep - 1) / lay.ep * routed / (ep_bw * c.comm_eff)
                                                      + c.latency_s)
-    # pipeline: activations forward and gradients back at each stage boundary
-    pp_bw = _link(dev, lay.pp, lay.tp * lay.cp * lay.dp)
-    sent = tokens * cfg.dim * how.stream_bytes / (lay.tp if lay.sequence_parallel else 1)
-    pp_mb = 0.0 if lay.pp == 1 else len(mine) * 2 * (sent / (pp_bw * c.comm_eff) + c.latency_s)
+    pp_mb = 0.0 if lay.pp == 1 else len(mine) * _p2p(cfg, lay, dev, c, tokens * cfg.dim * how.stream_bytes)
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (lay.pp - 1) / lay.v * t_mb if lay.pp > 1 else 0.0
     pipe = m * t_mb + bubble

@@ -17,7 +17,7 @@ from hpcml.plan import PlanLayout, predict
 from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import resolve_device
 from hpcml.plan.published import CALIBRATION, DEVICE_CALIBRATION, MEMORY_CALIBRATION, TABLES, published
-from hpcml.plan.timing import step_time
+from hpcml.plan.timing import _rank_time, step_time
 from hpcml.plan.calibration import constants
 
 
@@ -42,15 +42,16 @@ def test_bloom_table_is_held_out_and_read_as_published():
 
 def test_bloom_rows_fit_and_the_full_pipeline_within_fifteen_percent():
     """Every row ran, and is predicted to fit; the full pipeline (128 micro-batches) within 15%.
-    The two small-batch rows are predicted 29-30% fast (42-46% before DeepSpeed's own gradient
-    sync was priced; docs/plan.md says why): the bound here keeps them from getting worse unnoticed."""
+    The two small-batch rows are predicted 11-16% fast (20-22% before DeepSpeed's pipeline sends and
+    BF16_Optimizer's accumulation were priced; docs/plan.md says why): the bound here keeps them
+    from getting worse unnoticed."""
     errors = []
     for c in TABLES["bloom-176b-a100"]():
         p = predict(c.layout)
         assert p.fits and p.memory_gib["total"] < 79
         errors.append(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1)
     assert abs(errors[2]) <= 0.15, errors
-    assert all(0 < e <= 0.35 for e in errors[:2]), errors
+    assert all(0 < e <= 0.20 for e in errors[:2]), errors
 
 
 def test_tied_embedding_under_a_pipeline_is_priced_as_megatron_runs_it():
@@ -88,7 +89,11 @@ def test_node_bandwidth_sets_each_devices_share_off_the_node():
     assert resolve_device(replace(lay, gpus_per_node=4)).inter_gbps == pytest.approx(50 / 4)
     slow, fast = predict(lay), predict(replace(lay, node_injection_gbps=200))
     assert slow.parts_s["dp"] > fast.parts_s["dp"] and slow.parts_s["pp_p2p"] > fast.parts_s["pp_p2p"]
-    assert slow.parts_s["compute"] == fast.parts_s["compute"]
+    quick = replace(lay, node_injection_gbps=200)
+    for r in (0, 5, lay.pp - 1):  # each rank's compute is the network's business of none (the slowest may change)
+        st = rank_state(lay.model, lay, r)
+        assert _rank_time(lay.model, lay, dev, constants(dev), r, st).compute_s == _rank_time(
+            lay.model, quick, resolve_device(quick), constants(dev), r, st).compute_s
     for bad in (0, 0.05, -400, float("nan"), float("inf"), "400", True, 1e5):
         with pytest.raises(ConfigError, match=r"node_injection_gbps=.*: expected GB/s \(bytes\) in \[0.1, 10000\]"):
             replace(lay, node_injection_gbps=bad)
@@ -99,7 +104,7 @@ def test_bloom_at_the_nccl_rate_measured_on_its_nodes_within_eleven_percent():
     4 GB over 32 GPUs of 4 nodes, bus bandwidth 40.5 Gb/s = 5.06 GB/s): the node's network that
     gives a ring of two members a node that rate in the planner's model is 5.06 / (2 x comm_eff) x 8
     GB/s (28.9 at the A100 family's fitted 0.7), against the links' nominal 50. At it the three rows
-    come within 11% (at 50: 20-22% fast at the small batches), so the rows' residual is the site's
+    come within 11% (at 50: 11-16% fast at the small batches), so the rows' residual is the site's
     NCCL over Omni-Path."""
     from hpcml.plan.published import bloom_176b
     from hpcml.plan.timing import _link
@@ -115,7 +120,8 @@ def test_bloom_at_the_nccl_rate_measured_on_its_nodes_within_eleven_percent():
               / c.tokens_per_gpu - 1 for c in bloom_176b()]
     assert all(abs(e) <= 0.11 for e in errors), errors
     nominal = [predict(c.layout).tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1 for c in bloom_176b()]
-    assert nominal[0] > 0.15 and nominal[1] > 0.15  # the table's own input: not met, as documented
+    assert sorted(nominal)[1] > 0.10 and all(n > e for n, e in zip(nominal, errors))  # the links' nominal rate:
+    # the median not met, as documented
 
 
 def test_node_injection_gbps_from_the_command_line_layouts_and_calibrate(tmp_path):

@@ -35,8 +35,9 @@ def test_mtnlg_fits_and_is_predicted_as_fast_as_megatron_lm_ran_the_same_shape()
     """Every row fits (under 40 GiB, whichever A100 it ran on). SC'21's 530B row is the same model
     and the same tp 8 x pp 35 on the same machine under Megatron-LM: 37.9 tokens/s a GPU, 1.30x
     MT-NLG's 2,240-GPU row (a 2% smaller bubble of that). The planner prices DeepSpeed's pipeline
-    engine as Megatron's (within 7% on SC'21's row), so MT-NLG's rows come out 17-28% fast, as
-    BLOOM's do on Omni-Path: docs/plan.md. The bounds keep the gap from growing unnoticed."""
+    engine as its source runs it (four blocking sends a micro-batch; within 7% on SC'21's row under
+    Megatron's), and MT-NLG's rows still come out 17-28% fast: docs/plan.md. The bounds keep the
+    gap from growing unnoticed."""
     cases = TABLES["mtnlg-530b-a100"]()
     sc21 = next(c for c in TABLES["sc21-table1"]() if c.layout.gpus == 2520)
     assert (sc21.layout.model.dim, sc21.layout.model.n_layers, sc21.layout.tp, sc21.layout.pp) == (20480, 105, 8, 35)
