@@ -88,3 +88,20 @@ def test_mtnlg_ran_before_the_bf16_optimizer_existed():
     the optimizer named in its README) with the fp32 copy."""
     assert {c.layout.reduce_dtype for c in TABLES["mtnlg-530b-a100"]()} == {"bf16"}
     assert {c.layout.reduce_dtype for c in TABLES["bloom-176b-a100"]()} == {"fp32"}
+
+
+def test_sends_scale_with_the_chunks_a_rank_holds_and_the_tokens_a_cp_rank_has():
+    """Interleaved: each of a rank's v chunks sends and receives once a micro-batch each way, so a
+    middle rank's send time is v times 1F1B's; context parallelism: a rank sends its 1/cp of the
+    sequence (the same link: one device's share of its node)."""
+    base = _lay(framework="megatron", sequence_parallel=True, global_batch=768, micro_batch=1)  # 96 micro-batches
+    one = _rank(base)[0].pp_s
+    two = _rank(replace(base, schedule="interleaved1f1b", stages_per_rank=2))[0].pp_s
+    assert two == pytest.approx(2 * one, rel=1e-12)
+    cp2 = replace(base, cp=2, gpus=base.gpus * 2)
+    t, dev, c, _ = _rank(cp2)
+    m = cp2.microbatches
+    sent = cp2.micro_batch * cp2.seq_len / 2 * cp2.model.dim * 2 / cp2.tp
+    assert t.pp_s == pytest.approx(m * 2 * (sent / (_link(dev, cp2.pp, cp2.tp * 2 * cp2.dp) * c.comm_eff)
+                                            + c.latency_s), rel=1e-12)
+    assert t.pp_s < one
