@@ -179,6 +179,12 @@ class Memory:
                 "total": self.total / g}
 
 
+def fp32_grad_copy(lay: PlanLayout) -> bool:
+    """Whether DeepSpeed's ``BF16_Optimizer`` runs ``lay`` (ZeRO 0-1 in bf16, gradients reduced in
+    fp32): it keeps a whole fp32 copy of the gradients and adds each micro-batch's bf16 ones into it."""
+    return lay.framework == "deepspeed" and lay.precision != "fp32" and lay.zero < 2 and lay.reduce_dtype != "bf16"
+
+
 def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes: torch's fp32 Adam (two moments and a ``step``
     per tensor: hpcml, torchtitan, and Megatron's FSDP); Megatron's bf16 weights, main gradients
@@ -195,7 +201,7 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
                 (10.0 if lay.master_weights == "remainder" else 12.0) * st.optimizer)
     if lay.framework == "deepspeed" and lay.precision != "fp32":
         if lay.zero < 2:
-            return 2.0 * st.params, (2.0 if lay.reduce_dtype == "bf16" else 6.0) * st.grads, 12.0 * st.optimizer
+            return 2.0 * st.params, (6.0 if fp32_grad_copy(lay) else 2.0) * st.grads, 12.0 * st.optimizer
         return 2.0 * (st.compute_params if lay.zero == 2 else st.params), 4.0 * st.grads, 12.0 * st.optimizer
     return 4.0 * st.params, 4.0 * st.grads, 8.0 * st.optimizer + 4.0 * st.tensors
 

@@ -12,7 +12,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
 from hpcml.plan import traffic
 from hpcml.plan.devices import Device
-from hpcml.plan.memory import saved_how, state_bytes, weight_bytes
+from hpcml.plan.memory import fp32_grad_copy, saved_how, state_bytes, weight_bytes
 from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
 
@@ -230,9 +230,7 @@ def _bf16_accumulate(lay: PlanLayout, st: RankState, dev: Device) -> float:
     """DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1, fp32 gradient accumulation) adds each micro-batch's
     bf16 gradients into its fp32 copy after that backward (``update_hp_grads``: a bf16 read, an fp32
     temporary written and read, the copy read and written: 18 bytes a parameter), on the stream."""
-    if lay.framework != "deepspeed" or lay.precision == "fp32" or lay.zero >= 2 or lay.reduce_dtype == "bf16":
-        return 0.0
-    return 18.0 * st.compute_params / (dev.hbm_gbps * 1e9)
+    return 18.0 * st.compute_params / (dev.hbm_gbps * 1e9) if fp32_grad_copy(lay) else 0.0
 
 
 def step_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, *, tied_copy: bool = False
