@@ -115,3 +115,20 @@ def nemo_llama31_8b() -> list[Case]:
             for gpus, gbs, bf16, fp8 in published("nemo_llama31_8b_h100_2024")["rows"]]
     return _megatron_recipe("nemo-llama31-8b-h100", 8192, rows, FP8_PARAMS, cp=2, cp_kind="allgather",
                             sequence_parallel=False, loss="fused")
+
+
+def nemotron4_15b(micro_batch: int = 1) -> list[Case]:
+    """Nemotron-4 15B's own pre-training (its report's Table 2: TP 8 and 96-288 data ranks on
+    768-2,304 H100s, 4 sequences of 4,096 a data rank, the distributed optimizer): data-parallel
+    traffic over one NIC a GPU at scale, as NeMo's stack of early 2024 ran it (the NeMo launcher's
+    config for the model: sequence parallelism, Apex's distributed Adam, its overlaps). The
+    micro-batch is not stated (``micro_batch``: 1, the planner's default; the launcher's is 2)."""
+    out = []
+    for dp, gpus, step, mfu, gbs in published("nemotron4_15b_h100_2024")["rows"]:
+        layout = PlanLayout(model=_nemotron4(6144, 48, 32), gpus=gpus, gpu="h100-80gb", seq_len=4096,
+                            global_batch=gbs, tp=8, micro_batch=micro_batch, zero=1, sequence_parallel=True,
+                            overlap=True, framework="megatron", **APEX_ADAM["bf16"])
+        assert layout.dp == dp, (layout.dp, dp)
+        out.append(Case("nemotron4-15b-h100", f"15B tp8 dp{dp} x{gpus}", layout, step_s=step,
+                        tokens_per_gpu=4096 * gbs / step / gpus, notes={"mfu": mfu / 100}))
+    return out

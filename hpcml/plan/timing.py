@@ -57,7 +57,8 @@ class Constants:
     """Per collective call."""
     dp_overlap: float = 0.5
     """Share of the compute that data-parallel traffic can hide behind (the last micro-batch's
-    backward for DDP buckets, each micro-batch for FSDP's prefetch, all of them with ``overlap``)."""
+    backward for DDP buckets, each micro-batch for FSDP's prefetch; with ``overlap`` the schedule,
+    or under Megatron without a pipeline one micro-batch: its ``no_sync`` holds the others')."""
     tp_overlap: float = 0.6
     """Share of tensor-parallel traffic hidden behind the matmuls when the layout has ``overlap``."""
     step_overhead_s: float = 0.0
@@ -372,6 +373,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         # hpcml's DDP and DeepSpeed's BF16_Optimizer reduce after the last backward (DeepSpeed's
         # pipeline engine after its schedule): nothing hides them
         hide = m * compute_mb if lay.overlap else 0.0 if lay.framework in ("hpcml", "deepspeed") else backward_mb
+        if lay.overlap and lay.framework == "megatron" and lay.pp == 1:
+            # without a pipeline Megatron runs every micro-batch but the last under ``no_sync``: the gradients
+            # go out behind the last backward, the parameters come back behind the next step's first forward
+            hide = compute_mb if lay.zero == 1 else backward_mb
         tail = 0.0
         if lay.framework == "megatron" and lay.overlap and st.compute_params > 0:  # buckets only when overlapped
             tail = _megatron_tail(cfg, lay, pp_rank, stages[pp_rank], ws, dp_bw, c, grad_full / st.compute_params,
