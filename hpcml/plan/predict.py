@@ -41,6 +41,12 @@ def hf_dir(spec: str | TransformerConfig) -> Path | None:
 
 
 @lru_cache(maxsize=64)
+def near_preset(name: str) -> str:
+    """``"did you mean 'x'? "`` for the preset nearest a misspelt ``name``, or ``""``."""
+    near = difflib.get_close_matches(name[:200], list(PRESETS), n=1)
+    return f"did you mean {near[0]!r}? " if near else ""
+
+
 def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | None]:
     """:func:`load_model` and :func:`hf_dir` at once: each file is read once."""
     if isinstance(spec, TransformerConfig):
@@ -51,8 +57,8 @@ def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | No
 
     path = Path(spec)
     if not path.exists():
-        raise ConfigError(f"model {spec[:200]!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
-                          f"config path")
+        raise ConfigError(f"model {spec[:200]!r} is neither a preset ({near_preset(spec)}the presets: "
+                          f"{', '.join(PRESETS)}) nor an existing config path")
     file = path / "config.json" if path.is_dir() else path
     try:  # a regular file, opened without blocking, at most MAX_CONFIG_BYTES read
         data = model_json(file.parent, file.name, MAX_CONFIG_BYTES)
@@ -315,9 +321,8 @@ def predict_lines(lines, defaults: dict | None = None) -> list[dict]:
         try:
             d = safeio.parse_json(line, "a layout", max_depth=LINE_DEPTH, unique=True)
             if isinstance(d, dict) and isinstance(d.get("model"), str) and d["model"] not in PRESETS:
-                near = difflib.get_close_matches(d["model"], list(PRESETS), n=1)
                 raise ConfigError(f"model {d['model'][:80]!r}: a line of layouts names a preset "
-                                  f"({'did you mean ' + repr(near[0]) + '? ' if near else ''}the presets: "
+                                  f"({near_preset(d['model'])}the presets: "
                                   f"{', '.join(PRESETS)}) or gives the config as an object; a config file's path "
                                   f"goes in --model (a file of layouts never makes hpcml read another file)")
             measured = pop_measured(d) if isinstance(d, dict) else None

@@ -336,8 +336,11 @@ def test_model_from_config_files(tmp_path):
     own = tmp_path / "own.json"
     own.write_text(json.dumps(TINY.to_dict()))
     assert load_model(str(own)) == TINY
-    with pytest.raises(ConfigError, match="neither a preset"):
+    with pytest.raises(ConfigError, match="neither a preset") as missing:
         load_model(str(tmp_path / "missing.json"))
+    assert "did you mean" not in str(missing.value)
+    with pytest.raises(ConfigError, match="did you mean 'llama3-8b'\\? the presets: tiny, "):  # a typo, as the layouts'
+        load_model("llama3-8bb")
     big = tmp_path / "big.json"
     big.write_bytes(b" " * ((1 << 20) + 1))
     with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
