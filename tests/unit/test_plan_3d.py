@@ -277,8 +277,9 @@ def test_megatrons_main_gradients_are_held_in_the_reduce_dtype():
 def test_nemo_llama31_70b_table_is_held_out_and_priced():
     """NVIDIA's Llama 3.1 70B recipe (64-2,048 H100s, TP 4 x CP 2 x PP 4 x 5 virtual stages), held
     out: every row fits as it ran; BF16 predicted 4-6% fast, FP8 10-15% fast (median 7.9%, p90
-    13.5%: docs/benchmarks.md; 5-7% and 12-17% before session 32's refit of tp_overlap). With cuDNN's attention at FlashAttention-2's efficiency it was 7-12%
-    slow (median 10.7%), at the efficiency Megatron-core's table alone gave 2-9% slow."""
+    13.5%: docs/benchmarks.md; 5-7% and 12-17% before session 32's refit of tp_overlap). With
+    cuDNN's attention at FlashAttention-2's efficiency it was 7-12% slow (median 10.7%), at the
+    efficiency Megatron-core's table alone gave 2-9% slow."""
     import statistics
 
     cases = TABLES["nemo-llama31-70b-h100"]()
