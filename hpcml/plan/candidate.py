@@ -4,6 +4,8 @@ per axis. Validated in ``__post_init__`` with the numbers in the message, so a b
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import InitVar, asdict, dataclass, fields, replace
 
 from hpcml.errors import ConfigError
@@ -56,6 +58,22 @@ def _int(name: str, value, least: int = 1) -> int:
         raise ConfigError(f"{name}={repr(value)[:40]}: expected an integer in [{least}, 2^40]")
     return value
 
+
+
+#: What a model config the planner prices must name: without them it would price the config's defaults, a toy model.
+SIZE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads")
+
+
+def sized_config(d: object, where: str) -> TransformerConfig:
+    """A model config of the planner's (a layouts line's ``model`` object, a config file): its size
+    named, the rest as :meth:`TransformerConfig.from_dict` takes it."""
+    if isinstance(d, dict):
+        lacking = [k for k in SIZE_KEYS if k not in d]
+        if lacking:
+            raise ConfigError(f"{where}: a model config without {', '.join(lacking)}: expected the model's size "
+                              f"(e.g. {{\"vocab_size\": 128256, \"dim\": 4096, \"n_layers\": 32, \"n_heads\": 32}}) "
+                              f"or a preset's name")
+    return TransformerConfig.from_dict(d)
 
 @dataclass(frozen=True, kw_only=True)
 class PlanLayout:
@@ -166,7 +184,7 @@ class PlanLayout:
 
     def __post_init__(self, degrees_checked: bool = True) -> None:
         if isinstance(self.model, dict):
-            object.__setattr__(self, "model", TransformerConfig.from_dict(self.model))
+            object.__setattr__(self, "model", sized_config(self.model, "model"))
         if not (isinstance(self.model, TransformerConfig) or isinstance(self.model, str) and self.model):
             raise ConfigError(f"model={str(self.model)[:80]!r}: expected a preset name, a config path or a "
                               f"TransformerConfig")
@@ -357,7 +375,9 @@ class PlanLayout:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"layout keys {unknown} unknown: expected some of {sorted(known | {'fsdp'})}")
+            near = [m[0] for k in unknown[:8] if (m := difflib.get_close_matches(str(k)[:100], known | {"fsdp"}, n=1))]
+            raise ConfigError(f"layout keys {unknown} unknown: {f'did you mean {near}? ' if near else ''}"
+                              f"expected some of {sorted(known | {'fsdp'})}")
         merged = {**{k: v for k, v in defaults.items() if v is not None}, **d}
         if merged.get("gpu") is not None and "site" in d and d["site"] is not None:
             merged.pop("gpu")

@@ -11,6 +11,7 @@ from hpcml import safeio
 from hpcml.errors import ConfigError
 from hpcml.plan import population
 from hpcml.plan.devices import DEVICES
+from hpcml.plan.lines import line, shape_of, verdict
 from hpcml.plan.predict import LINE_DEPTH, numbered, predict, predict_lines, resolve_device
 from hpcml.plan.candidate import (ACTIVATIONS, ATTENTION, CP_KINDS, FRAMEWORKS, GRAD_SYNCS, LOSSES, MASTER_WEIGHTS,
                               NORMS, PIPELINE_SPLITS, POSITIONS, PRECISIONS, RECOMPUTE, PlanLayout)
@@ -153,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     job_only = [f for f, v in (("--walltime", args.walltime), ("--account", args.account),
                                ("--ckpt-dir", args.ckpt_dir), ("--ckpt-every", args.ckpt_every)) if v is not None]
     if job_only and args.emit != "job":
-        raise ConfigError(f"{', '.join(job_only)} shape the job --emit job prints; "
+        verb = "shape" if len(job_only) > 1 else "shapes"
+        raise ConfigError(f"{', '.join(job_only)} {verb} the job --emit job prints; "
                           f"{'--emit args prints' if args.emit else 'without --emit, hpcml plan prints'} no job: "
                           f"add --emit job (and --site), or drop them")
     if args.device_file:
@@ -175,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"hpcml plan needs {', '.join(missing)}")
     searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
     if searching:
-        return _run_search(args, PlanLayout(**given, degrees_checked=False), pop)
+        return _run_search(args, PlanLayout(**given, degrees_checked=False), pop,
+                           cp_kinds=None if "cp_kind" in given else ("ulysses", "allgather"))
     lay = PlanLayout(**given)
     chosen = "micro_batch" not in given
     if chosen:  # the other degrees given: the micro-batch a search would take for them
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         note = "" if not chosen or not p.memory_gib else (  # a layout the model's plan refuses has no micro-batch
             f" (micro-batch {lay.micro_batch}: the fastest that fits; --micro-batch sets it)" if p.fits
             else " (no micro-batch fits: shown at 1)")
-        print(_line(p) + note + (f"\n{population.line(priced)}" if priced else ""))
+        print(line(p) + note + (f"\n{population.line(priced)}" if priced else ""))
     return 0 if p.fits else 1
 
 
@@ -266,7 +269,7 @@ def _run_members(args: argparse.Namespace, given: dict) -> int:
     if args.json:
         print(json.dumps({"members": [p.to_dict() for p in members], "population": mp.to_dict()}))
     else:
-        print("\n".join(f"member {i}: {_line(p)}" for i, p in enumerate(members)) + "\n" + population.mixed_line(mp))
+        print("\n".join(f"member {i}: {line(p)}" for i, p in enumerate(members)) + "\n" + population.mixed_line(mp))
     return 0 if all(p.fits for p in members) else 1
 
 
@@ -319,23 +322,14 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
         err = r.get("step_error")
         vs = f" (measured {r['measured_step_s']:.4g} s: {err:+.1%})" if err is not None else ""
         print(json.dumps(r) if args.json else f"line {r['line']}: {r['error']}" if "error" in r
-              else f"line {n}: {_verdict(_shape(r['layout']), r)}{vs}")
+              else f"line {n}: {verdict(shape_of(r['layout']), r)}{vs}")
     return 1 if any("error" in r for r in results) else 0
 
 
-def _shape(lay: dict) -> str:
-    """A layout's degrees and options in a line (a layouts line's and a search's alike)."""
-    dp = lay["gpus"] // (lay["tp"] * lay["pp"] * lay["cp"])
-    return (f"tp {lay['tp']} cp {lay['cp']} pp {lay['pp']} dp {dp}" + (f" ep {lay['ep']}" if lay["ep"] > 1 else "")
-            + f" zero {lay['zero']} mb {lay['micro_batch']} recompute {lay['recompute']}"
-            + (" sp" if lay["sequence_parallel"] else "") + (f" {lay['schedule']}" if lay["pp"] > 1 else "")
-            + (f" fpdt {lay['fpdt_chunk']}" if lay["fpdt_chunk"] else ""))
-
-
-def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
+def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None, cp_kinds: tuple[str, ...] | None = None) -> int:
     from hpcml.plan.search import search
 
-    r = search(base, top=args.top or 5, headroom=args.headroom)
+    r = search(base, top=args.top or 5, headroom=args.headroom, cp_kinds=cp_kinds)
     if not r.candidates:
         raise ConfigError(f"no layout of {base.gpus} devices exists for this model: no tp x pp x cp x dp equals "
                           f"{base.gpus} with dp dividing the global batch ({base.global_batch}) and the degrees "
@@ -349,13 +343,16 @@ def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None) -> int:
     priced = pop(r.best[0]) if pop else None
     if args.json:
         print(json.dumps({"candidates": r.candidates, "fitting": r.fitting, "refused": r.refused,
+                          "unpriced": r.unpriced,
                           "best": [p.to_dict() for p in r.best],
                           **({"population": priced.to_dict()} if priced else {})}))
     else:
         keep = f" leaving {args.headroom:.0%} of memory free" if args.headroom else ""
-        print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit{keep}; the best:")
+        slow = f" ({r.unpriced} more not priced: no faster than these)" if r.unpriced else ""
+        print(f"{r.candidates} layouts: {r.refused} refused by the model's plan, {r.fitting} fit{keep}{slow}; "
+              f"the best:")
         for p in r.best:
-            print(_line(p))
+            print(line(p))
         if priced:
             print(f"with the best, {population.line(priced)}")
     return 0
@@ -366,7 +363,7 @@ def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: 
     population whose members have the layouts of the list ``lay``."""
     import shlex
 
-    from hpcml.plan.search import emit, emit_job, emit_members
+    from hpcml.plan.emit import emit, emit_job, emit_members
 
     members = args.pop or 1
     every = ["--tournament-every", str(args.exchange_every)] if args.exchange_every else []
@@ -382,16 +379,3 @@ def _emit(args: argparse.Namespace, lay: PlanLayout | list[PlanLayout], step_s: 
         extra = [*(["--steps", str(args.steps)] if args.steps else []), *(["--data", args.data] if args.data else [])]
         print(shlex.join([*run, *pop, *extra]))
     return 0
-
-
-def _line(p) -> str:
-    r = p.to_dict()
-    return _verdict(_shape(r["layout"]), r)
-
-
-def _verdict(shape: str, r: dict) -> str:
-    """A prediction in a line: does it fit, in how much, how fast, and why."""
-    if not r["memory_gib"]:
-        return f"{shape}: {r['why']}"
-    return (f"{shape}: {'fits' if r['fits'] else 'OOM '} {r['memory_gib']['total']:.1f} GiB, step {r['step_s']:.3g} s, "
-            f"{r['tokens_per_s']:.4g} tok/s, MFU {r['mfu']:.1%} -- {r['why']}")

@@ -13,6 +13,7 @@ from hpcml import safeio
 from hpcml.errors import ConfigError, GridError, HpcmlError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
+from hpcml.models.transformer.footprint import block_recompute
 from hpcml.models.transformer.presets import PRESETS
 from hpcml.models.transformer.rules import check_plan
 from hpcml.numeric import is_real
@@ -21,8 +22,8 @@ from hpcml.plan import calibration, devfile, traffic
 from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
 from hpcml.plan.placement import stage_layer_lists
-from hpcml.plan.candidate import MAX_LAYERS, PlanLayout
-from hpcml.plan.timing import Constants, reserved_gib, step_time
+from hpcml.plan.candidate import MAX_LAYERS, PlanLayout, sized_config
+from hpcml.plan.timing import Constants, layer_flops, reserved_gib, step_time
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_LINE = 4096
@@ -72,7 +73,7 @@ def _source(spec: str | TransformerConfig) -> tuple[TransformerConfig, Path | No
         return config_from_hf(file.parent), file.parent
     if isinstance(data, dict) and isinstance(data.get("model"), dict):  # a run directory's config.json
         data = data["model"].get("config", data["model"])
-    return TransformerConfig.from_dict(data), None
+    return sized_config(data, f"model config {file}"), None
 
 
 @lru_cache(maxsize=1024)
@@ -236,11 +237,13 @@ def tokens_per_s(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLay
     return 0.0 if refused else lay.global_batch * lay.seq_len / step_time(cfg, lay, dev, c, tied_copy=tied_copy).step_s
 
 
-def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True
-             ) -> Prediction:
+def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True,
+             slower_than: float = math.inf, traffic: bool = True) -> Prediction:
     """:func:`predict` with the model, device and constants resolved (the search's inner loop).
     A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
-    tables are the only thing it sizes)."""
+    tables are the only thing it sizes). ``slower_than``: a layout that fits but whose
+    :func:`step_floor` is above it is not timed (step inf, tokens 0: a search's best is faster);
+    ``traffic``: count the data-parallel bytes (a search counts them for its best alone)."""
     cfg, tied_copy, refused = planned(cfg, dev, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
@@ -250,6 +253,8 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     fits = gib["total"] <= cap
     if not fits and not time_if_oom:
         return Prediction(lay, False, gib, float("nan"), 0.0, 0.0, 0.0, "out of memory", {})
+    if fits and slower_than < math.inf and step_floor(cfg, dev, c, lay) > slower_than:
+        return Prediction(lay, True, gib, math.inf, 0.0, 0.0, 0.0, "slower than the search's best", {})
     t = step_time(cfg, lay, dev, c, tied_copy=tied_copy)
     tokens = lay.global_batch * lay.seq_len / t.step_s
     peak = lay.gpus * dev.peak_tflops * 1e12
@@ -264,8 +269,48 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     else:
         top = sorted(((v, k) for k, v in parts.items() if v > 0), reverse=True)[:3]
         why = (f"{gib['total']:.1f} of {cap:.1f} GiB; step " + ", ".join(f"{k} {v / t.step_s:.0%}" for v, k in top))
+    sent = dp_traffic(cfg, dev, lay) if traffic else {}
+    return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts, sent)
+
+
+def dp_traffic(cfg: TransformerConfig, dev: Device, lay: PlanLayout) -> dict[str, float]:
+    """:attr:`Prediction.dp_bytes` of ``lay`` (empty when it sends none)."""
     sent = traffic.dp_bytes(cfg, lay, lay.gpus_per_node or dev.gpus_per_node)
-    return Prediction(lay, fits, gib, t.step_s, tokens, mfu, hfu, why, parts, sent if any(sent.values()) else {})
+    return sent if any(sent.values()) else {}
+
+
+def step_floor(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout) -> float:
+    """Seconds no step of ``lay`` takes less than (0 for a mixture of experts, or ranks sharing
+    cores): the blocks' forward -- linear layers at the rate :func:`step_time` gives the layout's
+    rows and width, attention's core at the best rate any kernel gets, the elementwise passes at
+    HBM speed -- three times (backward), four under full recompute, shared evenly over every
+    device, and the pipeline's bubble over it. The slowest rank does at least its share."""
+    if cfg.n_experts or dev.shared_cores:
+        return 0.0
+    rows, width = lay.micro_batch * lay.seq_len / lay.cp, cfg.dim / lay.tp
+    eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
+    lin = (dev.fp8_tflops * c.fp8_eff if lay.precision == "fp8" else dev.peak_tflops) * dev.sustained * 1e12
+    peak = dev.peak_tflops * dev.sustained * 1e12
+    act = 4 if lay.precision == "fp32" else 2
+    core = cfg.n_layers * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim  # attention's scores and values
+    fwd = _linear_flops(cfg, lay.seq_len) / (lin * eff) + core / (peak * max(eff, c.attn_eff, c.attn_eff_fused)) \
+        + cfg.n_layers * c.elementwise_passes * cfg.dim * act / (dev.hbm_gbps * 1e9)
+    again = full_share(lay.recompute, cfg.n_layers)
+    bubble = 1 + (lay.pp - 1) / (lay.v * lay.microbatches)
+    return (3 + again) * bubble * lay.global_batch * lay.seq_len * fwd / lay.gpus
+
+
+@lru_cache(maxsize=256)
+def full_share(recompute: str, n_layers: int) -> float:
+    """The share of the blocks ``recompute`` runs forward again whole."""
+    return sum(block_recompute(recompute, i) == "full" for i in range(n_layers)) / n_layers
+
+
+@lru_cache(maxsize=256)
+def _linear_flops(cfg: TransformerConfig, seq_len: int) -> float:
+    """Forward FLOPs a token spends in the blocks' linear layers (:func:`layer_flops` less attention's core)."""
+    core = 2 * seq_len * cfg.n_heads * cfg.head_dim
+    return sum(layer_flops(cfg, i, seq_len, 1) - core for i in range(cfg.n_layers))
 
 
 MEASURED = ("step_s", "tokens_per_s")

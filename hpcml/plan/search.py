@@ -8,20 +8,18 @@ Megatron-DeepSpeed and torchtitan their own options (ZeRO-1, selective recompute
 
 from __future__ import annotations
 
-import json
-import shlex
+import heapq
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from hpcml.errors import ConfigError
 from hpcml.grid.layout import divisors
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.numeric import is_int
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import (Prediction, evaluate, hf_dir, load_model, megatron_wants_sp, plan_rules,
-                                resolve_device, tied)
+from hpcml.plan.predict import (Prediction, dp_traffic, evaluate, load_model, megatron_wants_sp,
+                                plan_rules, resolve_device, full_share, step_floor, tied)
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.framework_rules import deepspeed_refuses
 
@@ -31,24 +29,42 @@ RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"
              "torchtitan": ("none", "selective-op", "selective-layer", "full")}
 
 
+CP_KINDS = {"hpcml": ("ulysses", "allgather"), "megatron": ("ulysses", "allgather"),
+            "torchtitan": ("ulysses", "allgather"), "deepspeed": ("ulysses",)}
+"""The context parallelism each framework runs: Ulysses' all-to-all (DeepSpeed's, Megatron-core's
+``a2a``) and keys and values gathered (hpcml's ``cp_kind allgather``, Megatron-core's ``p2p`` and
+``all_gather``, torchtitan's ring); a search not told ``cp_kind`` tries the second where the first
+cannot split the heads over cp (:func:`search`): everywhere, it took 2-3 s for 16,384 GPUs."""
+MIN_QUERY_ROWS = 128
+"""Tokens a cp rank holds at least when a search tries all-gathered keys and values (not asked for):
+its queries are its own tokens, and fewer than a FlashAttention tile of queries (128 rows) leave the
+kernel mostly idle -- a thousand more layouts a 16,384-GPU search would price, none of them fast."""
+
+
 def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
-               refused: list[int] | None = None) -> Iterator[PlanLayout]:
+               refused: list[int] | None = None, cp_kinds: tuple[str, ...] | None = None) -> Iterator[PlanLayout]:
     """Every layout of ``base``'s model, devices, sequence and batch that the grid and the model's
     plan accept (:func:`candidate_groups`, one by one)."""
-    for group in candidate_groups(base, cfg, dev, max_micro_batch=max_micro_batch, refused=refused):
+    for group in candidate_groups(base, cfg, dev, max_micro_batch=max_micro_batch, refused=refused,
+                                  cp_kinds=cp_kinds):
         yield from group
 
 
 def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
-                     refused: list[int] | None = None) -> Iterator[list[PlanLayout]]:
+                     refused: list[int] | None = None, cp_kinds: tuple[str, ...] | None = None
+                     ) -> Iterator[list[PlanLayout]]:
     """Every layout of ``base``'s model, devices, sequence and batch that the grid and the
     model's plan accept: tp within a node, cp, pp, ep for MoE models, micro-batch, ZeRO stage,
     recompute, sequence parallelism, and the pipeline schedule. ``refused`` (a one-item
     counter): the model's plan is checked before a layout is built, and the layouts it refuses
     are counted there instead of yielded -- pruned before they cost anything (most of a large
     search is refused: 31,260 of 39,612 layouts of a 405B model on 16,384 GPUs). Yielded in groups
-    alike but for the recompute mode, ``full`` last: the least memory of them."""
+    alike but for the recompute mode, ``full`` last: the least memory of them. ``cp_kinds``: the
+    context parallelism tried where cp > 1, those of them the framework runs (None: ``base``'s)."""
     fw, gpus = base.framework, base.gpus
+    kinds = [k for k in (cp_kinds or (base.cp_kind,)) if k in CP_KINDS[fw] or k == base.cp_kind]
+    if base.fpdt_chunk:  # FPDT runs on Ulysses
+        kinds = [base.cp_kind]
     sync, base = base.grad_sync, _with_sync(base, None)  # asked for, or both tried where hpcml's FSDP accumulates
     if sync == "step" and fw != "hpcml":
         raise ConfigError(f"grad_sync step with framework {fw}: without a pipeline only hpcml's trainer can be told "
@@ -58,9 +74,13 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
     for tp in divisors(min(gpus, dev.gpus_per_node)):
         if gpus % tp:
             continue
-        for cp in divisors(gpus // tp):
+        for cp, kind in ((cp, k) for cp in divisors(gpus // tp) for k in (kinds if cp > 1 else [base.cp_kind])):
             if base.seq_len % cp:
                 continue
+            if kind != base.cp_kind and (all((n // tp) % cp == 0 for n in (cfg.n_heads, cfg.kv_heads))
+                                         or base.seq_len // cp < MIN_QUERY_ROWS):
+                continue  # Ulysses splits these heads: the other kind only where it cannot (the search's time)
+            at_kind = base if kind == base.cp_kind else base.unchecked(cp_kind=kind)
             for pp in divisors(gpus // (tp * cp)):
                 if pp > max_stages:
                     continue
@@ -85,8 +105,8 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
                                 if pp * (v or 1) > max_stages:
                                     continue
                                 try:  # the layout's own rules (hpcml's pipeline needs >= pp micro-batches, ...)
-                                    lay = base.with_degrees(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
-                                                            schedule=schedule, stages_per_rank=v, micro_batch=mb)
+                                    lay = at_kind.with_degrees(tp=tp, cp=cp, pp=pp, ep=ep, sequence_parallel=sp,
+                                                               schedule=schedule, stages_per_rank=v, micro_batch=mb)
                                 except ConfigError:
                                     continue
                                 for zero in ZERO[fw]:
@@ -94,7 +114,7 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
                                         continue  # its pipeline: ZeRO 0-1; its BF16_Optimizer: no overlap
                                     if refused is not None and (why or plan_rules(rules_cfg, gpus, tp, cp, pp, ep,
                                                                                   zero >= 2, sp and fw == "hpcml",
-                                                                                  schedule, v, base.cp_kind,
+                                                                                  schedule, v, kind,
                                                                                   lay.split)):
                                         refused[0] += len(RECOMPUTE[fw])
                                         continue
@@ -131,39 +151,72 @@ class SearchResult:
     best: list[Prediction]
     candidates: int
     fitting: int
+    """Of the layouts priced, those that fit."""
     refused: int
+    unpriced: int = 0
+    """Layouts not priced: their :func:`~hpcml.plan.predict.step_floor` is slower than the best's."""
 
 
-def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0) -> SearchResult:
+def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
+           cp_kinds: tuple[str, ...] | None = None) -> SearchResult:
     """The ``top`` fitting layouts by predicted tokens/s (ties: less memory first); a layout
-    fits when its fullest rank needs at most ``1 - headroom`` of the device's memory."""
+    fits when its fullest rank needs at most ``1 - headroom`` of the device's memory.
+    ``cp_kinds``: the context parallelism tried (None: ``base``'s; ``hpcml plan`` tries each its
+    framework runs unless told ``--cp-kind``: a model with fewer key-value heads than a long
+    context needs cp ranks is refused Ulysses, not all-gathered keys and values)."""
     cfg, dev = load_model(base.model), resolve_device(base)
     c = calibration.constants(dev)
     n = fitting = 0
     refused = [0]
-    scored: list[Prediction] = []
-    for group in candidate_groups(base, cfg, dev, refused=refused):
+    scored: list[tuple[Prediction, int, int]] = []
+    kept: list[float] = []  # the 2 x top fastest steps so far, negated (a heap): a twin takes two places
+    # the groups whose step can be shortest first (a group's floor is its first mode's, recompute none:
+    # the others' recompute more), so the bar falls soon and the rest are never priced
+    groups = sorted((step_floor(cfg, dev, c, g[0]), k, g)
+                    for k, g in enumerate(candidate_groups(base, cfg, dev, refused=refused, cp_kinds=cp_kinds)))
+    unpriced = 0
+    for at, (floor, k, group) in enumerate(groups):
         n += len(group)
-        priced = {len(group) - 1: evaluate(cfg, dev, c, group[-1], time_if_oom=False)}  # full recompute first
-        if not _fits(priced[len(group) - 1], dev, headroom):
-            if _full_is_least(cfg, group[-1]):
-                continue  # full keeps the least: none of the group fits
-            priced[0] = evaluate(cfg, dev, c, group[0], time_if_oom=False)
-            if not _fits(priced[0], dev, headroom):
-                continue  # the selective modes keep more than full (each block's share, one block whole)
+        bar = -kept[0] if len(kept) == 2 * top else math.inf  # a layout no faster than it is not timed
+        if floor > bar:  # nor is any after it (the floors ascend)
+            rest = sum(len(g) for _, _, g in groups[at:])
+            unpriced, n = unpriced + rest, n + rest - len(group)
+            break
+
+        def price(lay: PlanLayout) -> Prediction:
+            return evaluate(cfg, dev, c, lay, time_if_oom=False, slower_than=bar, traffic=False)
+        # no faster than the best: not priced (a mode's floor: the group's, recomputing what it recomputes)
+        slow = [floor * (3 + full_share(lay.recompute, cfg.n_layers)) / 3 > bar for lay in group]
+        unpriced += sum(slow)
+        priced = {}
+        if not slow[-1]:
+            priced[len(group) - 1] = price(group[-1])  # full recompute first
+            if not _fits(priced[len(group) - 1], dev, headroom):
+                if _full_is_least(cfg, group[-1]):
+                    unpriced -= sum(slow)  # (known not to fit rather)
+                    continue  # full keeps the least: none of the group fits
+                priced[0] = price(group[0])
+                if not _fits(priced[0], dev, headroom):
+                    continue  # the selective modes keep more than full (each block's share, one block whole)
         for i, lay in enumerate(group):
-            p = priced[i] if i in priced else evaluate(cfg, dev, c, lay, time_if_oom=False)
+            if slow[i]:
+                continue
+            p = priced[i] if i in priced else price(lay)
             if _fits(p, dev, headroom):
                 fitting += 1
-                scored.append(p)
-    scored.sort(key=_faster)
+                if p.tokens_per_s > 0:  # timed
+                    scored.append((p, k, i))
+                    heapq.heappush(kept, -p.step_s)
+                    if len(kept) > 2 * top:
+                        heapq.heappop(kept)
+    scored.sort(key=lambda e: (*_faster(e[0]), e[1], e[2]))  # ties in the order the candidates come
     best: list[Prediction] = []
-    for p in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same
+    for p, _, _ in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same
         if not any(_twin(p, q) for q in best):
-            best.append(p)
+            best.append(replace(p, dp_bytes=dp_traffic(cfg, dev, p.layout)))
             if len(best) == top:
                 break
-    return SearchResult(best, n + refused[0], fitting, refused[0])
+    return SearchResult(best, n + refused[0], fitting, refused[0], unpriced)
 
 
 def _twin(p: Prediction, q: Prediction) -> bool:
@@ -202,171 +255,3 @@ def fastest_micro_batch(lay: PlanLayout, *, headroom: float = 0.0, max_micro_bat
         if _fits(p, dev, headroom):
             fitting.append(p)
     return min(fitting, key=_faster).layout if fitting else lay
-
-
-def emit(lay: PlanLayout) -> list[str]:
-    """``workflows/llm_pretrain.py`` arguments running ``lay``; a one-line error names what
-    hpcml's trainer cannot run."""
-    bad = []
-    if lay.framework != "hpcml":
-        bad.append(f"framework {lay.framework}")
-    if lay.zero == 1:
-        bad.append("zero 1 (hpcml has DDP, or FSDP2: zero 2 and 3)")
-    if lay.recompute not in ("none", "full"):
-        bad.append(f"recompute {lay.recompute} (hpcml: none or full)")
-    if lay.attention == "eager":
-        bad.append("eager attention (hpcml uses SDPA)")
-    if lay.overlap:
-        bad.append("overlap")
-    if lay.positions == "alibi" and lay.fpdt_chunk:
-        bad.append("positions alibi with FPDT (its chunked kernel takes no biases)")
-    if lay.precision == "fp8":
-        bad.append("precision fp8 (hpcml's trainer: bf16 or fp32)")
-    if lay.loss != "eager":
-        bad.append(f"loss {lay.loss} (hpcml's trainer: eager, or FPDT's chunked loss)")
-    if lay.schedule == "interleaved1f1b" and lay.v != 2:
-        bad.append(f"{lay.v} stages per rank (llm_pretrain.py runs 2 with interleaved1f1b)")
-    model = _model_args(lay.model)
-    if model is None:
-        bad.append("a model that is neither a preset nor a Hugging Face directory (llm_pretrain.py takes those)")
-    if bad:
-        raise ConfigError(f"cannot emit this layout for llm_pretrain.py: {'; '.join(bad)}")
-    args = [*model, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp)]
-    args += ["--cp-kind", lay.cp_kind] if lay.cp > 1 and lay.cp_kind != "ulysses" else []
-    args += [f"--{k}={v}" for k, v in (("activation", lay.activation), ("norm", lay.norm), ("positions", lay.positions))
-             if v is not None]
-    args += [] if lay.bias is None else ["--bias" if lay.bias else "--no-bias"]
-    if lay.ep > 1:
-        args += ["--ep", str(lay.ep)]
-    if lay.zero >= 2:
-        args += ["--fsdp"] + (["--zero2"] if lay.zero == 2 else [])
-        args += ["--dp-replicate", str(lay.dp_replicate)] if lay.dp_replicate > 1 else []
-        args += [f"--{k}" for k in ("hpz", "qwz", "qgz") if getattr(lay, k)]
-        args += ["--quant-block", str(lay.quant_block)] if (lay.qwz or lay.qgz) and lay.quant_block != 256 else []
-        args += ["--grad-sync", "step"] if lay.grad_sync == "step" else []
-    if lay.sequence_parallel:
-        args.append("--sequence-parallel")
-    if lay.pp > 1:
-        args += ["--schedule", lay.schedule]
-    if lay.recompute == "full":
-        args.append("--activation-checkpointing")
-    if lay.fpdt_chunk:
-        args += ["--fpdt-chunk", str(lay.fpdt_chunk)]
-    if lay.loss_chunk:
-        args += ["--loss-chunk", str(lay.loss_chunk)]
-    if lay.precision == "bf16":
-        args.append("--bf16")
-    if lay.reduce_dtype != "fp32":
-        args += ["--reduce-dtype", lay.reduce_dtype]
-    args += ["--micro-batch", str(lay.micro_batch), "--global-batch", str(lay.global_batch),
-             "--seq-len", str(lay.seq_len)]
-    return args
-
-
-#: llm_pretrain.py flags that are a member's own in a population of layouts (each in its
-#: ``--member`` JSON), with the number of values each takes.
-MEMBER_FLAGS = {"--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--cp-kind": 1, "--fsdp": 0, "--zero2": 0,
-                "--dp-replicate": 1, "--hpz": 0, "--qwz": 0, "--qgz": 0, "--quant-block": 1, "--sequence-parallel": 0,
-                "--schedule": 1, "--activation-checkpointing": 0, "--fpdt-chunk": 1, "--reduce-dtype": 1,
-                "--grad-sync": 1, "--loss-chunk": 1, "--micro-batch": 1}
-
-
-def member_entry(lay: PlanLayout) -> dict:
-    """``lay``'s ``--member`` object for llm_pretrain.py: its degrees and ParallelConfig fields."""
-    entry = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, **({"ep": lay.ep} if lay.ep > 1 else {})}
-    entry |= {"cp_kind": lay.cp_kind} if lay.cp > 1 and lay.cp_kind != "ulysses" else {}
-    if lay.zero >= 2:
-        entry |= {"fsdp": True, **({"reshard_after_forward": False} if lay.zero == 2 else {})}
-        entry |= {"dp_replicate": lay.dp_replicate} if lay.dp_replicate > 1 else {}
-        entry |= {k: True for k in ("hpz", "qwz", "qgz") if getattr(lay, k)}
-        entry |= {"quant_block": lay.quant_block} if (lay.qwz or lay.qgz) and lay.quant_block != 256 else {}
-        entry |= {"grad_sync": "step"} if lay.grad_sync == "step" else {}
-    entry |= {"sequence_parallel": True} if lay.sequence_parallel else {}
-    entry |= {"pp_schedule": lay.schedule} if lay.pp > 1 else {}
-    entry |= {"activation_checkpointing": True} if lay.recompute == "full" else {}
-    entry |= {"fpdt_chunk": lay.fpdt_chunk} if lay.fpdt_chunk else {}
-    entry |= {"loss_chunk": lay.loss_chunk} if lay.loss_chunk else {}
-    entry |= {"reduce_dtype": lay.reduce_dtype} if lay.reduce_dtype != "fp32" else {}
-    return {**entry, "micro_batch": lay.micro_batch}
-
-
-def emit_members(lays: list[PlanLayout]) -> list[str]:
-    """llm_pretrain.py arguments running a population whose member ``i`` has layout ``lays[i]``:
-    the shared arguments once (one model, precision, global batch and sequence length, or a
-    one-line refusal), then a ``--member`` object each."""
-    shared = [_shared(emit(lay)) for lay in lays]
-    odd = [i for i, s in enumerate(shared) if s != shared[0]]
-    if odd:
-        raise ConfigError(f"members {odd} differ from member 0 in more than their layout ({shlex.join(shared[odd[0]])} "
-                          f"against {shlex.join(shared[0])}): a population trains one model at one precision, global "
-                          f"batch and sequence length")
-    members = [json.dumps(member_entry(lay), separators=(",", ":")) for lay in lays]
-    return [*shared[0], *(x for m in members for x in ("--member", m))]
-
-
-def _shared(args: list[str]) -> list[str]:
-    """``args`` without a member's own flags (:data:`MEMBER_FLAGS`) and their values."""
-    out, i = [], 0
-    while i < len(args):
-        n = MEMBER_FLAGS.get(args[i])
-        out += [args[i]] if n is None else []
-        i += 1 + (n or 0)
-    return out
-
-
-def _model_args(model) -> list[str] | None:
-    """``--model PRESET`` or ``--init-from HF_DIR``; None for anything else."""
-    from hpcml.models.transformer.presets import PRESETS
-
-    if isinstance(model, str) and model in PRESETS:
-        return ["--model", model]
-    folder = hf_dir(model)
-    return None if folder is None else ["--init-from", str(folder)]
-
-
-#: With ``--emit job`` and no ``--ckpt-every``: a save about every this many seconds of training.
-CKPT_EVERY_S = 600.0
-
-
-def emit_job(lay: PlanLayout, walltime: str, *, steps: int | None = None, account: str | None = None,
-             ckpt_dir: str = "checkpoints", ckpt_every: int | None = None, data: str | None = None,
-             step_s: float | None = None, site: str | None = None, members: int = 1,
-             population: list[str] = (), run: list[str] | None = None) -> str:
-    """The ``hpcml job --submit`` command line that submits ``lay`` on its site (or ``site``: a
-    machine the device was given for) and runs to completion:
-    the steps of the whole run, a checkpoint every ``ckpt_every`` steps (default: about every
-    :data:`CKPT_EVERY_S` of the predicted ``step_s``), ``--auto-resume`` (the job requeues at the
-    walltime warning and the next one resumes), the account the site requires, the data.
-    ``members``: a population of that many members of ``lay`` (``lay.gpus`` each) in one job,
-    ``population`` the trainer's arguments for it (``--pop K`` ...); ``run``: the trainer's
-    arguments in place of ``lay``'s (a population of layouts, :func:`emit_members`)."""
-    from hpcml.ensemble.site import load_site
-
-    site = site or lay.site
-    if not site:
-        raise ConfigError("--emit job needs --site (the job is written for a site)")
-    if steps is None:
-        raise ConfigError("--emit job needs --steps N: the optimizer steps of the whole run, over every requeue (the "
-                          "job saves, requeues at its walltime and resumes until they are done)")
-    if not is_int(steps) or steps < 1:
-        raise ConfigError(f"--steps {steps!r}: expected an integer >= 1")
-    if ckpt_every is not None and (not is_int(ckpt_every) or ckpt_every < 1):
-        raise ConfigError(f"--ckpt-every {ckpt_every!r}: expected an integer >= 1")
-    from hpcml.ensemble.checks import walltime_seconds, warning_seconds
-
-    usable = walltime_seconds(walltime) - warning_seconds(walltime)  # HH:MM:SS, or one line naming it
-    if step_s and usable < step_s:
-        raise ConfigError(f"--walltime {walltime}: {usable} s of it before the job is told to save and stop, less "
-                          f"than one predicted step ({step_s:.0f} s): each requeue would end without a step")
-    account = load_site(site).account_for(account)  # one line where the site requires one and none is given
-    if ckpt_every is None:
-        ckpt_every = max(1, min(steps, round(CKPT_EVERY_S / step_s))) if step_s else max(1, steps // 20)
-    dev = resolve_device(lay)
-    ranks = lay.gpus * members
-    nodes = -(-ranks // (lay.gpus_per_node or dev.gpus_per_node))
-    run = [*(emit(lay) if run is None else run), *population, "--steps", str(steps), "--ckpt-dir", ckpt_dir,
-           "--ckpt-every", str(ckpt_every), "--auto-resume", *(["--data", data] if data else [])]
-    script = Path(__file__).resolve().parents[2] / "workflows" / "llm_pretrain.py"  # submitted from anywhere
-    return shlex.join(["hpcml", "job", "--site", site, "--nodes", str(nodes), "--walltime", walltime,
-                       *(["--account", account] if account else []), "--ranks", str(ranks), "--submit", "--",
-                       "python", str(script) if script.is_file() else "workflows/llm_pretrain.py", *run])

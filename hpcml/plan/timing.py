@@ -275,7 +275,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     act = how.act_bytes
     fwd, refwd = 0.0, 0.0  # seconds of one forward of this rank's blocks, and of what backward recomputes
     peak, hbm = dev.peak_tflops * dev.sustained * 1e12, dev.hbm_gbps * 1e9
-    rows, width = tokens * lay.cp, cfg.dim / lay.tp  # a GEMM's rows (the whole sequence after Ulysses) and width
+    rows, width = tokens, cfg.dim / lay.tp  # a GEMM's rows (the rank's own tokens, whatever cp's kind) and width
     eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
     kinds = layer_kinds(cfg, layers)
     flash = lay.attention != "eager"

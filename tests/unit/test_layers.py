@@ -27,6 +27,7 @@ LAYERS = [
     ["ensemble"],
     ["plan"],  # reads model shapes, the grid's rules and site facts; runs nothing
     ["cli", "hpcml"],  # hpcml: the package's __init__ (lazy names of everything)
+    ["__main__"],  # python -m hpcml: the command
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 

@@ -24,7 +24,8 @@ from hpcml.models.transformer.presets import PRESETS
 from hpcml.plan import PlanLayout, load_model, predict
 from hpcml.plan.placement import rank_elements, rank_state
 from hpcml.plan.published import CALIBRATION, TABLES
-from hpcml.plan.search import candidates, emit, member_entry, search
+from hpcml.plan.emit import emit, member_entry
+from hpcml.plan.search import candidates, search
 from hpcml.train.memory import SavedBytes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -276,8 +276,9 @@ def test_megatrons_main_gradients_are_held_in_the_reduce_dtype():
 
 def test_nemo_llama31_70b_table_is_held_out_and_priced():
     """NVIDIA's Llama 3.1 70B recipe (64-2,048 H100s, TP 4 x CP 2 x PP 4 x 5 virtual stages), held
-    out: every row fits as it ran; BF16 predicted 4-6% fast, FP8 10-15% fast (median 7.9%, p90
-    13.5%: docs/benchmarks.md; 5-7% and 12-17% before session 32's refit of tp_overlap). With
+    out: every row fits as it ran; BF16 predicted 2-4% fast, FP8 9-14% fast (median 6.5%, p90
+    12.4%: docs/benchmarks.md; 4-6% and 10-15% before session 33 priced a cp rank's matmuls at
+    its own tokens, 5-7% and 12-17% before session 32's refit of tp_overlap). With
     cuDNN's attention at FlashAttention-2's efficiency it was 7-12% slow (median 10.7%), at the
     efficiency Megatron-core's table alone gave 2-9% slow."""
     import statistics
@@ -291,7 +292,7 @@ def test_nemo_llama31_70b_table_is_held_out_and_priced():
         assert p.fits
         errs.append(p.tokens_per_s / c.layout.gpus / c.tokens_per_gpu - 1)
     bf16, fp8 = errs[::2], errs[1::2]
-    assert all(0.03 < e < 0.07 for e in bf16) and all(0.10 < e < 0.16 for e in fp8), errs
+    assert all(0.015 < e < 0.05 for e in bf16) and all(0.08 < e < 0.15 for e in fp8), errs
     assert statistics.median(abs(e) for e in errs) <= 0.10
 
 
@@ -300,7 +301,8 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
     cuDNN's kernel) and nothing else -- not FlashAttention-2 under Megatron (``attention:
     flash-attn``, as with ``NVTE_FUSED_ATTN=0``); it is fitted alone after the family's joint fit
     (``fit.STAGED``), on the fitted tables and NVIDIA's Llama 3.1 8B recipe
-    (``STAGED_CALIBRATION``), so the other constants are what they were without it: H100 0.58
+    (``STAGED_CALIBRATION``), so the other constants are what they were without it: H100 0.64
+    (0.58 before session 33 priced a cp rank's matmuls at its own tokens: the recipe runs cp 2)
     against FlashAttention-2's 0.18; A100's tables run Megatron with its unfused softmax only, so
     it stays 0 (``attn_eff`` used)."""
     from hpcml.plan.calibration import constants
@@ -314,7 +316,7 @@ def test_megatrons_fused_attention_has_its_own_efficiency_fitted_after_the_rest(
                      sequence_parallel=True, framework="megatron")
     dev = resolve_device(lay)
     c = constants(dev)
-    assert (c.attn_eff_fused, c.attn_eff) == (0.58, 0.18)
+    assert (c.attn_eff_fused, c.attn_eff) == (0.64, 0.18)
     assert constants(resolve_device(replace(lay, gpu="a100-80gb"))).attn_eff_fused == 0.0
     plain = replace(c, attn_eff_fused=0.0)
     assert step_time(cfg, lay, dev, c).compute_s < step_time(cfg, lay, dev, plain).compute_s

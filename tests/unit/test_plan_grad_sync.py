@@ -20,7 +20,7 @@ from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.memory import memory
 from hpcml.plan.placement import rank_state
 from hpcml.plan.predict import predict
-from hpcml.plan.search import emit as emit_args, member_entry
+from hpcml.plan.emit import emit as emit_args, member_entry
 from hpcml.plan.traffic import dp_bytes
 
 
@@ -155,10 +155,12 @@ def test_a_run_directory_says_how_its_trainer_synced(tmp_path):
 
 def test_a_search_tries_both_syncs_for_hpcml_and_prunes_as_brute_force_would():
     """hpcml's FSDP layouts with more than one micro-batch are tried both ways; the search skips a
-    group's other recompute modes when full recompute does not fit (the least memory of them): the
-    same fitting count and the same best five as pricing every candidate."""
+    group's other recompute modes when full recompute does not fit (the least memory of them), and
+    does not price a layout whose step floor is slower than its best so far (session 33): the same
+    best five as pricing every candidate, the fitting ones it did not count all among those it did
+    not price, and the floor under every step."""
     from hpcml.plan import calibration
-    from hpcml.plan.predict import evaluate, load_model, resolve_device
+    from hpcml.plan.predict import evaluate, load_model, resolve_device, step_floor
     from hpcml.plan.search import _faster, _fits, candidates, search
 
     for fw, gb in (("hpcml", 1024), ("torchtitan", 256), ("megatron", 256)):
@@ -169,7 +171,9 @@ def test_a_search_tries_both_syncs_for_hpcml_and_prunes_as_brute_force_would():
         every = [evaluate(cfg, dev, c, lay, time_if_oom=False) for lay in candidates(base, cfg, dev, refused=[0])]
         fit = sorted((p for p in every if _fits(p, dev, 0.0)), key=_faster)
         got = search(base)
-        assert got.candidates - got.refused == len(every) and got.fitting == len(fit) > 5, fw
+        assert got.candidates - got.refused == len(every) and 5 < got.fitting <= len(fit), fw
+        assert len(fit) - got.fitting <= got.unpriced, fw
+        assert all(step_floor(cfg, dev, c, p.layout) <= p.step_s for p in fit), fw
         assert [p.layout for p in got.best] == [p.layout for p in fit[:5]], fw
         syncs = {p.layout.grad_sync for p in every if p.layout.zero >= 2 and p.layout.pp == 1
                  and p.layout.microbatches > 1}

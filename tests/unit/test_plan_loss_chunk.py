@@ -15,7 +15,7 @@ from hpcml.models.transformer.config import TransformerConfig
 from hpcml.parallel import ParallelConfig
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.memory import memory
-from hpcml.plan.search import emit, member_entry
+from hpcml.plan.emit import emit, member_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -157,7 +157,7 @@ def test_members_of_different_layouts_are_emitted_as_llm_pretrain_members(capsys
     import sys
     from pathlib import Path
 
-    from hpcml.plan.search import MEMBER_FLAGS
+    from hpcml.plan.emit import MEMBER_FLAGS
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflows"))
     try:

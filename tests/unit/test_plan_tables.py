@@ -136,7 +136,7 @@ def test_allgather_context_parallelism():
     """cp_kind allgather runs where Ulysses cannot (8 kv heads on cp 16: Llama 3's long-context
     layout), moves the keys and values of the whole sequence, keeps them for backward, and is
     what --emit writes."""
-    from hpcml.plan.search import emit
+    from hpcml.plan.emit import emit
 
     base = dict(model="llama3-8b", gpus=16, gpu="h100-80gb", seq_len=131072, global_batch=1, cp=16, zero=3,
                 recompute="full")
