@@ -243,8 +243,22 @@ def record_ended(run_dir: Path, directory: Path, *, sim_id: int, params: Mapping
                 append_provenance(run_dir, [rec])
         k += 1
     if final and exc is not None and not ok and (k - 1) in recorded:
+        _note_ended_by(exc, recorded[k - 1])
         _note_stderr(exc, run_dir / recorded[k - 1]["stderr"])
     return k - first
+
+
+_ENDED_BY = {"timeout": "timed out: stopped by the campaign after {d} s (its sim_timeout_s)",
+             "driver_gone": "stopped when the campaign's driver was gone",
+             "cancelled": "cancelled by the campaign", "interrupted": "interrupted (its worker was signalled)"}
+
+
+def _note_ended_by(exc: BaseException, rec: Mapping) -> None:
+    """What ended the last attempt when the wrapper did (a timeout is not the exit code it leaves)."""
+    text = _ENDED_BY.get(rec.get("status"))
+    note = text and f"attempt {rec.get('attempt')} " + text.format(d=f"{rec.get('duration_s') or 0:.0f}")
+    if note and note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
 
 
 def _note_stderr(exc: BaseException, err: Path) -> None:

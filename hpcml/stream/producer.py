@@ -35,7 +35,7 @@ from hpcml import log
 from hpcml.contract import ENV, ENV_ATTEMPT, ENV_SIM_ID, Contract, read_endpoints
 from hpcml.outcome import write_final_error, write_stream_record
 from hpcml.errors import ConfigError, LaunchError
-from hpcml.stream import framing, message, routing, sender, zmtp
+from hpcml.stream import framing, message, routing, sender, tiling, zmtp
 from hpcml.stream.handshake import HandshakeError
 
 logger = log.get_logger(__name__)
@@ -206,13 +206,31 @@ class Producer:
                          f"{ENV['endpoints_file']}): its training job takes none -- give it TrainingJob(stream=True), "
                          f"or write files instead of using a Producer",
                          sim, _env_int(ENV_ATTEMPT, 0) if attempt is None else attempt)
-        _, endpoints = read_endpoints(c.endpoints_file, timeout_s=float(os.environ.get("HPCML_STREAM_WAIT_S", "120")),
-                                      contract=c)
-        return cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),
-                   campaign=c.campaign, run=c.run, sim_id=sim,
-                   attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
-                   rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=global_shape,
-                   offset=offset, local_shape=local_shape, fields=fields, **kw)
+        wait = float(os.environ.get("HPCML_STREAM_WAIT_S", "120"))
+        _, endpoints = read_endpoints(c.endpoints_file, timeout_s=wait, contract=c)
+        p = cls(endpoint=endpoints[routing.route(sim, len(endpoints))], secret=routing.read_secret(c.secret_file),
+                campaign=c.campaign, run=c.run, sim_id=sim,
+                attempt=_env_int(ENV_ATTEMPT, 0) if attempt is None else attempt,
+                rank=comm.Get_rank(), nranks=comm.Get_size(), params=params, global_shape=global_shape,
+                offset=offset, local_shape=local_shape, fields=fields, **kw)
+        p._check_tiling(comm, wait)
+        return p
+
+    def _check_tiling(self, comm, timeout_s: float) -> None:
+        """Every rank of ``comm`` at once: the ranks' blocks tile the grid, or the decomposition's
+        mistake is final here, named on every rank (the trainer would drop each sample as
+        ``incomplete_cover``, after the whole campaign had run)."""
+        if self.nranks == 1:
+            return
+        blocks = tiling.gather_blocks(comm, self.global_shape, self.offset, self.local_shape, timeout_s)
+        if blocks is None:
+            logger.warning("simulation %d rank %d: the ranks' blocks not checked (not every rank made its Producer "
+                           "within %.0f s, or not an mpi4py communicator)", self.sim_id, self.rank, timeout_s)
+            return
+        problem = tiling.tiling_problem(*blocks)
+        if problem:
+            self._abandon()
+            raise _final(f"simulation {self.sim_id}: {problem}", self.sim_id, self.attempt)
 
     from_env = from_campaign
     """The former name of :meth:`from_campaign`."""

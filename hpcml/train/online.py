@@ -42,7 +42,7 @@ from hpcml.errors import ConfigError
 from hpcml.numeric import is_int
 from hpcml.stream.buffer import Buffer
 from hpcml.stream.source import SampleSource
-from hpcml.train.online_report import BENIGN_DROPS, problems, summarize
+from hpcml.train.online_report import BENIGN_DROPS, earlier_final_loss, problems, summarize
 from hpcml.train.online_state import check_campaign, load_source_states, simulations_in, source_tensors
 
 FEEDBACK_KEY = "feedback"
@@ -372,7 +372,9 @@ class OnlineRun:
             history = self.trainer.history
             result.summary = summarize(stats, steps=self.trainer.step, batch=self.batch,
                                        world=self.comm.Get_size(),
-                                       final_loss=history[-1]["loss"] if history else None)
+                                       final_loss=history[-1]["loss"] if history else earlier_final_loss(
+                                           self.config.summary_file, campaign=self.config.campaign,
+                                           step=self.trainer.step))
             result.problems, result.notes = problems(result.summary, stats, self.trainer.step, batch=self.batch,
                                                      budget=self.steps, policy=self.source.buffer.config.policy)
             for note in result.notes:

@@ -128,3 +128,24 @@ def problems(summary: dict, stats: list[dict], steps: int, *, batch: int = 1, bu
         notes.append(f"how many samples simulation(s) {summary['sims_count_unknown'][:_LISTED]} sent is not known "
                      f"(no count from the driver, no end markers): their losses cannot be counted")
     return out, notes
+
+
+def earlier_final_loss(path: str | None, *, campaign: str | None, step: int) -> float | None:
+    """The final loss an earlier job of this campaign wrote at ``step`` (its summary file, whatever
+    the driver's run), for a job resumed at that step that took none (a finished campaign resumed):
+    its summary keeps the loss rather than null. None for another campaign's file, another step's,
+    or one that cannot be read."""
+    from hpcml import safeio
+    from hpcml.errors import ConfigError
+    from hpcml.numeric import is_real
+
+    if not path:
+        return None
+    try:
+        old = safeio.read_json(path, 1 << 20)
+    except (ConfigError, OSError):
+        return None
+    if not isinstance(old, dict) or (old.get("campaign"), old.get("gradient_steps")) != (campaign, step):
+        return None
+    loss = old.get("final_loss")
+    return float(loss) if is_real(loss) else None

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import re
 import shlex
 import sys
 import textwrap
@@ -298,8 +300,9 @@ def test_walltime_near_and_no_warning_the_campaign_stops_itself(tmp_path):
     assert [(r["sim_id"], r["status"]) for r in _provenance(run_dir)] == [(0, "cancelled")]
 
 
-def test_timeout_stops_an_attempt_and_a_rerun_continues_attempt_numbers(tmp_path):
+def test_timeout_stops_an_attempt_and_a_rerun_continues_attempt_numbers(tmp_path, caplog):
     run_dir = tmp_path / "run"
+    caplog.set_level(logging.WARNING, logger="hpcml.ensemble.simpool")
     for expected_attempt in (0, 1):
         c = Campaign(run_dir=run_dir, config=_config(tmp_path, retries=0), sim_timeout_s=1, cancel_grace_s=1,
                      progress=False)
@@ -308,6 +311,11 @@ def test_timeout_stops_an_attempt_and_a_rerun_continues_attempt_numbers(tmp_path
         last = _provenance(run_dir)[-1]
         assert (last["attempt"], last["status"], last["samples_sent"]) == (expected_attempt, "timeout", None)
         assert 1 <= last["duration_s"] < 10
+        # the warning says it timed out, not only the exit code the wrapper's stop left (a newcomer saw
+        # "exit code 15 (see .../attempt_2.err)", an empty file)
+        said = [r.getMessage() for r in caplog.records if "simulation 5 failed" in r.getMessage()]
+        assert re.search(rf"attempt {expected_attempt} timed out: stopped by the campaign after \d+ s \(its "
+                         r"sim_timeout_s\)", said[-1]), said
     assert [r["attempt"] for r in _provenance(run_dir)] == [0, 1]
 
 

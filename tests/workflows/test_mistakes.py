@@ -2,9 +2,11 @@
 
 The simulation is one the project does not ship: a 1-D shallow-water height field on 2 MPI
 ranks, written here as a newcomer would (``Producer.from_campaign`` and ``send``), streaming
-into the Burgers trainer of ``own_sim/`` (field ``u`` on 64 points). Three mistakes: the field
-sent under another name (``h``), a block of the wrong shape, and a simulation that blows up
-(an infinity at step 5, which once reached training and made every weight NaN). Before, the first cost 82 s
+into the Burgers trainer of ``own_sim/`` (field ``u`` on 64 points). Four mistakes: the field
+sent under another name (``h``), a block of the wrong shape, a simulation that blows up
+(an infinity at step 5, which once reached training and made every weight NaN), and ranks whose
+blocks overlap (a halo point sent as a rank's own: each sample dropped as ``incomplete_cover``
+until the campaign ended, 52 s, then "resume the campaign", which failed the same way). Before, the first cost 82 s
 and ended in "resume the campaign", the second three attempts per simulation and a relaunched
 trainer. Now the producer learns what the trainer takes at its handshake and refuses at the
 first ``send``; the error is final: one attempt, no retry (``retries=2``), no relaunch, and the
@@ -37,11 +39,13 @@ from hpcml.stream import Producer
 p = argparse.ArgumentParser()
 p.add_argument("--sim-id", type=int, required=True)
 p.add_argument("--params-json", required=True)
-p.add_argument("--mistake", choices=("field", "shape", "blowup"), required=True)
+p.add_argument("--mistake", choices=("field", "shape", "blowup", "overlap"), required=True)
 args = p.parse_args()
 comm = MPI.COMM_WORLD
 nx = 64
 lo, hi = comm.rank * nx // comm.size, (comm.rank + 1) * nx // comm.size
+if args.mistake == "overlap" and comm.rank == 1:
+    lo -= 1  # a halo point of rank 0's sent as its own
 h = 1.0 + 0.1 * np.sin(2 * np.pi * np.arange(lo, hi) / nx)
 out = Producer.from_campaign(comm=comm, params=json.loads(args.params_json), global_shape=(nx,), offset=(lo,),
                              local_shape=(hi - lo,), sim_id=args.sim_id)
@@ -53,8 +57,10 @@ for step in range(20):
         if step == 5:
             h[0] = np.inf  # an unstable step: one point overflows
         out.send(step, 0.1 * step, {"u": h})
-    else:
+    elif args.mistake == "shape":
         out.send(step, 0.1 * step, {"u": np.append(h, 0.0)})  # one point too many
+    else:
+        out.send(step, 0.1 * step, {"u": h})
 out.close()
 '''
 
@@ -65,6 +71,8 @@ out.close()
     ("shape", "field 'u' has shape (33,), expected the subdomain (32,)"),
     ("blowup", "field 'u' at step 5 holds 0 NaN and 1 infinite values of 32 (the first at (0,) of this rank's "
                "subdomain): the simulation diverged"),
+    ("overlap", "rank 0's block at offset (0,) of local_shape (32,) and rank 1's at (31,) of (33,) overlap: each "
+                "point of global_shape (64,) must come from one rank"),
 ])
 def test_a_deterministic_mistake_ends_the_campaign_at_once_with_its_cause(tmp_path, mistake, cause):
     sim = tmp_path / "shallow1d.py"

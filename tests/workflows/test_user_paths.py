@@ -151,6 +151,8 @@ def test_a_parsl_workflow_run_twice_in_one_directory_is_refused_in_seconds_then_
     assert (s2["status"], s2["resumed_at"], s2["samples_ingested"], s2["samples_missing"]) == ("ok", 20, 10, 0)
     # issue 39: the finished simulations are not run again (before, they were, and their 10 copies were dropped)
     assert s2["duplicate_samples"] == 0 and s2["run"] != s["run"]
+    # resumed at its last step, it took none: the first job's final loss stays (it was null)
+    assert isinstance(s["final_loss"], float) and s2["final_loss"] == s["final_loss"]
     assert sorted((r["sim_id"], r["attempt"]) for r in apps_provenance(run)) == [(0, 0), (1, 0)]
 
 
