@@ -85,13 +85,16 @@ def load(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, strict: b
         raise CheckpointError(next(w for _, w in asked if w))
     wanted = set().union(*(names for names, _ in asked))
     report, error = None, None
+    cause: BaseException | None = None
     try:
         report = _load(path, tensors, strict=strict, wanted=wanted, tensor_attrs=tensor_attrs, key=key)
     except (CheckpointError, ConfigError) as e:
         error = str(e)
+    except Exception as e:  # anything else too: raised on every rank, never left to hang the others
+        error, cause = f"rank {comm.Get_rank()}: {type(e).__name__}: {e}", e
     errors = [e for e in comm.allgather(error) if e]
     if errors:
-        raise CheckpointError(errors[0])
+        raise CheckpointError(errors[0]) from cause
     return report
 
 
@@ -104,6 +107,14 @@ def _targets_problem(tensors: object) -> str | None:
     bad = next((n for n, t in tensors.items() if not isinstance(t, torch.Tensor)), None)
     if bad is not None:
         return f"{bad!r} is of type {type(tensors[bad]).__name__}: expected a torch.Tensor or DTensor to fill in place"
+    for n, t in tensors.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.is_meta:
+            return (f"{n!r} is on the meta device: it has no memory to fill (a model built on meta: "
+                    f"model.to_empty(device=...) first)")
+        if any(st == 0 and sz > 1 for st, sz in zip(local.stride(), local.shape)):
+            return (f"{n!r} of shape {tuple(local.shape)} has stride 0 along a dimension (an expand()ed view): its "
+                    f"elements share memory and cannot each be filled; clone() it first")
     return None
 
 

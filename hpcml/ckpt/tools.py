@@ -215,12 +215,22 @@ def export(path: str | os.PathLike, out: str | os.PathLike, fmt_name: str = "saf
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> int:
     """One self-contained HDF5 file: every tensor as a real dataset (read checked), attributes kept."""
+    out_file(out)
+    tmp = Path(str(out) + ".tmp")
+    try:
+        _consolidate(path, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a refused or cut consolidation leaves no half-written file
+        raise
+    tmp.rename(out)
+    return Path(out).stat().st_size
+
+
+def _consolidate(path: str | os.PathLike, tmp: Path) -> None:
     import numpy as np
 
-    out_file(out)
-    with Checkpoint(path) as ck, h5py.File(Path(str(out) + ".tmp"), "w") as g:
+    with Checkpoint(path) as ck, h5py.File(tmp, "w") as g:
         ck.check_index()
-        tmp = Path(g.filename)
         m = ck.manifest
         for k in ("format_version", "hpcml_version", "save_id", "step", "world_size"):
             g.attrs[k] = m[k]
@@ -235,8 +245,6 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> int:
             ds.attrs["partition"] = t["partition"]
             for k, v in t["attrs"].items():
                 ds.attrs[k] = v
-    tmp.rename(out)
-    return Path(out).stat().st_size
 
 
 __all__ = ["consolidate", "export", "inspect", "list_checkpoints", "model_weights", "sign", "signature_note", "verify"]

@@ -121,6 +121,30 @@ def test_errors_on_one_rank_before_the_plan_fail_every_rank(comm, shared_dir):
     assert blocker.read_text() == "keep me" and not (shared_dir / "odd" / "latest").exists()
 
 
+def test_any_error_of_one_ranks_load_fails_every_rank(comm, shared_dir, monkeypatch):
+    """A load that fails on one rank with something other than a CheckpointError (a newcomer's
+    expand()ed target raised torch's RuntimeError there) is raised on every rank: the others
+    waited for it forever. A meta target is refused on the rank that holds it, and so on all."""
+    from hpcml.ckpt import reader
+
+    ckpt.save(shared_dir / "any", 1, {"model/a": torch.arange(4.0)}, comm=comm)
+    real = reader._load
+
+    def broken(*a, **k):
+        if comm.rank == WORLD - 1:
+            raise RuntimeError("a fault no check foresaw")
+        return real(*a, **k)
+    monkeypatch.setattr(reader, "_load", broken)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.load(shared_dir / "any", {"model/a": torch.zeros(4)}, comm=comm)
+    msg = str(info.value)
+    assert msg == f"rank {WORLD - 1}: RuntimeError: a fault no check foresaw" and comm.allgather(msg) == [msg] * WORLD
+    monkeypatch.setattr(reader, "_load", real)
+    target = {"model/a": torch.empty(4, device="meta") if comm.rank == 0 else torch.zeros(4)}
+    with pytest.raises(CheckpointError, match="'model/a' is on the meta device"):
+        ckpt.load(shared_dir / "any", target, comm=comm)
+
+
 def test_bf16_round_trip_and_storage(comm, shared_dir):
     root = shared_dir / "bf16"
     torch.manual_seed(1)

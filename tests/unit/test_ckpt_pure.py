@@ -314,3 +314,36 @@ def test_what_a_load_cannot_fill_is_named_not_a_traceback(tmp_path):
     wide = {"weight": torch.zeros(4, 4, dtype=torch.float64), "bias": torch.zeros(4, dtype=torch.bfloat16)}
     ckpt.load(tmp_path, wide)
     assert torch.equal(wide["weight"], m.weight.double()) and torch.equal(wide["bias"], m.bias.bfloat16())
+    # a newcomer's model built on meta and never given memory: it "loaded" 2 MB and stayed on meta
+    meta = {"weight": torch.empty(4, 4, device="meta"), "bias": torch.zeros(4)}
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=r"^'weight' is on the meta device: it has no memory to fill \(a "
+                                                  r"model built on meta: model.to_empty\(device=...\) first\)"):
+            ckpt.load(tmp_path, meta, strict=strict)
+    assert not meta["bias"].any()
+    # an expand()ed target: torch's own "more than one element of the written-to tensor..." before
+    shared = {"weight": torch.zeros(1, 4).expand(4, 4), "bias": torch.zeros(4)}
+    with pytest.raises(CheckpointError, match=r"^'weight' of shape \(4, 4\) has stride 0 along a dimension \(an "
+                                              r"expand\(\)ed view\): its elements share memory"):
+        ckpt.load(tmp_path, shared)
+
+
+def test_a_refused_consolidation_leaves_no_file_behind(tmp_path):
+    """``hpcml ckpt consolidate`` of a checkpoint with a flipped data byte fails in one line and
+    leaves nothing at the output (it left ``OUT.tmp``, half written, behind)."""
+    import json as _json
+
+    from hpcml.ckpt import tools
+
+    ckpt.save(tmp_path / "ck", 1, {"model/a": torch.arange(64.0), "model/b": torch.arange(4096.0)})
+    step = tmp_path / "ck" / "step_00000001"
+    piece = _json.loads((step / "manifest.json").read_text())["tensors"]["model/b"]["pieces"][0]
+    with open(step / piece["file"], "r+b") as f:
+        f.seek(piece["at"][0] + 100)
+        b = f.read(4)
+        f.seek(piece["at"][0] + 100)
+        f.write(bytes(x ^ 0xFF for x in b))
+    out = tmp_path / "one.h5"
+    with pytest.raises(CheckpointError, match="model/b.*CRC-32"):
+        tools.consolidate(tmp_path / "ck", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
