@@ -58,6 +58,8 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
     k = 0
     while os.path.exists(os.path.join(sim_dir, f"attempt_{k}.start")):
         k += 1
+    if k and _interrupted(sim_dir, k - 1) and _cancelled_within(sims_dir, INTERRUPT_GRACE_S):
+        return f"exit {_CANCELLED_RC}"  # the whole campaign was stopping: its signal reached this worker first
     same = failed_alike(sim_dir, k)  # the simulation's own exception twice: a third attempt would raise it again
     if same is not None:
         why = f"simulation {sim_id}: not retried: attempts {k - 2} and {k - 1} both raised {same[:300]}"
@@ -77,6 +79,27 @@ def hpcml_sim(sim_dir: str, sim_id: int, launch: str, argv: list[str], limit_s: 
     # `launch` stays unquoted: $PARSL_MPI_PREFIX must expand on the worker.
     return (f"exec /bin/bash {shlex.quote(script)} {shlex.quote(sim_dir)} {int(sim_id)} {k} {int(limit_s)} "
             f"{int(grace_s)} -- {launch} {shlex.join(argv)}")
+
+
+#: A retry of an attempt its worker's signal interrupted waits this long for CANCEL: a stopped job's
+#: signal reaches its workers with its driver, and Parsl retried before the driver wrote CANCEL.
+INTERRUPT_GRACE_S = 2.0
+
+
+def _interrupted(sim_dir: str, k: int) -> bool:
+    """Attempt ``k`` ended because its worker was signalled (its wrapper's end record says so)."""
+    rec = safeio.read_json(os.path.join(sim_dir, f"attempt_{k}.end"), MAX_RECORD_LINE, error=None)
+    return bool(rec) and rec.get("reason") == "interrupted"
+
+
+def _cancelled_within(sims_dir: str, wait_s: float) -> bool:
+    """Whether the campaign's CANCEL appears in ``sims_dir`` within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(os.path.join(sims_dir, CANCEL_FILE)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 ATTEMPT_SH = r"""#!/bin/bash

@@ -48,3 +48,28 @@ def test_what_a_retry_may_cure_is_retried(tmp_path):
         _attempt(d, 0, a, rc, reason)
         _attempt(d, 1, b, rc, reason)
         assert failed_alike(str(d), 2) is None, name
+
+
+def test_a_retry_after_an_interruption_waits_for_the_campaigns_cancel(tmp_path):
+    """A whole job stopped (SIGTERM to its process group): the worker's signal interrupted the
+    attempt, Parsl retried it, and the retry launched before the driver wrote CANCEL (a newcomer
+    saw attempt 1 start and be cancelled a second later). The retry now waits briefly for CANCEL;
+    a lone worker's interruption (no CANCEL comes) is retried as before, after the grace."""
+    import threading
+    import time
+
+    d = tmp_path / "sims" / "sim_00003"
+    d.mkdir(parents=True)
+    (tmp_path / "sims" / "attempt.sh").write_text("")
+    _attempt(d, 0, "", rc=143, reason="interrupted")
+    threading.Timer(0.5, (tmp_path / "sims" / attempts.CANCEL_FILE).touch).start()
+    t0 = time.monotonic()
+    assert attempts.hpcml_sim(str(d), 3, "", ["sim.py"], 0, 5, {}) == "exit 125"
+    assert 0.4 < time.monotonic() - t0 < attempts.INTERRUPT_GRACE_S and not (d / "attempt_1.start").exists()
+    (tmp_path / "sims" / attempts.CANCEL_FILE).unlink()
+    cmd = attempts.hpcml_sim(str(d), 3, "", ["sim.py"], 0, 5, {})
+    assert cmd.startswith("exec /bin/bash") and " 3 1 0 5 -- " in cmd  # no CANCEL: the retry runs
+    _attempt(d, 1, "", rc=143, reason="timeout")  # only an interruption waits
+    t0 = time.monotonic()
+    assert " 3 2 0 5 -- " in attempts.hpcml_sim(str(d), 3, "", ["sim.py"], 0, 5, {})
+    assert time.monotonic() - t0 < attempts.INTERRUPT_GRACE_S
