@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcml import safeio, stop
-from hpcml.ensemble import apps, attempts
+from hpcml.ensemble import apps, attempt_text, attempts
 from hpcml.ensemble.asha import Asha, SearchConfig, configurations
 from hpcml.ensemble.parsl_build import executor_label, resolve_config
 from hpcml.ensemble.site import Site, load_site
@@ -238,7 +238,7 @@ class Search:
 
     def _ended(self, state: Asha, trial: int, rung: int, f: concurrent.futures.Future) -> None:
         if f.exception() is not None:
-            why = attempts.describe(f.exception())[:500]
+            why = attempt_text.describe(f.exception())[:500]
             state.fail(trial, rung, why)
             self._record({"trial": trial, "rung": rung, "status": "failed", "why": why})
             logger.warning("trial %d rung %d failed: %s", trial, rung, why)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcml.outcome import FINAL_SUFFIX, failed_alike, read_final_error
-from hpcml.ensemble import attempts, bundles
+from hpcml.ensemble import attempt_text, attempts, bundles
 from hpcml.ensemble.book import CANCELLED, COMPLETED, FAILED, RUNNING, Book
 from hpcml.errors import ConfigError
 from hpcml.ensemble.spec import SimSpec
@@ -172,7 +172,8 @@ class SimPool:
         elif s.outcome == "failed":
             alike = failed_alike(str(s.dir), len(s.recorded)) if len(s.recorded) < self.c.retries + 1 else None
             logger.warning("simulation %d failed after %d attempt(s)%s: %s", s.spec.sim_id, len(s.recorded),
-                           " (the same exception twice: not retried again)" if alike else "", attempts.describe(exc))
+                           " (the same exception twice: not retried again)" if alike else "",
+                           attempt_text.describe(exc))
 
     def _finish_bundle(self, task: bundles.BundleTask, fut: concurrent.futures.Future, cancelled: bool) -> None:
         exc = fut.exception()
@@ -188,7 +189,7 @@ class SimPool:
         failed = [s.spec.sim_id for s in task.sims if s.outcome == "failed"]
         if failed:
             logger.warning("bundle %s: %d member(s) failed: %s%s", task.dir.name, len(failed), failed[:10],
-                           f" ({attempts.describe(exc)})" if exc is not None else "")
+                           f" ({attempt_text.describe(exc)})" if exc is not None else "")
 
     def record(self, s: Sim, *, final: bool, exc: BaseException | None = None, ok: bool = False) -> None:
         spec = s.spec

@@ -23,7 +23,7 @@ from pathlib import Path
 from hpcml import safeio
 from hpcml.contract import CONFIG_ERROR, ENV, INCOMPLETE, LEASE_FILE
 from hpcml.ensemble import schedulers, watchdog
-from hpcml.ensemble.attempts import tail_text
+from hpcml.ensemble.attempt_text import tail_text
 from hpcml.ensemble.spec import TrainingJob
 from hpcml.env import NOT_FINISHED
 from hpcml.errors import LaunchError

@@ -5,7 +5,6 @@ per axis. Validated in ``__post_init__`` with the numbers in the message, so a b
 from __future__ import annotations
 
 import difflib
-
 from dataclasses import InitVar, asdict, dataclass, fields, replace
 
 from hpcml.errors import ConfigError
@@ -59,7 +58,6 @@ def _int(name: str, value, least: int = 1) -> int:
     return value
 
 
-
 #: What a model config the planner prices must name: without them it would price the config's defaults, a toy model.
 SIZE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads")
 
@@ -74,6 +72,7 @@ def sized_config(d: object, where: str) -> TransformerConfig:
                               f"(e.g. {{\"vocab_size\": 128256, \"dim\": 4096, \"n_layers\": 32, \"n_heads\": 32}}) "
                               f"or a preset's name")
     return TransformerConfig.from_dict(d)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlanLayout:

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     searching = not any(k in given for k in _LAYOUT_KEYS) and not args.fsdp
     if searching:
         return _run_search(args, PlanLayout(**given, degrees_checked=False), pop,
-                           cp_kinds=None if "cp_kind" in given else ("ulysses", "allgather"))
+                           cp_kinds=None if "cp_kind" in given else CP_KINDS)
     lay = PlanLayout(**given)
     chosen = "micro_batch" not in given
     if chosen:  # the other degrees given: the micro-batch a search would take for them

@@ -238,12 +238,11 @@ def tokens_per_s(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLay
 
 
 def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout, *, time_if_oom: bool = True,
-             slower_than: float = math.inf, traffic: bool = True) -> Prediction:
+             traffic: bool = True) -> Prediction:
     """:func:`predict` with the model, device and constants resolved (the search's inner loop).
     A sequence longer than the model's ``max_seq_len`` is planned as if it were raised (rotary
-    tables are the only thing it sizes). ``slower_than``: a layout that fits but whose
-    :func:`step_floor` is above it is not timed (step inf, tokens 0: a search's best is faster);
-    ``traffic``: count the data-parallel bytes (a search counts them for its best alone)."""
+    tables are the only thing it sizes). ``traffic``: count the data-parallel bytes (a search
+    counts them for its best alone)."""
     cfg, tied_copy, refused = planned(cfg, dev, lay)
     if refused:
         return Prediction(lay, False, {}, float("nan"), 0.0, 0.0, 0.0, f"the model's plan refuses it: {refused}", {})
@@ -253,8 +252,6 @@ def evaluate(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout,
     fits = gib["total"] <= cap
     if not fits and not time_if_oom:
         return Prediction(lay, False, gib, float("nan"), 0.0, 0.0, 0.0, "out of memory", {})
-    if fits and slower_than < math.inf and step_floor(cfg, dev, c, lay) > slower_than:
-        return Prediction(lay, True, gib, math.inf, 0.0, 0.0, 0.0, "slower than the search's best", {})
     t = step_time(cfg, lay, dev, c, tied_copy=tied_copy)
     tokens = lay.global_batch * lay.seq_len / t.step_s
     peak = lay.gpus * dev.peak_tflops * 1e12

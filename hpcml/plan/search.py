@@ -20,7 +20,7 @@ from hpcml.plan import calibration
 from hpcml.plan.devices import Device
 from hpcml.plan.predict import (Prediction, dp_traffic, evaluate, load_model, megatron_wants_sp,
                                 plan_rules, resolve_device, full_share, step_floor, tied)
-from hpcml.plan.candidate import PlanLayout
+from hpcml.plan.candidate import CP_KINDS, PlanLayout
 from hpcml.plan.framework_rules import deepspeed_refuses
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
@@ -29,8 +29,7 @@ RECOMPUTE = {"hpcml": ("none", "full"), "megatron": ("none", "selective", "full"
              "torchtitan": ("none", "selective-op", "selective-layer", "full")}
 
 
-CP_KINDS = {"hpcml": ("ulysses", "allgather"), "megatron": ("ulysses", "allgather"),
-            "torchtitan": ("ulysses", "allgather"), "deepspeed": ("ulysses",)}
+FRAMEWORK_CP_KINDS = {"hpcml": CP_KINDS, "megatron": CP_KINDS, "torchtitan": CP_KINDS, "deepspeed": ("ulysses",)}
 """The context parallelism each framework runs: Ulysses' all-to-all (DeepSpeed's, Megatron-core's
 ``a2a``) and keys and values gathered (hpcml's ``cp_kind allgather``, Megatron-core's ``p2p`` and
 ``all_gather``, torchtitan's ring); a search not told ``cp_kind`` tries the second where the first
@@ -62,7 +61,7 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
     alike but for the recompute mode, ``full`` last: the least memory of them. ``cp_kinds``: the
     context parallelism tried where cp > 1, those of them the framework runs (None: ``base``'s)."""
     fw, gpus = base.framework, base.gpus
-    kinds = [k for k in (cp_kinds or (base.cp_kind,)) if k in CP_KINDS[fw] or k == base.cp_kind]
+    kinds = [k for k in (cp_kinds or (base.cp_kind,)) if k in FRAMEWORK_CP_KINDS[fw] or k == base.cp_kind]
     if base.fpdt_chunk:  # FPDT runs on Ulysses
         kinds = [base.cp_kind]
     sync, base = base.grad_sync, _with_sync(base, None)  # asked for, or both tried where hpcml's FSDP accumulates
@@ -184,31 +183,29 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
             break
 
         def price(lay: PlanLayout) -> Prediction:
-            return evaluate(cfg, dev, c, lay, time_if_oom=False, slower_than=bar, traffic=False)
+            return evaluate(cfg, dev, c, lay, time_if_oom=False, traffic=False)
         # no faster than the best: not priced (a mode's floor: the group's, recomputing what it recomputes)
         slow = [floor * (3 + full_share(lay.recompute, cfg.n_layers)) / 3 > bar for lay in group]
-        unpriced += sum(slow)
         priced = {}
         if not slow[-1]:
             priced[len(group) - 1] = price(group[-1])  # full recompute first
             if not _fits(priced[len(group) - 1], dev, headroom):
                 if _full_is_least(cfg, group[-1]):
-                    unpriced -= sum(slow)  # (known not to fit rather)
                     continue  # full keeps the least: none of the group fits
                 priced[0] = price(group[0])
                 if not _fits(priced[0], dev, headroom):
                     continue  # the selective modes keep more than full (each block's share, one block whole)
+        unpriced += sum(slow)
         for i, lay in enumerate(group):
             if slow[i]:
                 continue
             p = priced[i] if i in priced else price(lay)
             if _fits(p, dev, headroom):
                 fitting += 1
-                if p.tokens_per_s > 0:  # timed
-                    scored.append((p, k, i))
-                    heapq.heappush(kept, -p.step_s)
-                    if len(kept) > 2 * top:
-                        heapq.heappop(kept)
+                scored.append((p, k, i))
+                heapq.heappush(kept, -p.step_s)
+                if len(kept) > 2 * top:
+                    heapq.heappop(kept)
     scored.sort(key=lambda e: (*_faster(e[0]), e[1], e[2]))  # ties in the order the candidates come
     best: list[Prediction] = []
     for p, _, _ in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same

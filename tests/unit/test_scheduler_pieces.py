@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hpcml import stop
-from hpcml.ensemble import Campaign, attempts, load_site
+from hpcml.ensemble import Campaign, attempt_text, attempts, load_site
 from hpcml.ensemble.allocation import Allocation, current
 from hpcml.errors import ConfigError
 
@@ -178,17 +178,17 @@ def test_a_failed_simulation_names_its_attempt_err_file(tmp_path):
         (d / f"attempt_{k}.end").write_text(json.dumps({"returncode": 2, "end": 3.0, "reason": ""}))
         (d / f"attempt_{k}.err").write_text(f"reading mesh\n\nValueError: kappa {k} out of range\n")
     exc = BashExitFailure("hpcml_sim", 2)
-    assert attempts.describe(exc) == "exit code 2"
+    assert attempt_text.describe(exc) == "exit code 2"
     recorded: dict[int, dict] = {}
     n = attempts.record_ended(tmp_path, d, sim_id=3, params={"kappa": 1.0}, argv=["sim"], launch="", first=0,
                               recorded=recorded, final=True, exc=exc)
     assert n == 2 and [r["status"] for r in recorded.values()] == ["failed", "failed"]
     # what the runner logs: "simulation 3 failed after 2 attempt(s): <describe(exc)>"
-    assert attempts.describe(exc) == (f"exit code 2 (see {d / 'attempt_1.err'}: reading mesh / "
+    assert attempt_text.describe(exc) == (f"exit code 2 (see {d / 'attempt_1.err'}: reading mesh / "
                                       f"ValueError: kappa 1 out of range)")
     attempts.record_ended(tmp_path, d, sim_id=3, params={}, argv=[], launch="", first=0, recorded=recorded,
                           final=True, exc=exc)  # recorded again (a cancellation sweep): the note stays one
-    assert attempts.describe(exc).count("attempt_1.err") == 1
+    assert attempt_text.describe(exc).count("attempt_1.err") == 1
 
 
 def test_the_trainers_exit_says_why_it_was_not_relaunched(tmp_path):
