@@ -30,7 +30,7 @@ from hpcml.plan import devfile
 from hpcml.plan.predict import measured_ok, measured_step, pop_measured
 from hpcml.plan.published import Case
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 MAX_RUN_FILE = 16 << 20
 MAX_RUNS = 10_000

@@ -15,7 +15,7 @@ from importlib import resources
 
 from hpcml.errors import ConfigError
 from hpcml.plan.devices import Device
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 
 @lru_cache(maxsize=1)

@@ -327,9 +327,10 @@ def _run_file(args: argparse.Namespace, given: dict) -> int:
 
 
 def _run_search(args: argparse.Namespace, base: PlanLayout, pop=None, cp_kinds: tuple[str, ...] | None = None) -> int:
+    from hpcml.plan.forked import usable_cores
     from hpcml.plan.search import search
 
-    r = search(base, top=args.top or 5, headroom=args.headroom, cp_kinds=cp_kinds)
+    r = search(base, top=args.top or 5, headroom=args.headroom, cp_kinds=cp_kinds, workers=usable_cores())
     if not r.candidates:
         raise ConfigError(f"no layout of {base.gpus} devices exists for this model: no tp x pp x cp x dp equals "
                           f"{base.gpus} with dp dividing the global batch ({base.global_batch}) and the degrees "

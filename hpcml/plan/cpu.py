@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from hpcml.plan.devices import Device
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 
 @dataclass(frozen=True)

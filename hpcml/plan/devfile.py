@@ -24,7 +24,7 @@ from hpcml.errors import ConfigError
 from hpcml.numeric import is_int, is_real
 from hpcml.plan.cpu import CpuFacts, cpu_device
 from hpcml.plan.devices import Device
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 FORMAT = "hpcml-device/1"
 MAX_BYTES = 1 << 20

@@ -11,7 +11,7 @@ from dataclasses import replace
 from importlib import resources
 
 from hpcml.plan.devices import Device
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 
 #: The values each constant may take in the fit (coordinate descent over these grids).

@@ -50,15 +50,24 @@ def weight_bytes(lay: PlanLayout) -> int:
 
 
 def saved_how(lay: PlanLayout) -> fp.Saved:
-    """Tensor widths and placements of ``lay`` as the activation count takes them."""
-    act = 4 if lay.precision == "fp32" else 2
-    stream = 2 if bf16_weights(lay) else 4  # hpcml without FSDP: fp32 weights, an fp32 residual stream
-    return fp.Saved(tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
-                    attention=lay.attention, act_bytes=act, stream_bytes=stream,
-                    sp_saves_gathered=lay.framework not in MEGATRON_MODEL, fpdt=lay.fpdt_chunk > 0,
-                    chunked_loss=(lay.fpdt_chunk or lay.loss_chunk) > 0 and lay.pp == 1, loss=lay.loss,
-                    cp_kind=lay.cp_kind,
-                    fused_blocks=lay.framework in MEGATRON_MODEL, norm_upcast=lay.framework == "hpcml")
+    """Tensor widths and placements of ``lay`` as the activation count takes them (one object for
+    layouts alike in them: the caches keyed on it then compare it by identity, a search's ~50,000
+    calls)."""
+    return _saved_how(lay.precision, bf16_weights(lay), lay.framework, lay.tp, lay.cp, lay.sequence_parallel,
+                      lay.recompute, lay.attention, lay.fpdt_chunk, lay.loss_chunk, lay.pp, lay.loss, lay.cp_kind)
+
+
+@lru_cache(maxsize=4096)
+def _saved_how(precision: str, bf16: bool, framework: str, tp: int, cp: int, sequence_parallel: bool, recompute: str,
+               attention: str, fpdt_chunk: int, loss_chunk: int, pp: int, loss: str, cp_kind: str) -> fp.Saved:
+    act = 4 if precision == "fp32" else 2
+    stream = 2 if bf16 else 4  # hpcml without FSDP: fp32 weights, an fp32 residual stream
+    return fp.Saved(tp=tp, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute,
+                    attention=attention, act_bytes=act, stream_bytes=stream,
+                    sp_saves_gathered=framework not in MEGATRON_MODEL, fpdt=fpdt_chunk > 0,
+                    chunked_loss=(fpdt_chunk or loss_chunk) > 0 and pp == 1, loss=loss,
+                    cp_kind=cp_kind,
+                    fused_blocks=framework in MEGATRON_MODEL, norm_upcast=framework == "hpcml")
 
 
 @lru_cache(maxsize=4096)
@@ -209,7 +218,8 @@ def state_bytes(lay: PlanLayout, st: RankState) -> tuple[float, float, float]:
 def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0, gpus_per_node: int = 8,
            pp_rank: int | None = None) -> Memory:
     """The memory of the fullest pipeline rank of ``lay`` (of ``pp_rank``, if given)."""
-    worst: Memory | None = None
+    worst: tuple | None = None
+    most = 0.0
     ranks = rank_classes(cfg.n_layers, lay.pp, lay.v, lay.split, moe_layers(cfg)) if pp_rank is None else (pp_rank,)
     how = saved_how(lay)
     for r in ranks:
@@ -233,8 +243,8 @@ def memory(cfg: TransformerConfig, lay: PlanLayout, reserved_bytes: float = 0.0,
             buf += (2 if lay.reduce_dtype == "bf16" else 4) * st.compute_params
         elif lay.zero == 0 and lay.framework == "hpcml" and lay.dp * lay.cp > 1:
             buf += 4 * st.grads  # hpcml's DDP all-reduces one flat copy of every gradient
-        m = Memory(p, g, o, act, buf, reserved_bytes, r)
-        if worst is None or m.total > worst.total:
-            worst = m
+        total = p + g + o + act + buf + reserved_bytes  # (Memory's total, without making one per rank)
+        if worst is None or total > most:
+            worst, most = (p, g, o, act, buf, reserved_bytes, r), total
     assert worst is not None
-    return worst
+    return Memory(*worst)

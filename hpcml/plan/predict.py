@@ -13,7 +13,6 @@ from hpcml import safeio
 from hpcml.errors import ConfigError, GridError, HpcmlError
 from hpcml.grid.layout import Layout
 from hpcml.models.transformer.config import TransformerConfig
-from hpcml.models.transformer.footprint import block_recompute
 from hpcml.models.transformer.presets import PRESETS
 from hpcml.models.transformer.rules import check_plan
 from hpcml.numeric import is_real
@@ -23,7 +22,8 @@ from hpcml.plan.devices import Device, device, site_device
 from hpcml.plan.memory import memory
 from hpcml.plan.placement import stage_layer_lists
 from hpcml.plan.candidate import MAX_LAYERS, PlanLayout, sized_config
-from hpcml.plan.timing import Constants, layer_flops, reserved_gib, step_time
+from hpcml.plan.constants import Constants, reserved_gib
+from hpcml.plan.timing import step_time
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_LINE = 4096
@@ -231,6 +231,15 @@ def planned(cfg: TransformerConfig, dev: Device, lay: PlanLayout) -> tuple[Trans
     return cfg, tied_copy, refused or model_rules(rules_cfg, lay)
 
 
+def memory_gib(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout) -> float:
+    """:func:`evaluate`'s memory total alone, in GiB (infinite where the model's rules refuse ``lay``):
+    what the search asks of a layout it would not time."""
+    cfg, _, refused = planned(cfg, dev, lay)
+    if refused:
+        return math.inf
+    return memory(cfg, lay, reserved_gib(c, lay.zero) * (1 << 30), dev.gpus_per_node).total / (1 << 30)
+
+
 def tokens_per_s(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout) -> float:
     """:func:`evaluate`'s tokens/s alone (0 where the model's rules refuse ``lay``): the fit's inner loop."""
     cfg, tied_copy, refused = planned(cfg, dev, lay)
@@ -274,40 +283,6 @@ def dp_traffic(cfg: TransformerConfig, dev: Device, lay: PlanLayout) -> dict[str
     """:attr:`Prediction.dp_bytes` of ``lay`` (empty when it sends none)."""
     sent = traffic.dp_bytes(cfg, lay, lay.gpus_per_node or dev.gpus_per_node)
     return sent if any(sent.values()) else {}
-
-
-def step_floor(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayout) -> float:
-    """Seconds no step of ``lay`` takes less than (0 for a mixture of experts, or ranks sharing
-    cores): the blocks' forward -- linear layers at the rate :func:`step_time` gives the layout's
-    rows and width, attention's core at the best rate any kernel gets, the elementwise passes at
-    HBM speed -- three times (backward), four under full recompute, shared evenly over every
-    device, and the pipeline's bubble over it. The slowest rank does at least its share."""
-    if cfg.n_experts or dev.shared_cores:
-        return 0.0
-    rows, width = lay.micro_batch * lay.seq_len / lay.cp, cfg.dim / lay.tp
-    eff = c.gemm_eff * rows / (rows + c.m_half) * width / (width + c.n_half)
-    lin = (dev.fp8_tflops * c.fp8_eff if lay.precision == "fp8" else dev.peak_tflops) * dev.sustained * 1e12
-    peak = dev.peak_tflops * dev.sustained * 1e12
-    act = 4 if lay.precision == "fp32" else 2
-    core = cfg.n_layers * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim  # attention's scores and values
-    fwd = _linear_flops(cfg, lay.seq_len) / (lin * eff) + core / (peak * max(eff, c.attn_eff, c.attn_eff_fused)) \
-        + cfg.n_layers * c.elementwise_passes * cfg.dim * act / (dev.hbm_gbps * 1e9)
-    again = full_share(lay.recompute, cfg.n_layers)
-    bubble = 1 + (lay.pp - 1) / (lay.v * lay.microbatches)
-    return (3 + again) * bubble * lay.global_batch * lay.seq_len * fwd / lay.gpus
-
-
-@lru_cache(maxsize=256)
-def full_share(recompute: str, n_layers: int) -> float:
-    """The share of the blocks ``recompute`` runs forward again whole."""
-    return sum(block_recompute(recompute, i) == "full" for i in range(n_layers)) / n_layers
-
-
-@lru_cache(maxsize=256)
-def _linear_flops(cfg: TransformerConfig, seq_len: int) -> float:
-    """Forward FLOPs a token spends in the blocks' linear layers (:func:`layer_flops` less attention's core)."""
-    core = 2 * seq_len * cfg.n_heads * cfg.head_dim
-    return sum(layer_flops(cfg, i, seq_len, 1) - core for i in range(cfg.n_layers))
 
 
 MEASURED = ("step_s", "tokens_per_s")

@@ -18,9 +18,11 @@ from hpcml.grid.layout import divisors
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.plan import calibration
 from hpcml.plan.devices import Device
-from hpcml.plan.predict import (Prediction, dp_traffic, evaluate, load_model, megatron_wants_sp,
-                                plan_rules, resolve_device, full_share, step_floor, tied)
+from hpcml.plan.floor import least_dp_s, step_floor
+from hpcml.plan.predict import (Prediction, dp_traffic, evaluate, load_model, megatron_wants_sp, memory_gib,
+                                plan_rules, resolve_device, tied)
 from hpcml.plan.candidate import CP_KINDS, PlanLayout
+from hpcml.plan.forked import fork_map
 from hpcml.plan.framework_rules import deepspeed_refuses
 
 ZERO = {"hpcml": (0, 2, 3), "megatron": (0, 1, 3), "torchtitan": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
@@ -52,6 +54,18 @@ def candidates(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_mic
 def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
                      refused: list[int] | None = None, cp_kinds: tuple[str, ...] | None = None
                      ) -> Iterator[list[PlanLayout]]:
+    """:func:`group_heads`, each group whole: its layout in every recompute mode the framework runs."""
+    for head in group_heads(base, cfg, dev, max_micro_batch=max_micro_batch, refused=refused, cp_kinds=cp_kinds):
+        yield modes(head)
+
+
+def modes(head: PlanLayout) -> list[PlanLayout]:
+    """A group from its head (recompute none): the framework's recompute modes in order, ``full`` last."""
+    return [head, *(head.unchecked(recompute=rc) for rc in RECOMPUTE[head.framework][1:])]
+
+
+def group_heads(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, max_micro_batch: int = 64,
+                refused: list[int] | None = None, cp_kinds: tuple[str, ...] | None = None) -> Iterator[PlanLayout]:
     """Every layout of ``base``'s model, devices, sequence and batch that the grid and the
     model's plan accept: tp within a node, cp, pp, ep for MoE models, micro-batch, ZeRO stage,
     recompute, sequence parallelism, and the pipeline schedule. ``refused`` (a one-item
@@ -65,6 +79,8 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
     if base.fpdt_chunk:  # FPDT runs on Ulysses
         kinds = [base.cp_kind]
     sync, base = base.grad_sync, _with_sync(base, None)  # asked for, or both tried where hpcml's FSDP accumulates
+    if base.recompute != RECOMPUTE[fw][0]:  # a group's head: the first mode (every layout below copies it)
+        base = base.unchecked(recompute=RECOMPUTE[fw][0])
     if sync == "step" and fw != "hpcml":
         raise ConfigError(f"grad_sync step with framework {fw}: without a pipeline only hpcml's trainer can be told "
                           f"to reduce once a step ({fw} reduces each micro-batch's; under a pipeline every framework "
@@ -125,8 +141,8 @@ def candidate_groups(base: PlanLayout, cfg: TransformerConfig, dev: Device, *, m
                                         continue  # (a pipeline reduces once a step)
                                     syncs = (None,) if zero < 2 or pp > 1 or lay.microbatches == 1 else \
                                         (sync,) if sync else (None, "step") if fw == "hpcml" else (None,)
-                                    for gs in syncs:
-                                        yield [_with_sync(at_zero.with_recompute(rc), gs) for rc in RECOMPUTE[fw]]
+                                    for gs in syncs:  # (the other modes made only where priced: :func:`modes`)
+                                        yield _with_sync(at_zero, gs)
 
 
 def _full_is_least(cfg: TransformerConfig, lay: PlanLayout) -> bool:
@@ -153,39 +169,85 @@ class SearchResult:
     """Of the layouts priced, those that fit."""
     refused: int
     unpriced: int = 0
-    """Layouts not priced: their :func:`~hpcml.plan.predict.step_floor` is slower than the best's."""
+    """Layouts not priced: their :func:`~hpcml.plan.floor.step_floor` is slower than the best's."""
 
 
 def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
-           cp_kinds: tuple[str, ...] | None = None) -> SearchResult:
+           cp_kinds: tuple[str, ...] | None = None, workers: int = 1) -> SearchResult:
     """The ``top`` fitting layouts by predicted tokens/s (ties: less memory first); a layout
     fits when its fullest rank needs at most ``1 - headroom`` of the device's memory.
     ``cp_kinds``: the context parallelism tried (None: ``base``'s; ``hpcml plan`` tries each its
     framework runs unless told ``--cp-kind``: a model with fewer key-value heads than a long
-    context needs cp ranks is refused Ulysses, not all-gathered keys and values)."""
+    context needs cp ranks is refused Ulysses, not all-gathered keys and values). ``workers``:
+    processes that price the layouts (``hpcml plan``: the cores it may use), each its share of
+    them in turn, where there are :data:`PARALLEL_MIN_GROUPS` groups or more -- the same best
+    layouts; ``fitting`` and ``unpriced`` count what each priced against its own fastest."""
     cfg, dev = load_model(base.model), resolve_device(base)
     c = calibration.constants(dev)
-    n = fitting = 0
     refused = [0]
-    scored: list[tuple[Prediction, int, int]] = []
-    kept: list[float] = []  # the 2 x top fastest steps so far, negated (a heap): a twin takes two places
     # the groups whose step can be shortest first (a group's floor is its first mode's, recompute none:
     # the others' recompute more), so the bar falls soon and the rest are never priced
-    groups = sorted((step_floor(cfg, dev, c, g[0]), k, g)
-                    for k, g in enumerate(candidate_groups(base, cfg, dev, refused=refused, cp_kinds=cp_kinds)))
-    unpriced = 0
-    for at, (floor, k, group) in enumerate(groups):
-        n += len(group)
+    groups = sorted((step_floor(cfg, dev, c, h), k, h)
+                    for k, h in enumerate(group_heads(base, cfg, dev, refused=refused, cp_kinds=cp_kinds)))
+    n = len(groups) * len(RECOMPUTE[base.framework])
+    parts = max(1, min(workers, len(groups) // PARALLEL_MIN_GROUPS))
+
+    def work(i: int) -> dict:  # the i-th share: groups i, i + parts, ... (each share's floors ascend)
+        return _price(groups[i::parts], cfg, dev, c, top, headroom)
+
+    shares = fork_map(work, parts) if parts > 1 else [work(0)]
+    shares = [s if s is not None else work(i) for i, s in enumerate(shares)]  # a failed child's share, here
+    at = {k: h for _, k, h in groups}
+    scored = [(evaluate(cfg, dev, c, modes(at[k])[i], time_if_oom=False, traffic=False), k, i)
+              for s in shares for k, i in s["best"]]
+    scored.sort(key=lambda e: (*_faster(e[0]), e[1], e[2]))  # ties in the order the candidates come
+    best: list[Prediction] = []
+    for p, _, _ in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same
+        if not any(_twin(p, q) for q in best):
+            best.append(replace(p, dp_bytes=dp_traffic(cfg, dev, p.layout)))
+            if len(best) == top:
+                break
+    return SearchResult(best, n + refused[0], sum(s["fitting"] for s in shares), refused[0],
+                        sum(s["unpriced"] for s in shares))
+
+
+PARALLEL_MIN_GROUPS = 2000
+"""Groups a share of a parallel search has at least: a fork and the reply cost ~10-30 ms, a group's
+pricing ~0.1 ms (the 16,384-GPU searches have 2,000-12,000 groups)."""
+
+
+def _price(groups: list[tuple[float, int, PlanLayout]], cfg: TransformerConfig, dev: Device, c,
+           top: int, headroom: float) -> dict:
+    """Price ``groups`` (their heads, ascending floors) until a floor is slower than the ``2 x top``-th fastest
+    fitting step: ``{"best": [[k, i], ...] (group k's layout i, the 2 x top fastest, fastest first),
+    "fitting": ..., "unpriced": ...}`` -- a dict of numbers, what a forked share sends back."""
+    fitting = unpriced = 0
+    scored: list[tuple[tuple, int, int]] = []
+    kept: list[float] = []  # the 2 x top fastest steps so far, negated (a heap): a twin takes two places
+    for at, (floor, k, head) in enumerate(groups):
         bar = -kept[0] if len(kept) == 2 * top else math.inf  # a layout no faster than it is not timed
         if floor > bar:  # nor is any after it (the floors ascend)
-            rest = sum(len(g) for _, _, g in groups[at:])
-            unpriced, n = unpriced + rest, n + rest - len(group)
+            unpriced += (len(groups) - at) * len(RECOMPUTE[head.framework])
             break
+        group = modes(head)
 
         def price(lay: PlanLayout) -> Prediction:
             return evaluate(cfg, dev, c, lay, time_if_oom=False, traffic=False)
-        # no faster than the best: not priced (a mode's floor: the group's, recomputing what it recomputes)
-        slow = [floor * (3 + full_share(lay.recompute, cfg.n_layers)) / 3 > bar for lay in group]
+        # no faster than the best: not priced -- a mode's floor with the traffic no step hides (~3x the sort's
+        # arithmetic, a tenth of a pricing); recompute none (the group's first) has the least of them:
+        # slower, so is every mode
+        slow = [bar < math.inf] * len(group)
+        least = None  # (the data-parallel term, the same in every mode: asked for where the rest is under the bar)
+        for i, lay in enumerate(group):
+            if slow[i] and step_floor(cfg, dev, c, lay, comm=True, least_dp=0.0) <= bar:
+                least = least_dp_s(cfg, dev, c, head) if least is None else least
+                slow[i] = step_floor(cfg, dev, c, lay, comm=True, least_dp=least) > bar
+            if i == 0 and slow[0]:
+                slow[1:] = [True] * (len(group) - 1)
+                break
+        if all(slow):
+            unpriced += len(group)
+            continue
         priced = {}
         if not slow[-1]:
             priced[len(group) - 1] = price(group[-1])  # full recompute first
@@ -195,6 +257,8 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
                 priced[0] = price(group[0])
                 if not _fits(priced[0], dev, headroom):
                     continue  # the selective modes keep more than full (each block's share, one block whole)
+        elif _full_is_least(cfg, group[-1]) and memory_gib(cfg, dev, c, group[-1]) > dev.memory_gib * (1 - headroom):
+            continue  # full, too slow to time, keeps the least memory: if it does not fit, no mode does
         unpriced += sum(slow)
         for i, lay in enumerate(group):
             if slow[i]:
@@ -202,18 +266,12 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
             p = priced[i] if i in priced else price(lay)
             if _fits(p, dev, headroom):
                 fitting += 1
-                scored.append((p, k, i))
+                scored.append(((*_faster(p), k, i), k, i))
                 heapq.heappush(kept, -p.step_s)
                 if len(kept) > 2 * top:
                     heapq.heappop(kept)
-    scored.sort(key=lambda e: (*_faster(e[0]), e[1], e[2]))  # ties in the order the candidates come
-    best: list[Prediction] = []
-    for p, _, _ in scored:  # a twin is listed once: the same layout but its ZeRO stage, priced the same
-        if not any(_twin(p, q) for q in best):
-            best.append(replace(p, dp_bytes=dp_traffic(cfg, dev, p.layout)))
-            if len(best) == top:
-                break
-    return SearchResult(best, n + refused[0], fitting, refused[0], unpriced)
+    return {"best": [[k, i] for _, k, i in heapq.nsmallest(2 * top, scored)], "fitting": fitting,
+            "unpriced": unpriced}
 
 
 def _twin(p: Prediction, q: Prediction) -> bool:

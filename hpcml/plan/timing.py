@@ -7,6 +7,7 @@ published measured runs (:mod:`hpcml.plan.calibration`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute, layer_kinds
@@ -15,71 +16,7 @@ from hpcml.plan.devices import Device
 from hpcml.plan.memory import fp32_grad_copy, saved_how, state_bytes, weight_bytes
 from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
-
-
-#: Memory outside every count that a layout without FSDP keeps (communicator buffers, library
-#: workspaces): the planner's default, not fitted -- no published table isolates it (unverified).
-BASE_RESERVED_GIB = 2.0
-
-
-def reserved_gib(c: Constants, zero: int) -> float:
-    """The memory outside every count of a layout at ZeRO stage ``zero`` (see ``Constants.reserved_gib``)."""
-    return c.reserved_gib if zero >= 2 else min(c.reserved_gib, BASE_RESERVED_GIB)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Constants:
-    """Fitted per device family (``calibration.json``)."""
-
-    gemm_eff: float = 0.75
-    """Share of peak the largest matmuls reach."""
-    m_half: float = 256.0
-    """Rows (tokens of a micro-batch on one rank) at which a matmul reaches half of ``gemm_eff``."""
-    n_half: float = 64.0
-    """Local width (hidden / tp) at which a matmul reaches half of ``gemm_eff``."""
-    elementwise_passes: float = 40.0
-    """Hidden-state-sized reads and writes per token of a block's forward outside the matmuls
-    (norms, activation, rotary, residuals, casts): memory-bound, at the device's bandwidth."""
-    fp8_eff: float = 1.0
-    """The FP8 matmuls' share of the FP8 peak relative to the bf16 matmuls' share of theirs
-    (``precision`` fp8: casts, scaling and smaller tiles keep FP8 GEMMs further from their peak)."""
-    attn_eff: float = 0.0
-    """Share of peak the fused attention kernel reaches on its scores and values (flash attention
-    does not run at GEMM efficiency, least so causal and at small head sizes); 0: the matmuls'."""
-    attn_eff_fused: float = 0.0
-    """The same for Megatron's attention (Transformer Engine's fused kernel: cuDNN's on Hopper, which
-    NVIDIA's recipes select), fitted after the others on the family's Megatron rows; 0: ``attn_eff``."""
-    softmax_passes: float = 6.0
-    """Reads and writes of each attention score per forward with eager (unfused) attention."""
-    comm_eff: float = 0.75
-    """Share of a link's bandwidth a ring collective moves (NCCL's bus bandwidth / link)."""
-    latency_s: float = 20e-6
-    """Per collective call."""
-    dp_overlap: float = 0.5
-    """Share of the compute that data-parallel traffic can hide behind (the last micro-batch's
-    backward for DDP buckets, each micro-batch for FSDP's prefetch; with ``overlap`` the schedule,
-    or under Megatron without a pipeline one micro-batch: its ``no_sync`` holds the others')."""
-    tp_overlap: float = 0.6
-    """Share of tensor-parallel traffic hidden behind the matmuls when the layout has ``overlap``."""
-    step_overhead_s: float = 0.0
-    """Per step, whatever the layout (launch, Python)."""
-    block_s: float = 0.0
-    """Fixed cost of one block's forward and backward per micro-batch beyond its arithmetic:
-    eager dispatch of its ops (measured on CPU; on GPUs hidden behind the kernels, 0)."""
-    tp_block_s: float = 0.0
-    """Fixed cost a tensor-parallel block adds per micro-batch (DTensor dispatch, collective calls)."""
-    sp_block_s: float = 0.0
-    """The same with sequence parallelism (more redistributions)."""
-    cp_block_s: float = 0.0
-    """Fixed cost Ulysses adds to a block per micro-batch."""
-    fsdp_unit_s: float = 0.0
-    """Fixed cost of one FSDP unit per micro-batch (gathers, copies in and out)."""
-    reserved_gib: float = BASE_RESERVED_GIB
-    """Memory outside every count under FSDP (zero 2 and 3): the runtime's and communicators' own,
-    and what the allocator keeps beyond what it hands out -- FSDP gathers and reduce-scatters each
-    unit into buffers on streams of their own, which it cannot reuse for anything else. Fitted on
-    the FSDP runs that publish their memory (torchtitan's). Other layouts, whose parameters and
-    gradients stay in place, keep at most :data:`BASE_RESERVED_GIB`."""
+from hpcml.plan.constants import Constants
 
 
 @dataclass(frozen=True)
@@ -117,9 +54,10 @@ def _ring(nbytes: float, n: int, bw: float, c: Constants, factor: float = 2.0) -
     return factor * (n - 1) / n * nbytes / (bw * c.comm_eff) + c.latency_s * (n - 1)
 
 
+@lru_cache(maxsize=65536)
 def layer_flops(cfg: TransformerConfig, layer: int, seq_len: int, tp: int) -> float:
     """Forward FLOPs per token of block ``layer`` on one tp rank: matmuls of the active
-    parameters and the causal attention scores and values."""
+    parameters and the causal attention scores and values (cached: a search asks ~60,000 times)."""
     hd, kv = cfg.head_dim, cfg.kv_heads
     attn = cfg.dim * hd * (2 * cfg.n_heads + 2 * kv)
     if cfg.is_moe(layer):
@@ -227,6 +165,69 @@ def _p2p(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, who
     return 2 * one * (2 if lay.framework == "deepspeed" else 1) + 2 * gather
 
 
+def comm_mb(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constants, tokens: float, stream_bytes: int,
+            blocks: float, full: float, ends: float, moe: float, moe_full: float, stages: float
+            ) -> tuple[float, float, float, float]:
+    """Seconds of one micro-batch's tensor-, context-, expert- and pipeline-parallel traffic on a
+    rank (``tokens`` its own): ``blocks`` blocks, ``full`` of them recomputed whole, ``ends`` of the
+    embedding and the output, ``moe`` MoE blocks (``moe_full`` recomputed whole), ``stages`` stages.
+    Exposed: only tp's share ``tp_overlap`` hides. The counts may be averages over the pipeline's
+    ranks (:func:`hpcml.plan.floor.step_floor`): every term is linear in them."""
+    act = 4 if lay.precision == "fp32" else 2
+    # tensor parallel: two all-reduces (or reduce-scatter + all-gather) per block in forward, two in
+    # backward, two more when the forward is recomputed
+    per = _ring(tokens * cfg.dim * act, lay.tp, _link(dev, lay.tp, 1), c)
+    tp_mb = per * (4 * blocks + 2 * full) * ((1 - c.tp_overlap) if lay.overlap else 1.0)
+    if lay.tp > 1:  # the embedding and the vocabulary-parallel loss count as one block more
+        tp_mb += (blocks + ends / 2) * (c.sp_block_s if lay.sequence_parallel else c.tp_block_s)
+    # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways (FPDT:
+    # the same bytes in two calls a chunk: q, k, v together, then the output)
+    cp_mb = 0.0
+    if lay.cp > 1:
+        a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
+        calls = 2 * lay.seq_len // (lay.cp * lay.fpdt_chunk) if lay.fpdt_chunk else 4
+        # (a recomputed forward repeats its forward all-to-alls, as it repeats tp's all-reduces)
+        if lay.cp_kind == "allgather":  # keys and values of the whole sequence gathered; backward reduce-scatters
+            a2a, calls = tokens * lay.cp * 2 * cfg.kv_heads * cfg.head_dim / lay.tp * act, 2
+        cp_mb = (blocks + full / 2) * (2 * ((lay.cp - 1) / lay.cp * a2a / (_link(dev, lay.cp, lay.tp) * c.comm_eff)
+                                            + calls * c.latency_s) + c.cp_block_s)
+    # experts: the dispatch and the combine all-to-all of every MoE block, both ways
+    ep_mb = 0.0
+    if lay.ep > 1 and moe:
+        routed = tokens * cfg.moe_top_k * cfg.dim * act
+        ep_mb = (4 * moe + 2 * moe_full) * ((lay.ep - 1) / lay.ep * routed / (_link(dev, lay.ep, lay.tp) * c.comm_eff)
+                                            + c.latency_s)
+    pp_mb = 0.0 if lay.pp == 1 else stages * _p2p(cfg, lay, dev, c, tokens * cfg.dim * stream_bytes)
+    return tp_mb, cp_mb, ep_mb, pp_mb
+
+
+def dp_comm(lay: PlanLayout, dev: Device, c: Constants, st: RankState) -> tuple[float, float]:
+    """(seconds of a step's data-parallel traffic on a rank holding ``st``, before any of it hides
+    and before hybrid or quantized sharding's share; of one gather of its parameters, 0 without FSDP)."""
+    ws = lay.dp * lay.cp
+    dp_bw = _link(dev, ws, lay.tp)
+    m = lay.microbatches
+    grad_full = (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.compute_params  # what the reduction sends
+    if lay.zero < 2:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce
+        # gradients (DeepSpeed's BF16_Optimizer all-reduces its whole fp32 copy at ZeRO-1 too)
+        whole = lay.zero == 0 or lay.framework == "deepspeed"
+        return _ring(grad_full, ws, dp_bw, c, 2.0 if whole else 1.0) \
+            + (_ring(state_bytes(lay, st)[0], ws, dp_bw, c, 1.0) if lay.zero == 1 else 0.0), 0.0
+    # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
+    gather = _ring(weight_bytes(lay) * st.compute_params, ws, dp_bw, c, 1.0)  # the stage's parameters, once
+    ag = gather * (2 if lay.zero == 3 else 1)
+    rs = _ring(grad_full, ws, dp_bw, c, 1.0)
+    # gradients reduce-scattered after each micro-batch (torch's default) or the last one only
+    # (``step_sync``). Under a pipeline the parameters a backward gathered serve the next forward
+    if lay.fsdp_piped:
+        return gather * (m + 1 if lay.zero == 3 else 1) + rs, gather
+    if lay.step_sync:
+        return m * ag + rs, gather
+    if lay.framework == "deepspeed" and lay.zero == 2:  # weights kept whole: gathered once, after the step
+        return m * rs + gather, gather
+    return m * (ag + rs), gather
+
+
 def _bf16_accumulate(lay: PlanLayout, st: RankState, dev: Device) -> float:
     """DeepSpeed's ``BF16_Optimizer`` (ZeRO 0-1, fp32 gradient accumulation) adds each micro-batch's
     bf16 gradients into its fp32 copy after that backward (``update_hp_grads``: a bf16 read, an fp32
@@ -308,34 +309,10 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     head_flops = 2 * cfg.dim * cfg.padded_vocab / lay.tp if n_stages - 1 in mine else 0.0
     flops_mb = 3 * tokens * (sum(n * layer_flops(cfg, i, lay.seq_len, lay.tp) for i, n in kinds.items()) + head_flops) \
         + _recompute_flops(cfg, lay, kinds, tokens)  # hardware FLOPs, recomputation included
-    # tensor parallel: two all-reduces (or reduce-scatter + all-gather) per block in forward, two in
-    # backward, two more when the forward is recomputed
-    tp_bw = _link(dev, lay.tp, 1)
-    per = _ring(tokens * cfg.dim * act, lay.tp, tp_bw, c)
-    tp_mb = per * (4 * len(layers) + 2 * full_layers) * ((1 - c.tp_overlap) if lay.overlap else 1.0)
-    if lay.tp > 1:  # the embedding and the vocabulary-parallel loss count as one block more
-        ends = (0 in mine) + (n_stages - 1 in mine)
-        tp_mb += (len(layers) + ends / 2) * (c.sp_block_s if lay.sequence_parallel else c.tp_block_s)
-    # Ulysses: all-to-all of q, k, v before and of the output after attention, both ways (FPDT:
-    # the same bytes in two calls a chunk: q, k, v together, then the output)
-    cp_bw = _link(dev, lay.cp, lay.tp)
-    a2a = tokens * (2 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) / lay.tp * act
-    calls = 2 * lay.seq_len // (lay.cp * lay.fpdt_chunk) if lay.fpdt_chunk else 4
-    # (a recomputed forward repeats its forward all-to-alls, as it repeats tp's all-reduces)
-    if lay.cp_kind == "allgather":  # keys and values of the whole sequence gathered; backward reduce-scatters them
-        a2a, calls = tokens * lay.cp * 2 * cfg.kv_heads * cfg.head_dim / lay.tp * act, 2
-    cp_mb = 0.0 if lay.cp == 1 else (len(layers) + full_layers / 2) * (
-        2 * ((lay.cp - 1) / lay.cp * a2a / (cp_bw * c.comm_eff) + calls * c.latency_s) + c.cp_block_s)
-    # experts: the dispatch and the combine all-to-all of every MoE block, both ways
-    moe_layers = sum(n for i, n in kinds.items() if cfg.is_moe(i))
-    ep_mb = 0.0
-    if lay.ep > 1 and moe_layers:
-        ep_bw = _link(dev, lay.ep, lay.tp)
-        routed = tokens * cfg.moe_top_k * cfg.dim * act
-        recomputed = sum(n for i, n in kinds.items() if cfg.is_moe(i) and block_recompute(lay.recompute, i) == "full")
-        ep_mb = (4 * moe_layers + 2 * recomputed) * ((lay.ep - 1) / lay.ep * routed / (ep_bw * c.comm_eff)
-                                                     + c.latency_s)
-    pp_mb = 0.0 if lay.pp == 1 else len(mine) * _p2p(cfg, lay, dev, c, tokens * cfg.dim * how.stream_bytes)
+    moe_blocks = sum(n for i, n in kinds.items() if cfg.is_moe(i))
+    moe_full = sum(n for i, n in kinds.items() if cfg.is_moe(i) and block_recompute(lay.recompute, i) == "full")
+    tp_mb, cp_mb, ep_mb, pp_mb = comm_mb(cfg, lay, dev, c, tokens, how.stream_bytes, len(layers), full_layers,
+                                         (0 in mine) + (n_stages - 1 in mine), moe_blocks, moe_full, len(mine))
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (lay.pp - 1) / lay.v * t_mb if lay.pp > 1 else 0.0
     pipe = m * t_mb + bubble
@@ -345,31 +322,15 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     p_bytes, g_bytes, _ = state_bytes(lay, st)
     grad_full = (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.compute_params  # what the reduction sends
     backward_mb = compute_mb * 2 / 3
+    comm, gather = dp_comm(lay, dev, c, st)
     if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
-        gather = _ring(weight_bytes(lay) * st.compute_params, ws, dp_bw, c, 1.0)  # the stage's parameters, once
-        ag = gather * (2 if lay.zero == 3 else 1)
-        rs = _ring(grad_full, ws, dp_bw, c, 1.0)
-        # gradients reduce-scattered after each micro-batch (torch's default) or the last one only
-        # (``step_sync``). Under a pipeline the parameters a backward gathered serve the next forward
-        if lay.fsdp_piped:
-            comm = gather * (m + 1 if lay.zero == 3 else 1) + rs
-        elif lay.step_sync:
-            comm = m * ag + rs
-        elif lay.framework == "deepspeed" and lay.zero == 2:  # weights kept whole: gathered once, after the step
-            comm = m * rs + gather
-        else:
-            comm = m * (ag + rs)
         if lay.dp_replicate > 1 or lay.hpz or lay.qwz or lay.qgz:  # their bytes, priced as FSDP's are
             comm *= _node_aware_share(cfg, lay, dev, pp_rank, dp_bw)
         # its fixed cost per unit and micro-batch is its gathers': ZeRO-3 gathers twice (forward and
         # backward), ZeRO-2 once; ``fsdp_unit_s`` is ZeRO-3's, as the probe and a calibration measure it
         dp = max(0.0, comm - c.dp_overlap * m * compute_mb) + gather / max(1, len(layers)) \
             + m * (len(layers) + 1) * c.fsdp_unit_s * (1.0 if lay.zero == 3 else 0.5)
-    else:  # zero 1: reduce-scatter gradients, all-gather updated parameters; zero 0: all-reduce gradients
-        # (DeepSpeed's BF16_Optimizer all-reduces its whole fp32 copy at ZeRO-1 too)
-        whole = lay.zero == 0 or lay.framework == "deepspeed"
-        comm = _ring(grad_full, ws, dp_bw, c, 2.0 if whole else 1.0) \
-            + (_ring(p_bytes, ws, dp_bw, c, 1.0) if lay.zero == 1 else 0.0)
+    else:
         # hpcml's DDP and DeepSpeed's BF16_Optimizer reduce after the last backward (DeepSpeed's
         # pipeline engine after its schedule): nothing hides them
         hide = m * compute_mb if lay.overlap else 0.0 if lay.framework in ("hpcml", "deepspeed") else backward_mb

@@ -224,7 +224,7 @@ def test_the_allocators_reserve_is_fsdps_only_under_fsdp():
     layout whose parameters and gradients stay in place keeps the planner's base, 2 GiB."""
     from hpcml.plan.calibration import constants
     from hpcml.plan.predict import resolve_device
-    from hpcml.plan.timing import BASE_RESERVED_GIB
+    from hpcml.plan.constants import BASE_RESERVED_GIB
 
     cfg = replace(load_model("llama3-8b"), n_layers=4)
     base = PlanLayout(model=cfg, gpus=16, gpu="h100-80gb", seq_len=4096, global_batch=16, framework="torchtitan")

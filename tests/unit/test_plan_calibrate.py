@@ -20,7 +20,7 @@ from hpcml.plan.calibrate import Measured, calibrate, read_runs
 from hpcml.plan.cpu import CpuFacts, cpu_device
 from hpcml.plan.predict import predict, predict_lines
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.timing import Constants
+from hpcml.plan.constants import Constants
 
 FACTS = CpuFacts(cores=2, flops_core=1.3e11, flops_all=2.4e11, m_half=8.0, copy_gbps=40.0, memory_gib=24.0,
                  elementwise_passes=250.0, elementwise_speedup=1.9)

@@ -160,7 +160,8 @@ def test_a_search_tries_both_syncs_for_hpcml_and_prunes_as_brute_force_would():
     best five as pricing every candidate, the fitting ones it did not count all among those it did
     not price, and the floor under every step."""
     from hpcml.plan import calibration
-    from hpcml.plan.predict import evaluate, load_model, resolve_device, step_floor
+    from hpcml.plan.floor import step_floor
+    from hpcml.plan.predict import evaluate, load_model, resolve_device
     from hpcml.plan.search import _faster, _fits, candidates, search
 
     for fw, gb in (("hpcml", 1024), ("torchtitan", 256), ("megatron", 256)):

@@ -88,7 +88,7 @@ def test_the_fit_keeps_the_lowest_regularised_objective_of_its_starts():
     distance from them, in units of each grid's span (``attn_eff`` free); a pair step moves to the
     grid points either side of a value, on the grid or not."""
     from hpcml.plan import fit as F
-    from hpcml.plan.timing import Constants
+    from hpcml.plan.constants import Constants
 
     d = Constants()
     assert F.penalty(d) == 0.0 and F.penalty(replace(d, attn_eff=0.5)) == 0.0

@@ -14,7 +14,8 @@ from hpcml.plan import PlanLayout, load_model, predict
 from hpcml.plan.fit import spearman
 from hpcml.plan.memory import memory
 from hpcml.plan.published import CALIBRATION, FOUNDRY, TABLES
-from hpcml.plan.timing import Constants, step_time
+from hpcml.plan.constants import Constants
+from hpcml.plan.timing import step_time
 
 
 def _score(name):
