@@ -13,10 +13,11 @@
    fit/OOM outcome agrees and the share predicted within 15% in tokens/s, and every error.
 3. A search of >= 10,000 layouts (llama3-70b on 1024 Frontier GCDs), timed as a user runs it:
    ``hpcml plan`` in a fresh process, imports included; and the issue-42 case, llama3-405b on
-   16,384 H100s at 8K tokens, for each framework's option set (bar: < 2 s wall).
+   16,384 H100s at 8K tokens, for each framework's option set (bar: < 2 s wall), and two
+   mixtures of experts (Mixtral-8x7B, GRIN-MoE) under torchtitan's options, the most layouts.
 
 Reproduce: ``python benchmarks/plan_validate.py --json`` (~25 minutes; ``--quick``: 8 layouts;
-``--search``: the searches alone, ~15 s; ``--calibrate``: ``hpcml plan calibrate`` on 5 measured
+``--search``: the searches alone, ~30 s; ``--calibrate``: ``hpcml plan calibrate`` on 5 measured
 layouts, checked on 10 others, ~12 minutes).
 """
 
@@ -294,7 +295,10 @@ SEARCHES = {"llama3-70b x 1024 frontier": ["--model", "llama3-70b", "--gpus", "1
             **{f"llama3-405b x 16384 h100, {fw}, batch {gb}": [
                 "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-80gb", "--seq-len", "8192",
                 "--global-batch", str(gb), "--framework", fw]
-               for fw in ("hpcml", "megatron", "torchtitan", "deepspeed") for gb in (2048, 16384)}}
+               for fw in ("hpcml", "megatron", "torchtitan", "deepspeed") for gb in (2048, 16384)},
+            **{f"{m} x 16384 h100, torchtitan, batch {gb}": [  # MoE: ep multiplies the layouts (to 416,220)
+                "--model", m, "--gpus", "16384", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch", str(gb),
+                "--framework", "torchtitan"] for m in ("mixtral-8x7b", "grin-moe") for gb in (2048, 16384)}}
 
 
 def search_speed(args: list[str] | None = None) -> dict:

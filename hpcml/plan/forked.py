@@ -36,14 +36,23 @@ def fork_safe() -> bool:
 def fork_map(work: Callable[[int], dict], n: int) -> list[dict | None]:
     """``[work(0), ..., work(n - 1)]``: ``work(0)`` here, the others in forked children that send
     back their JSON dict. A child that fails (an exception, a signal, a reply that does not parse)
-    gives None: the caller does that part itself. ``n`` 1, or forking unsafe: ``[work(0)]`` and
+    or that could not be forked (no process or descriptor left) gives None: the caller does that
+    part itself. ``n`` 1, or forking unsafe: ``[work(0)]`` and
     Nones, nothing forked."""
     if n <= 1 or not fork_safe():
         return [work(0), *([None] * (n - 1))]
     children: list[tuple[int, int]] = []
     for i in range(1, n):
-        r, w = os.pipe()
-        pid = os.fork()
+        try:
+            r, w = os.pipe()
+        except OSError:  # out of file descriptors: this share and the rest are the caller's
+            break
+        try:
+            pid = os.fork()
+        except OSError:  # out of processes or memory (a login node's limits): the caller's, as above
+            os.close(r)
+            os.close(w)
+            break
         if pid == 0:  # the child: its part, its reply, and out without the parent's exit handlers
             os.close(r)
             code = 1
@@ -63,7 +72,7 @@ def fork_map(work: Callable[[int], dict], n: int) -> list[dict | None]:
         for pid, r in children:  # nobody will read their replies
             _reap(pid, r, kill=True)
         raise
-    return [here, *(_reply(pid, r) for pid, r in children)]
+    return [here, *(_reply(pid, r) for pid, r in children), *([None] * (n - 1 - len(children)))]
 
 
 def _reply(pid: int, r: int) -> dict | None:

@@ -212,14 +212,14 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
 
 
 PARALLEL_MIN_GROUPS = 2000
-"""Groups a share of a parallel search has at least: a fork and the reply cost ~10-30 ms, a group's
-pricing ~0.1 ms (the 16,384-GPU searches have 2,000-12,000 groups)."""
+"""Groups a share of a parallel search has at least: a fork and the reply cost ~10-30 ms, a group
+~10-100 us (the 16,384-GPU searches have 2,000-12,000 groups of a dense model, up to 35,000 of MoE)."""
 
 
 def _price(groups: list[tuple[float, int, PlanLayout]], cfg: TransformerConfig, dev: Device, c,
            top: int, headroom: float) -> dict:
-    """Price ``groups`` (their heads, ascending floors) until a floor is slower than the ``2 x top``-th fastest
-    fitting step: ``{"best": [[k, i], ...] (group k's layout i, the 2 x top fastest, fastest first),
+    """Price ``groups`` (their heads, ascending floors) until a floor is slower than the ``2 x top``-th
+    fastest fitting step: ``{"best": [[k, i], ...] (group k's layout i, the 2 x top fastest, fastest first),
     "fitting": ..., "unpriced": ...}`` -- a dict of numbers, what a forked share sends back."""
     fitting = unpriced = 0
     scored: list[tuple[tuple, int, int]] = []

@@ -84,3 +84,17 @@ def test_a_share_whose_child_failed_is_priced_here(monkeypatch):
     lost = search(base, workers=2)
     assert [p.layout for p in lost.best] == [p.layout for p in one.best]
     assert lost.fitting >= one.fitting
+
+
+def test_a_fork_refused_by_the_system_leaves_the_share_to_the_caller(monkeypatch):
+    """A login node's process limit (``fork`` raises EAGAIN): no child, every share priced here."""
+    def refused():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(forked, "fork_safe", lambda: True)
+    monkeypatch.setattr(forked.os, "fork", refused)
+    assert forked.fork_map(lambda i: {"i": i}, 3) == [{"i": 0}, None, None]
+    base = PlanLayout(model="llama3-70b", gpus=512, gpu="h100-80gb", seq_len=8192, global_batch=512,
+                      degrees_checked=False)
+    one = search(base)
+    monkeypatch.setattr("hpcml.plan.search.PARALLEL_MIN_GROUPS", 10)
+    assert [p.layout for p in search(base, workers=2).best] == [p.layout for p in one.best]
