@@ -195,7 +195,7 @@ def search(base: PlanLayout, *, top: int = 5, headroom: float = 0.0,
     def work(i: int) -> dict:  # the i-th share: groups i, i + parts, ... (each share's floors ascend)
         return _price(groups[i::parts], cfg, dev, c, top, headroom)
 
-    shares = fork_map(work, parts) if parts > 1 else [work(0)]
+    shares = fork_map(work, parts)  # (one part: work(0) here, nothing forked)
     shares = [s if s is not None else work(i) for i, s in enumerate(shares)]  # a failed child's share, here
     at = {k: h for _, k, h in groups}
     scored = [(evaluate(cfg, dev, c, modes(at[k])[i], time_if_oom=False, traffic=False), k, i)

@@ -320,7 +320,6 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
     ws = lay.dp * lay.cp
     dp_bw = _link(dev, ws, lay.tp)
     p_bytes, g_bytes, _ = state_bytes(lay, st)
-    grad_full = (2.0 if lay.reduce_dtype == "bf16" else 4.0) * st.compute_params  # what the reduction sends
     backward_mb = compute_mb * 2 / 3
     comm, gather = dp_comm(lay, dev, c, st)
     if lay.zero >= 2:  # FSDP: gather parameters (forward, and backward again at ZeRO-3), reduce-scatter gradients
@@ -340,8 +339,9 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
             hide = compute_mb if lay.zero == 1 else backward_mb
         tail = 0.0
         if lay.framework == "megatron" and lay.overlap and st.compute_params > 0:  # buckets only when overlapped
-            tail = _megatron_tail(cfg, lay, pp_rank, stages[pp_rank], ws, dp_bw, c, grad_full / st.compute_params,
-                                  p_bytes / st.compute_params, shared=tied_copy)
+            tail = _megatron_tail(cfg, lay, pp_rank, stages[pp_rank], ws, dp_bw, c,
+                                  2.0 if lay.reduce_dtype == "bf16" else 4.0, p_bytes / st.compute_params,
+                                  shared=tied_copy)
         dp = tail + max(0.0, comm - tail - c.dp_overlap * hide)
     # the optimizer reads and writes parameters, master weights and moments, reads gradients
     opt_bytes = 2 * sum(state_bytes(lay, st)) + g_bytes
