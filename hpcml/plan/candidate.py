@@ -172,6 +172,9 @@ class PlanLayout:
     qgz: bool = False
     """ZeRO++'s qgZ (``zero`` 2 or 3): gradients reduce-scattered inside the node, int8 across."""
     quant_block: int = 256
+    compile: bool = False
+    """Each block compiled by ``torch.compile`` (torchtitan's ``training.compile``): its elementwise
+    work fused into fewer kernels (:attr:`~hpcml.plan.constants.Constants.compiled_passes`)."""
     overlap: bool = False
     """Communication overlapped by the framework beyond what its schedule does anyway: tensor-
     parallel traffic with the matmuls (async TP, userbuffers) and data-parallel gradients and
@@ -250,9 +253,13 @@ class PlanLayout:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if self.bias is not None and not isinstance(self.bias, bool):
             raise ConfigError(f"bias={self.bias!r}: expected true or false")
-        for name in ("sequence_parallel", "overlap", "fp8_params"):
+        for name in ("sequence_parallel", "overlap", "fp8_params", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
+        if self.compile and self.framework != "torchtitan":
+            raise ConfigError(f"compile with framework {self.framework}: torch.compile of each block is torchtitan's "
+                              f"(framework torchtitan); hpcml's trainer runs its blocks eager, Megatron and DeepSpeed "
+                              f"their own fused kernels -- drop compile")
         if (self.gpu is None) == (self.site is None):
             raise ConfigError(f"gpu={self.gpu!r}, site={self.site!r}: give exactly one of them")
         if self.fp8_params and (self.precision != "fp8" or self.framework != "megatron"):

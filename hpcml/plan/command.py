@@ -94,6 +94,8 @@ def add_parser(sub) -> None:
     p.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None, help="megatron: fp32 master weights "
                    "(default) or remainder (NeMo's Apex distributed Adam: 16-bit remainders of the bf16 weights; "
                    "zero 0-1, bf16 or fp8 matmuls, not with --fp8-params)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torchtitan: each block compiled by torch.compile (its elementwise work fused)")
     p.add_argument("--fp8-params", action=argparse.BooleanOptionalAction, default=None,
                    help="megatron, precision fp8: weights held in FP8 alone (Transformer Engine, NeMo's fp8_params)")
     p.add_argument("--layouts", metavar="FILE", help="JSON lines, one layout each ('-': standard input); the "
@@ -128,7 +130,7 @@ def _given(args: argparse.Namespace) -> dict:
                                        "micro_batch", "recompute", "sequence_parallel", "attention",
                                        "schedule", "precision", "framework", "fpdt_chunk", "activation", "norm",
                                        "bias", "positions", "loss", "cp_kind", "master_weights", "fp8_params",
-                                       "stages_per_rank", "pipeline_split", "grad_sync", "loss_chunk")}
+                                       "stages_per_rank", "pipeline_split", "grad_sync", "loss_chunk", "compile")}
     if args.fsdp:
         d["zero"] = 3
     return {k: v for k, v in d.items() if v is not None}

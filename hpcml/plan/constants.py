@@ -11,6 +11,11 @@ from dataclasses import dataclass
 BASE_RESERVED_GIB = 2.0
 
 
+def elementwise_passes(c: Constants, compiled: bool) -> float:
+    """A block's memory-bound passes per token, fewer where ``torch.compile`` fused them."""
+    return c.elementwise_passes * (c.compiled_passes if compiled else 1.0)
+
+
 def reserved_gib(c: Constants, zero: int) -> float:
     """The memory outside every count of a layout at ZeRO stage ``zero`` (see ``Constants.reserved_gib``)."""
     return c.reserved_gib if zero >= 2 else min(c.reserved_gib, BASE_RESERVED_GIB)
@@ -29,6 +34,11 @@ class Constants:
     elementwise_passes: float = 40.0
     """Hidden-state-sized reads and writes per token of a block's forward outside the matmuls
     (norms, activation, rotary, residuals, casts): memory-bound, at the device's bandwidth."""
+    compiled_passes: float = 0.5
+    """Share of ``elementwise_passes`` a block compiled by ``torch.compile`` still makes (``compile``:
+    inductor fuses the norms, the activation, the rotary embedding and the residual adds into fewer
+    kernels). Fitted on the runs that publish a block compiled and not (torchtitan's); 0.5, the
+    default, an estimate (unverified) where a family has none."""
     fp8_eff: float = 1.0
     """The FP8 matmuls' share of the FP8 peak relative to the bf16 matmuls' share of theirs
     (``precision`` fp8: casts, scaling and smaller tiles keep FP8 GEMMs further from their peak)."""

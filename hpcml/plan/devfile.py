@@ -32,6 +32,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: Constants a file may set, and their ranges (what a physical device can have).
 RANGES: dict[str, tuple[float, float]] = {
     "gemm_eff": (1e-3, 2.0), "fp8_eff": (1e-3, 2.0), "attn_eff": (0.0, 2.0), "attn_eff_fused": (0.0, 2.0),
+    "compiled_passes": (0.0, 1.0),
     "m_half": (0.0, 1e6),
     "n_half": (0.0, 1e6), "elementwise_passes": (0.0, 1e4),
     "softmax_passes": (0.0, 1e3), "comm_eff": (1e-3, 2.0), "latency_s": (0.0, 1.0), "dp_overlap": (0.0, 1.0),

@@ -31,7 +31,8 @@ GRID: dict[str, list[float]] = {
 #: Constants fitted after the others, each alone with the rest held: a kernel only some of the
 #: family's rows run (fitted jointly, Megatron's attention let the matmul constants move to where
 #: its rows wanted them: llm-foundry's held-out H100 section went from Spearman 0.72 to 0.35).
-STAGED: dict[str, list[float]] = {"attn_eff_fused": [0.0, *(x / 100 for x in range(8, 92, 2))]}
+STAGED: dict[str, list[float]] = {"attn_eff_fused": [0.0, *(x / 100 for x in range(8, 92, 2))],
+                                  "compiled_passes": [x / 20 for x in range(0, 21)]}
 
 
 #: How far from its default (its physical estimate, :class:`Constants`) each constant may move for
@@ -110,7 +111,7 @@ def choose_weight(families: dict[str, list[str]], weights=(0.0, 0.001, 0.003, 0.
                   ) -> list[tuple[float, float]]:
     """Each prior weight's error on fitted tables left out of their family's fit one at a time (the
     sum of their mean squared log errors), for choosing :data:`PRIOR_WEIGHT`. The joint fit alone:
-    the staged constants (``attn_eff_fused``) and a device's sustained share are not refitted per
+    the staged constants (``attn_eff_fused``, ``compiled_passes``) and a device's sustained share are not refitted per
     fold (the left-out tables' rows are priced without Megatron's own attention efficiency)."""
     from hpcml.plan.published import TABLES
 
@@ -218,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     "published tables named in fitted_on (hpcml/plan/data/published/, sources inside each file), "
                     "each family's squared log error plus prior_weight x the constants' squared distance from their "
                     "defaults (in units of their grids' spans), from several starts to convergence; "
-                    "the staged constants (attn_eff_fused) on those and staged_fitted_on; every other table is held "
-                    "out. reserved_gib (memory outside every count) is fitted on the "
+                    "the staged constants (attn_eff_fused, compiled_passes) on those and staged_fitted_on; every "
+                    "other table is held out. reserved_gib (memory outside every count) is fitted on the "
                     "rows of reserved_fitted_on that publish their memory; a family without such a table keeps "
                     "the default. devices: the share of its peak a power-capped part runs at, fitted on its own table "
                     "inside the range its source gives (nothing else is fitted there).", "families": {}, "devices": {},

@@ -9,7 +9,7 @@ from functools import lru_cache
 from hpcml.models.transformer.config import TransformerConfig
 from hpcml.models.transformer.footprint import block_recompute
 from hpcml.plan.candidate import PlanLayout
-from hpcml.plan.constants import Constants
+from hpcml.plan.constants import Constants, elementwise_passes
 from hpcml.plan.devices import Device
 from hpcml.plan.memory import saved_how
 from hpcml.plan.placement import moe_layers, rank_classes, rank_state
@@ -43,7 +43,7 @@ def step_floor(cfg: TransformerConfig, dev: Device, c: Constants, lay: PlanLayou
     a_eff = fused if flash and fused > 0 else eff
     dense = 2.0 if lay.cp > 1 and lay.cp_kind == "allgather" and lay.framework == "hpcml" else 1.0
     core = dense * tokens * 2 * lay.seq_len * cfg.n_heads * cfg.head_dim / lay.tp / (peak * a_eff)  # a block's
-    ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
+    ew = tokens * elementwise_passes(c, lay.compile) * cfg.dim * act / lay.tp / hbm
     sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if not flash else 0.0
     linear, linear_full, full = _linear_flops(cfg, lay.seq_len, lay.recompute)  # all blocks', those recomputed
     head = 2 * tokens * cfg.dim * cfg.padded_vocab / lay.tp / (peak * eff)

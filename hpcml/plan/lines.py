@@ -21,7 +21,8 @@ def shape_of(lay: dict) -> str:
 
 _SHOWN = (("grad_sync", (None, "microbatch")), ("precision", ("bf16",)),
           ("reduce_dtype", ("fp32",)), ("activation", (None,)), ("norm", (None,)), ("bias", (None,)),
-          ("positions", (None,)), ("loss", ("eager",)), ("attention", ("flash",)))
+          ("positions", (None,)), ("loss", ("eager",)), ("attention", ("flash",)),
+          ("compile", (False, None)))
 """A layout's options a line names where they are not the plain ones: two lines never read alike."""
 
 

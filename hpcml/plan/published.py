@@ -17,6 +17,7 @@ from hpcml.plan.calibration import published
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.cases import Case
 from hpcml.plan.published_nanotron import nanotron_h100
+from hpcml.plan.published_titan import torchtitan_h100, torchtitan_h100_4d, torchtitan_h100_compile
 from hpcml.plan.published_nemo import (nemo_gpt3_175b, nemo_grok1_314b, nemo_llama31_8b, nemo_llama31_70b,
                                        nemo_llama31_405b, nemo_nemotron4_15b, nemo_nemotron4_340b, nemotron4_15b)
 
@@ -121,22 +122,6 @@ def megatron_core_h100() -> list[Case]:
     return out
 
 
-def torchtitan_h100() -> list[Case]:
-    """torchtitan's bf16 runs without torch.compile on 96 GB, 500 W H100s (Dec 2024 Tables 1 and
-    3: Llama 3.1 8B, FSDP, selective recompute, seq 8192), with their memory."""
-    out = []
-    for row in published("torchtitan_h100_llama31_2024-12")["rows"]:
-        table, _model, gpus, _par, local, gbs, _seq, ac, prec, compiled, _label, tps, mem = row
-        if prec != "bf16" or compiled != "no":
-            continue
-        layout = PlanLayout(model="llama3-8b", gpus=gpus, gpu="h100-96gb-500w", seq_len=8192, global_batch=gbs,
-                            micro_batch=local, zero=3, recompute=_AC["selective op"] if ac == "selective" else ac,
-                            framework="torchtitan")
-        out.append(Case("torchtitan-h100-2024-12", f"{table} 8B FSDP {gpus}", layout, tokens_per_gpu=float(tps),
-                        memory_gib=float(mem)))
-    return out
-
-
 def llama3_405b(*, schedule: str = "interleaved1f1b", stages_per_rank: int | None = 8) -> list[Case]:
     """Llama 3 405B pre-training on 8,192 and 16,384 H100 80GB (TP 8, PP 16, CP 1 at 8K tokens and
     CP 16 at 128K; 16M tokens a step): 3-D parallelism at the scale the issue's hidden table has.
@@ -235,7 +220,9 @@ def llm_foundry(name: str) -> list[Case]:
 
 
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
-          "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100, "llama3-405b-h100": llama3_405b,
+          "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100,
+          "torchtitan-h100-compile": torchtitan_h100_compile, "torchtitan-h100-4d": torchtitan_h100_4d,
+          "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "mtnlg-530b-a100": mtnlg_530b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,
           "nemo-nemotron4-15b-h100": nemo_nemotron4_15b, "nemo-grok1-314b-h100": nemo_grok1_314b,
@@ -248,11 +235,13 @@ CALIBRATION = {"nvidia-a100": ["sc21-table1", "foundry-a100-80gb"],
                "nvidia-h100": ["megatron-core-h100", "foundry-h100", "foundry-h100-fp8"]}
 """The tables each device family's constants are fitted on; the others are held out."""
 
-STAGED_CALIBRATION = {"nvidia-h100": ["nemo-llama31-8b-h100"]}
+STAGED_CALIBRATION = {"nvidia-h100": ["nemo-llama31-8b-h100", "torchtitan-h100-compile"]}
 """Tables added to the family's for its staged constants alone (:data:`hpcml.plan.fit.STAGED`),
 each fitted with the others held: a table that isolates what the constant prices. NVIDIA's
 Llama 3.1 8B recipe runs cuDNN's attention (``NVTE_FUSED_ATTN=1``) at 8K tokens on TP 1, a
-seventh of its FLOPs -- the fitted Megatron-core table, at 4K on TP 1-8, names no kernel."""
+seventh of its FLOPs -- the fitted Megatron-core table, at 4K on TP 1-8, names no kernel.
+torchtitan's two Llama 3.1 8B runs compiled and not (Tables 1 and 3, bf16) isolate what
+``torch.compile`` saves (``compiled_passes``); their eager halves fit the part's sustained share."""
 
 DEVICE_CALIBRATION = {"h100-96gb-500w": ["torchtitan-h100"]}
 """The tables a device's ``sustained`` share of its peak is fitted on, inside the range its source

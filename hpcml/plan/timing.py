@@ -16,7 +16,7 @@ from hpcml.plan.devices import Device
 from hpcml.plan.memory import fp32_grad_copy, saved_how, state_bytes, weight_bytes
 from hpcml.plan.placement import RankState, moe_layers, rank_classes, rank_state, stage_layer_lists
 from hpcml.plan.candidate import MEGATRON_MODEL, PlanLayout
-from hpcml.plan.constants import Constants
+from hpcml.plan.constants import Constants, elementwise_passes
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def _rank_time(cfg: TransformerConfig, lay: PlanLayout, dev: Device, c: Constant
         dense = 2.0 if lay.cp > 1 and lay.cp_kind == "allgather" and lay.framework == "hpcml" else 1.0
         core_mm = dense * core_flops / (peak * a_eff)
         mm = (tokens * layer_flops(cfg, i, lay.seq_len, lay.tp) - core_flops) / (lin * eff) + core_mm
-        ew = tokens * c.elementwise_passes * cfg.dim * act / lay.tp / hbm
+        ew = tokens * elementwise_passes(c, lay.compile) * cfg.dim * act / lay.tp / hbm
         sm = tokens * c.softmax_passes * cfg.n_heads / lay.tp * lay.seq_len * act / hbm if lay.attention == "eager" \
             else 0.0
         core = core_mm + sm  # attention scores and values
