@@ -39,6 +39,19 @@ def constants(dev: Device) -> Constants:
     return replace(Constants(), **fam.get("constants", {}))
 
 
+def unfitted(dev: Device) -> str | None:
+    """A line saying that no measured run fitted ``dev``'s time constants (its family has no
+    published table in ``calibration.json`` and no device file of the user's), or None: its times
+    are the planner's defaults, estimates to say as such, not facts."""
+    from hpcml.plan.devfile import constants_of
+
+    if constants_of(dev.family) is not None or dev.family in _table().get("families", {}):
+        return None
+    return (f"{dev.name}: no measured run fits the {dev.family} family's time constants (no published table "
+            f"found; unverified defaults), so its step times and MFU are estimates: time a few steps on it and "
+            f"fit them with 'hpcml plan calibrate RUNS' (docs/plan.md)")
+
+
 def calibrated(dev: Device) -> Device:
     """``dev`` running at the share of its peak fitted for it, where its source gives a range only."""
     fit = _table().get("devices", {}).get(dev.name.split("@")[0])

@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         from hpcml.plan import devfile
 
         given["gpu"] = devfile.load(args.device_file).name
+    _note_unfitted(given)
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top}: expected at least 1")
     pop = _population(args, given)
@@ -207,6 +208,17 @@ def run(args: argparse.Namespace) -> int:
             else " (no micro-batch fits: shown at 1)")
         print(line(p) + note + (f"\n{population.line(priced)}" if priced else ""))
     return 0 if p.fits else 1
+
+
+def _note_unfitted(given: dict) -> None:
+    """One line on stderr when the device the options name has no fitted constants."""
+    from hpcml.plan import calibration
+    from hpcml.plan.devices import device, site_device
+
+    if "site" in given or given.get("gpu") in DEVICES:
+        note = calibration.unfitted(site_device(given["site"]) if "site" in given else device(given["gpu"]))
+        if note:
+            print(f"hpcml plan: note: {note}", file=sys.stderr)
 
 
 def _population(args: argparse.Namespace, given: dict):

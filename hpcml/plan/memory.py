@@ -17,19 +17,44 @@ from hpcml.plan.placement import (RankState, holder_parts, moe_layers, rank_clas
 
 
 def in_flight(lay: PlanLayout, pp_rank: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once, in units of its whole
-    share of layers (torch.distributed.pipelining's schedules: 1F1B warms up ``pp - rank``
-    forwards; interleaved 1F1B ``(v - 1) * mb_per_round + 2 * (pp - 1 - rank)`` stage forwards)."""
-    m = lay.microbatches
-    if lay.pp == 1:
-        return 1.0
-    if lay.schedule == "gpipe":
-        return float(m)
-    if lay.schedule == "1f1b":
-        return float(min(m, lay.pp - pp_rank))
-    rounds = max(1, m // lay.pp)
-    warmup = min((lay.v - 1) * (m // rounds) + 2 * (lay.pp - 1 - pp_rank), m * lay.v)
-    return min(warmup + 1, m * lay.v) / lay.v
+    """Micro-batches whose activations a pipeline rank holds at once at its peak, all its stages
+    together, in units of its whole share of layers (torch.distributed.pipelining's schedules: 1F1B
+    warms up ``pp - rank`` forwards; interleaved 1F1B ``(v - 1) * mb_per_round + 2 * (pp - 1 - rank)``
+    stage forwards, spread over its stages as :func:`held` counts them)."""
+    return max(sum(n) for n in held(lay.microbatches, lay.pp, lay.v, pp_rank, lay.schedule)) / lay.v
+
+
+@lru_cache(maxsize=4096)
+def held(m: int, pp: int, v: int, pp_rank: int, schedule: str) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches pipeline rank ``pp_rank`` holds on each of its ``v`` stages (its first
+    stage first) after each forward that may make its peak: the counts no other moment exceeds on
+    every stage. Interleaved 1F1B as torch's schedule (and Megatron's) orders it: a rank's forwards
+    go to its stages in rounds of ``m / rounds`` micro-batches, first stage first, and its backwards
+    in rounds from its last stage -- so the last rank, whose last stage holds the logits, keeps the
+    first stage's whole round and one micro-batch of the last before a backward frees one."""
+    if pp == 1:
+        return ((1,) * v,)
+    if schedule == "gpipe":
+        return ((m,) * v,)
+    if schedule == "1f1b" or v == 1:
+        return ((min(m, pp - pp_rank),) * v,)
+    per_round = m // max(1, m // pp)
+    total = m * v
+    warm = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    counts, after, b = [0] * v, [], 0
+    for f in range(total):
+        counts[(f // per_round) % v] += 1
+        after.append(tuple(counts))
+        if f >= warm:  # steady state: each forward past the warm-up, then a backward
+            counts[v - 1 - (b // per_round) % v] -= 1
+            b += 1
+    # a linear count of bytes peaks where the stages forwards and backwards go to change: keep those
+    ends = [p for i, p in enumerate(after) if i in (0, len(after) - 1) or _step(after, i) != _step(after, i + 1)]
+    return tuple(sorted({p for p in ends if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in ends)}))
+
+
+def _step(points: list[tuple[int, ...]], i: int) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(points[i], points[i - 1]))
 
 
 def node_ranks(lay: PlanLayout, gpus_per_node: int) -> int:
@@ -85,23 +110,24 @@ def _kept_whole(how: fp.Saved) -> fp.Saved:
 
 @lru_cache(maxsize=16384)
 def _rank_saved(cfg: TransformerConfig, how: fp.Saved, seq_len: int, n_stages: int, pp: int, pp_rank: int,
-                split: str, hpcml: bool) -> tuple[float, float, float, bool, float]:
-    """What a pipeline rank's stages keep whatever the micro-batch: (bytes per token of its blocks and
-    heads, bytes per micro-batch of hpcml's ALiBi mask, the last stage's constant, whether it holds an
-    MoE block, the bytes per token of its largest block kept whole) -- a search prices thousands of
-    layouts alike in these (cached)."""
+                split: str, hpcml: bool) -> tuple[tuple[float, ...], float, float, bool, float]:
+    """What a pipeline rank's stages keep whatever the micro-batch: (bytes per token of each of its
+    stages' blocks and heads, its first stage first; bytes per micro-batch of a stage's ALiBi mask
+    (hpcml's), the last stage's constant, whether it holds an MoE block, the bytes per token of its
+    largest block kept whole) -- a search prices thousands of layouts alike in these (cached)."""
     mine = range(pp_rank, n_stages, pp)
+    stages = stage_layer_lists(cfg.n_layers, n_stages, split)
+    per_stage = tuple(sum(n * fp.layer_saved(cfg, i, seq_len, how) for i, n in fp.layer_kinds(cfg, stages[s]).items())
+                      + fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1) for s in mine)
     kinds = fp.layer_kinds(cfg, _rank_layers(cfg.n_layers, n_stages, pp, pp_rank, split))  # alike once
-    per_token = sum(n * fp.layer_saved(cfg, i, seq_len, how) for i, n in kinds.items())
-    per_token += sum(fp.head_saved(cfg, how, first=s == 0, last=s == n_stages - 1) for s in mine)
     # hpcml's ALiBi mask, built by SDPA's caller (flash-attn's kernels take the slopes)
-    bias = len(mine) * fp.bias_saved(cfg, seq_len, how) if hpcml else 0.0
+    bias = fp.bias_saved(cfg, seq_len, how) if hpcml else 0.0
     const = fp.head_constant(cfg, how, last=n_stages - 1 in mine)
     whole = 0.0
     if how.recompute != "none":
         full = _kept_whole(how)
         whole = max((fp.layer_saved(cfg, i, seq_len, full) for i in kinds), default=0.0)
-    return per_token, bias, const, any(cfg.is_moe(i) for i in kinds), whole
+    return per_stage, bias, const, any(cfg.is_moe(i) for i in kinds), whole
 
 
 def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, state: RankState,
@@ -110,12 +136,17 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     (``how``: :func:`saved_how` of ``lay``, where the caller has it)."""
     n_stages = lay.pp * lay.v
     how = saved_how(lay) if how is None else how
-    flight = in_flight(lay, pp_rank)
     tokens = lay.micro_batch * lay.seq_len
-    per_token, bias, const, moe, whole = _rank_saved(cfg, how, lay.seq_len, n_stages, lay.pp, pp_rank, lay.split,
+    per_stage, bias, const, moe, whole = _rank_saved(cfg, how, lay.seq_len, n_stages, lay.pp, pp_rank, lay.split,
                                                      lay.framework == "hpcml")
     last = (n_stages - 1) % lay.pp == pp_rank
-    saved = (per_token * tokens + bias) * flight + const
+    mine = range(pp_rank, n_stages, lay.pp)
+    outs = _stage_output_bytes(cfg, lay, how, mine)
+    kept = [t * tokens + bias for t in per_stage]  # a micro-batch's bytes on each stage, saved and sent
+    peaks = held(lay.microbatches, lay.pp, lay.v, pp_rank, lay.schedule)
+    counts = peaks[0] if len(peaks) == 1 else max(peaks, key=lambda n: sum(k * (a + o) for k, a, o in
+                                                                           zip(n, kept, outs)))
+    saved = sum(k * a for k, a in zip(counts, kept)) + const
     if lay.framework == "hpcml" and lay.precision != "fp32" and not bf16_weights(lay):
         # autocast's bf16 weight copies, saved by the matmuls: cached once for the whole step (the
         # schedule runs inside one autocast region), whatever the micro-batches in flight
@@ -130,7 +161,7 @@ def activation_bytes(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, stat
     if lay.ep > 1 and moe:  # all-to-all send and receive buffers of one MoE block
         buffers += 2 * tokens / lay.cp * cfg.moe_top_k * cfg.dim * how.act_bytes
     buffers += tokens * whole
-    return saved, buffers + stage_outputs(cfg, lay, pp_rank, how, range(pp_rank, n_stages, lay.pp), flight)
+    return saved, buffers + sum(k * o for k, o in zip(counts, outs))
 
 
 def _never_cast(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> int:
@@ -150,19 +181,26 @@ def _never_cast(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int) -> int:
 
 def stage_outputs(cfg: TransformerConfig, lay: PlanLayout, pp_rank: int, how: fp.Saved, mine: Sequence[int],
                   flight: float | None = None) -> float:
-    """Bytes of the stage outputs a pipeline rank keeps while their micro-batches are in flight:
+    """Bytes of the stage outputs a pipeline rank keeps while their micro-batches are in flight
+    (``flight`` of each of the stages ``mine``; :func:`in_flight` where not given):
     ``torch.distributed.pipelining`` holds each forward's output until its backward (``fwd_cache``:
     hpcml's trainer, torchtitan) -- a block's output (sharded over tp under sequence parallelism),
     or on the last stage the logits the loss reads; Megatron and DeepSpeed free them once sent
     (Megatron's ``deallocate_pipeline_outputs``), as Llama 3's training did."""
+    flight = in_flight(lay, pp_rank) if flight is None else flight
+    return flight * sum(_stage_output_bytes(cfg, lay, how, mine))
+
+
+def _stage_output_bytes(cfg: TransformerConfig, lay: PlanLayout, how: fp.Saved, mine: Sequence[int]
+                        ) -> tuple[float, ...]:
+    """A micro-batch's output of each stage of ``mine`` that its framework keeps (:func:`stage_outputs`)."""
     if lay.pp == 1 or lay.framework not in ("hpcml", "torchtitan"):
-        return 0.0
+        return (0.0,) * len(mine)
     rows = lay.micro_batch * lay.seq_len / lay.cp
     last = lay.pp * lay.v - 1
     block = rows * cfg.dim * how.stream_bytes / (lay.tp if lay.sequence_parallel else 1)
     logits = rows * cfg.padded_vocab / lay.tp * how.act_bytes if how.loss != "fused" else 0.0  # (fused: kept)
-    flight = in_flight(lay, pp_rank) if flight is None else flight
-    return flight * sum(logits if s == last else block for s in mine)
+    return tuple(logits if s == last else block for s in mine)
 
 
 @dataclass(frozen=True)

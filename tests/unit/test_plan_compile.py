@@ -100,8 +100,9 @@ def test_the_compiled_pair_fits_compiled_passes_and_the_float8_table_is_held_out
 def test_torchtitan_4d_table_read_as_published_and_meets_the_bars():
     """Held out: 14 runs, every one predicted to fit; tokens/s median <= 10%, p90 <= 25%, Spearman
     of MFU >= 0.6; memory within 10% of the published peak on 13 rows. The interleaved 405B row is
-    +26% (the last rank's logits counted at the rank's average micro-batches in flight, where
-    torch's schedule holds one of its last stage): held to what it is, so that a change shows."""
+    +11% (+26% while its last rank's micro-batches in flight were counted at the rank's average over
+    its two stages, where torch's schedule holds one of the last, with the logits: ``held``): held to
+    what it is, so that a change shows."""
     cases = TABLES["torchtitan-h100-4d"]()
     assert len(cases) == 14 and {c.layout.gpu for c in cases} == {"h100-96gb-500w"}
     assert all(c.layout.compile and c.layout.precision == "fp8" for c in cases)
@@ -118,4 +119,59 @@ def test_torchtitan_4d_table_read_as_published_and_meets_the_bars():
     assert sc.fit_agrees == 1.0 and sc.median <= 0.10 and sc.p90 <= 0.25 and sc.spearman_mfu >= 0.6, sc.errors
     mem = {c.label: predict(c.layout).memory_gib["total"] / c.memory_gib - 1 for c in cases}
     off = {k: v for k, v in mem.items() if abs(v) > 0.10}
-    assert list(off) == [next(c.label for c in cases if c.layout is inter)] and 0.2 < off[list(off)[0]] < 0.3, mem
+    assert list(off) == [next(c.label for c in cases if c.layout is inter)] and 0.10 < off[list(off)[0]] < 0.12, mem
+
+
+@pytest.mark.parametrize("m,pp,v", [(8, 8, 2), (16, 4, 3), (32, 16, 8), (16, 16, 8), (12, 4, 2), (4, 4, 2), (48, 8, 4)])
+def test_interleaved_holdings_are_torchs_own_schedule(m, pp, v):
+    """``memory.held`` against the actions torch's ``ScheduleInterleaved1F1B`` orders on each rank:
+    for any bytes a stage's micro-batch keeps, the peak over torch's schedule is the peak over the
+    counts ``held`` keeps (the last rank holds one micro-batch of its last stage, not half its total)."""
+    import random
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from hpcml.plan.memory import held
+
+    sched = object.__new__(ScheduleInterleaved1F1B)  # its op order only: no stages, no process group
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, pp, m
+    sched.number_of_rounds = max(1, m // pp)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    rng = random.Random(m * 1000 + pp * 10 + v)
+    for rank in range(pp):
+        counts, seen = [0] * v, []
+        for a in sched._calculate_single_rank_operations(rank):
+            if a is None:
+                continue
+            j = a.stage_index // pp
+            if a.computation_type == _ComputationType.FORWARD:
+                counts[j] += 1
+                seen.append(tuple(counts))
+            else:
+                counts[j] -= 1
+        assert min(min(c) for c in seen) >= 0
+        peaks = held(m, pp, v, rank, "interleaved1f1b")
+        assert set(peaks) <= set(seen)  # every count it keeps happens
+        for _ in range(20):
+            w = [rng.choice((0.0, 1.0, rng.random(), 10 * rng.random())) for _ in range(v)]
+            assert max(sum(n * x for n, x in zip(p, w)) for p in peaks) == pytest.approx(
+                max(sum(n * x for n, x in zip(p, w)) for p in seen))
+    assert held(8, 8, 2, 7, "interleaved1f1b") == ((8, 1),)  # torchtitan's 405B row's last rank
+
+
+def test_a_device_no_measured_run_fits_is_said_to_be_estimated(capsys):
+    """MI250X (Frontier's GCD) has no published table fitted: its times are the planner's default
+    constants, and the command says so in one line on stderr (the answer stays on stdout)."""
+    from hpcml.cli import main as cli
+    from hpcml.plan.devices import device
+
+    assert calibration.unfitted(device("h100-80gb")) is None and calibration.unfitted(device("a100-40gb")) is None
+    note = calibration.unfitted(device("mi250x-gcd"))
+    assert "amd-mi250x" in note and "unverified" in note and "hpcml plan calibrate" in note
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--fsdp",
+            "--recompute", "full", "--json"]
+    assert cli([*args, "--gpu", "mi250x-gcd"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["fits"] and err.strip() == f"hpcml plan: note: {note}"
+    assert cli([*args, "--gpu", "h100-80gb"]) == 0
+    assert capsys.readouterr().err == ""
