@@ -25,11 +25,11 @@ for attempt in 1 2; do
         echo "mpi_tests.sh: a test hung at $n ranks (stacks above); retrying the launch once" >&2
         continue
     fi
-    # a rank killed by a signal inside a C library (seen once, 2026-12-02: SIGSEGV in torch's
-    # functional-collective wait on gloo, test_cp_allgather, not reproduced in 21 launches since):
-    # its stacks stay above for a diagnosis, the launch runs once more; a second crash fails
-    if [ "$attempt" -eq 1 ] && grep -q "Fatal Python error: Segmentation fault" "$err"; then
-        echo "mpi_tests.sh: a rank crashed (SIGSEGV) at $n ranks (stacks above); retrying the launch once" >&2
+    # a rank killed by a signal inside a C library (2026-12-02: SIGSEGV, 2026-12-03: SIGABRT, both in
+    # torch's functional collectives on gloo under cp all-gather, which no longer uses them; neither
+    # reproduced): its stacks stay above for a diagnosis, the launch runs once more; a second crash fails
+    if [ "$attempt" -eq 1 ] && grep -qE "Fatal Python error: (Segmentation fault|Aborted)" "$err"; then
+        echo "mpi_tests.sh: a rank crashed (SIGSEGV, SIGABRT) at $n ranks (stacks above); retrying the launch once" >&2
         continue
     fi
     exit "$rc"

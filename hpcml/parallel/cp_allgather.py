@@ -18,17 +18,36 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as funcol
 
 from hpcml.parallel.docmask import AttentionMask
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 in rank order; backward reduce-scatters the gradient. Plain
+    collectives, not torch's functional ones: on gloo those crashed a rank twice in CI-sized runs
+    (SIGSEGV in their wait, 2026-12-02; SIGABRT in their dispatch, 2026-12-03), never reproduced."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/P, H, D] of every rank -> [B, S, H, D], in rank order (differentiable: backward
     reduce-scatters the gradient, each rank keeping its slice's sum over the ranks' uses)."""
-    seq_first = x.transpose(0, 1).contiguous()  # torch gathers along dim 0 only
-    return funcol.all_gather_single_autograd(seq_first, gather_dim=0, group=group).transpose(0, 1)
+    seq_first = x.transpose(0, 1).contiguous()  # gathered along dim 0
+    return _GatherSeq.apply(seq_first, group).transpose(0, 1)
 
 
 @functools.lru_cache(maxsize=8)
