@@ -41,16 +41,19 @@ def held(m: int, pp: int, v: int, pp_rank: int, schedule: str) -> tuple[tuple[in
     per_round = m // max(1, m // pp)
     total = m * v
     warm = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    # past the warm-up the counts repeat every per_round * v forwards (each stage gains per_round
+    # forwards and loses per_round backwards a cycle): one cycle after it holds every count there is
     counts, after, b = [0] * v, [], 0
-    for f in range(total):
+    for f in range(min(total, warm + per_round * v + 1)):
         counts[(f // per_round) % v] += 1
         after.append(tuple(counts))
         if f >= warm:  # steady state: each forward past the warm-up, then a backward
             counts[v - 1 - (b // per_round) % v] -= 1
             b += 1
     # a linear count of bytes peaks where the stages forwards and backwards go to change: keep those
-    ends = [p for i, p in enumerate(after) if i in (0, len(after) - 1) or _step(after, i) != _step(after, i + 1)]
-    return tuple(sorted({p for p in ends if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in ends)}))
+    last = len(after) - 1
+    ends = {p for i, p in enumerate(after) if i in (0, last) or _step(after, i) != _step(after, i + 1)}
+    return tuple(sorted(p for p in ends if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in ends)))
 
 
 def _step(points: list[tuple[int, ...]], i: int) -> tuple[int, ...]:
