@@ -17,7 +17,8 @@ from hpcml.plan.calibration import published
 from hpcml.plan.candidate import PlanLayout
 from hpcml.plan.cases import Case
 from hpcml.plan.published_nanotron import nanotron_h100
-from hpcml.plan.published_titan import torchtitan_h100, torchtitan_h100_4d, torchtitan_h100_compile
+from hpcml.plan.published_titan import (torchtitan_h100, torchtitan_h100_4d, torchtitan_h100_async_tp,
+                                        torchtitan_h100_compile)
 from hpcml.plan.published_nemo import (nemo_gpt3_175b, nemo_grok1_314b, nemo_llama31_8b, nemo_llama31_70b,
                                        nemo_llama31_405b, nemo_nemotron4_15b, nemo_nemotron4_340b, nemotron4_15b)
 
@@ -222,6 +223,7 @@ def llm_foundry(name: str) -> list[Case]:
 TABLES = {"sc21-table1": sc21_table1, "korthikanti-table5": korthikanti_table5, "torchtitan-a100": torchtitan_a100,
           "megatron-core-h100": megatron_core_h100, "torchtitan-h100": torchtitan_h100,
           "torchtitan-h100-compile": torchtitan_h100_compile, "torchtitan-h100-4d": torchtitan_h100_4d,
+          "torchtitan-h100-async-tp": torchtitan_h100_async_tp,
           "llama3-405b-h100": llama3_405b,
           "bloom-176b-a100": bloom_176b, "mtnlg-530b-a100": mtnlg_530b, "nemo-llama31-405b-h100": nemo_llama31_405b,
           "nemo-nemotron4-340b-h100": nemo_nemotron4_340b, "nemo-llama31-70b-h100": nemo_llama31_70b,

@@ -175,3 +175,27 @@ def test_a_device_no_measured_run_fits_is_said_to_be_estimated(capsys):
     assert json.loads(out)["fits"] and err.strip() == f"hpcml plan: note: {note}"
     assert cli([*args, "--gpu", "h100-80gb"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_torchtitan_async_tp_table_held_out_and_what_it_shows():
+    """torchtitan's June 2025 async-TP pairs (held out; the rowwise Float8 rows left out, as its
+    source calls their baseline a defect): read as published, every run predicted to fit, ranked
+    right (Spearman of MFU >= 0.6), but not within the error bars -- held to what it is, so that a
+    change shows: vanilla TP predicted 5-21% fast, and async TP's gain over it larger than measured
+    on every pair (the Megatron-fitted ``tp_overlap`` hides 0.8 of the traffic; torch's async TP
+    gains 9-16%, about half that)."""
+    fitted = {t for ts in (*CALIBRATION.values(), *STAGED_CALIBRATION.values(), *DEVICE_CALIBRATION.values(),
+                           *MEMORY_CALIBRATION.values()) for t in ts}
+    assert "torchtitan-h100-async-tp" not in fitted
+    cases = TABLES["torchtitan-h100-async-tp"]()
+    assert [c.tokens_per_gpu for c in cases] == [597.3, 652.4, 809.8, 942.4, 4378, 4809.4, 5078.1, 5570.1]
+    assert [c.layout.overlap for c in cases] == [False, True] * 4
+    assert {(c.layout.tp, c.layout.dp, c.layout.compile, c.layout.sequence_parallel) for c in cases} == {
+        (8, 32, True, True), (8, 8, True, True)}
+    sc = score_table(cases)
+    assert sc.fit_agrees == 1.0 and sc.spearman_mfu >= 0.6, sc.errors
+    vanilla, asynchronous = sc.errors[::2], sc.errors[1::2]
+    assert all(0.05 < e < 0.21 for e in vanilla), vanilla
+    for v, a, (x, y) in zip(vanilla, asynchronous, zip(cases[::2], cases[1::2])):
+        measured = y.tokens_per_gpu / x.tokens_per_gpu
+        assert (1 + a) / (1 + v) * measured > measured + 0.05  # predicted gain above the measured one
