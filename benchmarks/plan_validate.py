@@ -267,7 +267,8 @@ def published_tables(as_framework: str | None = None) -> dict:
         return out
 
     fitted = {t: "family constants" for ts in CALIBRATION.values() for t in ts}
-    fitted |= {t: "the staged constants (attn_eff_fused)" for ts in STAGED_CALIBRATION.values() for t in ts}
+    fitted |= {t: "the staged constants (attn_eff_fused, compiled_passes)" for ts in STAGED_CALIBRATION.values()
+               for t in ts}
     fitted |= {t: f"{d}'s sustained share of its peak" for d, ts in DEVICE_CALIBRATION.items() for t in ts}
     out = {}
     for name, make in TABLES.items():
