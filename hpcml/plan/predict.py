@@ -198,11 +198,13 @@ class Prediction:
                     "stages_per_rank": self.layout.v}
         if self.layout.zero >= 2:
             lay["grad_sync"] = "step" if self.layout.step_sync else "microbatch"
+        timed = math.isfinite(self.step_s)  # (a refused layout, or one not timed, has no rate: null, not 0)
         r = {"layout": lay, "fits": self.fits,
              "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
-             "step_s": _sig(self.step_s) if math.isfinite(self.step_s) else None,
-             "tokens_per_s": _sig(self.tokens_per_s), "mfu": round(self.mfu, 4),
-             "hfu": round(self.hfu, 4), "why": self.why, "time_s": {k: _sig(v) for k, v in self.parts_s.items()}}
+             "step_s": _sig(self.step_s) if timed else None,
+             "tokens_per_s": _sig(self.tokens_per_s) if timed else None, "mfu": round(self.mfu, 4) if timed else None,
+             "hfu": round(self.hfu, 4) if timed else None, "why": self.why,
+             "time_s": {k: _sig(v) for k, v in self.parts_s.items()}}
         if self.dp_bytes:
             r["dp_bytes"] = {k: int(v) for k, v in self.dp_bytes.items()}
         return r

@@ -199,3 +199,16 @@ def test_torchtitan_async_tp_table_held_out_and_what_it_shows():
     for v, a, (x, y) in zip(vanilla, asynchronous, zip(cases[::2], cases[1::2])):
         measured = y.tokens_per_gpu / x.tokens_per_gpu
         assert (1 + a) / (1 + v) * measured > measured + 0.05  # predicted gain above the measured one
+
+
+def test_a_refused_layout_has_no_rate_in_json(capsys):
+    """A layout the model's plan refuses is not timed: its JSON gives null for the step, the rate and
+    the MFU (0.0 read as a measured-looking figure), and the command exits 1."""
+    from hpcml.cli import main as cli
+
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100-80gb", "--seq-len", "8192",
+                "--global-batch", "64", "--pp", "64", "--micro-batch", "1", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and "refuses" in out["why"]
+    assert (out["step_s"], out["tokens_per_s"], out["mfu"], out["hfu"], out["memory_gib"]) == (None, None, None,
+                                                                                                 None, {})
