@@ -33,13 +33,13 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 
